@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The README's test command: set up (idempotent), lint, then the whole test suite on CPU.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bash "$ROOT/scripts/setup.sh"
+VENV="${SUPERNEURONS_VENV:-$ROOT/.venv}"
+cd "$ROOT"
+"$VENV/bin/ruff" check src tests benchmarks examples
+"$VENV/bin/python" -m pytest "$@"

@@ -1,0 +1,30 @@
+"""superneurons: train networks that do not fit device memory, and train data-parallel over
+networks too slow for plain all-reduce.
+
+Two halves, one library:
+
+* memory (SuperNeurons, Wang et al., PPoPP'18): profile a step, plan keep/offload/recompute
+  under a byte budget, execute the plan in eager PyTorch;
+* communication (Wang et al., HPDC'20): FFT gradient sparsification with range-based floats
+  and the baselines it claims to beat, as DDP comm hooks.
+
+Importing this package touches no CUDA and starts nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from superneurons.bytesize import format_bytes, parse_bytes
+from superneurons.errors import ConfigError
+
+__version__ = "0.1.0"
+
+logging.getLogger("superneurons").addHandler(logging.NullHandler())
+
+__all__ = [
+    "ConfigError",
+    "__version__",
+    "format_bytes",
+    "parse_bytes",
+]

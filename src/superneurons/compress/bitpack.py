@@ -1,0 +1,83 @@
+"""Bit-packing of small unsigned integers into bytes, vectorised in torch.
+
+GRACE sends sign and ternary codes as whole bytes; we never do: ``pack_bits(codes, bits)``
+stores ``n`` codes of ``bits`` bits each in exactly ``packed_bytes(n, bits)`` bytes
+(little-endian bit order inside each byte, codes laid out consecutively).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from superneurons.errors import ConfigError
+
+__all__ = ["pack_bits", "packed_bytes", "unpack_bits"]
+
+
+def packed_bytes(count: int, bits: int) -> int:
+    """Bytes needed for ``count`` codes of ``bits`` bits each."""
+    _check_bits(bits)
+    return (count * bits + 7) // 8
+
+
+def _check_bits(bits: int) -> None:
+    if not 1 <= bits <= 16:
+        raise ConfigError(f"bit width must be in 1..16, got {bits}")
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack non-negative integer ``codes`` (each < 2**bits) into a 1-D uint8 tensor."""
+    _check_bits(bits)
+    codes = codes.reshape(-1)
+    count = codes.numel()
+    out_bytes = packed_bytes(count, bits)
+    if count == 0:
+        return torch.zeros(0, dtype=torch.uint8, device=codes.device)
+    if bits == 8:
+        return codes.to(torch.uint8).contiguous()
+    if bits == 16:
+        return codes.to(torch.int32).to(torch.int16).contiguous().view(torch.uint8)
+    if 8 % bits == 0:
+        # NOTE: fast path for 1/2/4 bits: per = codes per byte; OR the shifted codes together.
+        per = 8 // bits
+        padded = torch.zeros(out_bytes * per, dtype=torch.uint8, device=codes.device)
+        padded[:count] = codes.to(torch.uint8)
+        grid = padded.view(out_bytes, per)  # (bytes, per)
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)  # (per,)
+        return (grid << shifts).sum(dim=1, dtype=torch.int32).to(torch.uint8)
+    # Generic width: expand to a bit matrix, then fold 8 bits per byte.
+    bit_index = torch.arange(bits, dtype=torch.int32, device=codes.device)  # (bits,)
+    bit_matrix = (codes.to(torch.int32).unsqueeze(1) >> bit_index) & 1  # (count, bits)
+    flat = torch.zeros(out_bytes * 8, dtype=torch.uint8, device=codes.device)
+    flat[: count * bits] = bit_matrix.reshape(-1).to(torch.uint8)
+    weights = (1 << torch.arange(8, dtype=torch.int32, device=codes.device)).to(torch.int32)
+    return (flat.view(out_bytes, 8).to(torch.int32) * weights).sum(dim=1).to(torch.uint8)
+
+
+def unpack_bits(data: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: ``count`` codes as an int64 tensor."""
+    _check_bits(bits)
+    need = packed_bytes(count, bits)
+    if data.dtype != torch.uint8 or data.numel() < need:
+        raise ConfigError(
+            f"unpack_bits: need {need} uint8 bytes for {count} codes of {bits} bits, "
+            f"got {data.numel()} of {data.dtype}"
+        )
+    data = data[:need]
+    if count == 0:
+        return torch.zeros(0, dtype=torch.int64, device=data.device)
+    if bits == 8:
+        return data.to(torch.int64)
+    if bits == 16:
+        return data.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+    if 8 % bits == 0:
+        per = 8 // bits
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=data.device)  # (per,)
+        mask = (1 << bits) - 1
+        grid = (data.unsqueeze(1) >> shifts) & mask  # (bytes, per)
+        return grid.reshape(-1)[:count].to(torch.int64)
+    shifts8 = torch.arange(8, dtype=torch.uint8, device=data.device)
+    flat_bits = ((data.unsqueeze(1) >> shifts8) & 1).reshape(-1)[: count * bits]
+    bit_matrix = flat_bits.view(count, bits).to(torch.int64)  # (count, bits)
+    weights = 1 << torch.arange(bits, dtype=torch.int64, device=data.device)
+    return (bit_matrix * weights).sum(dim=1)
