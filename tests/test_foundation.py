@@ -15,8 +15,14 @@ from superneurons.compress.bitpack import pack_bits, packed_bytes, unpack_bits
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("12GiB", 12 * 1024**3), ("12g", 12 * 1024**3), ("1.5GB", 1_500_000_000), ("4096", 4096),
-     ("512 MiB", 512 * 1024**2), (77, 77)],
+    [
+        ("12GiB", 12 * 1024**3),
+        ("12g", 12 * 1024**3),
+        ("1.5GB", 1_500_000_000),
+        ("4096", 4096),
+        ("512 MiB", 512 * 1024**2),
+        (77, 77),
+    ],
 )
 def test_parse_bytes(text: str | int, expected: int) -> None:
     assert parse_bytes(text) == expected

@@ -74,6 +74,7 @@ def markdown_table(
     records: Sequence[Mapping[str, Any]], columns: Sequence[str], *, floatfmt: str = ".4g"
 ) -> str:
     """A GitHub-flavoured Markdown table of ``columns`` from ``records``."""
+
     def cell(value: Any) -> str:
         if isinstance(value, float):
             return format(value, floatfmt)
@@ -106,9 +107,7 @@ def pyplot() -> Any:
     except ImportError as exc:  # pragma: no cover - depends on the environment
         from superneurons.errors import ConfigError
 
-        raise ConfigError(
-            "plots need matplotlib: pip install 'superneurons[bench]'"
-        ) from exc
+        raise ConfigError("plots need matplotlib: pip install 'superneurons[bench]'") from exc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -43,7 +43,7 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
         padded = torch.zeros(out_bytes * per, dtype=torch.uint8, device=codes.device)
         padded[:count] = codes.to(torch.uint8)
         grid = padded.view(out_bytes, per)  # (bytes, per)
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)  # (per,)
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)  # (8 // bits,)
         return (grid << shifts).sum(dim=1, dtype=torch.int32).to(torch.uint8)
     # Generic width: expand to a bit matrix, then fold 8 bits per byte.
     bit_index = torch.arange(bits, dtype=torch.int32, device=codes.device)  # (bits,)
@@ -71,8 +71,7 @@ def unpack_bits(data: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     if bits == 16:
         return data.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
     if 8 % bits == 0:
-        per = 8 // bits
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=data.device)  # (per,)
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=data.device)  # (8 // bits,)
         mask = (1 << bits) - 1
         grid = (data.unsqueeze(1) >> shifts) & mask  # (bytes, per)
         return grid.reshape(-1)[:count].to(torch.int64)
