@@ -1,0 +1,196 @@
+"""A memory Plan: per unit keep / offload / recompute, with its predicted cost.
+
+A *unit* is a module (e.g. a residual block) whose saved activations are treated together
+(docs/CONTRACTS.md). ``keep`` leaves them on the device (eager PyTorch); ``offload`` sends every
+saved non-parameter tensor packed during the unit's forward to the host pool and prefetches it
+for backward (SuperNeurons' Unified Tensor Pool, Wang et al., PPoPP'18 §3.2); ``recompute`` runs
+the unit under non-reentrant checkpoint so only its inputs stay saved (cost-aware recomputation,
+ibid. §3.3; Chen et al. 2016).
+
+A Plan is frozen data with a ``version`` and a JSON round trip, so the runtime (another
+process, another machine) can execute a plan made here. :func:`make_plan` lives in
+:mod:`superneurons.memory.planner` and is re-exported here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from superneurons.errors import ConfigError
+
+__all__ = [
+    "ACTIONS",
+    "PLAN_VERSION",
+    "STRATEGIES",
+    "InfeasibleBudgetError",
+    "Plan",
+    "TensorDecision",
+    "UnitDecision",
+    "make_plan",
+]
+
+PLAN_VERSION = 1
+ACTIONS: tuple[str, ...] = ("keep", "offload", "recompute")
+STRATEGIES: tuple[str, ...] = (
+    "eager",
+    "checkpoint",
+    "recompute",
+    "offload",
+    "offload+opt-in-backward",
+    "auto",
+)
+
+
+class InfeasibleBudgetError(ConfigError):
+    """The budget is below the minimum any strategy reaches; the message names that minimum."""
+
+    def __init__(self, message: str, *, min_budget_bytes: int, strategy: str) -> None:
+        super().__init__(message)
+        self.min_budget_bytes = min_budget_bytes
+        self.strategy = strategy
+
+
+def _check_action(action: str, where: str) -> None:
+    if action not in ACTIONS:
+        raise ConfigError(f"{where}: action {action!r} is not one of {', '.join(ACTIONS)}")
+
+
+@dataclass(frozen=True)
+class UnitDecision:
+    """What to do with one unit's saved activations.
+
+    Attributes:
+        fqn: fully qualified module name of the unit (``model.get_submodule(fqn)``).
+        action: ``"keep"``, ``"offload"`` or ``"recompute"``.
+        saved_bytes: bytes of saved activations the unit holds under ``keep`` (storage-deduped).
+    """
+
+    fqn: str
+    action: str
+    saved_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        _check_action(self.action, f"unit {self.fqn!r}")
+        if self.saved_bytes < 0:
+            raise ConfigError(f"unit {self.fqn!r}: saved_bytes must be >= 0")
+
+
+@dataclass(frozen=True)
+class TensorDecision:
+    """The action a plan implies for one saved tensor of the profile.
+
+    Attributes:
+        key: the profile's stable key ``"<fqn>#<call>:<ordinal>"``.
+        unit: fqn of the unit it belongs to (``""``: outside every unit, always kept).
+        action: ``"keep"``, ``"offload"`` or ``"recompute"``.
+        nbytes: its storage bytes (0 if the storage was already counted for another key).
+    """
+
+    key: str
+    unit: str
+    action: str
+    nbytes: int = 0
+
+    def __post_init__(self) -> None:
+        _check_action(self.action, f"tensor {self.key!r}")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Per-unit decisions plus predictions. Build with ``make_plan``; execute with ``apply_plan``.
+
+    Attributes:
+        units: one decision per unit, in forward order.
+        strategy: the strategy that produced it (one of :data:`STRATEGIES`).
+        budget_bytes: the device byte budget it was made for.
+        optimizer_in_backward: step each parameter as soon as its gradient is accumulated and
+            free the gradient (``Tensor.register_post_accumulate_grad_hook``).
+        predicted_peak_bytes: predicted device peak of one training step under the plan.
+        min_budget_bytes: the smallest peak any strategy reaches for this profile.
+        host_bytes: predicted pinned host bytes for offloaded activations.
+        extra_compute_s: predicted recompute time per step.
+        transfer_s: predicted host<->device copy time per step (both directions).
+        feasible: ``predicted_peak_bytes <= budget_bytes``.
+        tensors: the implied action of every saved tensor.
+        version: format version of this record.
+    """
+
+    units: tuple[UnitDecision, ...]
+    strategy: str
+    budget_bytes: int
+    optimizer_in_backward: bool = False
+    predicted_peak_bytes: int = 0
+    min_budget_bytes: int = 0
+    host_bytes: int = 0
+    extra_compute_s: float = 0.0
+    transfer_s: float = 0.0
+    feasible: bool = True
+    tensors: tuple[TensorDecision, ...] = field(default=())
+    version: int = PLAN_VERSION
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(
+                f"unknown strategy {self.strategy!r}: use one of {', '.join(STRATEGIES)}"
+            )
+        if self.budget_bytes <= 0:
+            raise ConfigError(f"budget_bytes must be positive, got {self.budget_bytes}")
+        if self.version != PLAN_VERSION:
+            raise ConfigError(
+                f"plan version {self.version} is not supported (this build reads "
+                f"version {PLAN_VERSION}): re-create the plan with `superneurons plan`"
+            )
+        fqns = [u.fqn for u in self.units]
+        if len(set(fqns)) != len(fqns):
+            raise ConfigError("a plan lists each unit once; duplicate unit fqns found")
+
+    def action_of(self, fqn: str) -> str:
+        """The action for unit ``fqn`` (``"keep"`` for modules that are not units)."""
+        for unit in self.units:
+            if unit.fqn == fqn:
+                return unit.action
+        return "keep"
+
+    def count(self, action: str) -> int:
+        """How many units get ``action``."""
+        return sum(1 for u in self.units if u.action == action)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_dict(cls, body: dict[str, Any]) -> Plan:
+        try:
+            data = dict(body)
+            data["units"] = tuple(UnitDecision(**u) for u in data["units"])
+            data["tensors"] = tuple(TensorDecision(**t) for t in data.get("tensors", ()))
+            return cls(**data)
+        except (KeyError, TypeError) as exc:
+            raise ConfigError(
+                f"not a superneurons plan ({exc}): write one with Plan.to_json"
+            ) from exc
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        try:
+            body = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"plan JSON does not parse: {exc}") from exc
+        if not isinstance(body, dict):
+            raise ConfigError("plan JSON must be an object: write one with Plan.to_json")
+        return cls.from_dict(body)
+
+
+def make_plan(profile: Any, *, budget_bytes: int, strategy: str = "auto", **options: Any) -> Plan:
+    """Decide keep / offload / recompute per unit under ``budget_bytes`` (pure).
+
+    See :func:`superneurons.memory.planner.make_plan` for the options and the cost model.
+    """
+    from superneurons.memory.planner import make_plan as _make_plan
+
+    return _make_plan(profile, budget_bytes=budget_bytes, strategy=strategy, **options)
