@@ -1,0 +1,73 @@
+"""Scaled sign compression: one bit per element plus one fp32 scale.
+
+Bernstein et al., "signSGD: Compressed Optimisation for Non-Convex Problems", ICML 2018, and
+Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient Compression Schemes",
+ICML 2019 (EF-signSGD), whose scaled sign ``(||g||_1 / d) * sign(g)`` this is: the scale is the
+mean absolute value, so the decode has the input's L1 norm. Biased; pair with error feedback.
+
+Wire format::
+
+    1 float32 scale | numel sign bits, bit-packed (1 = negative; zero counts as positive)
+
+NaN/Inf policy (project-wide): ``encode`` never raises on values; if the input holds any
+non-finite value the scale is NaN and the payload decodes to all-NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from superneurons.compress.bitpack import pack_bits, packed_bytes, unpack_bits
+from superneurons.compress.codec import Payload, check_gradient, sum_of_decodes
+from superneurons.errors import ConfigError
+
+__all__ = ["SignSGDCodec"]
+
+
+@dataclass(frozen=True)
+class SignSGDCodec:
+    """``mean(|g|) * sign(g)``: 1 bit per element + 4 bytes."""
+
+    NAME: ClassVar[str] = "signsgd"
+
+    @property
+    def spec(self) -> str:
+        return self.NAME
+
+    @property
+    def summable(self) -> bool:
+        return False
+
+    def payload_bytes(self, numel: int) -> int:
+        if numel < 1:
+            raise ConfigError(f"signsgd: numel must be >= 1, got {numel}")
+        return 4 + packed_bytes(numel, 1)
+
+    def encode(self, grad: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
+        flat = check_gradient(grad, codec_name=self.NAME).to(torch.float32)
+        scale = flat.abs().mean()
+        all_finite = torch.isfinite(flat).all()
+        scale = torch.where(all_finite, scale, torch.full_like(scale, math.nan))
+        negative = (flat < 0).to(torch.int64)
+        data = torch.cat([scale.reshape(1).view(torch.uint8), pack_bits(negative, 1)])
+        return Payload(data, flat.numel())
+
+    def decode(self, payload: Payload) -> torch.Tensor:
+        numel = payload.numel
+        data = payload.data
+        if data.dtype != torch.uint8 or data.numel() != self.payload_bytes(numel):
+            raise ConfigError(
+                f"signsgd: payload for numel={numel} must be {self.payload_bytes(numel)} "
+                f"uint8 bytes, got {data.numel()} of {data.dtype}"
+            )
+        scale = data[:4].view(torch.float32)
+        negative = unpack_bits(data[4:], 1, numel).to(torch.float32)
+        return (1.0 - 2.0 * negative) * scale
+
+    def decode_sum(self, payloads: Sequence[Payload]) -> torch.Tensor:
+        return sum_of_decodes(self, payloads)

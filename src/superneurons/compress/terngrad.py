@@ -1,0 +1,113 @@
+"""TernGrad: ternary gradients {-1, 0, +1} times one shared scale, 2 bits per element.
+
+Wen et al., "TernGrad: Ternary Gradients to Reduce Communication in Distributed Deep
+Learning", NeurIPS 2017. The gradient is first clipped to ``[-c*sigma, c*sigma]`` (the paper's
+``c = 2.5``), then the scale ``s = max|clipped|`` is shared by all elements and element ``g``
+becomes ``s * sign(g) * b`` with ``b ~ Bernoulli(|g| / s)``: unbiased for the *clipped*
+gradient, with per-element values in ``{0, s * sign(g)}``.
+
+NOTE: sigma is the root-mean-square of the gradient (its standard deviation about zero). It
+equals the standard deviation for zero-mean gradients, as the paper assumes, and unlike the
+centred standard deviation it does not clip a constant gradient (or a single element) to zero.
+
+Wire format::
+
+    1 float32 scale | numel 2-bit codes, bit-packed (0 -> 0, 1 -> +1, 2 -> -1)
+
+Unlike GRACE, which sends each ternary code as a whole byte, the codes are bit-packed.
+
+NaN/Inf policy (project-wide): ``encode`` never raises on values; if the input holds any
+non-finite value the scale is NaN and the payload decodes to all-NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from superneurons.compress.bitpack import pack_bits, packed_bytes, unpack_bits
+from superneurons.compress.codec import Payload, check_gradient, sum_of_decodes
+from superneurons.errors import ConfigError
+
+__all__ = ["TernGradCodec"]
+
+_BITS = 2
+
+
+@dataclass(frozen=True)
+class TernGradCodec:
+    """Stochastic ternary codes with one shared fp32 scale; clipping at ``clip`` sigma.
+
+    Args:
+        clip: clipping threshold in units of the gradient's RMS (> 0; ``inf`` disables it).
+    """
+
+    clip: float = 2.5
+
+    NAME: ClassVar[str] = "terngrad"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.clip, bool) or not isinstance(self.clip, (int, float)):
+            raise ConfigError(f"terngrad: clip must be a float > 0, got {self.clip!r}")
+        if not float(self.clip) > 0.0:
+            raise ConfigError(
+                f"terngrad: clip is a multiple of sigma and must be > 0 (paper: 2.5; inf "
+                f"disables clipping), got {self.clip}"
+            )
+        object.__setattr__(self, "clip", float(self.clip))
+
+    @property
+    def spec(self) -> str:
+        return f"{self.NAME}:clip={self.clip!r}"
+
+    @property
+    def summable(self) -> bool:
+        return False
+
+    def payload_bytes(self, numel: int) -> int:
+        if numel < 1:
+            raise ConfigError(f"terngrad: numel must be >= 1, got {numel}")
+        return 4 + packed_bytes(numel, _BITS)
+
+    def clipped(self, grad: torch.Tensor) -> torch.Tensor:
+        """The clipped float32 gradient whose expectation the decode matches (flat)."""
+        flat = check_gradient(grad, codec_name=self.NAME).to(torch.float32)
+        rms = torch.linalg.vector_norm(flat) / math.sqrt(flat.numel())
+        bound = rms * self.clip if math.isfinite(self.clip) else torch.full_like(rms, math.inf)
+        return torch.minimum(torch.maximum(flat, -bound), bound)
+
+    def encode(self, grad: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
+        flat = check_gradient(grad, codec_name=self.NAME)
+        clipped = self.clipped(flat)
+        magnitude = clipped.abs()
+        scale = magnitude.max()
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        prob = (magnitude / safe).nan_to_num(0.0, 0.0, 0.0)
+        noise = torch.rand(prob.shape, generator=generator, device=prob.device)
+        keep = (noise < prob).to(torch.int64)
+        codes = keep * (1 + (clipped < 0).to(torch.int64))
+        all_finite = torch.isfinite(flat).all()
+        scale = torch.where(all_finite, scale, torch.full_like(scale, math.nan))
+        data = torch.cat([scale.reshape(1).view(torch.uint8), pack_bits(codes, _BITS)])
+        return Payload(data, flat.numel())
+
+    def decode(self, payload: Payload) -> torch.Tensor:
+        numel = payload.numel
+        data = payload.data
+        if data.dtype != torch.uint8 or data.numel() != self.payload_bytes(numel):
+            raise ConfigError(
+                f"terngrad: payload for numel={numel} must be {self.payload_bytes(numel)} "
+                f"uint8 bytes, got {data.numel()} of {data.dtype}"
+            )
+        scale = data[:4].view(torch.float32)
+        codes = unpack_bits(data[4:], _BITS, numel)
+        ternary = (codes == 1).to(torch.float32) - (codes == 2).to(torch.float32)
+        # NaN scale * 0 is NaN: non-finite payloads decode to all-NaN.
+        return ternary * scale
+
+    def decode_sum(self, payloads: Sequence[Payload]) -> torch.Tensor:
+        return sum_of_decodes(self, payloads)
