@@ -1,0 +1,248 @@
+"""Execute a memory :class:`~superneurons.memory.plan.Plan` in an ordinary eager training loop.
+
+``with apply_plan(model, plan): ...`` turns each unit of the plan into what its action says
+(docs/CONTRACTS.md): ``keep`` leaves it alone; ``recompute`` runs its forward under
+non-reentrant checkpoint with BatchNorm statistics updated once
+(:mod:`superneurons.memory.recompute`, SuperNeurons §3.3); ``offload`` packs its saved
+tensors into the Unified Tensor Pool (:mod:`superneurons.memory.pool`, §3.2), which brings
+them back one unit ahead of backward. With ``plan.optimizer_in_backward`` each parameter is
+stepped as soon as its gradient is accumulated and the gradient is freed at once
+(``Tensor.register_post_accumulate_grad_hook``).
+
+The runtime only replaces the ``forward`` attribute of the unit modules (instance attributes,
+so the FQNs, ``state_dict`` and module hooks are unchanged) and :meth:`PlanHandle.remove`
+restores them exactly.
+
+DDP: apply the plan to the inner module, before or after wrapping it (a
+``DistributedDataParallel`` is unwrapped here); non-reentrant checkpoint is DDP-safe. Do not
+combine ``optimizer_in_backward`` with DDP: gradients would be stepped before all-reduce.
+Autocast: checkpoint replays the autocast state; offloaded tensors keep their dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from superneurons.errors import ConfigError
+from superneurons.memory.plan import Plan
+from superneurons.memory.pool import PoolConfig, PoolStats, TensorPool
+from superneurons.memory.recompute import RecomputeStats, checkpointed_forward
+
+__all__ = ["PlanHandle", "apply_plan"]
+
+logger = logging.getLogger("superneurons.memory")
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+_MARK = "__superneurons_unit__"
+
+
+class PlanHandle:
+    """A plan applied to a model: a context manager whose exit (or :meth:`remove`) undoes it.
+
+    Attributes:
+        plan: the plan being executed.
+        pool: the tensor pool of the ``offload`` units.
+        recompute_stats: forward/recompute pass counts per ``recompute`` unit fqn.
+        optimizers: per-parameter optimizers when ``plan.optimizer_in_backward`` (fqn -> opt).
+    """
+
+    def __init__(self, model: nn.Module, plan: Plan, pool: TensorPool) -> None:
+        self.model = model
+        self.plan = plan
+        self.pool = pool
+        self.recompute_stats: dict[str, RecomputeStats] = {}
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self._restore: list[tuple[nn.Module, bool, Any]] = []
+        self._hooks: list[Any] = []
+        self._removed = False
+
+    def _wrap(self, module: nn.Module, forward: Callable[..., Any]) -> None:
+        had_own = "forward" in module.__dict__
+        self._restore.append((module, had_own, module.__dict__.get("forward")))
+        setattr(forward, _MARK, True)
+        module.forward = forward  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        """Restore every wrapped module and drop every hook (idempotent)."""
+        if self._removed:
+            return
+        for module, had_own, original in reversed(self._restore):
+            if had_own:
+                module.forward = original  # type: ignore[method-assign]
+            else:
+                del module.forward
+        for hook in self._hooks:
+            hook.remove()
+        self._restore.clear()
+        self._hooks.clear()
+        self._removed = True
+
+    def stats(self) -> dict[str, Any]:
+        """Pool accounting plus recompute counts: a JSON-friendly snapshot."""
+        pool: PoolStats = self.pool.stats()
+        return {
+            "pool": pool.__dict__.copy(),
+            "recompute": {k: v.state_dict() for k, v in self.recompute_stats.items()},
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "pool": self.pool.state_dict(),
+            "recompute": {k: v.state_dict() for k, v in self.recompute_stats.items()},
+            "optimizers": {k: v.state_dict() for k, v in self.optimizers.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pool.load_state_dict(state["pool"])
+        for fqn, counts in state["recompute"].items():
+            self.recompute_stats[fqn].load_state_dict(counts)
+        for fqn, opt_state in state.get("optimizers", {}).items():
+            self.optimizers[fqn].load_state_dict(opt_state)
+
+    def __enter__(self) -> PlanHandle:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.remove()
+
+
+def apply_plan(
+    model: nn.Module,
+    plan: Plan,
+    *,
+    device: torch.device | str | None = None,
+    pool_config: PoolConfig | None = None,
+    optimizer_factory: OptimizerFactory | None = None,
+) -> PlanHandle:
+    """Execute ``plan`` on ``model`` until the returned handle is removed.
+
+    Args:
+        model: any ``nn.Module`` (a DDP wrapper is unwrapped); unit fqns are relative to it.
+        plan: per-unit actions (``make_plan`` or hand-made).
+        device: where activations live (default: the device of the first parameter).
+        pool_config: tensor-pool options; by default its slab is preallocated with
+            ``plan.host_bytes``.
+        optimizer_factory: builds one optimizer for a list of parameters; required when
+            ``plan.optimizer_in_backward`` (then call no ``optimizer.step()`` yourself).
+
+    Raises:
+        ConfigError: a unit fqn is not a submodule, non-keep units are nested, the model
+            already runs a plan, or ``optimizer_in_backward`` lacks ``optimizer_factory``.
+    """
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        model = model.module
+    if device is None:
+        first = next(model.parameters(), None)
+        device = first.device if first is not None else torch.device("cpu")
+    device = torch.device(device)
+    config = pool_config or PoolConfig(host_bytes=plan.host_bytes)
+
+    units = _resolve_units(model, plan)
+    if any(getattr(m.forward, _MARK, False) for _, _, m in units):
+        raise ConfigError("this model already runs a plan: remove() the first handle")
+
+    def model_state() -> Iterable[torch.Tensor]:
+        yield from model.parameters()
+        yield from model.buffers()
+
+    pool = TensorPool(config, device=device, excluded=model_state)
+    handle = PlanHandle(model, plan, pool)
+    try:
+        for fqn, action, module in units:
+            if action == "recompute":
+                stats = handle.recompute_stats.setdefault(fqn, RecomputeStats())
+                handle._wrap(module, checkpointed_forward(module, module.forward, stats))
+            elif action == "offload":
+                handle._wrap(module, _offloaded_forward(pool, module.forward))
+        if plan.optimizer_in_backward:
+            _optimizer_in_backward(handle, model, optimizer_factory)
+    except BaseException:
+        handle.remove()
+        raise
+    logger.info(
+        "plan applied: %d keep, %d offload, %d recompute units, optimizer_in_backward=%s",
+        plan.count("keep"),
+        plan.count("offload"),
+        plan.count("recompute"),
+        plan.optimizer_in_backward,
+    )
+    return handle
+
+
+def _resolve_units(model: nn.Module, plan: Plan) -> list[tuple[str, str, nn.Module]]:
+    units: list[tuple[str, str, nn.Module]] = []
+    for unit in plan.units:
+        try:
+            module = model.get_submodule(unit.fqn)
+        except AttributeError as exc:
+            raise ConfigError(
+                f"plan unit {unit.fqn!r} is not a submodule of {type(model).__name__}: "
+                "the plan was made for another model; re-profile and re-plan this one"
+            ) from exc
+        if unit.action != "keep":
+            units.append((unit.fqn, unit.action, module))
+    active = [fqn for fqn, _, _ in units]
+    for outer in active:
+        for inner in active:
+            if inner != outer and (outer == "" or inner.startswith(outer + ".")):
+                raise ConfigError(
+                    f"plan units {outer!r} and {inner!r} are nested: give the inner one 'keep'"
+                )
+    return units
+
+
+def _offloaded_forward(pool: TensorPool, forward: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``forward`` with its saved tensors packed into ``pool``; arm the prefetch."""
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        with pool.offloading() as group:
+            out = forward(*args, **kwargs)
+        # When backward reaches this unit's outputs, bring this unit's tensors and the
+        # previous unit's back (autograd-node pre-hook: no module backward hooks, which break
+        # in-place ops on the outputs).
+        nodes = {
+            t.grad_fn
+            for t in tree_flatten(out)[0]
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None
+        }
+        for node in nodes:
+            node.register_prehook(lambda _grads, g=group: pool.backward_entered(g))
+        return out
+
+    return wrapped
+
+
+def _optimizer_in_backward(
+    handle: PlanHandle, model: nn.Module, factory: OptimizerFactory | None
+) -> None:
+    """Step each parameter as soon as its gradient is accumulated, then free the gradient."""
+    if factory is None:
+        raise ConfigError(
+            "plan.optimizer_in_backward needs optimizer_factory=, e.g. "
+            "lambda params: torch.optim.SGD(params, lr=0.1)"
+        )
+    for fqn, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        optimizer = factory([param])
+        handle.optimizers[fqn] = optimizer
+
+        def step(p: torch.Tensor, opt: torch.optim.Optimizer = optimizer) -> None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        handle._hooks.append(param.register_post_accumulate_grad_hook(step))
