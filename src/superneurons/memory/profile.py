@@ -1,0 +1,312 @@
+"""Profile one training step: every saved activation, its liveness, and the memory timeline.
+
+:func:`profile_step` runs forward, backward and the optimizer step of any ``nn.Module`` on a
+copy of the model and optimizer (so the caller's state is untouched) with three observers:
+
+* :class:`~superneurons.memory.tracker.LiveStorageTracker` counts live storages op by op (the
+  *events* of the execution route) and gives each storage its birth and death event;
+* ``torch.autograd.graph.saved_tensors_hooks`` see every tensor autograd saves: its key
+  (innermost module fqn, call index, ordinal), size, pack event and last unpack event;
+* module pre/post hooks give each *unit* (a module whose saved tensors a plan treats together)
+  its forward window, first backward use, forward FLOPs (``torch.utils.flop_counter``'s formulas)
+  and bytes written.
+
+This is SuperNeurons' liveness analysis over the execution route (Wang et al., PPoPP'18 §3.1),
+measured rather than derived from a static graph, so branches, shared modules, in-place ops,
+dropout and BatchNorm need no special cases. With ``fake=True`` the step runs under
+``FakeTensorMode`` on fake *cpu* tensors: byte sizes are exact, nothing is allocated (fake cuda
+convolutions abort on a CPU build, and bytes are device independent).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import flop_registry
+
+from superneurons.errors import ConfigError
+from superneurons.memory.profile_types import (
+    CATEGORIES,
+    Profile,
+    SavedTensor,
+    UnitProfile,
+    default_units,
+)
+from superneurons.memory.tracker import LiveStorageTracker
+
+__all__ = ["CATEGORIES", "Profile", "SavedTensor", "UnitProfile", "profile_step"]
+
+logger = logging.getLogger("superneurons.memory")
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class _Recorder:
+    """Mutable bookkeeping of one profiled step (module stack, saved tensors, unit windows)."""
+
+    def __init__(self, tracker: LiveStorageTracker, units: set[str]) -> None:
+        self.tracker = tracker
+        self.units = units
+        self.stack: list[tuple[str, int]] = []  # (fqn, call index)
+        self.calls: dict[str, int] = {}
+        self.ordinals: dict[tuple[str, int], int] = {}
+        self.param_storages: set[int] = set()
+        self.saved: list[dict[str, Any]] = []
+        self.first_key_of_storage: dict[int, str] = {}
+        self.unit_rows: dict[str, dict[str, Any]] = {}
+        self.op_of_storage: dict[int, str] = {}
+        self.phase = "forward"
+
+    # module hooks --------------------------------------------------------------------------
+    def pre(self, fqn: str) -> None:
+        call = self.calls.get(fqn, 0)
+        self.calls[fqn] = call + 1
+        self.stack.append((fqn, call))
+        if fqn in self.units:
+            row = self.unit_rows.setdefault(
+                fqn,
+                dict(
+                    fwd_start=self.tracker.event + 1,
+                    fwd_end=-1,
+                    bwd_start=-1,
+                    flops=0,
+                    written=0,
+                    live_at_start=self.tracker.live_bytes,
+                    temp_peak=0,
+                    time_s=0.0,
+                    t0=0.0,
+                ),
+            )
+            row["t0"] = time.perf_counter()
+
+    def post(self, fqn: str) -> None:
+        if self.stack and self.stack[-1][0] == fqn:
+            self.stack.pop()
+        if fqn in self.units:
+            row = self.unit_rows[fqn]
+            row["fwd_end"] = self.tracker.event
+            row["time_s"] += time.perf_counter() - row["t0"]
+
+    def current_unit(self) -> str:
+        for fqn, _ in reversed(self.stack):
+            if fqn in self.units:
+                return fqn
+        return ""
+
+    # dispatch callback ---------------------------------------------------------------------
+    def on_op(self, event: int, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        name = str(func.overloadpacket.__name__)
+        for leaf in tree_flatten(out)[0]:
+            if isinstance(leaf, torch.Tensor):
+                sid = self.tracker.serial_of(leaf)
+                if sid is not None:
+                    self.op_of_storage.setdefault(sid, name)
+        if self.phase != "forward" or not self.stack:
+            return
+        unit = self.current_unit()
+        if not unit:
+            return
+        row = self.unit_rows[unit]
+        packet = func.overloadpacket
+        if packet in flop_registry:
+            row["flops"] += int(flop_registry[packet](*args, **(kwargs or {}), out_val=out))
+        row["written"] += sum(
+            t.numel() * t.element_size()
+            for t in tree_flatten(out)[0]
+            if isinstance(t, torch.Tensor)
+        )
+        row["temp_peak"] = max(row["temp_peak"], self.tracker.live_bytes - row["live_at_start"])
+
+    # saved-tensor hooks --------------------------------------------------------------------
+    def pack(self, tensor: torch.Tensor) -> Any:
+        sid = self.tracker.serial_of(tensor)
+        if sid is None or sid in self.param_storages or self.phase != "forward":
+            return (None, tensor)
+        fqn, call = self.stack[-1] if self.stack else ("", 0)
+        ordinal = self.ordinals.get((fqn, call), 0)
+        self.ordinals[(fqn, call)] = ordinal + 1
+        key = f"{fqn}#{call}:{ordinal}"
+        first = sid not in self.first_key_of_storage
+        if first:
+            self.first_key_of_storage[sid] = key
+        index = len(self.saved)
+        self.saved.append(
+            dict(
+                key=key,
+                module=fqn,
+                sid=sid,
+                first=first,
+                unit=self.current_unit(),
+                pack_event=self.tracker.event,
+                last_use=-1,
+                nbytes=int(tensor.untyped_storage().nbytes()),
+            )
+        )
+        return (index, tensor)
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        index, tensor = packed
+        if index is not None:
+            row = self.saved[index]
+            row["last_use"] = max(row["last_use"], self.tracker.event)
+            unit = row["unit"]
+            if unit and self.unit_rows[unit]["bwd_start"] < 0:
+                self.unit_rows[unit]["bwd_start"] = self.tracker.event
+        return tensor
+
+
+def profile_step(
+    model: nn.Module,
+    inputs: Any,
+    targets: Any,
+    loss_fn: LossFn,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    fake: bool = False,
+    units: Sequence[str] | None = None,
+    fake_mode: Any = None,
+) -> Profile:
+    """Profile one training step (forward, ``loss_fn(output, targets)``, backward, optimizer step).
+
+    The step runs on a deep copy of ``(model, optimizer)`` (fake copies when ``fake=True``), with
+    gradients reset to ``None`` first (``zero_grad(set_to_none=True)`` semantics), so the caller's
+    parameters, gradients and optimizer state are unchanged. A real profile therefore needs room
+    for a second copy of the model; use ``fake=True`` for large models.
+
+    Args:
+        units: fqns of the modules a plan decides for; default :func:`default_units` (the
+            non-container children of ``nn.Sequential``/``nn.ModuleList`` containers, e.g.
+            residual blocks and transformer blocks).
+        fake_mode: an existing ``FakeTensorMode`` when model and inputs are already fake.
+
+    Raises:
+        ConfigError: the step fails under fake tensors (data-dependent ops such as ``nonzero`` or
+            ``.item()``); profile with real tensors (``fake=False``).
+    """
+    from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
+
+    unit_fqns = set(default_units(model) if units is None else units)
+    names = dict(model.named_modules())
+    missing = sorted(unit_fqns - set(names))
+    if missing:
+        raise ConfigError(
+            f"units {missing} are not submodules of the model: use fqns from named_modules()"
+        )
+    mode = fake_mode
+    already_fake = _is_fake(next(iter(model.parameters()), None))
+    if fake and mode is None and not already_fake:
+        mode = FakeTensorMode(allow_non_fake_inputs=False)
+    if already_fake and mode is None:
+        raise ConfigError("the model's parameters are fake: pass the FakeTensorMode as fake_mode=")
+    if mode is not None and not already_fake:
+        with FakeCopyMode(mode):
+            model_c, opt_c = copy.deepcopy((model, optimizer))
+        inputs, targets = tree_map(_to_fake(mode), (inputs, targets))
+    else:
+        model_c, opt_c = (
+            copy.deepcopy((model, optimizer)) if not already_fake else (model, optimizer)
+        )
+    for p in model_c.parameters():
+        p.grad = None
+    try:
+        if mode is not None:
+            with mode:
+                return _run(model_c, opt_c, inputs, targets, loss_fn, unit_fqns, fake=True)
+        return _run(model_c, opt_c, inputs, targets, loss_fn, unit_fqns, fake=False)
+    except (RuntimeError, NotImplementedError) as exc:
+        if mode is None:
+            raise
+        raise ConfigError(
+            f"the training step fails under fake tensors ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:200]}); data-dependent ops (nonzero, .item(), boolean "
+            "masks) need real values: profile with real tensors (fake=False)"
+        ) from exc
+
+
+def _is_fake(tensor: torch.Tensor | None) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
+
+
+def _to_fake(mode: Any) -> Callable[[Any], Any]:
+    def convert(value: Any) -> Any:
+        return mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
+
+    return convert
+
+
+def _run(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    inputs: Any,
+    targets: Any,
+    loss_fn: LossFn,
+    unit_fqns: set[str],
+    *,
+    fake: bool,
+) -> Profile:
+    tracker = LiveStorageTracker(record_timeline=False)
+    rec = _Recorder(tracker, unit_fqns)
+    tracker._on_op = rec.on_op  # type: ignore[assignment]
+    handles = []
+    for fqn, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(lambda *_, f=fqn: rec.pre(f)))
+        handles.append(module.register_forward_hook(lambda *_, f=fqn: rec.post(f)))
+    params = [*model.parameters(), *model.buffers()]
+    state_tensors = _optimizer_tensors(optimizer)
+    leaves = [t for t in tree_flatten((inputs, targets))[0] if isinstance(t, torch.Tensor)]
+    tracker.register(params)
+    rec.param_storages = {tracker.serial_of(p) for p in params} - {None}  # type: ignore[assignment]
+    tracker.register(state_tensors)
+    tracker.register(leaves)
+    events: dict[str, int] = {}
+    start_s = time.perf_counter()
+    try:
+        with tracker, torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack):
+            output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+            loss = loss_fn(output, targets)
+            events["forward_end"] = tracker.event
+            rec.phase = "backward"
+            loss.backward()
+            del output, loss
+            events["backward_end"] = tracker.event
+            rec.phase = "step"
+            if optimizer is not None:
+                optimizer.step()
+            events["step_end"] = tracker.event
+    finally:
+        for handle in handles:
+            handle.remove()
+    step_s = time.perf_counter() - start_s
+    grads = {tracker.serial_of(p.grad) for p in model.parameters() if p.grad is not None}
+    opt_state = {tracker.serial_of(t) for t in _optimizer_tensors(optimizer)}
+    return Profile.from_recording(
+        tracker=tracker,
+        saved_rows=rec.saved,
+        unit_rows=rec.unit_rows,
+        unit_order=[f for f in dict(model.named_modules()) if f in rec.unit_rows],
+        param_storages=rec.param_storages,
+        grad_storages=grads,
+        opt_storages=opt_state,
+        op_of_storage=rec.op_of_storage,
+        events=events,
+        fake=fake,
+        step_s=step_s,
+    )
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    if optimizer is None:
+        return []
+    found: list[torch.Tensor] = []
+    for state in optimizer.state.values():
+        found += [v for v in tree_flatten(state)[0] if isinstance(v, torch.Tensor)]
+    return found

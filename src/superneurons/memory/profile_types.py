@@ -1,0 +1,264 @@
+"""The records a profiled step produces: :class:`Profile`, :class:`SavedTensor`, :class:`UnitProfile`.
+
+Events are the aten ops of the step in execution order (forward, backward, optimizer step). A
+storage is live on ``[birth, death]`` (inclusive, sampled right after each op, as the tracker
+samples its peak); storages alive before the step have birth 0, those alive after it death
+``num_events - 1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from torch import nn
+
+__all__ = ["CATEGORIES", "Profile", "SavedTensor", "StorageLife", "UnitProfile", "default_units"]
+
+CATEGORIES: tuple[str, ...] = ("params", "grads", "optimizer", "saved", "temporaries")
+
+
+def default_units(model: nn.Module) -> list[str]:
+    """The outermost non-leaf children of ``nn.Sequential``/``nn.ModuleList`` containers.
+
+    For the zoo's ResNets these are the residual blocks, for GPT the transformer blocks. A model
+    with none (e.g. a flat ``nn.Sequential`` of layers) gets its leaf layers as units.
+    """
+    containers = (nn.Sequential, nn.ModuleList)
+    found: list[str] = []
+    for fqn, module in model.named_modules():
+        if not isinstance(module, containers):
+            continue
+        for name, child in module.named_children():
+            child_fqn = f"{fqn}.{name}" if fqn else name
+            if isinstance(child, containers) or not any(True for _ in child.children()):
+                continue
+            if not any(child_fqn.startswith(f + ".") for f in found):
+                found.append(child_fqn)
+    if not found and isinstance(model, nn.Sequential):
+        found = [name for name, _ in model.named_children()]
+    return found
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """One tensor autograd saved in forward (parameters excluded: always resident).
+
+    Attributes:
+        key: ``"<fqn>#<call>:<ordinal>"``: innermost module running, its call index (a module
+            called twice has calls 0 and 1), the order of the save within that call.
+        module: fqn of the innermost module running when it was saved (``""``: top level).
+        op: the aten op that created its storage.
+        unit: fqn of the innermost unit running (``""``: none).
+        nbytes: its storage bytes, or 0 when an earlier key already counted the storage.
+        storage: index into :attr:`Profile.storages`.
+        created_event / last_use_event: birth of its storage; the last unpack in backward.
+    """
+
+    key: str
+    module: str
+    op: str
+    unit: str
+    nbytes: int
+    storage: int
+    created_event: int
+    last_use_event: int
+
+
+@dataclass(frozen=True)
+class StorageLife:
+    """A storage some saved tensor refers to: size, live interval and the units that saved it."""
+
+    nbytes: int
+    birth: int
+    death: int
+    units: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class UnitProfile:
+    """A unit's forward window, cost and saved bytes.
+
+    Attributes:
+        fqn: the module's fully qualified name.
+        fwd_start_event / fwd_end_event: first and last op of its (first) forward call.
+        bwd_start_event: first unpack of one of its saved tensors in backward (-1: none).
+        flops: forward FLOPs (``torch.utils.flop_counter`` formulas; matmul and conv dominate).
+        bytes_written: bytes of all op outputs of its forward (memory-bound recompute cost).
+        fwd_time_s: measured wall time of its forward calls (meaningless under fake tensors).
+        temp_peak_bytes: most bytes its forward held above the live bytes at its start.
+        saved_bytes: storage-deduped bytes of the saved tensors packed in it.
+    """
+
+    fqn: str
+    fwd_start_event: int
+    fwd_end_event: int
+    bwd_start_event: int
+    flops: int
+    bytes_written: int
+    fwd_time_s: float
+    temp_peak_bytes: int
+    saved_bytes: int
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Everything the planner needs about one training step.
+
+    ``timeline[i][e]`` is the live bytes of category ``CATEGORIES[i]`` right after event ``e``,
+    from the measured live intervals of every storage. ``measured_peak_bytes`` is the tracker's
+    own running peak of the same step.
+    """
+
+    fake: bool
+    num_events: int
+    forward_end_event: int
+    backward_end_event: int
+    step_s: float
+    param_bytes: int
+    grad_bytes: int
+    optimizer_state_bytes: int
+    measured_peak_bytes: int
+    timeline: tuple[tuple[int, ...], ...]
+    saved: tuple[SavedTensor, ...]
+    storages: tuple[StorageLife, ...]
+    units: tuple[UnitProfile, ...]
+    optimizer_births: tuple[tuple[int, int], ...]  # (birth event, bytes) of state made by step
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(s.nbytes for s in self.storages)
+
+    def timeline_array(self, *, steady_state: bool = True) -> np.ndarray:
+        """``(len(CATEGORIES), num_events)`` int64 array of live bytes.
+
+        With ``steady_state`` the optimizer state the first step creates is counted from event 0,
+        as it is resident from the second step on.
+        """
+        table = np.array(self.timeline, dtype=np.int64).reshape(len(CATEGORIES), -1)
+        if steady_state and self.optimizer_births:
+            row = CATEGORIES.index("optimizer")
+            for birth, nbytes in self.optimizer_births:
+                table[row, : max(birth, 0)] += nbytes
+        return table
+
+    def predicted_peak_bytes(self, *, steady_state: bool = True) -> int:
+        """Peak of the liveness timeline (eager PyTorch, nothing planned)."""
+        return int(self.timeline_array(steady_state=steady_state).sum(axis=0).max(initial=0))
+
+    def peak_by_category(self, *, steady_state: bool = True) -> dict[str, int]:
+        table = self.timeline_array(steady_state=steady_state)
+        at = int(table.sum(axis=0).argmax())
+        return {name: int(table[i, at]) for i, name in enumerate(CATEGORIES)}
+
+    @classmethod
+    def from_recording(
+        cls,
+        *,
+        tracker: Any,
+        saved_rows: list[dict[str, Any]],
+        unit_rows: Mapping[str, Mapping[str, Any]],
+        unit_order: Iterable[str],
+        param_storages: set[int],
+        grad_storages: set[int],
+        opt_storages: set[int],
+        op_of_storage: Mapping[int, str],
+        events: Mapping[str, int],
+        fake: bool,
+        step_s: float,
+    ) -> Profile:
+        num_events = max(tracker.event + 1, 1)
+        last = num_events - 1
+        saved_sids = {row["sid"] for row in saved_rows}
+        delta = np.zeros((len(CATEGORIES), num_events + 1), dtype=np.int64)
+        totals = dict.fromkeys(("params", "grads", "optimizer"), 0)
+        opt_births: list[tuple[int, int]] = []
+        for sid, nbytes in tracker.nbytes.items():
+            if sid in param_storages:
+                cat = "params"
+            elif sid in opt_storages:
+                cat = "optimizer"
+            elif sid in grad_storages:
+                cat = "grads"
+            elif sid in saved_sids:
+                cat = "saved"
+            else:
+                cat = "temporaries"
+            birth = max(tracker.births[sid], 0)
+            death = tracker.deaths.get(sid, last) if not tracker.is_live(sid) else last
+            if cat in totals:
+                totals[cat] += nbytes
+            if cat == "optimizer" and tracker.births[sid] >= 0:
+                opt_births.append((birth, nbytes))
+            row = CATEGORIES.index(cat)
+            delta[row, birth] += nbytes
+            delta[row, min(death, last) + 1] -= nbytes
+        timeline = np.cumsum(delta[:, :num_events], axis=1)
+        index_of: dict[int, int] = {}
+        lives: list[dict[str, Any]] = []
+        saved: list[SavedTensor] = []
+        for row in saved_rows:
+            sid = row["sid"]
+            if sid not in index_of:
+                index_of[sid] = len(lives)
+                death = last if tracker.is_live(sid) else tracker.deaths.get(sid, last)
+                lives.append(
+                    dict(
+                        nbytes=row["nbytes"],
+                        birth=max(tracker.births.get(sid, 0), 0),
+                        death=death,
+                        units=[],
+                    )
+                )
+            life = lives[index_of[sid]]
+            if row["unit"] not in life["units"]:
+                life["units"].append(row["unit"])
+            saved.append(
+                SavedTensor(
+                    key=row["key"],
+                    module=row["module"],
+                    op=op_of_storage.get(sid, "input"),
+                    unit=row["unit"],
+                    nbytes=row["nbytes"] if row["first"] else 0,
+                    storage=index_of[sid],
+                    created_event=life["birth"],
+                    last_use_event=row["last_use"],
+                )
+            )
+        storages = tuple(
+            StorageLife(l["nbytes"], l["birth"], l["death"], tuple(l["units"])) for l in lives
+        )
+        units = []
+        for fqn in unit_order:
+            u = unit_rows[fqn]
+            units.append(
+                UnitProfile(
+                    fqn=fqn,
+                    fwd_start_event=u["fwd_start"],
+                    fwd_end_event=u["fwd_end"],
+                    bwd_start_event=u["bwd_start"],
+                    flops=u["flops"],
+                    bytes_written=u["written"],
+                    fwd_time_s=u["time_s"],
+                    temp_peak_bytes=u["temp_peak"],
+                    saved_bytes=sum(s.nbytes for s in storages if fqn in s.units),
+                )
+            )
+        return cls(
+            fake=fake,
+            num_events=num_events,
+            forward_end_event=events.get("forward_end", last),
+            backward_end_event=events.get("backward_end", last),
+            step_s=step_s,
+            param_bytes=totals["params"],
+            grad_bytes=totals["grads"],
+            optimizer_state_bytes=totals["optimizer"],
+            measured_peak_bytes=int(tracker.peak_bytes),
+            timeline=tuple(tuple(int(v) for v in r) for r in timeline),
+            saved=tuple(saved),
+            storages=storages,
+            units=tuple(units),
+            optimizer_births=tuple(opt_births),
+        )
