@@ -1,0 +1,69 @@
+"""Gradient compression: codecs, error feedback, θ schedules and the DDP comm hook.
+
+The codec interface is :class:`Codec` (frozen hyper-parameters, pure ``encode``/``decode``,
+exact ``payload_bytes``); codecs are named by spec strings (``parse_spec("fft:theta=0.9")``).
+The paper's codec is HPDC'20's FFT sparsification with range-based floats (:class:`FFTCodec`);
+the rest are the baselines it is compared against. Importing this package starts nothing.
+"""
+
+from __future__ import annotations
+
+from superneurons.compress.cast import Bf16Codec, Fp16Codec, IdentityCodec
+from superneurons.compress.codec import Codec, Payload, check_gradient, sum_of_decodes
+from superneurons.compress.feedback import ErrorFeedback, feedback_step, join_flat, split_flat
+from superneurons.compress.fft import FFTCodec
+from superneurons.compress.hook import CompressionState, register_compression
+from superneurons.compress.powersgd import PowerSGD
+from superneurons.compress.qsgd import QSGDCodec
+from superneurons.compress.rangefloat import RangeFloatCodec
+from superneurons.compress.schedule import (
+    ConstantTheta,
+    DiminishingTheta,
+    ErrorBudgetTheta,
+    ScheduleState,
+    sparsification_error,
+    with_theta,
+)
+from superneurons.compress.sign import SignSGDCodec
+from superneurons.compress.spec import CODECS, describe_codecs, parse_spec
+from superneurons.compress.terngrad import TernGradCodec
+from superneurons.compress.topk import TopKCodec
+
+__all__ = [
+    # the codec interface
+    "Codec",
+    "Payload",
+    "check_gradient",
+    "sum_of_decodes",
+    # codecs: the paper's (HPDC'20) ...
+    "FFTCodec",
+    "RangeFloatCodec",
+    # ... and the baselines
+    "Bf16Codec",
+    "Fp16Codec",
+    "IdentityCodec",
+    "PowerSGD",
+    "QSGDCodec",
+    "SignSGDCodec",
+    "TernGradCodec",
+    "TopKCodec",
+    # spec strings
+    "CODECS",
+    "describe_codecs",
+    "parse_spec",
+    # error feedback
+    "ErrorFeedback",
+    "feedback_step",
+    "join_flat",
+    "split_flat",
+    # θ schedules
+    "ConstantTheta",
+    "DiminishingTheta",
+    "ErrorBudgetTheta",
+    "ScheduleState",
+    "sparsification_error",
+    "with_theta",
+    # the DDP comm hook
+    "CompressionState",
+    "register_compression",
+]

@@ -84,8 +84,11 @@ class IdentityCodec:
 
 @dataclass(frozen=True)
 class Fp16Codec:
-    """IEEE half precision on the wire: 2 bytes per element, ~3 significant decimal digits
-    (relative rounding error <= 2**-11 for normal values; max finite 65504)."""
+    """IEEE half precision on the wire, 2 bytes per element (max finite 65504).
+
+    Relative rounding error <= 2**-11 for normal values (|v| >= 2**-14); below that, an
+    absolute step of 2**-24.
+    """
 
     NAME: ClassVar[str] = "fp16"
     WIRE_DTYPE: ClassVar[torch.dtype] = torch.float16
@@ -114,8 +117,10 @@ class Fp16Codec:
 
 @dataclass(frozen=True)
 class Bf16Codec:
-    """bfloat16 on the wire: 2 bytes per element, float32's exponent range (no overflow where
-    float32 has none), relative rounding error <= 2**-8."""
+    """bfloat16 on the wire, 2 bytes per element, float32's exponent range.
+
+    Relative rounding error <= 2**-8; no overflow where float32 has none.
+    """
 
     NAME: ClassVar[str] = "bf16"
     WIRE_DTYPE: ClassVar[torch.dtype] = torch.bfloat16
