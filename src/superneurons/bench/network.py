@@ -1,0 +1,360 @@
+"""The bandwidth benchmark: data-parallel step time of every codec over real shaped links.
+
+For each bandwidth, :func:`run_network_bench` creates one network namespace per rank joined by
+veth links rate-limited with tbf (:mod:`superneurons.bench.netns`), measures the link's TCP
+goodput once, and for each (model, codec) starts one process per rank inside its namespace
+(:mod:`superneurons.bench.network_worker`: gloo over the veth, one thread per rank). Each
+record says the mean step time after warm-up, the speedup over plain DDP (dense fp32 ring
+all-reduce) at the same bandwidth and model, bytes sent per rank per step and the compute-only
+step time (no communication) for reference.
+
+Why compression may not pay (Wang et al., HPDC'20 report 2.26x for FFT over InfiniBand with
+8 GPUs; CONTEXT section 2): gathered payloads cost each rank ``(P-1) S / CR`` on the wire vs
+``2 (P-1)/P S`` for a ring all-reduce, so gathering wins only when ``CR > P/2``; and on one
+CPU core per rank the encode/decode time can exceed the wire time it saves at 1 Gbit/s.
+
+``shaping=False`` runs the ranks on loopback in the host namespace (no root needed): the
+numbers then measure codec cost, not a network.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from superneurons.bench.netns import (
+    Topology,
+    format_rate,
+    measure_throughput_bit_s,
+    network_namespaces,
+)
+from superneurons.errors import ConfigError
+
+__all__ = [
+    "ALL_CODECS",
+    "DEFAULT_MODELS",
+    "NetworkBenchConfig",
+    "add_speedups",
+    "run_network_bench",
+]
+
+log = logging.getLogger("superneurons.bench.network")
+
+# PyTorch's own hooks are the anchors; ours follow. "dense" is plain DDP (no hook).
+ALL_CODECS: tuple[str, ...] = (
+    "dense",
+    "torch-fp16",
+    "torch-powersgd:rank=4",
+    "fft",
+    "topk",
+    "qsgd",
+    "terngrad",
+    "signsgd",
+    "powersgd:rank=4",
+)
+# FC-heavy: 30.0M parameters, 97% in the FC head (a big gradient, a cheap step); the conv model
+# is a narrow ResNet-18 for 28x28x1 inputs, where convolutions dominate compute.
+DEFAULT_MODELS: dict[str, dict[str, Any]] = {
+    "fc-heavy": {},
+    "resnet": {"depth": 18, "small_input": True, "in_channels": 1, "num_classes": 10, "width": 32},
+}
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class NetworkBenchConfig:
+    """What to measure. ``bandwidths_bit_s`` entries are link rates; ``None`` = unshaped."""
+
+    bandwidths_bit_s: tuple[int | None, ...] = (100_000_000, 1_000_000_000)
+    nproc: int = 2
+    models: dict[str, dict[str, Any]] = field(default_factory=lambda: dict(DEFAULT_MODELS))
+    codecs: tuple[str, ...] = ALL_CODECS
+    batch_size: int = 32
+    warmup_steps: int = 2
+    steps: int = 5
+    compute_steps: int = 3
+    shaping: bool = True
+    measure_link: bool = True
+    run_timeout_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        if self.nproc < 2:
+            raise ConfigError(f"--nproc must be >= 2 (a network needs two ranks), got {self.nproc}")
+        if not self.bandwidths_bit_s:
+            raise ConfigError("give at least one bandwidth, e.g. --bandwidth 100mbit")
+        if self.shaping and None in self.bandwidths_bit_s:
+            raise ConfigError("every shaped bandwidth needs a rate (e.g. 100mbit)")
+        if not self.codecs or not self.models:
+            raise ConfigError("give at least one codec and one model")
+        if self.steps < 1 or self.warmup_steps < 0 or self.compute_steps < 0:
+            raise ConfigError("--steps must be >= 1 and --warmup >= 0")
+        if self.codecs.count("dense") != 1 and "dense" in self.codecs:
+            raise ConfigError("list 'dense' at most once")
+
+
+@dataclass(frozen=True)
+class _Link:
+    """Where the ranks run: a shaped topology, or loopback."""
+
+    topology: Topology | None
+    measured_bit_s: float | None
+
+    def prefix(self, rank: int) -> list[str]:
+        return self.topology.exec_prefix(rank) if self.topology else []
+
+    def master_addr(self) -> str:
+        return self.topology.addresses[0] if self.topology else "127.0.0.1"
+
+    def ifname(self, rank: int) -> str:
+        return self.topology.interfaces[rank] if self.topology else "lo"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def _link(config: NetworkBenchConfig, rate_bit_s: int | None, say: Progress) -> Iterator[_Link]:
+    if not config.shaping:
+        yield _Link(None, None)
+        return
+    with network_namespaces(config.nproc, rate_bit_s=rate_bit_s) as topology:
+        measured = measure_throughput_bit_s(topology) if config.measure_link else None
+        if measured is not None:
+            say(f"link {format_rate(rate_bit_s or 0)}: measured {measured / 1e6:.0f} Mbit/s TCP")
+        yield _Link(topology, measured)
+
+
+def _run_pair(
+    config: NetworkBenchConfig, link: _Link, model: str, codec: str, workdir: Path
+) -> dict[str, Any]:
+    """Start one worker per rank for (model, codec); returns rank 0's record."""
+    out = workdir / f"rank0-{os.getpid()}-{time.monotonic_ns()}.json"
+    port = 29500 + int(time.monotonic_ns() % 400) if link.topology else _free_port()
+    with ExitStack() as stack:
+        procs, logs = [], []
+        for rank in range(config.nproc):
+            worker = {
+                "rank": rank,
+                "world_size": config.nproc,
+                "master_addr": link.master_addr(),
+                "master_port": port,
+                "model": model,
+                "model_kwargs": config.models[model],
+                "codec": codec,
+                "batch_size": config.batch_size,
+                "warmup_steps": config.warmup_steps,
+                "steps": config.steps,
+                "compute_steps": config.compute_steps,
+                "out": str(out) if rank == 0 else "",
+            }
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": link.ifname(rank), "OMP_NUM_THREADS": "1"}
+            log_file = stack.enter_context(tempfile.TemporaryFile(mode="w+", dir=workdir))
+            argv = [sys.executable, "-m", "superneurons.bench.network_worker", json.dumps(worker)]
+            procs.append(
+                subprocess.Popen(
+                    [*link.prefix(rank), *argv], env=env, stdout=log_file, stderr=subprocess.STDOUT
+                )
+            )
+            logs.append(log_file)
+        codes = _wait_all(procs, timeout_s=config.run_timeout_s)
+        if any(codes) or not out.exists():
+            tails = []
+            for rank, log_file in enumerate(logs):
+                log_file.seek(0)
+                lines = [ln for ln in log_file.read().splitlines() if ln.strip()]
+                tails.append(f"rank {rank} (exit {codes[rank]}): " + " | ".join(lines[-3:]))
+            return {"status": "failed", "error": "; ".join(tails)[-1500:]}
+    record: dict[str, Any] = json.loads(out.read_text())
+    record.pop("config", None)
+    out.unlink()
+    return {"status": "ok", **record}
+
+
+def _wait_all(procs: Sequence[subprocess.Popen[bytes]], *, timeout_s: float) -> list[int]:
+    """Wait for every rank; once one fails (or time is up) kill the others, which would
+    otherwise block in a collective until gloo's timeout."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            codes = [proc.poll() for proc in procs]
+            if all(code is not None for code in codes):
+                return [int(code or 0) for code in codes]
+            if any(code not in (None, 0) for code in codes) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    finally:  # also on Ctrl-C: never leave ranks running inside namespaces being deleted
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return [int(proc.wait()) for proc in procs]
+
+
+def add_speedups(records: list[dict[str, Any]]) -> None:
+    """Set ``speedup_vs_dense`` = dense step time / this step time, per (bandwidth, model)."""
+    dense = {
+        (r["bandwidth"], r["model"]): r["mean_step_s"]
+        for r in records
+        if r["codec"] == "dense" and r.get("status") == "ok"
+    }
+    for record in records:
+        base = dense.get((record["bandwidth"], record["model"]))
+        step_s = record.get("mean_step_s")
+        ok = base is not None and isinstance(step_s, float) and step_s > 0
+        record["speedup_vs_dense"] = base / step_s if ok else None  # type: ignore[operator]
+
+
+def run_network_bench(
+    config: NetworkBenchConfig, *, progress: Progress | None = None
+) -> list[dict[str, Any]]:
+    """Measure every (bandwidth, model, codec); returns one record per run (failures included,
+    with ``status="failed"`` and the ranks' last log lines)."""
+    say = progress or log.info
+    records: list[dict[str, Any]] = []
+    total = len(config.bandwidths_bit_s) * len(config.models) * len(config.codecs)
+    with tempfile.TemporaryDirectory(prefix="sn-network-") as tmp:
+        for rate_bit_s in config.bandwidths_bit_s:
+            bandwidth = format_rate(rate_bit_s) if rate_bit_s else "loopback"
+            with _link(config, rate_bit_s, say) as link:
+                for model in config.models:
+                    for codec in config.codecs:
+                        say(f"[{len(records) + 1}/{total}] {bandwidth} {model} {codec} ...")
+                        start_s = time.perf_counter()
+                        result = _run_pair(config, link, model, codec, Path(tmp))
+                        record = {
+                            "bandwidth": bandwidth,
+                            "bandwidth_bit_s": rate_bit_s,
+                            "measured_link_bit_s": link.measured_bit_s,
+                            "model": model,
+                            "model_kwargs": config.models[model],
+                            "codec": codec,
+                            **result,
+                            "wall_s": time.perf_counter() - start_s,
+                        }
+                        records.append(record)
+                        say(_describe(record))
+    add_speedups(records)
+    return records
+
+
+def _describe(record: dict[str, Any]) -> str:
+    if record.get("status") != "ok":
+        return f"    failed: {record.get('error', '')[:300]}"
+    return (
+        f"    step {record['mean_step_s']:.3f} s (compute {record['compute_step_s']:.3f} s), "
+        f"{record['bytes_per_step'] / 1e6:.2f} MB/step, loss {record['first_loss']:.3f} -> "
+        f"{record['last_loss']:.3f}"
+    )
+
+
+def summary_lines(records: Sequence[dict[str, Any]]) -> list[str]:
+    """The targets (FFT >= 4x dense and >= torch-powersgd at 100 Mbit/s, >= 1.5x at 1 Gbit/s,
+    on the FC-heavy model) checked against the measurements."""
+    by_key = {(r["bandwidth"], r["model"], r["codec"]): r for r in records}
+    lines = []
+    for bandwidth, target in (("100mbit", 4.0), ("1gbit", 1.5)):
+        fft = by_key.get((bandwidth, "fc-heavy", "fft"))
+        if fft is None or fft.get("speedup_vs_dense") is None:
+            continue
+        speedup = float(fft["speedup_vs_dense"])
+        verdict = "met" if speedup >= target else "NOT met"
+        line = f"- {bandwidth}, fc-heavy: fft {speedup:.2f}x dense (target >= {target}x: {verdict})"
+        anchor = by_key.get((bandwidth, "fc-heavy", "torch-powersgd:rank=4"))
+        if bandwidth == "100mbit" and anchor and anchor.get("mean_step_s"):
+            ratio = float(anchor["mean_step_s"]) / float(fft["mean_step_s"])
+            ok = "met" if ratio >= 1.0 else "NOT met"
+            line += f"; {ratio:.2f}x torch-powersgd (target >= 1x: {ok})"
+        lines.append(line)
+    return lines
+
+
+def config_dict(config: NetworkBenchConfig) -> dict[str, Any]:
+    """The config as JSON-ready data for the artifact."""
+    return asdict(config)
+
+
+_COLUMNS = (
+    "bandwidth", "model", "codec", "mean_step_s", "speedup_vs_dense", "compute_step_s",
+    "bytes_per_step", "bytes_source", "last_loss", "status",
+)  # fmt: skip
+
+
+def write_artifacts(
+    records: Sequence[dict[str, Any]], out_dir: Path, config: NetworkBenchConfig
+) -> list[Path]:
+    """DIR/network.json, DIR/network.md (table + targets) and DIR/network.png."""
+    from superneurons.bench.artifacts import markdown_table, pyplot, write_json, write_markdown
+
+    paths = [
+        write_json(out_dir / "network.json", records, config=config_dict(config)),
+    ]
+    link_lines = sorted(
+        {
+            f"- {r['bandwidth']}: measured {r['measured_link_bit_s'] / 1e6:.0f} Mbit/s TCP goodput"
+            for r in records
+            if r.get("measured_link_bit_s")
+        }
+    )
+    body = (
+        f"{config.nproc} ranks, one thread each, gloo over veth links shaped with tbf; "
+        f"batch {config.batch_size} per rank; {config.warmup_steps} warm-up steps excluded, "
+        f"mean of {config.steps} timed steps. `bytes_per_step`: bytes one rank sends per step "
+        "(hook counter, or for PyTorch's hooks and dense DDP the analytic ring all-reduce "
+        "volume 2(P-1)/P x payload). `compute_step_s`: the same step without communication.\n\n"
+        + ("\n".join(link_lines) + "\n\n" if link_lines else "")
+        + markdown_table(records, _COLUMNS)
+        + "\n## Targets\n\n"
+        + ("\n".join(summary_lines(records)) or "(fc-heavy at 100mbit/1gbit not measured)")
+        + "\n"
+    )
+    paths.append(write_markdown(out_dir / "network.md", "Network benchmark", body))
+    paths.append(_plot(records, out_dir / "network.png", pyplot()))
+    return paths
+
+
+def _plot(records: Sequence[dict[str, Any]], path: Path, plt: Any) -> Path:
+    models = list(dict.fromkeys(r["model"] for r in records))
+    bandwidths = list(dict.fromkeys(r["bandwidth"] for r in records))
+    codecs = list(dict.fromkeys(r["codec"] for r in records))
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    width = 0.8 / max(len(bandwidths), 1)
+    for ax, model in zip(axes[0], models, strict=True):
+        for b, bandwidth in enumerate(bandwidths):
+            rows = {
+                r["codec"]: r
+                for r in records
+                if r["model"] == model and r["bandwidth"] == bandwidth
+            }
+            heights = [rows.get(c, {}).get("mean_step_s") or 0.0 for c in codecs]
+            xs = [i + (b - (len(bandwidths) - 1) / 2) * width for i in range(len(codecs))]
+            ax.bar(xs, heights, width=width, label=bandwidth)
+        compute = [
+            r["compute_step_s"] for r in records if r["model"] == model and r.get("compute_step_s")
+        ]
+        if compute:
+            ax.axhline(
+                sum(compute) / len(compute), color="black", ls="--", lw=1, label="compute only"
+            )
+        ax.set_xticks(range(len(codecs)))
+        ax.set_xticklabels(codecs, rotation=45, ha="right", fontsize=8)
+        ax.set_yscale("log")
+        ax.set_ylabel("mean step time (s)")
+        ax.set_title(model)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

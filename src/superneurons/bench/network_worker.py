@@ -1,0 +1,272 @@
+"""One rank of the network benchmark: real data-parallel training steps under one codec.
+
+Started by :mod:`superneurons.bench.network` as ``python -m superneurons.bench.network_worker
+CONFIG_JSON`` inside the rank's network namespace (or on loopback). Each rank runs one thread
+(``torch.set_num_threads(1)``: with a second busy process, torch's default threads made small
+ops 30-50x slower here, CONTEXT section 4), joins a gloo group over the shaped link, and:
+
+1. times ``compute_steps`` local forward/backward/optimizer steps with no communication (the
+   compute-only reference, both ranks computing at once as they do under DDP);
+2. wraps the model in DDP, registers the codec's comm hook and times ``steps`` training steps
+   after ``warmup_steps`` untimed ones (DDP rebuilds its buckets after the first step, and
+   PyTorch's PowerSGD runs dense for its first iterations).
+
+Rank 0 writes one JSON record to ``out``. Bytes per step come from the hook's counter where
+the hook keeps one, otherwise from the analytic volume of a ring all-reduce (stated in the
+record's ``bytes_source``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from superneurons.errors import ConfigError
+
+__all__ = ["WorkerConfig", "analytic_bytes_per_step", "main", "run_worker"]
+
+log = logging.getLogger("superneurons.bench.network")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What one rank runs; serialised to JSON on the worker's command line."""
+
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    model: str
+    codec: str
+    batch_size: int = 32
+    warmup_steps: int = 2
+    steps: int = 5
+    compute_steps: int = 3
+    seed: int = 0
+    lr: float = 0.01
+    timeout_s: float = 600.0
+    out: str = ""
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank {self.rank} outside world size {self.world_size}")
+        if self.steps < 1 or self.warmup_steps < 0 or self.compute_steps < 0:
+            raise ConfigError("steps must be >= 1, warmup_steps and compute_steps >= 0")
+        if self.batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
+
+
+def _build_model(config: WorkerConfig) -> nn.Module:
+    """The model from the shared zoo, with the same initial weights on every rank."""
+    from superneurons.models import build_model
+
+    torch.manual_seed(config.seed)
+    return build_model(config.model, **config.model_kwargs)
+
+
+def _batches(config: WorkerConfig) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Random ``(inputs, targets)`` batches from the zoo, a different stream on every rank."""
+    from superneurons.models import model_input
+
+    gen = torch.Generator().manual_seed(config.seed + 1 + config.rank)
+    while True:
+        yield model_input(config.model, config.batch_size, generator=gen, **config.model_kwargs)
+
+
+def _timed_steps(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    count: int,
+    *,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    sync: Callable[[], None],
+) -> tuple[float, float]:
+    """Run ``count`` steps; returns (mean seconds per step, last loss)."""
+    if count == 0:
+        return math.nan, math.nan
+    sync()
+    start_s = time.perf_counter()
+    loss = torch.zeros(())
+    for _ in range(count):
+        x, y = next(batches)
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+    sync()
+    return (time.perf_counter() - start_s) / count, float(loss.item())
+
+
+def analytic_bytes_per_step(model: nn.Module, codec: str, world_size: int) -> float:
+    """Bytes one rank sends per step under a ring all-reduce: ``2 (P-1)/P`` times the payload.
+
+    dense: fp32 gradients; torch-fp16: fp16; torch-powersgd:rank=r: P and Q factors (fp32) of
+    every matrix PyTorch compresses (it views a tensor as ``(shape[0], -1)`` and compresses when
+    ``n m >= 2 r (n + m)``), plus the rest uncompressed.
+    """
+    ring = 2 * (world_size - 1) / world_size
+    name, _, args = codec.partition(":")
+    grads = [p for p in model.parameters() if p.requires_grad]
+    numel = sum(p.numel() for p in grads)
+    if name == "dense":
+        return ring * 4 * numel
+    if name == "torch-fp16":
+        return ring * 2 * numel
+    if name == "torch-powersgd":
+        rank = int(dict(kv.split("=") for kv in args.split(",") if kv).get("rank", 1))
+        elements = 0
+        for p in grads:
+            n = p.shape[0]
+            m = p.numel() // max(n, 1)
+            compress = p.dim() >= 2 and n * m >= 2 * rank * (n + m)
+            elements += rank * (n + m) if compress else p.numel()
+        return ring * 4 * elements
+    raise ConfigError(f"no analytic byte count for codec {codec!r}")
+
+
+def _register(ddp: DistributedDataParallel, codec: str, warmup_steps: int) -> Any:
+    """Register ``codec``'s comm hook; returns the hook state (or None for plain DDP)."""
+    if codec == "dense":
+        return None
+    try:
+        from superneurons.compress.hook import register_compression
+    except ImportError:  # the compression subsystem is not installed: torch's own hooks only
+        return _register_torch(ddp, codec, warmup_steps)
+    return register_compression(ddp, codec)
+
+
+def _register_torch(ddp: DistributedDataParallel, codec: str, warmup_steps: int) -> Any:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    name, _, args = codec.partition(":")
+    if name == "torch-fp16":
+        # NOTE: through a lambda: DDP rejects the hook's string annotations (postponed
+        # evaluation) as "bucket annotation should be dist.GradBucket" on torch 2.13.
+        ddp.register_comm_hook(
+            None,  # type: ignore[arg-type]
+            lambda state, bucket: default_hooks.fp16_compress_hook(state, bucket),
+        )
+        return None
+    if name == "torch-powersgd":
+        rank = int(dict(kv.split("=") for kv in args.split(",") if kv).get("rank", 1))
+        state = psgd.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=rank,
+            start_powerSGD_iter=max(2, warmup_steps),
+        )
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        return state
+    raise ConfigError(
+        f"codec {codec!r} needs superneurons.compress.hook (not importable here); "
+        "available without it: dense, torch-fp16, torch-powersgd:rank=R"
+    )
+
+
+def _bytes_counter(state: Any) -> int | None:
+    """The hook state's cumulative bytes-sent counter, if it keeps one."""
+    for attr in ("bytes_sent", "total_bytes_sent", "sent_bytes"):
+        value = getattr(state, attr, None)
+        if isinstance(value, int | float):
+            return int(value)
+    return None
+
+
+def run_worker(config: WorkerConfig) -> dict[str, Any] | None:
+    """Run this rank; returns rank 0's record (None on other ranks)."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{config.master_addr}:{config.master_port}",
+        rank=config.rank,
+        world_size=config.world_size,
+        timeout=timedelta(seconds=config.timeout_s),
+    )
+    try:
+        return _run(config)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(config: WorkerConfig) -> dict[str, Any] | None:
+    from superneurons.models import default_loss
+
+    loss_fn = default_loss(config.model)
+    batches = _batches(config)
+    model = _build_model(config)
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+    local_opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
+    no_sync: Callable[[], None] = lambda: None  # noqa: E731
+    _timed_steps(model, local_opt, batches, 1, loss_fn=loss_fn, sync=no_sync)  # first-call costs
+    compute_s, _ = _timed_steps(
+        model, local_opt, batches, config.compute_steps, loss_fn=loss_fn, sync=dist.barrier
+    )
+
+    model = _build_model(config)  # fresh weights: every codec starts from the same point
+    ddp = DistributedDataParallel(model)
+    state = _register(ddp, config.codec, config.warmup_steps)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=config.lr, momentum=0.9)
+    with torch.no_grad():
+        x, y = next(batches)
+        first_loss = float(loss_fn(model(x), y).item())
+    _timed_steps(ddp, optimizer, batches, config.warmup_steps, loss_fn=loss_fn, sync=no_sync)
+    before = _bytes_counter(state)
+    step_s, last_loss = _timed_steps(
+        ddp, optimizer, batches, config.steps, loss_fn=loss_fn, sync=dist.barrier
+    )
+    after = _bytes_counter(state)
+    if before is not None and after is not None:
+        bytes_per_step, source = (after - before) / config.steps, "hook counter"
+    else:
+        bytes_per_step = analytic_bytes_per_step(model, config.codec, config.world_size)
+        source = "analytic ring all-reduce"
+    if config.rank != 0:
+        return None
+    return {
+        "model": config.model,
+        "codec": config.codec,
+        "nproc": config.world_size,
+        "params": numel,
+        "batch_size": config.batch_size,
+        "warmup_steps": config.warmup_steps,
+        "steps": config.steps,
+        "mean_step_s": step_s,
+        "compute_step_s": compute_s,
+        "bytes_per_step": bytes_per_step,
+        "bytes_source": source,
+        "first_loss": first_loss,
+        "last_loss": last_loss,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        raise SystemExit("usage: python -m superneurons.bench.network_worker CONFIG_JSON")
+    config = WorkerConfig(**json.loads(args[0]))
+    logging.basicConfig(level=os.environ.get("SUPERNEURONS_LOG", "WARNING"))
+    record = run_worker(config)
+    if record is not None and config.out:
+        Path(config.out).write_text(json.dumps({"config": asdict(config), **record}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

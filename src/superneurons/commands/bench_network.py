@@ -1,0 +1,110 @@
+"""Step time of dense DDP, PyTorch's fp16/PowerSGD hooks and our codecs over real links shaped
+to a given bandwidth (network namespaces + tbf; needs root, or --no-shaping for loopback).
+
+Example:
+  superneurons bench network --bandwidth 100mbit,1gbit --nproc 2 --out benchmarks/results/network
+  superneurons bench network --quick --no-shaping --out /tmp/net   # no root: loopback only
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from superneurons.bench.netns import parse_rate
+from superneurons.bench.network import (
+    ALL_CODECS,
+    DEFAULT_MODELS,
+    NetworkBenchConfig,
+    run_network_bench,
+    summary_lines,
+    write_artifacts,
+)
+from superneurons.errors import ConfigError
+
+__all__ = ["HELP", "add_arguments", "run"]
+
+HELP = "step time per codec over shaped network links (namespaces + tbf)"
+_QUICK_CODECS = ("dense", "torch-fp16", "torch-powersgd:rank=4", "fft")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--bandwidth",
+        default="100mbit,1gbit",
+        help="comma-separated link rates (tc syntax: 10mbit, 100mbit, 1gbit); default %(default)s",
+    )
+    parser.add_argument("--nproc", type=int, default=2, help="ranks, one namespace each")
+    parser.add_argument(
+        "--models",
+        default=None,
+        help=f"comma-separated subset of {','.join(DEFAULT_MODELS)} (default: all; --quick: fc-heavy)",
+    )
+    parser.add_argument(
+        "--codecs",
+        default=None,
+        help=f"comma-separated codec specs (default: {','.join(ALL_CODECS)}; "
+        f"--quick: {','.join(_QUICK_CODECS)})",
+    )
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 5, quick 3)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps (>= 2)")
+    parser.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
+    parser.add_argument("--quick", action="store_true", help="fewer steps, codecs and models")
+    parser.add_argument(
+        "--no-shaping",
+        action="store_true",
+        help="run the ranks on loopback without namespaces (no root needed; measures codec "
+        "cost, not a network)",
+    )
+    parser.add_argument("--out", type=Path, required=True, help="output directory")
+
+
+def _config(args: argparse.Namespace) -> NetworkBenchConfig:
+    model_names = (
+        args.models.split(",") if args.models else (["fc-heavy"] if args.quick else DEFAULT_MODELS)
+    )
+    unknown = [m for m in model_names if m not in DEFAULT_MODELS]
+    if unknown:
+        raise ConfigError(f"unknown model(s) {unknown}: choose from {', '.join(DEFAULT_MODELS)}")
+    codecs = (
+        args.codecs.split(",") if args.codecs else (_QUICK_CODECS if args.quick else ALL_CODECS)
+    )
+    if args.no_shaping:
+        bandwidths: tuple[int | None, ...] = (None,)
+    else:
+        bandwidths = tuple(parse_rate(text) for text in args.bandwidth.split(",") if text.strip())
+    steps = args.steps if args.steps is not None else (3 if args.quick else 5)
+    return NetworkBenchConfig(
+        bandwidths_bit_s=bandwidths,
+        nproc=args.nproc,
+        models={name: dict(DEFAULT_MODELS[name]) for name in model_names},
+        codecs=tuple(c.strip() for c in codecs if c.strip()),
+        batch_size=args.batch_size,
+        warmup_steps=args.warmup,
+        steps=steps,
+        compute_steps=2 if args.quick else 3,
+        shaping=not args.no_shaping,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    config = _config(args)
+
+    def progress(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    records = run_network_bench(config, progress=progress)
+    paths = write_artifacts(records, args.out, config)
+    columns = ("bandwidth", "model", "codec", "mean_step_s", "speedup_vs_dense", "bytes_per_step")
+    print("  ".join(f"{c:>22}" for c in columns))
+    for record in records:
+        cells = []
+        for column in columns:
+            value = record.get(column)
+            cells.append(f"{value:>22.4g}" if isinstance(value, float) else f"{value!s:>22}")
+        print("  ".join(cells))
+    for line in summary_lines(records):
+        print(line)
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0 if all(r.get("status") == "ok" for r in records) else 1
