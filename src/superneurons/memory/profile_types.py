@@ -126,6 +126,7 @@ class Profile:
     storages: tuple[StorageLife, ...]
     units: tuple[UnitProfile, ...]
     optimizer_births: tuple[tuple[int, int], ...]  # (birth event, bytes) of state made by step
+    largest_param_bytes: int = 0
 
     @property
     def saved_bytes(self) -> int:
@@ -228,7 +229,7 @@ class Profile:
                 )
             )
         storages = tuple(
-            StorageLife(l["nbytes"], l["birth"], l["death"], tuple(l["units"])) for l in lives
+            StorageLife(v["nbytes"], v["birth"], v["death"], tuple(v["units"])) for v in lives
         )
         units = []
         for fqn in unit_order:
@@ -261,4 +262,7 @@ class Profile:
             storages=storages,
             units=tuple(units),
             optimizer_births=tuple(opt_births),
+            largest_param_bytes=max(
+                (tracker.nbytes[sid] for sid in param_storages if sid in tracker.nbytes), default=0
+            ),
         )

@@ -1,0 +1,173 @@
+"""Plan keep / offload / recompute for a zoo model under a device byte budget.
+
+Profiles one training step on fake tensors (no memory is used) and prints the plan:
+
+    superneurons plan --model resnet --depth 590 --batch 16 --budget 12GiB
+    superneurons plan --model gpt --batch 8 --budget 12GiB --optimizer adamw --json
+    superneurons plan --model resnet --batch 16 --budget 11.4GiB --max-depth
+    superneurons plan --model resnet50 --budget 12GiB --max-batch --strategy offload
+
+``--max-depth`` / ``--max-batch`` search the largest ``[6, 32, n, 6]`` ResNet depth / batch whose
+smallest predicted peak fits, per strategy (an affine fit over three profiled sizes; see
+``superneurons.memory.simulate``). Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from superneurons.bytesize import format_bytes, parse_bytes
+from superneurons.errors import ConfigError
+from superneurons.memory.plan import STRATEGIES, InfeasibleBudgetError
+from superneurons.memory.planner import CostModel, make_plan
+from superneurons.memory.simulate import OPTIMIZERS, max_fitting, profile_zoo, zoo_peaks
+
+HELP = "plan keep/offload/recompute per block under a memory budget (fake tensors)"
+SEARCH_STRATEGIES = ("eager", "checkpoint", "recompute", "offload", "offload+opt-in-backward")
+DEPTH_SAMPLES = (24, 48, 72)  # stage-3 blocks n; the peak sits in stage 3 from n ~ 20 on
+BATCH_SAMPLES = (4, 8, 16)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="resnet", help="zoo model (resnet, resnet50, gpt, ...)")
+    parser.add_argument(
+        "--depth", type=int, default=None, help="resnet depth (3n + 134 or 50/101/152)"
+    )
+    parser.add_argument("--batch", type=int, default=16, help="batch size (default 16)")
+    parser.add_argument("--budget", default="12GiB", help="device budget, e.g. 12GiB, 11.4GiB")
+    parser.add_argument("--strategy", default="auto", choices=STRATEGIES)
+    parser.add_argument("--image-size", type=int, default=None, help="image side (default 224)")
+    parser.add_argument("--optimizer", default="sgd", choices=tuple(OPTIMIZERS))
+    parser.add_argument("--preset", default=None, help="gpt preset (default gpt2)")
+    parser.add_argument("--bandwidth", default="25GB", help="host<->device bytes/s (PCIe 4 x16)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    search = parser.add_mutually_exclusive_group()
+    search.add_argument("--max-depth", action="store_true", help="largest resnet depth that fits")
+    search.add_argument("--max-batch", action="store_true", help="largest batch that fits")
+
+
+def _model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {}
+    if args.image_size is not None:
+        kwargs["image_size"] = args.image_size
+    if args.model == "resnet" and args.depth is not None:
+        kwargs["depth"] = args.depth
+    elif args.depth is not None:
+        raise ConfigError("--depth applies to --model resnet only; use resnet50/101/152 by name")
+    if args.model == "gpt":
+        kwargs["preset"] = args.preset or "gpt2"
+    return kwargs
+
+
+def _progress(message: str) -> None:
+    print(f"[plan] {message}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    budget_bytes = parse_bytes(args.budget)
+    if args.batch < 1:
+        raise ConfigError(f"--batch must be >= 1, got {args.batch}")
+    cost = CostModel(bandwidth_bytes_per_s=float(parse_bytes(args.bandwidth)))
+    kwargs = _model_kwargs(args)
+    strategies = SEARCH_STRATEGIES if args.strategy == "auto" else (args.strategy,)
+    if args.max_depth or args.max_batch:
+        return _search(args, kwargs, strategies, budget_bytes, cost)
+    _progress(f"profiling {args.model} batch {args.batch} on fake tensors")
+    profile = profile_zoo(args.model, batch_size=args.batch, optimizer=args.optimizer, **kwargs)
+    record: dict[str, Any] = {"model": args.model, **kwargs, "batch": args.batch}
+    record["eager_peak_bytes"] = profile.predicted_peak_bytes()
+    try:
+        plan = make_plan(profile, budget_bytes=budget_bytes, strategy=args.strategy, cost=cost)
+    except InfeasibleBudgetError as exc:
+        record.update(
+            feasible=False,
+            strategy=args.strategy,
+            budget_bytes=budget_bytes,
+            min_budget_bytes=exc.min_budget_bytes,
+            min_budget_strategy=exc.strategy,
+            message=str(exc),
+        )
+        print(json.dumps(record, indent=1) if args.json else f"infeasible: {exc}")
+        return 1
+    record.update(
+        feasible=plan.feasible,
+        strategy=plan.strategy,
+        budget_bytes=budget_bytes,
+        predicted_peak_bytes=plan.predicted_peak_bytes,
+        min_budget_bytes=plan.min_budget_bytes,
+        host_bytes=plan.host_bytes,
+        extra_compute_s=plan.extra_compute_s,
+        transfer_s=plan.transfer_s,
+        optimizer_in_backward=plan.optimizer_in_backward,
+        units={a: plan.count(a) for a in ("keep", "offload", "recompute")},
+    )
+    if args.json:
+        print(json.dumps({**record, "plan": plan.to_dict()}, indent=1))
+        return 0
+    print(
+        f"{args.model} batch {args.batch}: budget {format_bytes(budget_bytes)}, "
+        f"strategy {plan.strategy}"
+    )
+    print(f"  eager peak        {format_bytes(record['eager_peak_bytes'])}")
+    print(f"  predicted peak    {format_bytes(plan.predicted_peak_bytes)}")
+    print(f"  minimum budget    {format_bytes(plan.min_budget_bytes)}")
+    print(f"  host bytes        {format_bytes(plan.host_bytes)}")
+    print(f"  extra compute     {plan.extra_compute_s * 1e3:.2f} ms/step (cost model)")
+    print(f"  transfers         {plan.transfer_s * 1e3:.2f} ms/step")
+    print(
+        f"  units             {record['units']}, optimizer in backward: "
+        f"{plan.optimizer_in_backward}"
+    )
+    return 0
+
+
+def _search(
+    args: argparse.Namespace,
+    kwargs: dict[str, Any],
+    strategies: tuple[str, ...],
+    budget_bytes: int,
+    cost: CostModel,
+) -> int:
+    from superneurons.models.resnet import n_to_depth
+
+    kwargs.pop("depth", None)
+    if args.max_depth:
+        if args.model != "resnet":
+            raise ConfigError("--max-depth searches the [6, 32, n, 6] family: use --model resnet")
+        peaks = zoo_peaks(
+            args.model, "n", cost=cost, optimizer=args.optimizer, batch_size=args.batch, **kwargs
+        )
+        sizes = DEPTH_SAMPLES
+    else:
+        peaks = zoo_peaks(args.model, "batch", cost=cost, optimizer=args.optimizer, **kwargs)
+        sizes = BATCH_SAMPLES
+    fits = max_fitting(
+        peaks, strategies, budget_bytes=budget_bytes, sizes=sizes, progress=_progress
+    )
+    records = []
+    for strategy, fit in fits.items():
+        record: dict[str, Any] = {
+            "strategy": strategy,
+            "model": args.model,
+            "budget_bytes": budget_bytes,
+            "fit_residual": fit.residual,
+            "slope_bytes": fit.slope_bytes,
+            "intercept_bytes": fit.intercept_bytes,
+        }
+        if args.max_depth:
+            record.update(
+                max_depth=n_to_depth(fit.size) if fit.size else 0, n=fit.size, batch=args.batch
+            )
+        else:
+            record.update(max_batch=fit.size)
+        records.append(record)
+    if args.json:
+        print(json.dumps(records[0] if len(records) == 1 else records, indent=1))
+    else:
+        key = "max_depth" if args.max_depth else "max_batch"
+        for r in records:
+            print(f"{r['strategy']:<26} {key} {r[key]:>6}   (fit residual {r['fit_residual']:.2%})")
+    return 0
