@@ -1,0 +1,105 @@
+"""Spec strings: canonical round trip, typed conversion, and helpful errors for bad input."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import pytest
+
+from superneurons.compress import CODECS, describe_codecs, parse_spec
+from superneurons.compress import spec as spec_module
+from superneurons.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "identity",
+        "fp16",
+        "bf16",
+        "signsgd",
+        "rangefloat:bits=4",
+        "fft:theta=0.5,bits=16,chunk=4096,select=sampled,index=gap",
+        "fft:theta=0.0,bits=32",
+        "topk:ratio=0.001,select=sampled",
+        "qsgd:levels=255,bucket=128",
+        "terngrad:clip=inf",
+    ],
+)
+def test_round_trip(text: str) -> None:
+    codec = parse_spec(text)
+    assert parse_spec(codec.spec) == codec
+    assert codec.spec.startswith(text.split(":")[0])
+
+
+def test_partial_spec_fills_defaults_and_tolerates_spaces() -> None:
+    assert parse_spec("  TopK : ratio = 0.1 ") == CODECS["topk"](ratio=0.1)  # type: ignore[call-arg]
+    assert parse_spec("qsgd:levels=8") == CODECS["qsgd"](levels=8)  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("nosuch", "valid codecs: identity, fp16"),
+        ("", "NAME:KEY=VALUE"),
+        (":theta=0.5", "no codec name"),
+        ("fft:", "nothing after ':'"),
+        ("fft:theta", "is not KEY=VALUE"),
+        ("fft:theta=", "is not KEY=VALUE"),
+        ("fft:theta=0.5,,bits=8", "is not KEY=VALUE"),
+        ("fft:bogus=1", "valid: theta, bits, chunk, select, index"),
+        ("signsgd:scale=1", "takes no parameters"),
+        ("fft:theta=high", "must be a number"),
+        ("qsgd:levels=2.5", "must be an integer"),
+        ("topk:ratio=0.1,ratio=0.2", "twice"),
+        ("fft:theta=1.0", "[0, 1)"),
+        ("fft:theta=-0.1", "[0, 1)"),
+        ("fft:bits=3", "not supported"),
+        ("rangefloat:bits=12", "not supported"),
+        ("qsgd:levels=0", "levels"),
+        ("topk:select=random", "select"),
+        ("fft:chunk=-1", "chunk"),
+    ],
+)
+def test_bad_specs_raise_helpful_config_errors(text: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_spec(text)
+    assert expected in str(info.value)
+
+
+def test_non_string_spec() -> None:
+    with pytest.raises(ConfigError, match="must be a string"):
+        parse_spec(0.9)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class _Typed:
+    """A codec-shaped dataclass exercising every supported field type."""
+
+    flag: bool = False
+    size: int | None = None
+    mode: Literal["a", "b"] = "a"
+    NAME: ClassVar[str] = "typed"
+
+
+def test_field_types_bool_optional_literal(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(spec_module.CODECS, "typed", _Typed)  # type: ignore[arg-type]
+    parsed = parse_spec("typed:flag=yes,size=none,mode=b")
+    assert parsed == _Typed(flag=True, size=None, mode="b")  # type: ignore[comparison-overlap]
+    assert parse_spec("typed:flag=0,size=12") == _Typed(flag=False, size=12)  # type: ignore[comparison-overlap]
+    for text, expected in [
+        ("typed:flag=maybe", "boolean"),
+        ("typed:size=big", "an integer or none"),
+        ("typed:mode=c", "one of 'a', 'b'"),
+    ]:
+        with pytest.raises(ConfigError, match=expected):
+            parse_spec(text)
+
+
+def test_describe_codecs_lists_every_codec() -> None:
+    text = describe_codecs()
+    assert "NAME:KEY=VALUE" in text
+    for name in CODECS:
+        assert f"  {name} " in text
+    assert "fft:theta=0.9" in text
