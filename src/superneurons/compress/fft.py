@@ -74,7 +74,7 @@ __all__ = ["SELECTS", "FFTCodec", "kept_count", "select_bins", "spectrum_layout"
 logger = logging.getLogger("superneurons.compress")
 
 SELECTS: tuple[str, ...] = ("exact", "sampled")
-_SAMPLE_SIZE = 8192  # powers sampled to estimate the threshold (select="sampled")
+_SAMPLE_SIZE = 16384  # powers sampled to estimate the threshold (select="sampled")
 _MARGIN_SIGMAS = 4.0  # lower the sampled quantile by this many binomial standard errors
 
 
@@ -92,33 +92,41 @@ def kept_count(universe: int, theta: float) -> int:
     return max(1, universe - math.floor(theta * universe))
 
 
-def _weighted_power(parts: torch.Tensor, length: int) -> torch.Tensor:
-    """``w * |X|**2`` per bin; ``parts`` is ``(C, B, 2)`` real/imag, result ``(C * B,)``."""
-    re, im = parts[..., 0], parts[..., 1]  # (C, B) each
-    power = re * re + im * im  # (C, B)
-    power[:, 1 : (length + 1) // 2] *= 2.0  # bins with a conjugate twin count twice
-    return power.reshape(-1)
+def _bin_score(parts: torch.Tensor, length: int) -> torch.Tensor:
+    """Per-bin ranking score ``w * |X|**2 / 2``; ``parts`` is ``(C, B, 2)``, result ``(C * B,)``.
+
+    Halving the two unpaired bins (0 and, for even ``L``, ``L / 2``) instead of doubling the
+    others gives the same order at a fraction of the cost. ``score <= |X|**2`` everywhere.
+    """
+    flat = parts.reshape(-1, 2)  # (C * B, 2)
+    score = torch.addcmul(flat[:, 0] * flat[:, 0], flat[:, 1], flat[:, 1])  # (C * B,)
+    by_chunk = score.view(parts.shape[0], parts.shape[1])  # (C, B)
+    by_chunk[:, 0] *= 0.5
+    if length % 2 == 0 and length > 1:
+        by_chunk[:, length // 2] *= 0.5
+    return score
 
 
 def select_bins(
     score: torch.Tensor, count: int, select: str, *, generator: torch.Generator | None = None
-) -> torch.Tensor:
-    """Bool mask with exactly ``count`` True entries at the largest ``score`` values."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mask, indices)`` of exactly ``count`` bins with the largest ``score``: a bool mask
+    over all bins and the kept bin indices in increasing order."""
     universe = score.numel()
     if count >= universe:
-        return torch.ones(universe, dtype=torch.bool)
+        return torch.ones(universe, dtype=torch.bool), torch.arange(universe)
     if select == "sampled" and universe > 4 * _SAMPLE_SIZE:
-        mask = _select_sampled(score, count, generator)
-        if mask is not None:
-            return mask
+        chosen = _select_sampled(score, count, generator)
+        if chosen is not None:
+            return chosen
     mask = torch.zeros(universe, dtype=torch.bool)
     mask[torch.topk(score, count, sorted=False).indices] = True
-    return mask
+    return mask, mask.nonzero().reshape(-1)
 
 
 def _select_sampled(
     score: torch.Tensor, count: int, generator: torch.Generator | None
-) -> torch.Tensor | None:
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     universe = score.numel()
     if generator is None:
         generator = torch.Generator().manual_seed(0)  # the kept set does not depend on it
@@ -127,16 +135,19 @@ def _select_sampled(
     margin = _MARGIN_SIGMAS * math.sqrt(keep_share * (1 - keep_share) / _SAMPLE_SIZE)
     rank = min(_SAMPLE_SIZE, max(1, round(_SAMPLE_SIZE * (1.0 - keep_share - margin))))
     threshold = torch.kthvalue(sample, rank).values
-    mask = score >= threshold
-    candidates = mask.nonzero().reshape(-1)
+    mask = score >= threshold  # (T,): a superset of the top `count` unless the sample erred
+    candidates = mask.nonzero().reshape(-1)  # increasing
     surplus = candidates.numel() - count
     if surplus < 0:
         logger.debug("sampled threshold kept %d < %d bins; exact fallback", surplus + count, count)
         return None
-    if surplus:
-        drop = torch.topk(score[candidates], surplus, largest=False, sorted=False).indices
-        mask[candidates[drop]] = False
-    return mask
+    if surplus == 0:
+        return mask, candidates
+    drop = torch.topk(score[candidates], surplus, largest=False, sorted=False).indices
+    keep = torch.ones(candidates.numel(), dtype=torch.bool)
+    keep[drop] = False
+    mask[candidates[drop]] = False
+    return mask, candidates[keep]
 
 
 @dataclass(frozen=True)
@@ -211,24 +222,23 @@ class FFTCodec:
         if chunks * length != numel:
             flat = torch.nn.functional.pad(flat, (0, chunks * length - numel))
         parts = torch.view_as_real(torch.fft.rfft(flat.view(chunks, length)))  # (C, B, 2)
-        score = _weighted_power(parts, length)  # (T,)
-        peak = float(score.max())
-        if not math.isfinite(peak):
+        score = _bin_score(parts, length)  # (T,)
+        if not math.isfinite(float(score.max())):
             return self._nan_payload(numel)
-        mask = select_bins(score, kept, self.select, generator=generator)
-        values = parts.reshape(universe, 2)[mask]  # (k, 2), in index order
+        mask, indices = select_bins(score, kept, self.select, generator=generator)
+        values = parts.reshape(universe, 2).index_select(0, indices)  # (k, 2), in index order
         if self.bits == 32:
             header = RangeFloatHeader(max_abs=float(values.abs().max()), exp_bits=0)
             value_bytes = values.reshape(-1).view(torch.uint8)
         else:
             # Range floor: the weakest kept bin's larger part is >= |X| / sqrt(2).
-            floor = math.sqrt(float((values * values).sum(1).min()) / 2.0)
+            floor = math.sqrt(float(score.index_select(0, indices).min()) / 2.0)
             codes, header = quantize(values.reshape(-1), self.bits, threshold=floor)
             value_bytes = write_codes(codes, self.bits)
         if self.index == "bitmap":
             index_code = encode_bitmap(mask)
         else:
-            index_code = encode_gap(mask.nonzero().reshape(-1), universe)
+            index_code = encode_gap(indices, universe)
         return Payload(torch.cat([header.to_bytes(), index_code, value_bytes]), numel)
 
     def _nan_payload(self, numel: int) -> Payload:

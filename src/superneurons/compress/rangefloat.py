@@ -205,6 +205,9 @@ def write_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def read_codes(data: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """Inverse of :func:`write_codes` (int32 codes)."""
+    if data.storage_offset() % 2:
+        # NOTE: bitpack's 16-bit path views the bytes as int16, which needs an even offset.
+        data = data.clone()
     return unpack_bits(data, bits, count).to(torch.int32)
 
 
