@@ -191,3 +191,19 @@ def test_signsgd_scaled_sign() -> None:
     torch.testing.assert_close(decoded.abs(), scale.expand(1001))
     assert torch.equal(torch.sign(decoded), torch.where(grad < 0, -1.0, 1.0))
     assert codec.payload_bytes(1001) == 4 + 126  # one bit per element, bit-packed
+
+
+@pytest.mark.parametrize("levels", [1, 3, 16, 100, 1000])
+def test_qsgd_codes_use_the_bitpack_layout(levels: int) -> None:
+    """QSGD's fast packer for odd widths must produce bitpack's exact bytes."""
+    from superneurons.compress.bitpack import unpack_bits
+
+    codec = QSGDCodec(levels=levels, bucket=1000)
+    numel = 1001
+    payload = codec.encode(torch.randn(numel), generator=torch.Generator().manual_seed(0))
+    codes = unpack_bits(payload.data[8:], codec.bits, numel)  # 2 norms = 8 header bytes
+    sign_bit = 1 << (codec.bits - 1)
+    levels_sent = (codes & (sign_bit - 1)).float()
+    signs = torch.where(codes >= sign_bit, -1.0, 1.0)
+    norms = payload.data[:8].view(torch.float32).repeat_interleave(1000)[:numel]
+    torch.testing.assert_close(codec.decode(payload), signs * levels_sent / levels * norms)
