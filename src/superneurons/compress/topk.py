@@ -43,6 +43,7 @@ _MIN_SAMPLES = 1024
 # Expected survivors of the sampled threshold, as a multiple of k: > 1 so that an estimate a
 # little too high still leaves >= k candidates (then the result equals exact top-k).
 _OVERSAMPLE = 2.0
+_MAX_NUMEL = 2**31 - 1  # int32 indices on the wire
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,11 @@ class TopKCodec:
 
     def kept(self, numel: int) -> int:
         """Number of elements kept for a gradient of ``numel`` elements."""
-        if numel < 1:
-            raise ConfigError(f"topk: numel must be >= 1, got {numel}")
+        if not 1 <= numel <= _MAX_NUMEL:
+            raise ConfigError(
+                f"topk: numel must be in 1..{_MAX_NUMEL} (indices travel as int32), got {numel}; "
+                "split larger buckets"
+            )
         return max(1, min(numel, math.floor(self.ratio * numel + 0.5)))
 
     def payload_bytes(self, numel: int) -> int:
