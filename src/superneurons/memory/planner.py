@@ -185,9 +185,14 @@ def _search(
     actions = {u.fqn: "keep" for u in profile.units}
     outcome = evaluate(profile, actions, optimizer_in_backward=opt_in, cost=cost)
     steps = _candidates(profile, _ALLOWED[strategy], cost)
-    if budget_bytes is None:  # the full prefix: the smallest peak of this strategy
-        actions.update(steps)
-        return actions, opt_in, evaluate(profile, actions, optimizer_in_backward=opt_in, cost=cost)
+    if budget_bytes is None:  # the prefix with the smallest peak of this strategy
+        best = (dict(actions), outcome)
+        for fqn, action in steps:
+            actions[fqn] = action
+            outcome = evaluate(profile, actions, optimizer_in_backward=opt_in, cost=cost)
+            if outcome.peak_bytes < best[1].peak_bytes:
+                best = (dict(actions), outcome)
+        return best[0], opt_in, best[1]
     for fqn, action in steps:
         if outcome.peak_bytes <= budget_bytes:
             break

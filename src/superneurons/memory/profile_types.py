@@ -21,7 +21,8 @@ CATEGORIES: tuple[str, ...] = ("params", "grads", "optimizer", "saved", "tempora
 
 
 def default_units(model: nn.Module) -> list[str]:
-    """The outermost non-leaf children of ``nn.Sequential``/``nn.ModuleList`` containers.
+    """The outermost non-leaf children of ``nn.Sequential``/``nn.ModuleList`` containers,
+    descending through containers of blocks (stages).
 
     For the zoo's ResNets these are the residual blocks, for GPT the transformer blocks. A model
     with none (e.g. a flat ``nn.Sequential`` of layers) gets its leaf layers as units.
@@ -33,8 +34,11 @@ def default_units(model: nn.Module) -> list[str]:
             continue
         for name, child in module.named_children():
             child_fqn = f"{fqn}.{name}" if fqn else name
-            if isinstance(child, containers) or not any(True for _ in child.children()):
-                continue
+            grandchildren = list(child.children())
+            if not grandchildren:
+                continue  # a leaf layer: units are blocks
+            if isinstance(child, containers) and all(any(g.children()) for g in grandchildren):
+                continue  # a stage of blocks: its blocks are the units
             if not any(child_fqn.startswith(f + ".") for f in found):
                 found.append(child_fqn)
     if not found and isinstance(model, nn.Sequential):
