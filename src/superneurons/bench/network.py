@@ -46,6 +46,7 @@ __all__ = [
     "DEFAULT_MODELS",
     "NetworkBenchConfig",
     "add_speedups",
+    "check_codec",
     "run_network_bench",
 ]
 
@@ -99,8 +100,26 @@ class NetworkBenchConfig:
             raise ConfigError("give at least one codec and one model")
         if self.steps < 1 or self.warmup_steps < 0 or self.compute_steps < 0:
             raise ConfigError("--steps must be >= 1 and --warmup >= 0")
-        if self.codecs.count("dense") != 1 and "dense" in self.codecs:
+        if self.codecs.count("dense") > 1:
             raise ConfigError("list 'dense' at most once")
+        for codec in self.codecs:
+            check_codec(codec)
+
+
+_TORCH_ONLY = ("dense", "torch-fp16", "torch-powersgd")
+
+
+def check_codec(codec: str) -> None:
+    """Fail before starting any rank if ``codec`` is not a spec the hook understands."""
+    try:
+        from superneurons.compress.torch_hooks import resolve_spec
+    except ImportError:  # no compression subsystem: the worker uses torch's hooks directly
+        if codec.partition(":")[0] not in _TORCH_ONLY:
+            raise ConfigError(
+                f"codec {codec!r} needs superneurons.compress; available: {_TORCH_ONLY}"
+            ) from None
+        return
+    resolve_spec(codec)
 
 
 @dataclass(frozen=True)
@@ -138,11 +157,38 @@ def _link(config: NetworkBenchConfig, rate_bit_s: int | None, say: Progress) -> 
         yield _Link(topology, measured)
 
 
-def _run_pair(
-    config: NetworkBenchConfig, link: _Link, model: str, codec: str, workdir: Path
-) -> dict[str, Any]:
-    """Start one worker per rank for (model, codec); returns rank 0's record."""
-    out = workdir / f"rank0-{os.getpid()}-{time.monotonic_ns()}.json"
+def _run_codecs(
+    config: NetworkBenchConfig, link: _Link, model: str, workdir: Path, say: Progress
+) -> list[dict[str, Any]]:
+    """Measure every codec on ``model``: one worker per rank runs the codecs in turn. If the
+    ranks fail (a crash, or a hang past the timeout), the codec they were on is recorded as
+    failed with the ranks' last log lines and fresh ranks carry on with the codecs after it."""
+    results: list[dict[str, Any]] = []
+    remaining = list(config.codecs)
+    while remaining:
+        say(f"  {model}: {', '.join(remaining)}")
+        done, error = _run_ranks(config, link, model, tuple(remaining), workdir)
+        for record in done:
+            results.append({"status": "ok", **record})
+            say(_describe(results[-1]))
+        remaining = remaining[len(done) :]
+        if error is not None and remaining:
+            results.append({"codec": remaining[0], "status": "failed", "error": error})
+            say(_describe(results[-1]))
+            remaining = remaining[1:]
+    return results
+
+
+def _run_ranks(
+    config: NetworkBenchConfig,
+    link: _Link,
+    model: str,
+    codecs: tuple[str, ...],
+    workdir: Path,
+) -> tuple[list[dict[str, Any]], str | None]:
+    """Start one worker per rank; returns the records of the codecs they finished and, if
+    they failed, an error summary."""
+    out = workdir / f"rank0-{time.monotonic_ns()}.jsonl"
     port = 29500 + int(time.monotonic_ns() % 400) if link.topology else _free_port()
     with ExitStack() as stack:
         procs, logs = [], []
@@ -154,7 +200,7 @@ def _run_pair(
                 "master_port": port,
                 "model": model,
                 "model_kwargs": config.models[model],
-                "codec": codec,
+                "codecs": list(codecs),
                 "batch_size": config.batch_size,
                 "warmup_steps": config.warmup_steps,
                 "steps": config.steps,
@@ -170,18 +216,17 @@ def _run_pair(
                 )
             )
             logs.append(log_file)
-        codes = _wait_all(procs, timeout_s=config.run_timeout_s)
-        if any(codes) or not out.exists():
-            tails = []
-            for rank, log_file in enumerate(logs):
-                log_file.seek(0)
-                lines = [ln for ln in log_file.read().splitlines() if ln.strip()]
-                tails.append(f"rank {rank} (exit {codes[rank]}): " + " | ".join(lines[-3:]))
-            return {"status": "failed", "error": "; ".join(tails)[-1500:]}
-    record: dict[str, Any] = json.loads(out.read_text())
-    record.pop("config", None)
-    out.unlink()
-    return {"status": "ok", **record}
+        timeout_s = config.run_timeout_s * len(codecs)
+        codes = _wait_all(procs, timeout_s=timeout_s)
+        done = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+        if not any(codes) and len(done) == len(codecs):
+            return done, None
+        tails = []
+        for rank, log_file in enumerate(logs):
+            log_file.seek(0)
+            lines = [ln for ln in log_file.read().splitlines() if ln.strip()]
+            tails.append(f"rank {rank} (exit {codes[rank]}): " + " | ".join(lines[-3:]))
+        return done, "; ".join(tails)[-1500:]
 
 
 def _wait_all(procs: Sequence[subprocess.Popen[bytes]], *, timeout_s: float) -> list[int]:
@@ -224,37 +269,32 @@ def run_network_bench(
     with ``status="failed"`` and the ranks' last log lines)."""
     say = progress or log.info
     records: list[dict[str, Any]] = []
-    total = len(config.bandwidths_bit_s) * len(config.models) * len(config.codecs)
     with tempfile.TemporaryDirectory(prefix="sn-network-") as tmp:
         for rate_bit_s in config.bandwidths_bit_s:
             bandwidth = format_rate(rate_bit_s) if rate_bit_s else "loopback"
+            say(f"== {bandwidth}, {config.nproc} ranks ==")
             with _link(config, rate_bit_s, say) as link:
                 for model in config.models:
-                    for codec in config.codecs:
-                        say(f"[{len(records) + 1}/{total}] {bandwidth} {model} {codec} ...")
-                        start_s = time.perf_counter()
-                        result = _run_pair(config, link, model, codec, Path(tmp))
-                        record = {
-                            "bandwidth": bandwidth,
-                            "bandwidth_bit_s": rate_bit_s,
-                            "measured_link_bit_s": link.measured_bit_s,
-                            "model": model,
-                            "model_kwargs": config.models[model],
-                            "codec": codec,
-                            **result,
-                            "wall_s": time.perf_counter() - start_s,
-                        }
-                        records.append(record)
-                        say(_describe(record))
+                    for result in _run_codecs(config, link, model, Path(tmp), say):
+                        records.append(
+                            {
+                                "bandwidth": bandwidth,
+                                "bandwidth_bit_s": rate_bit_s,
+                                "measured_link_bit_s": link.measured_bit_s,
+                                "model": model,
+                                "model_kwargs": config.models[model],
+                                **result,
+                            }
+                        )
     add_speedups(records)
     return records
 
 
 def _describe(record: dict[str, Any]) -> str:
     if record.get("status") != "ok":
-        return f"    failed: {record.get('error', '')[:300]}"
+        return f"    {record['codec']}: FAILED {record.get('error', '')[:300]}"
     return (
-        f"    step {record['mean_step_s']:.3f} s (compute {record['compute_step_s']:.3f} s), "
+        f"    {record['codec']}: step {record['mean_step_s']:.3f} s (compute {record['compute_step_s']:.3f} s), "
         f"{record['bytes_per_step'] / 1e6:.2f} MB/step, loss {record['first_loss']:.3f} -> "
         f"{record['last_loss']:.3f}"
     )

@@ -1,4 +1,4 @@
-"""One rank of the network benchmark: real data-parallel training steps under one codec.
+"""One rank of the network benchmark: real data-parallel training steps under each codec.
 
 Started by :mod:`superneurons.bench.network` as ``python -m superneurons.bench.network_worker
 CONFIG_JSON`` inside the rank's network namespace (or on loopback). Each rank runs one thread
@@ -7,11 +7,13 @@ ops 30-50x slower here, CONTEXT section 4), joins a gloo group over the shaped l
 
 1. times ``compute_steps`` local forward/backward/optimizer steps with no communication (the
    compute-only reference, both ranks computing at once as they do under DDP);
-2. wraps the model in DDP, registers the codec's comm hook and times ``steps`` training steps
-   after ``warmup_steps`` untimed ones (DDP rebuilds its buckets after the first step, and
-   PyTorch's PowerSGD runs dense for its first iterations).
+2. for each codec in turn (one process start and one gloo rendezvous for all of them), builds
+   the model afresh with the same weights, wraps it in DDP, registers the codec's comm hook
+   and times ``steps`` training steps after ``warmup_steps`` untimed ones (DDP rebuilds its
+   buckets after the first step, and PyTorch's PowerSGD runs dense for its first iterations).
 
-Rank 0 writes one JSON record to ``out``. Bytes per step come from the hook's counter where
+Rank 0 appends one JSON line per finished codec to ``out``, so a crash or hang in one codec
+loses nothing measured before it (the parent restarts the ranks for the codecs after it). Bytes per step come from the hook's counter where
 the hook keeps one, otherwise from the analytic volume of a ring all-reduce (stated in the
 record's ``bytes_source``).
 """
@@ -25,9 +27,8 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,7 +52,7 @@ class WorkerConfig:
     master_addr: str
     master_port: int
     model: str
-    codec: str
+    codecs: tuple[str, ...]
     batch_size: int = 32
     warmup_steps: int = 2
     steps: int = 5
@@ -67,6 +68,8 @@ class WorkerConfig:
             raise ConfigError(f"rank {self.rank} outside world size {self.world_size}")
         if self.steps < 1 or self.warmup_steps < 0 or self.compute_steps < 0:
             raise ConfigError("steps must be >= 1, warmup_steps and compute_steps >= 0")
+        if not self.codecs:
+            raise ConfigError("give at least one codec")
         if self.batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
 
@@ -181,15 +184,15 @@ def _register_torch(ddp: DistributedDataParallel, codec: str, warmup_steps: int)
 
 def _bytes_counter(state: Any) -> int | None:
     """The hook state's cumulative bytes-sent counter, if it keeps one."""
-    for attr in ("bytes_sent", "total_bytes_sent", "sent_bytes"):
+    for attr in ("bytes_sent_total", "bytes_sent"):
         value = getattr(state, attr, None)
         if isinstance(value, int | float):
             return int(value)
     return None
 
 
-def run_worker(config: WorkerConfig) -> dict[str, Any] | None:
-    """Run this rank; returns rank 0's record (None on other ranks)."""
+def run_worker(config: WorkerConfig) -> None:
+    """Run this rank: join the group, measure every codec, leave the group."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -199,33 +202,46 @@ def run_worker(config: WorkerConfig) -> dict[str, Any] | None:
         timeout=timedelta(seconds=config.timeout_s),
     )
     try:
-        return _run(config)
+        _run(config)
     finally:
         dist.destroy_process_group()
 
 
-def _run(config: WorkerConfig) -> dict[str, Any] | None:
+def _run(config: WorkerConfig) -> None:
     from superneurons.models import default_loss
 
     loss_fn = default_loss(config.model)
     batches = _batches(config)
     model = _build_model(config)
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-
     local_opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
     no_sync: Callable[[], None] = lambda: None  # noqa: E731
     _timed_steps(model, local_opt, batches, 1, loss_fn=loss_fn, sync=no_sync)  # first-call costs
     compute_s, _ = _timed_steps(
         model, local_opt, batches, config.compute_steps, loss_fn=loss_fn, sync=dist.barrier
     )
+    for codec in config.codecs:
+        record = _run_codec(config, codec, batches, loss_fn)
+        if config.rank == 0 and config.out:
+            record.update(nproc=config.world_size, params=numel, compute_step_s=compute_s)
+            with open(config.out, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(record) + "\n")
 
+
+def _run_codec(
+    config: WorkerConfig,
+    codec: str,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> dict[str, Any]:
     model = _build_model(config)  # fresh weights: every codec starts from the same point
     ddp = DistributedDataParallel(model)
-    state = _register(ddp, config.codec, config.warmup_steps)
+    state = _register(ddp, codec, config.warmup_steps)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=config.lr, momentum=0.9)
     with torch.no_grad():
         x, y = next(batches)
         first_loss = float(loss_fn(model(x), y).item())
+    no_sync: Callable[[], None] = lambda: None  # noqa: E731
     _timed_steps(ddp, optimizer, batches, config.warmup_steps, loss_fn=loss_fn, sync=no_sync)
     before = _bytes_counter(state)
     step_s, last_loss = _timed_steps(
@@ -235,20 +251,15 @@ def _run(config: WorkerConfig) -> dict[str, Any] | None:
     if before is not None and after is not None:
         bytes_per_step, source = (after - before) / config.steps, "hook counter"
     else:
-        bytes_per_step = analytic_bytes_per_step(model, config.codec, config.world_size)
+        bytes_per_step = analytic_bytes_per_step(model, codec, config.world_size)
         source = "analytic ring all-reduce"
-    if config.rank != 0:
-        return None
     return {
         "model": config.model,
-        "codec": config.codec,
-        "nproc": config.world_size,
-        "params": numel,
+        "codec": codec,
         "batch_size": config.batch_size,
         "warmup_steps": config.warmup_steps,
         "steps": config.steps,
         "mean_step_s": step_s,
-        "compute_step_s": compute_s,
         "bytes_per_step": bytes_per_step,
         "bytes_source": source,
         "first_loss": first_loss,
@@ -260,11 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         raise SystemExit("usage: python -m superneurons.bench.network_worker CONFIG_JSON")
-    config = WorkerConfig(**json.loads(args[0]))
+    raw = json.loads(args[0])
+    config = WorkerConfig(**{**raw, "codecs": tuple(raw.get("codecs", ()))})
     logging.basicConfig(level=os.environ.get("SUPERNEURONS_LOG", "WARNING"))
-    record = run_worker(config)
-    if record is not None and config.out:
-        Path(config.out).write_text(json.dumps({"config": asdict(config), **record}) + "\n")
+    run_worker(config)
     return 0
 
 

@@ -1,0 +1,146 @@
+"""The network benchmark's records: schema, speedups and artifacts, from tiny real runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from superneurons.bench import network
+from superneurons.bench.network import (
+    NetworkBenchConfig,
+    _wait_all,
+    add_speedups,
+    run_network_bench,
+    write_artifacts,
+)
+from superneurons.bench.network_worker import analytic_bytes_per_step
+from superneurons.cli import main
+from superneurons.errors import ConfigError
+from superneurons.models import build_model
+
+TINY = {"mlp": {"hidden": [16]}}
+REQUIRED = {"bandwidth", "model", "codec", "mean_step_s", "speedup_vs_dense", "bytes_per_step"}
+
+
+def _tiny(**overrides: object) -> NetworkBenchConfig:
+    options: dict[str, object] = {
+        "bandwidths_bit_s": (None,),
+        "models": TINY,
+        "codecs": ("dense", "torch-fp16"),
+        "warmup_steps": 2,
+        "steps": 2,
+        "compute_steps": 1,
+        "batch_size": 8,
+        "shaping": False,
+    }
+    options.update(overrides)
+    return NetworkBenchConfig(**options)  # type: ignore[arg-type]
+
+
+@pytest.mark.dist
+def test_loopback_run_records_and_artifacts(tmp_path: Path) -> None:
+    config = _tiny()
+    records = run_network_bench(config, progress=lambda _msg: None)
+    assert [r["codec"] for r in records] == ["dense", "torch-fp16"]
+    for record in records:
+        assert record["status"] == "ok", record.get("error")
+        assert record.keys() >= REQUIRED
+        assert record["mean_step_s"] > 0 and record["compute_step_s"] > 0
+        assert record["last_loss"] == pytest.approx(record["last_loss"])  # finite
+    numel = sum(p.numel() for p in build_model("mlp", **TINY["mlp"]).parameters())
+    dense, fp16 = records
+    assert dense["speedup_vs_dense"] == 1.0
+    assert dense["bytes_per_step"] == 4 * numel  # ring all-reduce, P=2: 2(P-1)/P x 4 bytes
+    assert fp16["bytes_per_step"] == pytest.approx(2 * numel, rel=0.05)  # fp16 on the wire
+    assert fp16["speedup_vs_dense"] == pytest.approx(dense["mean_step_s"] / fp16["mean_step_s"])
+
+    paths = write_artifacts(records, tmp_path, config)
+    assert {p.name for p in paths} == {"network.json", "network.md", "network.png"}
+    body = json.loads((tmp_path / "network.json").read_text())
+    assert body["records"][1]["codec"] == "torch-fp16" and "environment" in body
+    assert "| loopback | mlp | torch-fp16 |" in (tmp_path / "network.md").read_text()
+
+
+@pytest.mark.dist
+@pytest.mark.netns
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("tc") is None, reason="needs root with ip and tc"
+)
+def test_shaped_run_between_namespaces() -> None:
+    config = _tiny(bandwidths_bit_s=(100_000_000,), codecs=("dense",), shaping=True)
+    (record,) = run_network_bench(config, progress=lambda _msg: None)
+    assert record["status"] == "ok", record.get("error")
+    assert record["bandwidth"] == "100mbit"
+    assert 50e6 < record["measured_link_bit_s"] < 101e6
+
+
+def test_unknown_codec_fails_before_any_rank_starts() -> None:
+    with pytest.raises(ConfigError):
+        _tiny(codecs=("dense", "no-such-codec"))
+
+
+def test_failed_codec_is_recorded_and_fresh_ranks_run_the_rest(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    calls: list[tuple[str, ...]] = []
+    fields = dict.fromkeys(
+        ("mean_step_s", "compute_step_s", "bytes_per_step", "first_loss", "last_loss"), 1.0
+    )
+
+    def fake_ranks(config, link, model, codecs, workdir):  # type: ignore[no-untyped-def]
+        calls.append(codecs)
+        if "torch-fp16" in codecs:  # the ranks finish dense, then die on torch-fp16
+            return [{"codec": c, **fields} for c in codecs[:1]], "rank 0 (exit 1): x"
+        return [{"codec": c, **fields} for c in codecs], None
+
+    monkeypatch.setattr(network, "_run_ranks", fake_ranks)
+    config = _tiny(codecs=("dense", "torch-fp16", "torch-powersgd:rank=4"))
+    records = network.run_network_bench(config, progress=lambda _m: None)
+    assert calls == [config.codecs, ("torch-powersgd:rank=4",)]
+    assert [(r["codec"], r["status"]) for r in records] == [
+        ("dense", "ok"),
+        ("torch-fp16", "failed"),
+        ("torch-powersgd:rank=4", "ok"),
+    ]
+    assert records[1]["speedup_vs_dense"] is None and "exit 1" in records[1]["error"]
+
+
+def test_one_failed_rank_ends_the_others_at_once() -> None:
+    """A rank that dies must not leave its peer blocked in a collective until gloo's timeout."""
+    procs = [subprocess.Popen(["sleep", "30"]), subprocess.Popen(["false"])]
+    start_s = time.monotonic()
+    codes = _wait_all(procs, timeout_s=60)
+    assert time.monotonic() - start_s < 10
+    assert codes[1] == 1 and codes[0] != 0
+
+
+def test_speedup_is_relative_to_dense_of_the_same_link_and_model() -> None:
+    records = [
+        {"bandwidth": b, "model": "m", "codec": c, "mean_step_s": s, "status": "ok"}
+        for b, c, s in [("1gbit", "dense", 2.0), ("1gbit", "fft", 0.5), ("10mbit", "fft", 1.0)]
+    ]
+    add_speedups(records)
+    assert [r["speedup_vs_dense"] for r in records] == [1.0, 4.0, None]
+
+
+def test_analytic_powersgd_bytes_follow_torch_rule() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(100, 50), torch.nn.Linear(50, 2))
+    # 100x50 compressed to rank 4: 4 (50 + 100); the 2x50 matrix and both biases stay dense.
+    expected = 4 * (4 * (50 + 100) + 50 + 2 * 50 + 2)
+    numel = 100 * 50 + 50 + 50 * 2 + 2
+    assert analytic_bytes_per_step(model, "torch-powersgd:rank=4", 2) == expected
+    assert analytic_bytes_per_step(model, "dense", 4) == pytest.approx(1.5 * 4 * numel)
+
+
+def test_bad_cli_input_is_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "network", "--bandwidth", "fast", "--out", "x"]) == 2
+    assert "cannot parse bandwidth" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="nproc"):
+        _tiny(nproc=1)
