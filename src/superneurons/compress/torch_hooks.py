@@ -1,0 +1,176 @@
+"""PyTorch's own DDP communication as anchors: ``dense``, ``torch-fp16``, ``torch-powersgd``.
+
+Benchmarks compare our codecs against what a PyTorch user already has:
+
+* ``dense`` / ``torch-allreduce``: no hook, DDP's built-in fp32 all-reduce;
+* ``torch-fp16``: ``default_hooks.fp16_compress_hook`` (divide by world size, cast, all-reduce);
+* ``torch-powersgd:rank=4``: ``powerSGD_hook.powerSGD_hook`` with a ``PowerSGDState``
+  (Vogels et al., NeurIPS'19). NOTE: it issues its second all-reduce from a future callback
+  and crashed with more than one bucket on gloo in 2 of 3 runs (CONTEXT §4); use a large
+  ``bucket_cap_mb`` with it on gloo, or our ``powersgd`` which is multi-bucket safe.
+
+Spec resolution for the whole hook: names handled here (and ``powersgd``) come first, every
+other name goes to :func:`superneurons.compress.spec.parse_spec`.
+"""
+
+from __future__ import annotations
+
+import logging
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from superneurons.compress.hookstate import CompressionState
+from superneurons.compress.powersgd import PowerSGD, parse_powersgd
+from superneurons.errors import ConfigError
+
+__all__ = ["TorchAnchor", "as_comm_hook", "parse_anchor", "register_anchor", "resolve_spec"]
+
+logger = logging.getLogger("superneurons.compress")
+
+_ANCHORS = ("dense", "torch-allreduce", "torch-fp16", "torch-powersgd")
+
+
+@dataclass(frozen=True)
+class TorchAnchor:
+    """One of PyTorch's built-in reductions; ``rank`` only matters for torch-powersgd."""
+
+    name: str
+    rank: int = 4
+
+    def __post_init__(self) -> None:
+        if self.name not in _ANCHORS:
+            raise ConfigError(f"unknown torch anchor {self.name!r}; choose one of {_ANCHORS}")
+        if self.rank < 1:
+            raise ConfigError(f"torch-powersgd: rank must be >= 1, got {self.rank}")
+
+    @property
+    def spec(self) -> str:
+        return f"torch-powersgd:rank={self.rank}" if self.name == "torch-powersgd" else self.name
+
+    @property
+    def summable(self) -> bool:
+        return True
+
+
+def parse_anchor(text: str) -> TorchAnchor | None:
+    """``dense``, ``torch-allreduce``, ``torch-fp16``, ``torch-powersgd[:rank=R]``; else None."""
+    name, _, rest = text.strip().partition(":")
+    name = name.strip().lower()
+    if name not in _ANCHORS:
+        return None
+    rank = 4
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, sep, value = item.partition("=")
+        if name != "torch-powersgd" or not sep or key.strip() != "rank":
+            raise ConfigError(f"{name}: unknown option {item!r} (only torch-powersgd:rank=R)")
+        try:
+            rank = int(value)
+        except ValueError:
+            raise ConfigError(f"{name}: rank must be an integer, got {value!r}") from None
+    return TorchAnchor(name, rank)
+
+
+def resolve_spec(text: str) -> Any:
+    """A spec string → a :class:`TorchAnchor`, a :class:`PowerSGD` or a codec from parse_spec."""
+    if not isinstance(text, str) or not text.strip():
+        raise ConfigError("empty compression spec; write e.g. fft:theta=0.9,bits=8 or dense")
+    found: TorchAnchor | PowerSGD | None = parse_anchor(text) or parse_powersgd(text)
+    if found is not None:
+        return found
+    try:
+        from superneurons.compress.spec import parse_spec
+    except ImportError as exc:  # the codec zoo is a separate module
+        raise ConfigError(f"codec {text!r} needs superneurons.compress.spec ({exc})") from exc
+    return parse_spec(text)
+
+
+def as_comm_hook(hook: Any) -> Any:
+    """Turn ``hook``'s string annotations (``from __future__ import annotations``) into the
+    objects DDP's ``register_comm_hook`` compares them with."""
+    hook.__annotations__ = typing.get_type_hints(hook)
+    return hook
+
+
+def _dense_bytes(bucket: dist.GradBucket) -> int:
+    buffer = bucket.buffer()
+    return buffer.numel() * 4
+
+
+def register_anchor(ddp_model: DistributedDataParallel, state: CompressionState) -> None:
+    """Install the anchor ``state.codec`` on ``ddp_model`` (no hook for dense)."""
+    anchor = state.codec
+    assert isinstance(anchor, TorchAnchor)
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if anchor.name in ("dense", "torch-allreduce"):
+        # NOTE: no hook at all, the honest anchor; bytes are known without looking.
+        params = [p for p in ddp_model.parameters() if p.requires_grad]
+        dense = sum(p.numel() * p.element_size() for p in params)
+        state.bytes_sent_step = state.dense_bytes_step = dense
+        state.torch_state = None
+        _count_steps_without_hook(ddp_model, state, dense)
+        return
+    if anchor.name == "torch-fp16":
+
+        def fp16_hook(
+            st: CompressionState, bucket: dist.GradBucket
+        ) -> torch.futures.Future[torch.Tensor]:
+            if bucket.index() == 0:
+                st.begin_step()
+            st.count(sent_bytes=bucket.buffer().numel() * 2, dense_bytes=_dense_bytes(bucket))
+            fut = default_hooks.fp16_compress_hook(st.process_group, bucket)
+            if bucket.is_last():
+                st.end_step()
+            return fut
+
+        ddp_model.register_comm_hook(state, as_comm_hook(fp16_hook))
+        return
+    torch_state = powerSGD_hook.PowerSGDState(
+        process_group=state.process_group,
+        matrix_approximation_rank=anchor.rank,
+        start_powerSGD_iter=max(2, state.options.warmup_steps),
+        use_error_feedback=state.options.error_feedback,
+        warm_start=True,
+        random_seed=state.options.seed,
+    )
+    state.torch_state = torch_state
+    estimate = PowerSGD(rank=anchor.rank)
+
+    def powersgd_hook(
+        st: CompressionState, bucket: dist.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
+        if bucket.index() == 0:
+            st.begin_step()
+        dense = _dense_bytes(bucket)
+        # NOTE: an estimate (torch's hook keeps no byte counter): factors of every matrix it
+        # compresses (min_compression_rate=2 is close to our "factors smaller" rule).
+        compressed = st.step >= torch_state.start_powerSGD_iter
+        shapes = [tuple(p.shape) for p in bucket.parameters()]
+        st.count(
+            sent_bytes=estimate.payload_bytes(shapes) if compressed else dense, dense_bytes=dense
+        )
+        fut = powerSGD_hook.powerSGD_hook(torch_state, bucket)
+        if bucket.is_last():
+            st.end_step()
+        return fut
+
+    ddp_model.register_comm_hook(state, as_comm_hook(powersgd_hook))
+
+
+def _count_steps_without_hook(
+    ddp_model: DistributedDataParallel, state: CompressionState, dense_bytes: int
+) -> None:
+    """Advance ``state.step`` once per forward in training mode (no hook to count with)."""
+
+    def after_forward(module: torch.nn.Module, _inputs: Any, _output: Any) -> None:
+        if module.training and torch.is_grad_enabled():
+            state.begin_step()
+            state.count(sent_bytes=dense_bytes, dense_bytes=dense_bytes)
+            state.end_step()
+
+    ddp_model.register_forward_hook(after_forward)
