@@ -1,0 +1,45 @@
+"""Memory: profile a training step, plan keep/offload/recompute under a byte budget, run the plan.
+
+SuperNeurons (Wang et al., PPoPP'18): liveness analysis, unified tensor pool, cost-aware
+recomputation, in eager PyTorch. The verbs: ``profile_step`` -> ``make_plan`` -> ``apply_plan``.
+"""
+
+from __future__ import annotations
+
+from superneurons.memory.plan import (
+    ACTIONS,
+    PLAN_VERSION,
+    STRATEGIES,
+    InfeasibleBudgetError,
+    Plan,
+    TensorDecision,
+    UnitDecision,
+    make_plan,
+)
+from superneurons.memory.planner import CostModel, min_peak_bytes
+from superneurons.memory.profile import profile_step
+from superneurons.memory.profile_types import Profile, SavedTensor, UnitProfile, default_units
+from superneurons.memory.simulate import profile_zoo
+from superneurons.memory.tracker import LiveStorageTracker
+
+__all__ = [
+    # profiling
+    "LiveStorageTracker",
+    "Profile",
+    "SavedTensor",
+    "UnitProfile",
+    "default_units",
+    "profile_step",
+    "profile_zoo",
+    # planning
+    "ACTIONS",
+    "PLAN_VERSION",
+    "STRATEGIES",
+    "CostModel",
+    "InfeasibleBudgetError",
+    "Plan",
+    "TensorDecision",
+    "UnitDecision",
+    "make_plan",
+    "min_peak_bytes",
+]

@@ -286,16 +286,16 @@ def _run(
         for handle in handles:
             handle.remove()
     step_s = time.perf_counter() - start_s
-    grads = {tracker.serial_of(p.grad) for p in model.parameters() if p.grad is not None}
-    opt_state = {tracker.serial_of(t) for t in _optimizer_tensors(optimizer)}
+    grads = {tracker.serial_of(p.grad) for p in model.parameters() if p.grad is not None} - {None}
+    opt_state = {tracker.serial_of(t) for t in _optimizer_tensors(optimizer)} - {None}
     return Profile.from_recording(
         tracker=tracker,
         saved_rows=rec.saved,
         unit_rows=rec.unit_rows,
         unit_order=[f for f in dict(model.named_modules()) if f in rec.unit_rows],
         param_storages=rec.param_storages,
-        grad_storages=grads,
-        opt_storages=opt_state,
+        grad_storages=grads,  # type: ignore[arg-type]
+        opt_storages=opt_state,  # type: ignore[arg-type]
         op_of_storage=rec.op_of_storage,
         events=events,
         fake=fake,

@@ -197,9 +197,9 @@ class Profile:
                 totals[cat] += nbytes
             if cat == "optimizer" and tracker.births[sid] >= 0:
                 opt_births.append((birth, nbytes))
-            row = CATEGORIES.index(cat)
-            delta[row, birth] += nbytes
-            delta[row, min(death, last) + 1] -= nbytes
+            cat_row = CATEGORIES.index(cat)
+            delta[cat_row, birth] += nbytes
+            delta[cat_row, min(death, last) + 1] -= nbytes
         timeline = np.cumsum(delta[:, :num_events], axis=1)
         index_of: dict[int, int] = {}
         lives: list[dict[str, Any]] = []
