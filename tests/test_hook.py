@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -10,12 +11,20 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from distributed import run_ranks
+from distributed import Ranks
 from superneurons.compress.cast import Fp16Codec, IdentityCodec
 from superneurons.compress.qsgd import QSGDCodec
 from superneurons.compress.topk import TopKCodec
 
 pytestmark = pytest.mark.dist
+
+
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[Ranks]:
+    """One 2-rank gloo group for the whole module (starting ranks costs seconds)."""
+    with Ranks(2) as group:
+        yield group
+
 
 # Tiny buckets: every parameter gets its own bucket, so multi-bucket ordering is exercised.
 _TINY_BUCKET_MB = 0.0001
@@ -71,8 +80,8 @@ def _identity_vs_plain(rank: int, world_size: int) -> tuple[list[torch.Tensor], 
     return _params(plain), _params(hooked)
 
 
-def test_identity_equals_plain_ddp_bitwise() -> None:
-    for plain, hooked in run_ranks(_identity_vs_plain):
+def test_identity_equals_plain_ddp_bitwise(ranks: Ranks) -> None:
+    for plain, hooked in ranks.run(_identity_vs_plain):
         for a, b in zip(plain, hooked, strict=True):
             assert torch.equal(a, b)
 
@@ -101,8 +110,8 @@ def _lossy_runs(rank: int, world_size: int) -> list[tuple[str, list[torch.Tensor
     return out
 
 
-def test_lossy_codecs_keep_ranks_identical_over_many_buckets() -> None:
-    rank0, rank1 = run_ranks(_lossy_runs, timeout_s=120)
+def test_lossy_codecs_keep_ranks_identical_over_many_buckets(ranks: Ranks) -> None:
+    rank0, rank1 = ranks.run(_lossy_runs, timeout_s=120)
     torch.manual_seed(0)
     reference = [p.detach() for p in _Net().parameters()]
     for (spec, params0, sent, dense), (_, params1, _, _) in zip(rank0, rank1, strict=True):
@@ -149,8 +158,8 @@ def _resume(rank: int, world_size: int, spec: str) -> tuple[list[torch.Tensor], 
 
 
 @pytest.mark.parametrize("spec", ["qsgd", "powersgd:rank=2"])
-def test_save_resume_continues_exactly(spec: str) -> None:
-    for straight, resumed, res_a, res_b in run_ranks(_resume, spec):
+def test_save_resume_continues_exactly(ranks: Ranks, spec: str) -> None:
+    for straight, resumed, res_a, res_b in ranks.run(_resume, spec):
         assert len(res_a) == len(res_b) > 0
         for a, b in zip(straight + res_a, resumed + res_b, strict=True):
             assert torch.equal(a, b)
@@ -169,8 +178,8 @@ def _mismatch(rank: int, world_size: int) -> tuple[str, float]:
     return "", time.monotonic() - start
 
 
-def test_mismatched_settings_fail_fast_on_every_rank() -> None:
-    for message, elapsed_s in run_ranks(_mismatch, timeout_s=30):
+def test_mismatched_settings_fail_fast_on_every_rank(ranks: Ranks) -> None:
+    for message, elapsed_s in ranks.run(_mismatch, timeout_s=30):
         assert "configured differently" in message and "ratio=0.2" in message
         assert elapsed_s < 5.0
 
@@ -215,8 +224,8 @@ def _nan_policy(rank: int, world_size: int) -> list[tuple[str, bool, bool, bool,
     return out
 
 
-def test_nan_gradient_is_nonfinite_on_all_ranks_and_state_stays_clean() -> None:
-    for results in run_ranks(_nan_policy):
+def test_nan_gradient_is_nonfinite_on_all_ranks_and_state_stays_clean(ranks: Ranks) -> None:
+    for results in ranks.run(_nan_policy):
         for spec, nonfinite_everywhere, residuals_finite, q_finite, params_finite in results:
             assert nonfinite_everywhere, spec
             assert residuals_finite and q_finite and params_finite, spec

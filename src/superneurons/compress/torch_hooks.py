@@ -123,7 +123,8 @@ def register_anchor(ddp_model: DistributedDataParallel, state: CompressionState)
             if bucket.index() == 0:
                 st.begin_step()
             st.count(sent_bytes=bucket.buffer().numel() * 2, dense_bytes=_dense_bytes(bucket))
-            fut = default_hooks.fp16_compress_hook(st.process_group, bucket)
+            group = st.process_group or dist.group.WORLD
+            fut = default_hooks.fp16_compress_hook(group, bucket)  # type: ignore[arg-type]
             if bucket.is_last():
                 st.end_step()
             return fut
