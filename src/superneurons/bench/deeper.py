@@ -77,6 +77,11 @@ def run_deeper(
                 else None,
                 "slope_mib_per_block": fit.slope_bytes / 2**20,
                 "fit_residual": fit.residual,
+                # NOTE: CONTEXT's anchors match 0.95 x 12 GB (decimal, 10.62 GiB); same fit.
+                "max_depth_12GB": _depth_at(fit, budget_fraction * 12e9),
+                "vs_anchor_12GB": _depth_at(fit, budget_fraction * 12e9) / anchor
+                if anchor
+                else None,
             }
         )
     validation: dict[str, Any] = {}
@@ -112,6 +117,13 @@ def run_deeper(
     return records
 
 
+def _depth_at(fit: Any, budget_bytes: float) -> int:
+    if fit.slope_bytes <= 0:
+        return 0
+    n = int((budget_bytes - fit.intercept_bytes) // fit.slope_bytes)
+    return n_to_depth(n) if n >= 1 else 0
+
+
 def _write(
     out_dir: Path, records: list[dict[str, Any]], validation: dict[str, float], budget_bytes: int
 ) -> None:
@@ -126,16 +138,20 @@ def _write(
         targets=PAPER_DEPTHS,
     )
     body = (
-        f"Budget for depth: {budget_bytes / GIB:.2f} GiB (0.95 x 12 GiB); batch 16, 224x224, "
+        f"Budget for depth: {budget_bytes / GIB:.2f} GiB (0.95 x 12 GiB; `max_depth_12GB`: the "
+        "same fit at 0.95 x 12e9 bytes = 10.62 GiB, the budget CONTEXT's anchors match); "
+        "batch 16, 224x224, "
         "fp32, SGD momentum 0.9, gradients set to None between steps, fake tensors.\n\n"
         + markdown_table(
             depth_rows,
             [
                 "strategy",
                 "max_depth",
+                "max_depth_12GB",
                 "vs_eager",
                 "anchor_depth",
                 "vs_anchor",
+                "vs_anchor_12GB",
                 "target_depth",
                 "meets_target",
                 "slope_mib_per_block",
