@@ -207,3 +207,14 @@ def test_qsgd_codes_use_the_bitpack_layout(levels: int) -> None:
     signs = torch.where(codes >= sign_bit, -1.0, 1.0)
     norms = payload.data[:8].view(torch.float32).repeat_interleave(1000)[:numel]
     torch.testing.assert_close(codec.decode(payload), signs * levels_sent / levels * norms)
+
+
+def test_topk_sampled_falls_back_to_exact_when_the_threshold_is_too_high(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from superneurons.compress import topk as topk_module
+
+    monkeypatch.setattr(topk_module, "_OVERSAMPLE", 0.1)  # threshold leaves ~k/10 survivors
+    grad = torch.randn(100_000)
+    exact, sampled = TopKCodec(ratio=0.01), TopKCodec(ratio=0.01, select="sampled")
+    assert torch.equal(exact.decode(exact.encode(grad)), sampled.decode(sampled.encode(grad)))
