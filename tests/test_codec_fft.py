@@ -104,6 +104,7 @@ def test_theta_zero_round_trips_to_float32_fft_tolerance() -> None:
 
 CONFIGS = (
     FFTCodec(),
+    FFTCodec(chunk=0, select="exact"),
     FFTCodec(chunk=4096, select="sampled", index="gap"),
     FFTCodec(theta=0.5, bits=4, chunk=1024),
     FFTCodec(theta=0.0, bits=32),
@@ -128,9 +129,11 @@ def test_kept_count_is_a_fixed_function_and_bits_per_element_target() -> None:
     assert spectrum_layout(4097, 4096) == (4096, 2)
     assert spectrum_layout(100, 4096) == (100, 1)
     n = 2**20
-    bits_per_element = 8 * FFTCodec(theta=0.9, bits=8).payload_bytes(n) / n
-    assert bits_per_element <= 1.5  # task target; the bitmap layout predicts ~1.30
-    assert 8 * FFTCodec(theta=0.9, bits=8, index="gap").payload_bytes(n) / n < bits_per_element
+    for chunk in (0, 512, 4096):
+        bits_per_element = 8 * FFTCodec(theta=0.9, bits=8, chunk=chunk).payload_bytes(n) / n
+        assert bits_per_element <= 1.5  # task target; the bitmap layout predicts ~1.30
+        gap = FFTCodec(theta=0.9, bits=8, chunk=chunk, index="gap")
+        assert 8 * gap.payload_bytes(n) / n < bits_per_element
 
 
 @pytest.mark.parametrize("codec", CONFIGS, ids=lambda c: c.spec)
@@ -193,6 +196,7 @@ def test_spec_format_and_protocol() -> None:
     assert FFTCodec(theta=0.9, bits=8, chunk=0, select="exact", index="bitmap").spec == (
         "fft:theta=0.9,bits=8,chunk=0,select=exact,index=bitmap"
     )
+    assert FFTCodec().spec == "fft:theta=0.9,bits=8,chunk=512,select=sampled,index=bitmap"
 
 
 @pytest.mark.parametrize(

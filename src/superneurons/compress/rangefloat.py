@@ -149,8 +149,8 @@ def quantize(
         raise ConfigError("rangefloat: bits=32 is the lossless float32 path; no codes to make")
     v = values.reshape(-1).to(torch.float32)
     mag = v.abs()
-    max_abs = float(mag.max()) if v.numel() else 0.0
-    if not math.isfinite(max_abs) or bool(torch.isnan(v).any()):
+    max_abs = float(mag.max()) if v.numel() else 0.0  # torch.max propagates NaN
+    if not math.isfinite(max_abs):
         return torch.zeros(v.numel(), dtype=torch.int32), RangeFloatHeader(math.nan, 1)
     if max_abs == 0.0:
         return torch.zeros(v.numel(), dtype=torch.int32), RangeFloatHeader(0.0, 1)
