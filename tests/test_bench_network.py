@@ -97,19 +97,23 @@ def test_failed_codec_is_recorded_and_fresh_ranks_run_the_rest(
     def fake_ranks(config, link, model, codecs, workdir):  # type: ignore[no-untyped-def]
         calls.append(codecs)
         if "torch-fp16" in codecs:  # the ranks finish dense, then die on torch-fp16
-            return [{"codec": c, **fields} for c in codecs[:1]], "rank 0 (exit 1): x"
+            return [
+                {"codec": c, **fields} for c in codecs[: codecs.index("torch-fp16")]
+            ], "rank 0 (exit 1): x"
         return [{"codec": c, **fields} for c in codecs], None
 
     monkeypatch.setattr(network, "_run_ranks", fake_ranks)
     config = _tiny(codecs=("dense", "torch-fp16", "torch-powersgd:rank=4"))
     records = network.run_network_bench(config, progress=lambda _m: None)
-    assert calls == [config.codecs, ("torch-powersgd:rank=4",)]
+    retry = ("torch-fp16", "torch-powersgd:rank=4")
+    assert calls == [config.codecs, retry, ("torch-powersgd:rank=4",)]
     assert [(r["codec"], r["status"]) for r in records] == [
         ("dense", "ok"),
         ("torch-fp16", "failed"),
         ("torch-powersgd:rank=4", "ok"),
     ]
     assert records[1]["speedup_vs_dense"] is None and "exit 1" in records[1]["error"]
+    assert [r["attempts"] for r in records] == [1, 2, 1]
 
 
 def test_one_failed_rank_ends_the_others_at_once() -> None:

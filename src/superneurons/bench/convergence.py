@@ -1,0 +1,370 @@
+"""The convergence benchmark: does a codec reach dense DDP's accuracy in the same steps?
+
+Every codec trains the same model from the same initial weights on the same data order with
+2 gloo ranks on loopback (one thread each), through ``register_compression`` with its
+defaults (error feedback on). Two tasks:
+
+* Fashion-MNIST (Xiao et al., 2017) image classification, the same epochs for every codec;
+  the metric is test accuracy in percentage points;
+* character-level Shakespeare (the char-rnn/nanoGPT task) with a small GPT and fewer steps;
+  the metric is validation cross-entropy (nats per character).
+
+Wang et al. (HPDC'20) report FFT compression at the accuracy of uncompressed training; our
+target is the default FFT codec within 0.5 points of dense on Fashion-MNIST. Each record
+holds the final metric, its delta to dense, and the curve (metric vs step) for the plot.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from superneurons.errors import ConfigError
+
+__all__ = ["CONVERGENCE_CODECS", "ConvergenceConfig", "TaskConfig", "run_convergence_bench"]
+
+log = logging.getLogger("superneurons.bench.convergence")
+
+CONVERGENCE_CODECS: tuple[str, ...] = (
+    "dense",
+    "fft",
+    "topk",
+    "qsgd",
+    "terngrad",
+    "signsgd",
+    "powersgd:rank=4",
+    "torch-powersgd:rank=4",
+)
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """One training task: ``task`` is ``fashion-mnist`` or ``shakespeare``."""
+
+    task: str
+    model: str
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    steps: int = 0  # 0: whole epochs (``epochs``) over the training shard
+    epochs: int = 1
+    batch_size: int = 64  # per rank
+    lr: float = 0.05
+    optimizer: str = "sgd"  # "sgd" (momentum 0.9) or "adam"
+    train_limit: int = 0  # 0: the whole training set; else its first N samples
+    eval_points: int = 8  # metric evaluations along the run (the curve), last = final
+    eval_limit: int = 0  # 0: the whole test/val set for the final point
+
+    def __post_init__(self) -> None:
+        if self.task not in ("fashion-mnist", "shakespeare"):
+            raise ConfigError(f"task must be fashion-mnist or shakespeare, got {self.task!r}")
+        if self.optimizer not in ("sgd", "adam"):
+            raise ConfigError(f"optimizer must be sgd or adam, got {self.optimizer!r}")
+        if self.steps < 0 or self.epochs < 1 or self.batch_size < 1 or self.eval_points < 1:
+            raise ConfigError("steps >= 0, epochs >= 1, batch_size >= 1, eval_points >= 1")
+
+
+FASHION_MNIST = TaskConfig("fashion-mnist", "mlp", epochs=2, batch_size=64, lr=0.05)
+SHAKESPEARE = TaskConfig(
+    "shakespeare",
+    "gpt",
+    {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 64},
+    steps=200,
+    batch_size=16,
+    lr=3e-3,
+    optimizer="adam",
+    eval_points=5,
+    eval_limit=256,
+)
+
+
+@dataclass(frozen=True)
+class ConvergenceConfig:
+    """Which codecs, on which tasks, with how many ranks."""
+
+    codecs: tuple[str, ...] = CONVERGENCE_CODECS
+    tasks: tuple[TaskConfig, ...] = (FASHION_MNIST, SHAKESPEARE)
+    nproc: int = 2
+    seed: int = 0
+    fashion_mnist_root: str = "/usr/share/datasets/fashion-mnist"
+    shakespeare_root: str = "data/shakespeare"
+    timeout_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        if "dense" not in self.codecs:
+            raise ConfigError("the convergence benchmark needs 'dense' as its reference codec")
+        if self.nproc < 1:
+            raise ConfigError(f"nproc must be >= 1, got {self.nproc}")
+
+    @staticmethod
+    def quick() -> ConvergenceConfig:
+        """Three codecs, one Fashion-MNIST epoch on 12k images, 60 Shakespeare steps."""
+        return ConvergenceConfig(
+            codecs=("dense", "fft", "topk"),
+            tasks=(
+                replace(FASHION_MNIST, epochs=1, train_limit=12_000, eval_points=4),
+                replace(SHAKESPEARE, steps=60, eval_points=3),
+            ),
+        )
+
+
+def _datasets(task: TaskConfig, config: ConvergenceConfig) -> tuple[Any, Any]:
+    if task.task == "fashion-mnist":
+        from superneurons.data import fashion_mnist
+
+        train = fashion_mnist(config.fashion_mnist_root, "train")
+        test = fashion_mnist(config.fashion_mnist_root, "test")
+        return train.tensors, test.tensors
+    from superneurons.data import shakespeare
+
+    block = int(task.model_kwargs.get("block_size", 64))
+    train_set = shakespeare(config.shakespeare_root, block, "train")
+    val_set = shakespeare(config.shakespeare_root, block, "val")
+
+    def stack(ds: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(ds)
+        ids = ds.ids[: n * block + 1]
+        return ids[:-1].view(n, block), ids[1:].view(n, block)  # (N, T), (N, T)
+
+    return stack(train_set), stack(val_set)
+
+
+def _evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, task: str) -> float:
+    """Test accuracy in % (classification) or mean cross-entropy (language model)."""
+    model.eval()
+    correct, loss_sum, count = 0.0, 0.0, 0
+    with torch.no_grad():
+        for start in range(0, x.shape[0], 512):
+            out = model(x[start : start + 512])
+            target = y[start : start + 512]
+            if task == "fashion-mnist":
+                correct += float((out.argmax(-1) == target).sum())
+                count += target.numel()
+            else:
+                flat = out.reshape(-1, out.shape[-1])
+                loss_sum += float(
+                    nn.functional.cross_entropy(flat, target.reshape(-1), reduction="sum")
+                )
+                count += target.numel()
+    model.train()
+    return 100.0 * correct / count if task == "fashion-mnist" else loss_sum / count
+
+
+def _train_one(
+    task: TaskConfig, codec: str, data: tuple[Any, Any], rank: int, world: int, seed: int
+) -> dict[str, Any]:
+    """Train ``task`` under ``codec`` on this rank's shard; returns the curve (rank 0 only)."""
+    from superneurons.models import build_model, default_loss
+
+    (x_train, y_train), (x_test, y_test) = data
+    if task.train_limit:
+        x_train, y_train = x_train[: task.train_limit], y_train[: task.train_limit]
+    torch.manual_seed(seed)
+    model = build_model(task.model, **task.model_kwargs)
+    ddp = DistributedDataParallel(model)
+    state = None
+    if codec != "dense":
+        from superneurons.compress.hook import register_compression
+
+        state = register_compression(ddp, codec, seed=seed)
+    opt: torch.optim.Optimizer
+    if task.optimizer == "adam":
+        opt = torch.optim.Adam(ddp.parameters(), lr=task.lr)
+    else:
+        opt = torch.optim.SGD(ddp.parameters(), lr=task.lr, momentum=0.9)
+    loss_fn = default_loss(task.model)
+    shard = x_train.shape[0] // world
+    steps_per_epoch = shard // task.batch_size
+    total = task.steps or steps_per_epoch * task.epochs
+    evals = {round(total * (i + 1) / task.eval_points) for i in range(task.eval_points)}
+    quick_eval = slice(0, 2000)
+    full_eval = slice(0, task.eval_limit or x_test.shape[0])
+    curve: list[list[float]] = []
+    gen = torch.Generator().manual_seed(seed)  # the same order for every codec
+    order = torch.randperm(x_train.shape[0], generator=gen)
+    start_s = time.perf_counter()
+    for step in range(1, total + 1):
+        i = (step - 1) % steps_per_epoch
+        if i == 0 and step > 1:
+            order = torch.randperm(x_train.shape[0], generator=gen)
+        idx = order[rank * shard :][i * task.batch_size : (i + 1) * task.batch_size]
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(ddp(x_train[idx]), y_train[idx])
+        loss.backward()
+        opt.step()
+        if step in evals and rank == 0:
+            part = full_eval if step == total else quick_eval
+            curve.append([step, _evaluate(model, x_test[part], y_test[part], task.task)])
+    wall_s = time.perf_counter() - start_s
+    return {
+        "task": task.task,
+        "model": task.model,
+        "codec": codec,
+        "steps": total,
+        "final_metric": curve[-1][1] if curve else math.nan,
+        "metric": "test_accuracy_pct" if task.task == "fashion-mnist" else "val_loss_nats",
+        "final_train_loss": float(loss.item()),
+        "curve": curve,
+        "wall_s": wall_s,
+        "bytes_sent_per_step": (
+            getattr(state, "bytes_sent_total", 0) / total if state is not None else None
+        ),
+    }
+
+
+def _rank_main(rank: int, config: ConvergenceConfig, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=config.nproc,
+        timeout=timedelta(seconds=config.timeout_s),
+    )
+    try:
+        for task in config.tasks:
+            data = _datasets(task, config)
+            for codec in config.codecs:
+                record = _train_one(task, codec, data, rank, config.nproc, config.seed)
+                if rank == 0:
+                    with open(out, "a", encoding="utf-8") as handle:
+                        handle.write(json.dumps(record) + "\n")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_convergence_bench(
+    config: ConvergenceConfig, *, progress: Progress | None = None
+) -> list[dict[str, Any]]:
+    """Train every (task, codec); returns records with ``delta_vs_dense`` filled in."""
+    import torch.multiprocessing as mp
+
+    say = progress or log.info
+    with tempfile.TemporaryDirectory(prefix="sn-convergence-") as tmp:
+        out = Path(tmp) / "records.jsonl"
+        ctx = mp.start_processes(
+            _rank_main,
+            args=(config, _free_port(), str(out)),
+            nprocs=config.nproc,
+            join=False,
+            start_method="spawn",
+        )
+        expected = len(config.tasks) * len(config.codecs)
+        seen = 0
+        while not ctx.join(timeout=1.0):
+            lines = out.read_text().splitlines() if out.exists() else []
+            for line in lines[seen:]:
+                say(_describe(json.loads(line), len(lines), expected))
+            seen = len(lines)
+        lines = out.read_text().splitlines() if out.exists() else []
+        for line in lines[seen:]:
+            say(_describe(json.loads(line), len(lines), expected))
+        records = [json.loads(line) for line in lines]
+    add_deltas(records)
+    return records
+
+
+def _describe(record: dict[str, Any], done: int, expected: int) -> str:
+    return (
+        f"[{done}/{expected}] {record['task']} {record['codec']}: {record['metric']} "
+        f"{record['final_metric']:.3f} ({record['steps']} steps, {record['wall_s']:.0f} s)"
+    )
+
+
+def add_deltas(records: Sequence[dict[str, Any]]) -> None:
+    """``delta_vs_dense`` = final metric - dense's final metric on the same task (points of
+    accuracy, or nats of loss: lower loss is better)."""
+    dense = {r["task"]: r["final_metric"] for r in records if r["codec"] == "dense"}
+    for record in records:
+        base = dense.get(record["task"])
+        record["delta_vs_dense"] = None if base is None else record["final_metric"] - base
+
+
+def config_dict(config: ConvergenceConfig) -> dict[str, Any]:
+    return asdict(config)
+
+
+_COLUMNS = ("task", "model", "codec", "steps", "metric", "final_metric", "delta_vs_dense", "wall_s")
+
+
+def summary_lines(records: Sequence[dict[str, Any]]) -> list[str]:
+    """The target (default FFT within 0.5 points of dense on Fashion-MNIST) vs the measurement."""
+    lines = []
+    for record in records:
+        if record["task"] == "fashion-mnist" and record["codec"] == "fft":
+            delta = record.get("delta_vs_dense")
+            if delta is not None:
+                verdict = "met" if delta >= -0.5 else "NOT met"
+                lines.append(
+                    f"- fashion-mnist: fft {record['final_metric']:.2f}% vs dense "
+                    f"{record['final_metric'] - delta:.2f}% ({delta:+.2f} points; target >= "
+                    f"-0.5: {verdict})"
+                )
+    return lines
+
+
+def write_artifacts(
+    records: Sequence[dict[str, Any]], out_dir: Path, config: ConvergenceConfig
+) -> list[Path]:
+    """DIR/convergence.json, DIR/convergence.md (table + target) and DIR/convergence.png."""
+    from superneurons.bench.artifacts import markdown_table, pyplot, write_json, write_markdown
+
+    paths = [write_json(out_dir / "convergence.json", records, config=config_dict(config))]
+    tasks = "; ".join(
+        f"{t.task}: {t.model} {t.model_kwargs or ''}, "
+        + (f"{t.steps} steps" if t.steps else f"{t.epochs} epoch(s)")
+        + f", batch {t.batch_size}/rank, {t.optimizer} lr {t.lr}"
+        + (f", first {t.train_limit} training samples" if t.train_limit else "")
+        for t in config.tasks
+    )
+    body = (
+        f"{config.nproc} gloo ranks on loopback, one thread each; every codec through "
+        "`register_compression` with its defaults (error feedback on), same initial weights "
+        f"and data order. {tasks}. `final_metric`: test accuracy in % (Fashion-MNIST, full "
+        "test set) or validation cross-entropy in nats/char (Shakespeare, lower is better); "
+        "`delta_vs_dense`: final_metric minus dense's.\n\n"
+        + markdown_table(records, _COLUMNS)
+        + "\n## Target\n\n"
+        + ("\n".join(summary_lines(records)) or "(fft on fashion-mnist not measured)")
+        + "\n"
+    )
+    paths.append(write_markdown(out_dir / "convergence.md", "Convergence benchmark", body))
+    plt = pyplot()
+    tasks_seen = list(dict.fromkeys(r["task"] for r in records))
+    fig, axes = plt.subplots(1, len(tasks_seen), figsize=(6 * len(tasks_seen), 4.5), squeeze=False)
+    for ax, task in zip(axes[0], tasks_seen, strict=True):
+        for record in (r for r in records if r["task"] == task):
+            steps = [point[0] for point in record["curve"]]
+            values = [point[1] for point in record["curve"]]
+            ax.plot(steps, values, marker="o", ms=3, label=record["codec"])
+        ax.set_title(task)
+        ax.set_xlabel("step")
+        ax.set_ylabel("test accuracy (%)" if task == "fashion-mnist" else "val loss (nats/char)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "convergence.png", dpi=120)
+    plt.close(fig)
+    paths.append(out_dir / "convergence.png")
+    return paths

@@ -1,0 +1,77 @@
+"""The convergence benchmark's records and artifacts, from a tiny real 2-rank run."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from superneurons.bench.convergence import (
+    FASHION_MNIST,
+    SHAKESPEARE,
+    ConvergenceConfig,
+    add_deltas,
+    run_convergence_bench,
+    write_artifacts,
+)
+from superneurons.errors import ConfigError
+
+FMNIST_ROOT = Path(ConvergenceConfig().fashion_mnist_root)
+SHAKESPEARE_ROOT = Path(__file__).resolve().parents[1] / "data" / "shakespeare"
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.skipif(
+    not (FMNIST_ROOT / "t10k-labels-idx1-ubyte.gz").exists()
+    or not any(SHAKESPEARE_ROOT.glob("*.txt")),
+    reason="needs Fashion-MNIST and the Shakespeare texts (bash scripts/setup.sh)",
+)
+def test_tiny_run_records_curves_and_artifacts(tmp_path: Path) -> None:
+    config = ConvergenceConfig(
+        codecs=("dense", "fft"),
+        tasks=(
+            replace(FASHION_MNIST, epochs=1, train_limit=256, batch_size=32, eval_points=2, eval_limit=300),
+            replace(SHAKESPEARE, steps=3, batch_size=4, eval_points=1, eval_limit=8),
+        ),
+        shakespeare_root=str(SHAKESPEARE_ROOT),
+    )
+    records = run_convergence_bench(config, progress=lambda _m: None)
+    assert [(r["task"], r["codec"]) for r in records] == [
+        ("fashion-mnist", "dense"),
+        ("fashion-mnist", "fft"),
+        ("shakespeare", "dense"),
+        ("shakespeare", "fft"),
+    ]
+    fmnist_dense, fmnist_fft, lm_dense, lm_fft = records
+    assert fmnist_dense["steps"] == 256 // 2 // 32  # one epoch of each rank's shard
+    assert [p[0] for p in fmnist_dense["curve"]] == [2, 4]
+    assert 0.0 <= fmnist_fft["final_metric"] <= 100.0
+    assert fmnist_dense["delta_vs_dense"] == 0.0
+    assert fmnist_fft["delta_vs_dense"] == pytest.approx(
+        fmnist_fft["final_metric"] - fmnist_dense["final_metric"]
+    )
+    assert lm_dense["metric"] == "val_loss_nats" and math.isfinite(lm_fft["final_metric"])
+    assert 0 < fmnist_fft["bytes_sent_per_step"] < 4 * 0.6e6  # compressed below dense fp32
+
+    paths = write_artifacts(records, tmp_path, config)
+    assert {p.name for p in paths} == {"convergence.json", "convergence.md", "convergence.png"}
+    assert len(json.loads((tmp_path / "convergence.json").read_text())["records"]) == 4
+
+
+def test_deltas_are_per_task() -> None:
+    records = [
+        {"task": "a", "codec": "dense", "final_metric": 90.0},
+        {"task": "a", "codec": "fft", "final_metric": 89.5},
+        {"task": "b", "codec": "fft", "final_metric": 2.0},
+    ]
+    add_deltas(records)
+    assert [r["delta_vs_dense"] for r in records] == [0.0, -0.5, None]
+
+
+def test_config_needs_dense_reference() -> None:
+    with pytest.raises(ConfigError, match="dense"):
+        ConvergenceConfig(codecs=("fft",))
