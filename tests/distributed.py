@@ -105,7 +105,7 @@ class Ranks:
             for tasks in getattr(self, "_tasks", []):
                 tasks.put(None)
         for proc in self._procs:
-            proc.join(timeout=5 if graceful else 0)
+            proc.join(timeout=2 if graceful else 0)
             if proc.is_alive():
                 proc.kill()
                 proc.join()

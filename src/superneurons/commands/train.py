@@ -1,0 +1,128 @@
+"""Data-parallel training with gradient compression, launched through torchrun.
+
+Examples:
+  superneurons train --model mlp --data fashion-mnist --nproc 2 --compress fft:theta=0.9,bits=8
+  superneurons train --model gpt --data shakespeare --nproc 4 --compress powersgd:rank=4 \\
+      --optimizer adamw --epochs 2 --out runs/gpt-psgd
+  superneurons train ... --out runs/x --resume          # continue from runs/x/checkpoint
+
+Writes OUT/metrics.jsonl, OUT/summary.json, OUT/config.json and OUT/checkpoint/rank*.pt.
+--compress takes a codec spec (fft, rangefloat, topk, qsgd, terngrad, signsgd, identity, fp16,
+bf16, powersgd:rank=R) or a PyTorch anchor (dense, torch-fp16, torch-powersgd:rank=R).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from superneurons.bytesize import parse_bytes
+from superneurons.errors import ConfigError
+from superneurons.train.config import TrainConfig
+
+__all__ = ["HELP", "add_arguments", "run"]
+
+HELP = "data-parallel training with compressed gradients (torchrun, checkpoint/resume)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    run_group = parser.add_argument_group("what to train")
+    run_group.add_argument(
+        "--model", required=True, help="mlp, resnet, fc-heavy, alexnet, gpt, lstm"
+    )
+    run_group.add_argument("--data", required=True, help="fashion-mnist or shakespeare")
+    run_group.add_argument("--data-dir", default=None, help="directory of the dataset files")
+    run_group.add_argument("--out", required=True, help="output directory")
+    run_group.add_argument("--epochs", type=int, default=1)
+    run_group.add_argument("--batch-size", type=int, default=64, help="per rank")
+    run_group.add_argument("--lr", type=float, default=None, help="default: 0.05 sgd, 1e-3 adam(w)")
+    run_group.add_argument("--optimizer", default="sgd", help="sgd (momentum 0.9), adam, adamw")
+    run_group.add_argument("--seed", type=int, default=0)
+    run_group.add_argument("--block-size", type=int, default=128, help="sequence length (LMs)")
+    run_group.add_argument(
+        "--limit-steps", type=int, default=None, help="at most N steps (and test batches) per epoch"
+    )
+    run_group.add_argument("--log-every", type=int, default=10, help="steps between metric lines")
+    run_group.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    run_group.add_argument(
+        "--budget",
+        default=None,
+        help="device memory budget (e.g. 2GiB): plan keep/offload/recompute",
+    )
+    comm = parser.add_argument_group("communication")
+    comm.add_argument("--compress", default="dense", help="codec spec or anchor (see above)")
+    comm.add_argument("--warmup-steps", type=int, default=0, help="dense steps before compressing")
+    comm.add_argument(
+        "--no-error-feedback", action="store_true", help="drop what compression loses"
+    )
+    comm.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size")
+    comm.add_argument(
+        "--backend", default="auto", help="auto (nccl on CUDA, else gloo), gloo, nccl"
+    )
+    launch = parser.add_argument_group("launch (torchrun)")
+    launch.add_argument("--nproc", type=int, default=1, help="processes on this node")
+    launch.add_argument("--nnodes", type=int, default=1)
+    launch.add_argument("--node-rank", type=int, default=0)
+    launch.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the c10d rendezvous")
+    launch.add_argument("--master-addr", default=None, help="static rendezvous address instead")
+    launch.add_argument("--master-port", type=int, default=29500)
+
+
+def run(args: argparse.Namespace) -> int:
+    from superneurons.compress.torch_hooks import resolve_spec
+    from superneurons.train.launch import Launch, run_torchrun
+    from superneurons.train.task import check_task
+
+    config = TrainConfig(
+        model=args.model,
+        data=args.data,
+        out_dir=str(Path(args.out).resolve()),
+        compress=args.compress,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        optimizer=args.optimizer,
+        seed=args.seed,
+        limit_steps=args.limit_steps,
+        bucket_cap_mb=args.bucket_cap_mb,
+        warmup_steps=args.warmup_steps,
+        error_feedback=not args.no_error_feedback,
+        data_dir=args.data_dir,
+        block_size=args.block_size,
+        log_every=args.log_every,
+        backend=args.backend,
+        resume=args.resume,
+        budget_bytes=parse_bytes(args.budget) if args.budget is not None else None,
+    )
+    launch = Launch(
+        nproc=args.nproc,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        rdzv_endpoint=args.rdzv_endpoint,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+    )
+    # Validate here, before any rank starts: bad input is one line, never a rank traceback.
+    check_task(config.model, config.data)
+    resolve_spec(config.compress)
+    _check_data(config)
+    if config.resume and not (Path(config.out_dir) / "checkpoint" / "rank0.pt").exists():
+        raise ConfigError(f"--resume: no checkpoint in {config.out_dir}/checkpoint")
+    config_path = config.save(Path(config.out_dir) / "config.json")
+    status = run_torchrun(launch, config_path)
+    if status != 0:
+        raise ConfigError(f"training failed (exit status {status}); see the rank errors above")
+    summary_path = Path(config.out_dir) / "summary.json"
+    if summary_path.exists():
+        print(summary_path.read_text(encoding="utf-8").strip())
+    return 0
+
+
+def _check_data(config: TrainConfig) -> None:
+    """Open the training split once in the launcher so a missing dataset is one line."""
+    from superneurons.data import build_dataset
+
+    kwargs: dict[str, object] = {} if config.data_dir is None else {"root": config.data_dir}
+    if config.data == "shakespeare":
+        kwargs["block_size"] = config.block_size
+    build_dataset(config.data, "train", **kwargs)

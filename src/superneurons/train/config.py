@@ -1,0 +1,101 @@
+"""The configuration of one data-parallel training run (``superneurons train``).
+
+A frozen, validated dataclass that round-trips through JSON: the launcher writes it to
+``OUT/config.json`` and every torchrun rank reads it back, so all ranks run the very same
+configuration (the compression hook checks that again across ranks).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from superneurons.errors import ConfigError
+
+__all__ = ["OPTIMIZERS", "TrainConfig"]
+
+CONFIG_VERSION = 1
+OPTIMIZERS = ("sgd", "adam", "adamw")
+BACKENDS = ("auto", "gloo", "nccl")
+# Learning rates that train the zoo models on their datasets without tuning (SGD with
+# momentum 0.9; Adam(W) as in nanoGPT's small char-level runs).
+DEFAULT_LR = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3}
+
+
+def _positive(name: str, value: Any, *, allow_zero: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"--{name.replace('_', '-')} must be a number, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"--{name.replace('_', '-')} must be {bound}, got {value}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything one run needs; every rank gets an identical copy."""
+
+    model: str
+    data: str
+    out_dir: str
+    compress: str = "dense"
+    epochs: int = 1
+    batch_size: int = 64
+    lr: float | None = None  # None: DEFAULT_LR[optimizer]
+    optimizer: str = "sgd"
+    seed: int = 0
+    limit_steps: int | None = None  # at most this many steps per epoch (and test batches)
+    bucket_cap_mb: float = 25.0
+    warmup_steps: int = 0
+    error_feedback: bool = True
+    data_dir: str | None = None
+    block_size: int = 128  # sequence length of the char-level language models
+    log_every: int = 10
+    backend: str = "auto"
+    resume: bool = False
+    budget_bytes: int | None = None
+    version: int = CONFIG_VERSION
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "batch_size", "block_size", "log_every"):
+            _positive(name, getattr(self, name))
+        _positive("bucket_cap_mb", self.bucket_cap_mb)
+        _positive("warmup_steps", self.warmup_steps, allow_zero=True)
+        if self.lr is not None:
+            _positive("lr", self.lr)
+        if self.limit_steps is not None:
+            _positive("limit_steps", self.limit_steps)
+        if self.budget_bytes is not None:
+            _positive("budget", self.budget_bytes)
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(
+                f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
+            )
+        if self.backend not in BACKENDS:
+            raise ConfigError(
+                f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}"
+            )
+        if self.version != CONFIG_VERSION:
+            raise ConfigError(f"config version {self.version} is not supported ({CONFIG_VERSION})")
+
+    @property
+    def learning_rate(self) -> float:
+        return float(self.lr) if self.lr is not None else DEFAULT_LR[self.optimizer]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainConfig:
+        raw = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(f"unknown training config keys {unknown}")
+        return cls(**raw)
+
+    def save(self, path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_json() + "\n", encoding="utf-8")
+        return path

@@ -1,0 +1,214 @@
+"""The data-parallel training loop of ``superneurons train``: one plain function.
+
+Per rank: seed, build the model and data, wrap in DDP, register gradient compression
+(:func:`superneurons.compress.hook.register_compression`), then for each epoch train over this
+rank's shard (``DistributedSampler``), evaluate on the test split, checkpoint. ``--resume``
+loads the checkpoint and continues exactly where an uninterrupted run would be.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import asdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
+
+from superneurons.compress.hook import register_compression
+from superneurons.errors import ConfigError
+from superneurons.train.checkpoint import load_checkpoint, restore_rng, save_checkpoint
+from superneurons.train.config import TrainConfig
+from superneurons.train.launch import init_distributed
+from superneurons.train.metrics import MetricsLog, summarize, write_summary
+from superneurons.train.task import Task, build_task
+
+__all__ = ["run_training", "train"]
+
+logger = logging.getLogger("superneurons.train")
+
+
+def train(config: TrainConfig) -> dict[str, Any]:
+    """Run ``config`` on this rank (inside torchrun); returns the summary (rank 0 writes it)."""
+    torch.set_num_threads(1)  # NOTE: ranks share the cores; more threads made small ops 30x slower
+    device = init_distributed(config.backend)
+    try:
+        return run_training(config, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_training(config: TrainConfig, device: torch.device) -> dict[str, Any]:
+    """The loop itself, in an already initialised process group (tests call it directly)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(config.seed)  # same initial weights on every rank
+    task = build_task(
+        config.model, config.data, data_dir=config.data_dir, block_size=config.block_size
+    )
+    model = task.model.to(device)
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        task.train_set, seed=config.seed, drop_last=True
+    )
+    loader = DataLoader(task.train_set, batch_size=config.batch_size, sampler=sampler)
+    if len(loader) == 0:
+        raise ConfigError(f"--batch-size {config.batch_size} leaves no batch per rank")
+    if config.budget_bytes is not None:
+        _apply_budget(model, next(iter(loader)), config.budget_bytes, loss_fn=task.loss_fn)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=config.bucket_cap_mb)
+    optimizer = _optimizer(config, model)
+    compression = register_compression(
+        ddp,
+        config.compress,
+        error_feedback=config.error_feedback,
+        warmup_steps=config.warmup_steps,
+        seed=config.seed,
+    )
+    start_epoch = step = 0
+    if config.resume:
+        saved = load_checkpoint(config.out_dir, rank, config=asdict(config), world_size=world_size)
+        model.load_state_dict(saved.model)
+        optimizer.load_state_dict(saved.optimizer)
+        compression.load_state_dict(saved.compression)
+        restore_rng(saved.rng)
+        start_epoch, step = saved.epoch, saved.step
+    steps_per_epoch = min(len(loader), config.limit_steps or len(loader))
+    test = {"test_loss": float("nan"), "test_accuracy": float("nan")}
+    start_s = time.perf_counter()
+    with MetricsLog(config.out_dir, enabled=rank == 0) as log:
+        for epoch in range(start_epoch, config.epochs):
+            sampler.set_epoch(epoch)
+            ddp.train()
+            progress = _progress(steps_per_epoch, f"epoch {epoch + 1}/{config.epochs}", rank)
+            for index, (inputs, targets) in enumerate(loader):
+                if index >= steps_per_epoch:
+                    break
+                inputs, targets = inputs.to(device), targets.to(device)
+                step_start_s = time.perf_counter()
+                optimizer.zero_grad(set_to_none=True)
+                output = ddp(inputs)
+                loss = task.loss_fn(output, targets)
+                loss.backward()
+                optimizer.step()
+                step_s = time.perf_counter() - step_start_s
+                loss_value = float(loss.detach())
+                step += 1
+                log.record_step_time(
+                    step_s=step_s,
+                    bytes_sent=compression.bytes_sent_step,
+                    dense_bytes=compression.dense_bytes_step,
+                )
+                if step % config.log_every == 0 or index == steps_per_epoch - 1:
+                    log.write(
+                        "step",
+                        step=step,
+                        epoch=epoch,
+                        loss=loss_value,
+                        accuracy=_accuracy(output, targets),
+                        bytes_sent=compression.bytes_sent_step,
+                        step_s=step_s,
+                    )
+                if progress is not None:
+                    progress.update(1)
+                    progress.set_postfix(loss=f"{loss_value:.3f}")
+            if progress is not None:
+                progress.close()
+            test = _evaluate(ddp.module, task, config, device)
+            log.write("epoch", epoch=epoch, wall_s=time.perf_counter() - start_s, **test)
+            save_checkpoint(
+                config.out_dir,
+                rank,
+                epoch=epoch + 1,
+                step=step,
+                model=model,
+                optimizer=optimizer,
+                compression=compression.state_dict(),
+                config=asdict(config),
+                world_size=world_size,
+            )
+        summary = summarize(
+            log,
+            model=config.model,
+            data=config.data,
+            codec=compression.options.spec,
+            world_size=world_size,
+            epochs=config.epochs,
+            wall_s=time.perf_counter() - start_s,
+            final_test_accuracy=test["test_accuracy"],
+            final_test_loss=test["test_loss"],
+            parameters=sum(p.numel() for p in model.parameters()),
+        )
+    if rank == 0:
+        write_summary(config.out_dir, summary)
+    return summary
+
+
+def _optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    lr = config.learning_rate
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    if config.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=lr)
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+
+
+def _accuracy(output: torch.Tensor, targets: torch.Tensor) -> float:
+    return float((output.argmax(dim=-1) == targets).float().mean())
+
+
+@torch.no_grad()
+def _evaluate(
+    model: nn.Module, task: Task, config: TrainConfig, device: torch.device
+) -> dict[str, float]:
+    """Loss and accuracy on the test split, each rank a shard, summed by all-reduce."""
+    model.eval()
+    sampler: DistributedSampler[Any] = DistributedSampler(task.test_set, shuffle=False)
+    loader = DataLoader(task.test_set, batch_size=config.batch_size, sampler=sampler)
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
+    for index, (inputs, targets) in enumerate(loader):
+        if config.limit_steps is not None and index >= config.limit_steps:
+            break
+        inputs, targets = inputs.to(device), targets.to(device)
+        output = model(inputs)
+        count = targets.numel()
+        totals[0] += float(task.loss_fn(output, targets)) * count
+        totals[1] += float((output.argmax(dim=-1) == targets).sum())
+        totals[2] += count
+    dist.all_reduce(totals)
+    loss_sum, correct, count = totals.tolist()
+    return {"test_loss": loss_sum / max(count, 1), "test_accuracy": correct / max(count, 1)}
+
+
+def _progress(total: int, description: str, rank: int) -> Any:
+    """A tqdm bar on rank 0's stderr (tqdm is an optional extra: no bar without it)."""
+    if rank != 0:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=description, file=sys.stderr, leave=False, dynamic_ncols=True)
+
+
+def _apply_budget(model: nn.Module, batch: Any, budget_bytes: int, *, loss_fn: Any) -> Any:
+    """Fit training under ``budget_bytes`` of device memory (SuperNeurons, Wang et al.
+    PPoPP'18): profile one step, plan keep/offload/recompute, apply the plan to ``model``.
+
+    The seam to the memory runtime: the only place the trainer touches it. Returns the plan
+    handle (kept alive for the whole run).
+    """
+    try:
+        from superneurons.memory.plan import make_plan
+        from superneurons.memory.profile import profile_step
+        from superneurons.memory.runtime import apply_plan
+    except ImportError as exc:
+        raise ConfigError(f"--budget needs the memory runtime ({exc})") from exc
+    inputs, targets = batch
+    profile = profile_step(model, inputs, targets, loss_fn)
+    plan = make_plan(profile, budget_bytes=budget_bytes)
+    logger.info("memory plan for a budget of %d bytes: %s", budget_bytes, plan)
+    return apply_plan(model, plan)

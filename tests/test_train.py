@@ -1,0 +1,131 @@
+"""``superneurons train``: end to end through torchrun, exact resume, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from distributed import Ranks
+from superneurons.cli import main
+from superneurons.train.checkpoint import checkpoint_path
+from superneurons.train.config import TrainConfig
+
+FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
+needs_data = pytest.mark.skipif(
+    not FASHION_MNIST.exists(), reason="Fashion-MNIST IDX files not installed"
+)
+
+
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[Ranks]:
+    with Ranks(2) as group:
+        yield group
+
+
+def _config(out_dir: Path, **overrides: Any) -> TrainConfig:
+    base: dict[str, Any] = {
+        "model": "mlp",
+        "data": "fashion-mnist",
+        "out_dir": str(out_dir),
+        "batch_size": 16,
+        "limit_steps": 3,
+        "log_every": 1,
+    }
+    return TrainConfig(**{**base, **overrides})
+
+
+def _run(rank: int, world_size: int, config: TrainConfig) -> dict[str, Any]:
+    from superneurons.train.loop import run_training
+
+    return run_training(config, torch.device("cpu"))
+
+
+def _load(out_dir: Path, rank: int) -> dict[str, Any]:
+    return torch.load(checkpoint_path(out_dir, rank), weights_only=False)
+
+
+def _assert_same(a: Any, b: Any, where: str) -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+@needs_data
+@pytest.mark.dist
+@pytest.mark.parametrize("compress", ["qsgd", "powersgd:rank=2"])
+def test_resume_continues_exactly(ranks: Ranks, tmp_path: Path, compress: str) -> None:
+    straight = tmp_path / "straight"
+    ranks.run(_run, _config(straight, compress=compress, epochs=2), timeout_s=120)
+    split = tmp_path / "split"
+    ranks.run(_run, _config(split, compress=compress, epochs=1), timeout_s=120)
+    ranks.run(_run, _config(split, compress=compress, epochs=2, resume=True), timeout_s=120)
+    for rank in range(2):
+        a, b = _load(straight, rank), _load(split, rank)
+        assert a["epoch"] == b["epoch"] == 2 and a["step"] == b["step"] == 6
+        for key in ("model", "optimizer", "compression", "rng"):
+            _assert_same(a[key], b[key], f"rank{rank}.{key}")
+
+
+@needs_data
+@pytest.mark.dist
+def test_cli_end_to_end_on_two_ranks(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "superneurons.cli", "train", "--model", "mlp"]
+    command += ["--data", "fashion-mnist", "--nproc", "2", "--compress", "topk:ratio=0.05"]
+    command += ["--limit-steps", "4", "--log-every", "2", "--batch-size", "16", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=170, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "step"]
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    assert [r["step"] for r in steps] == [2, 4]
+    for record in steps:
+        assert {"step", "epoch", "loss", "accuracy", "bytes_sent", "step_s"} <= record.keys()
+    assert len(epochs) == 1 and {"test_accuracy", "test_loss"} <= epochs[0].keys()
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("final_test_accuracy", "final_test_loss", "wall_s", "mean_step_s", "codec"):
+        assert key in summary
+    assert summary["codec"] == "topk:ratio=0.05,select=exact"
+    assert 0 < summary["bytes_per_step"] < summary["dense_bytes_per_step"]
+    assert (out / "checkpoint" / "rank1.pt").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--model", "gpt", "--data", "fashion-mnist"], "cannot train"),
+        (["--model", "mlp", "--data", "fashion-mnist", "--compress", "nope"], "nope"),
+        (["--model", "mlp", "--data", "fashion-mnist", "--epochs", "0"], "--epochs"),
+        (["--model", "mlp", "--data", "fashion-mnist", "--optimizer", "lion"], "--optimizer"),
+        (["--model", "mlp", "--data", "fashion-mnist", "--budget", "lots"], "size"),
+        (["--model", "mlp", "--data", "fashion-mnist", "--nproc", "0"], "--nproc"),
+        (["--model", "mlp", "--data", "fashion-mnist", "--resume"], "--resume"),
+    ],
+)
+def test_bad_flags_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    assert main(["train", *flags, "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
+
+
+def test_config_round_trips_through_json(tmp_path: Path) -> None:
+    config = _config(tmp_path, compress="fft:theta=0.9", budget_bytes=1 << 30)
+    assert TrainConfig.from_json(config.to_json()) == config
