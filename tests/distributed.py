@@ -63,7 +63,7 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> 
             results.put((rank, "ok", buffer.getvalue()))
         except BaseException:  # noqa: BLE001
             results.put((rank, "error", traceback.format_exc()))
-    dist.destroy_process_group()
+    # NOTE: no destroy_process_group(): it can wait on the peer for seconds; exit frees all.
 
 
 class Ranks:

@@ -92,6 +92,11 @@ _LOSSY: list[Any] = [
     Fp16Codec(),
     "powersgd:rank=2",
     "torch-fp16",
+    "fft:theta=0.9,bits=8",
+    "rangefloat:bits=8",
+    "terngrad",
+    "signsgd",
+    "bf16",
 ]
 
 
@@ -188,7 +193,7 @@ def _nan_policy(rank: int, world_size: int) -> list[tuple[str, bool, bool, bool,
     from superneurons.compress.hook import register_compression
 
     out = []
-    for codec in [TopKCodec(ratio=0.1), QSGDCodec(), Fp16Codec(), "powersgd:rank=2"]:
+    for codec in [TopKCodec(ratio=0.1), QSGDCodec(), Fp16Codec(), "powersgd:rank=2", "fft"]:
         model = _ddp()  # one bucket: the poisoned parameter shares it with all others
         state = register_compression(model, codec)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -229,3 +234,45 @@ def test_nan_gradient_is_nonfinite_on_all_ranks_and_state_stays_clean(ranks: Ran
         for spec, nonfinite_everywhere, residuals_finite, q_finite, params_finite in results:
             assert nonfinite_everywhere, spec
             assert residuals_finite and q_finite and params_finite, spec
+
+
+def _theta_runs(rank: int, world_size: int) -> list[tuple[list[torch.Tensor], float | None]]:
+    from superneurons.compress.hook import register_compression
+    from superneurons.compress.schedule import DiminishingTheta, ErrorBudgetTheta
+
+    out = []
+    for schedule in [DiminishingTheta(start=0.99, floor=0.9, steps=4), ErrorBudgetTheta(0.3)]:
+        model = _ddp(_TINY_BUCKET_MB)
+        state = register_compression(model, "fft:theta=0.9,bits=8", theta_schedule=schedule)
+        _train(model, rank, 5)
+        out.append((_params(model), state.last_theta))
+    return out
+
+
+def test_theta_schedules_agree_across_ranks(ranks: Ranks) -> None:
+    """θ advances per step (diminishing) or is agreed by all-reduce MIN (error budget), so
+    payload sizes match and the ranks stay identical."""
+    rank0, rank1 = ranks.run(_theta_runs)
+    (diminishing0, theta_d0), (budget0, theta_b0) = rank0
+    (diminishing1, theta_d1), (budget1, theta_b1) = rank1
+    assert theta_d0 == theta_d1 == 0.9  # step 4 of a 4-step schedule: the floor
+    assert theta_b0 == theta_b1 is not None
+    for a, b in zip(diminishing0 + budget0, diminishing1 + budget1, strict=True):
+        assert torch.equal(a, b)
+
+
+def _bad_schedule(rank: int, world_size: int) -> str:
+    from superneurons.compress.hook import register_compression
+    from superneurons.compress.schedule import ConstantTheta
+    from superneurons.errors import ConfigError
+
+    try:
+        register_compression(_ddp(), "qsgd", theta_schedule=ConstantTheta(0.9))
+    except ConfigError as exc:
+        return str(exc)
+    return ""
+
+
+def test_theta_schedule_on_a_codec_without_theta_is_rejected(ranks: Ranks) -> None:
+    for message in ranks.run(_bad_schedule):
+        assert "no θ" in message

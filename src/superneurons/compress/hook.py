@@ -98,6 +98,12 @@ def register_compression(
     codec = resolve_spec(codec_or_spec) if isinstance(codec_or_spec, str) else codec_or_spec
     if not hasattr(codec, "spec") or not hasattr(codec, "summable"):
         raise ConfigError(f"{codec_or_spec!r} is neither a codec nor a spec string")
+    if theta_schedule is not None:
+        from superneurons.compress.schedule import with_theta
+
+        if isinstance(codec, (PowerSGD, TorchAnchor)):
+            raise ConfigError(f"{codec.spec} has no θ to schedule; use fft or topk")
+        with_theta(codec, 0.5)  # raises ConfigError for codecs without a θ
     options = HookOptions(
         spec=codec.spec,
         error_feedback=bool(error_feedback),
