@@ -51,7 +51,7 @@ def _window(header: RangeFloatHeader, bits: int) -> tuple[int, int]:
     """(mantissa bits, exponent of the window's lowest normal binade)."""
     mant = bits - 1 - header.exp_bits
     top = math.frexp(header.max_abs)[1] - 1
-    return mant, max(top - 2**header.exp_bits + 2, -126)
+    return mant, max(top - 2**header.exp_bits + 2, -125)
 
 
 @pytest.mark.parametrize("bits", [4, 8, 16])

@@ -58,7 +58,7 @@ logger = logging.getLogger("superneurons.compress")
 
 SUPPORTED_BITS: tuple[int, ...] = (4, 8, 16, 32)
 HEADER_BYTES = 8  # float32 max, uint8 exponent bits, 3 reserved bytes
-_MIN_NORMAL_EXP = -126  # float32: keep the window's lowest normal binade representable
+_MIN_NORMAL_EXP = -126  # float32's smallest normal binade
 
 
 @dataclass(frozen=True)
@@ -110,16 +110,25 @@ def exponent_bits_for_range(max_abs: float, threshold: float, bits: int) -> int:
     return min(exp_bits, _max_exp_bits(bits))
 
 
-def _best_exponent_bits(mag: torch.Tensor, top: int, bits: int) -> int:
+def _window_base(top: int, exp_bits: int) -> int:
+    """``lo``: exponent code ``E >= 1`` means binade ``lo + E``; code 0 holds subnormals.
+
+    Kept >= -126 so that binade ``lo`` is a normal float32 (the branch-free codecs need it)."""
+    return max(top - 2**exp_bits + 1, _MIN_NORMAL_EXP)
+
+
+def _best_exponent_bits(mag_bits: torch.Tensor, top: int, bits: int) -> int:
     """Exponent bits minimising the estimated squared error, from a histogram of binades.
 
-    A value in binade ``k`` (``[2**k, 2**(k+1))``) inside the window costs ~``(2**(k-m))**2/12``;
-    below it, ``min(value**2, step**2 / 12)`` with the subnormal step ``2**(lo + 1 - m)``.
+    ``mag_bits``: float32 bit patterns of the magnitudes. A value in binade ``k`` inside the
+    window costs ~``(2**(k-m))**2/12``; below it ``min(value**2, step**2 / 12)`` with the
+    subnormal step ``2**(lo + 1 - m)``. The histogram is taken on a strided sample of at most
+    ~64k values (an estimate suffices; the max is exact).
     """
-    binade = torch.frexp(mag)[1].to(torch.int64) - 1  # (n,), zeros give -1: excluded below
-    nonzero = mag > 0
-    offset = (top - binade[nonzero]).clamp(0, 63)
-    counts = torch.bincount(offset, minlength=64).to(torch.float64)  # counts[j]: binade top-j
+    stride = max(1, mag_bits.numel() // 65536)
+    biased = mag_bits[::stride] >> 23  # (s,) float32 biased exponents; zero -> 0
+    offset = (top + 127 - biased).clamp_(0, 63)  # binade top - offset; zeros land in 63
+    counts = torch.bincount(offset, minlength=64).to(torch.float64)  # (64,)
     j = torch.arange(64, dtype=torch.float64)
     energy = counts * torch.exp2(-2.0 * j) * (7.0 / 3.0)  # E[v**2] within a binade, / 4**top
     best, best_err = 1, math.inf
@@ -147,32 +156,37 @@ def quantize(
     check_bits(bits, owner="rangefloat")
     if bits == 32:
         raise ConfigError("rangefloat: bits=32 is the lossless float32 path; no codes to make")
-    v = values.reshape(-1).to(torch.float32)
-    mag = v.abs()
-    max_abs = float(mag.max()) if v.numel() else 0.0  # torch.max propagates NaN
-    if not math.isfinite(max_abs):
-        return torch.zeros(v.numel(), dtype=torch.int32), RangeFloatHeader(math.nan, 1)
-    if max_abs == 0.0:
-        return torch.zeros(v.numel(), dtype=torch.int32), RangeFloatHeader(0.0, 1)
+    v_bits = values.reshape(-1).to(torch.float32).contiguous().view(torch.int32)  # (n,)
+    mag_bits = v_bits & 0x7FFFFFFF  # (n,) |v| as float32 bits: integer order == float order
+    max_bits = int(mag_bits.max()) if v_bits.numel() else 0
+    if max_bits >= 0x7F800000:  # inf or NaN somewhere
+        return torch.zeros(v_bits.numel(), dtype=torch.int32), RangeFloatHeader(math.nan, 1)
+    if max_bits == 0:
+        return torch.zeros(v_bits.numel(), dtype=torch.int32), RangeFloatHeader(0.0, 1)
+    max_abs = float(torch.tensor([max_bits], dtype=torch.int32).view(torch.float32))
     top = _floor_log2(max_abs)
     if threshold is None:
-        exp_bits = _best_exponent_bits(mag, top, bits)
+        exp_bits = _best_exponent_bits(mag_bits, top, bits)
     else:
         exp_bits = exponent_bits_for_range(max_abs, threshold, bits)
-    header = RangeFloatHeader(max_abs=max_abs, exp_bits=exp_bits)
     mant_bits = bits - 1 - exp_bits
-    lo = max(top - 2**exp_bits + 1, _MIN_NORMAL_EXP - 1)  # exponent code E means binade lo + E
+    lo = _window_base(top, exp_bits)
+    # Subnormal codes: round(|v| / step) with the fixed step 2**(lo + 1 - m) (inf/garbage for
+    # large |v| is harmless: it is clamped to 2**m and loses the maximum below).
+    sub = (mag_bits.view(torch.float32) * 2.0 ** (mant_bits - lo - 1)).round_().to(torch.int32)
+    sub.clamp_(max=1 << mant_bits)
     # Normal codes straight from the float32 bit pattern: round the mantissa to m bits (half
-    # up), the carry rolls into the exponent, then rebase the exponent to lo.
-    raw = mag.view(torch.int32)
+    # up), the carry rolls into the exponent, the exponent is rebased to lo (in place).
     shift = 23 - mant_bits
-    code = ((raw + (1 << (shift - 1))) >> shift) - ((lo + 127) << mant_bits)
-    # Subnormals: a fixed absolute step 2**(lo + 1 - m) below the window (includes zero).
-    sub = torch.round(mag * 2.0 ** (mant_bits - lo - 1)).to(torch.int32)
-    code = torch.where(mag < 2.0 ** (lo + 1), sub, code)
+    code = mag_bits.add_((1 << (shift - 1)) - ((lo + 127) << 23)).bitwise_right_shift_(shift)
+    # NOTE: branch-free merge. Inside the window (E >= 1) code >= 2**m >= the clamped sub.
+    # Below it code <= sub: for E = 0, |v| = 2**lo * (1 + f) gives code = round(f * 2**m) <=
+    # round((1 + f) * 2**(m - 1)) = sub; for E < 0, code <= 0 <= sub. So the maximum picks the
+    # right code without a torch.where (1-2 ms on 2**20 elements here); tests check the bound.
+    torch.maximum(code, sub, out=code)
     code.clamp_(max=(1 << (bits - 1)) - 1)  # saturate above the top code
-    code |= torch.signbit(v).to(torch.int32) << (bits - 1)
-    return code, header
+    code |= (v_bits >> 31) & (1 << (bits - 1))  # sign bit
+    return code, RangeFloatHeader(max_abs=max_abs, exp_bits=exp_bits)
 
 
 def dequantize(codes: torch.Tensor, header: RangeFloatHeader, bits: int) -> torch.Tensor:
@@ -184,17 +198,18 @@ def dequantize(codes: torch.Tensor, header: RangeFloatHeader, bits: int) -> torc
         return torch.zeros(n, dtype=torch.float32)
     exp_bits = header.exp_bits
     mant_bits = bits - 1 - exp_bits
-    top = _floor_log2(header.max_abs)
-    lo = max(top - 2**exp_bits + 1, _MIN_NORMAL_EXP - 1)
+    lo = _window_base(_floor_log2(header.max_abs), exp_bits)
     codes = codes.to(torch.int32)
-    mag_code = codes & ((1 << (bits - 1)) - 1)
-    exp_code = mag_code >> mant_bits
-    # Normal: rebuild the float32 bit pattern; subnormal: integer times the fixed step.
-    raw = ((mag_code + ((lo + 127) << mant_bits)) << (23 - mant_bits)).view(torch.float32)
-    sub = mag_code.to(torch.float32) * 2.0 ** (lo + 1 - mant_bits)
-    mag = torch.where(exp_code > 0, raw, sub)
-    negative = (codes >> (bits - 1)) & 1
-    return torch.where(negative.bool(), -mag, mag)
+    # Read every code as a normal float f = 2**(lo + E) * (1 + mant / 2**m); for E = 0 that is
+    # 2**lo + mant * 2**(lo - m), while the subnormal value is 2 * f - 2**(lo + 1) (exact by
+    # Sterbenz). min(f, 2f - 2**(lo + 1)) picks the right one for every E, branch-free.
+    mag_bits = (codes & ((1 << (bits - 1)) - 1)).add_((lo + 127) << mant_bits)
+    normal = mag_bits.bitwise_left_shift_(23 - mant_bits).view(torch.float32)  # (n,)
+    subnormal = (normal * 2.0).sub_(2.0 ** (lo + 1))
+    torch.minimum(normal, subnormal, out=subnormal)
+    out_bits = subnormal.view(torch.int32)
+    out_bits |= (codes << (32 - bits)) & -(2**31)  # sign bit to bit 31
+    return subnormal
 
 
 def write_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
