@@ -89,12 +89,24 @@ class PoolStats:
     prefetch_hits: int  # unpacked after a prefetch had brought it back
     demand_fetches: int  # unpacked with a synchronous fetch (prefetch missed)
     kept_small: int  # saved tensors kept because of min_offload_bytes / layout / parameters
+    still_resident: int  # fetches served by the original tensor, still alive elsewhere
 
 
 class _Slot:
     """One packed tensor: its metadata, device copy (cached/prefetched) and host copy."""
 
-    __slots__ = ("size", "stride", "dtype", "device", "nbytes", "device_tensor", "host", "event")
+    __slots__ = (
+        "size",
+        "stride",
+        "dtype",
+        "device",
+        "nbytes",
+        "version",
+        "device_tensor",
+        "original",
+        "host",
+        "event",
+    )
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.size = tensor.size()
@@ -102,7 +114,11 @@ class _Slot:
         self.dtype = tensor.dtype
         self.device = tensor.device
         self.nbytes = tensor.numel() * tensor.element_size()
+        self.version = tensor._version
         self.device_tensor: torch.Tensor | None = tensor
+        # After eviction: the original, if something else (the model input, a later unit's
+        # activation) keeps it alive, is reused instead of a second copy.
+        self.original: weakref.ref[torch.Tensor] = weakref.ref(tensor)
         self.host: torch.Tensor | None = None  # contiguous view into the slab
         self.event: Any = None  # CUDA event of the last copy touching ``device_tensor``/``host``
 
@@ -128,6 +144,8 @@ class _HostSlab:
         self.offset = 0
         self.live_bytes = 0
         self.live_slots = 0
+        self.peak_aligned_bytes = 0  # most aligned bytes live at once, over all buffers
+        self._aligned_live = 0
 
     def _allocate(self, capacity_bytes: int) -> torch.Tensor:
         return torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=self.pinned)
@@ -155,11 +173,19 @@ class _HostSlab:
         self.offset += need
         self.live_bytes += nbytes
         self.live_slots += 1
+        self._aligned_live += need
+        self.peak_aligned_bytes = max(self.peak_aligned_bytes, self._aligned_live)
         return view
 
     def give_back(self, nbytes: int) -> None:
         self.live_bytes -= nbytes
         self.live_slots -= 1
+        self._aligned_live -= -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
+        if self.live_slots == 0 and self.capacity_bytes < self.peak_aligned_bytes:
+            # The step that just ended spread over several buffers after growing: take one
+            # buffer that holds it all now, between steps, so the next step allocates nothing.
+            self.buffer = self._allocate(self.peak_aligned_bytes)
+            self.offset = 0
 
 
 class TensorPool:
@@ -195,6 +221,7 @@ class TensorPool:
                 "prefetch_hits",
                 "demand_fetches",
                 "kept_small",
+                "still_resident",
             ),
             0,
         )
@@ -298,6 +325,12 @@ class TensorPool:
 
     def _to_device(self, slot: _Slot) -> None:
         assert slot.host is not None, "a slot without device tensor has a host copy"
+        original = slot.original()
+        if original is not None and original._version == slot.version:
+            self._counters["still_resident"] += 1
+            slot.device_tensor = original
+            self._device_bytes += slot.nbytes
+            return
         if self._h2d_stream is not None:
             if slot.event is not None:
                 self._h2d_stream.wait_event(slot.event)
