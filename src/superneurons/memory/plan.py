@@ -65,16 +65,25 @@ class UnitDecision:
         fqn: fully qualified module name of the unit (``model.get_submodule(fqn)``).
         action: ``"keep"``, ``"offload"`` or ``"recompute"``.
         saved_bytes: bytes of saved activations the unit holds under ``keep`` (storage-deduped).
+        segment: -1, or the id of a *segment*: consecutive children of one ``nn.Sequential``, all
+            ``recompute``, that also run together under one outer non-reentrant checkpoint
+            (nested around their own), so only the segment's input stays saved between forward
+            and backward (memory-centric recomputation, SuperNeurons §3.3; Chen et al. 2016's
+            sqrt(n) segments). Optional: a runtime that ignores it is correct, just uses more
+            memory than predicted.
     """
 
     fqn: str
     action: str
     saved_bytes: int = 0
+    segment: int = -1
 
     def __post_init__(self) -> None:
         _check_action(self.action, f"unit {self.fqn!r}")
         if self.saved_bytes < 0:
             raise ConfigError(f"unit {self.fqn!r}: saved_bytes must be >= 0")
+        if self.segment >= 0 and self.action != "recompute":
+            raise ConfigError(f"unit {self.fqn!r}: only recompute units can be in a segment")
 
 
 @dataclass(frozen=True)

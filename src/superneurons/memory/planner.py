@@ -22,6 +22,7 @@ step phase drop to the largest single gradient.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,9 +86,16 @@ def evaluate(
     *,
     optimizer_in_backward: bool = False,
     cost: CostModel | None = None,
+    segments: dict[str, int] | None = None,
 ) -> _Outcome:
-    """Predict peak bytes, host bytes and time overheads of per-unit ``actions`` (fqn -> action)."""
+    """Predict peak bytes, host bytes and time overheads of per-unit ``actions`` (fqn -> action).
+
+    ``segments`` (fqn -> segment id) groups consecutive recompute units under one outer
+    checkpoint: only the first unit's input stays saved; the inner units' inputs come back when
+    the segment is recomputed at the backward start of its last unit.
+    """
     cost = cost or CostModel()
+    segments = segments or {}
     table = profile.timeline_array(steady_state=True)
     if optimizer_in_backward:
         table[CATEGORIES.index("grads")] = 0
@@ -100,23 +108,35 @@ def evaluate(
     units = {u.fqn: u for u in profile.units}
     order = [u.fqn for u in profile.units]
     next_unit = {a: b for a, b in zip(order, order[1:], strict=False)}
+    members: dict[int, list[str]] = {}
+    for fqn in order:
+        if fqn in segments:
+            members.setdefault(segments[fqn], []).append(fqn)
     host_bytes = 0
     for life in profile.storages:
         packers = life.units
         if "" in packers or any(actions.get(f, "keep") == "keep" for f in packers):
             continue
-        if any(
-            actions[f] == "recompute" and life.birth < units[f].fwd_start_event for f in packers
-        ):
-            continue  # a checkpoint's input stays saved
-        release = max(units[f].fwd_end_event for f in packers) + 1
-        restores = []
+        releases, restores, held = [], [], False
         for f in packers:
-            bwd = units[f].bwd_start_event
+            unit = units[f]
+            if actions[f] == "recompute" and life.birth < unit.fwd_start_event:
+                group = members.get(segments.get(f, -1), [f])
+                if group[0] == f:
+                    held = True  # a checkpoint's input stays saved
+                    break
+                releases.append(units[group[-1]].fwd_end_event)
+                restores.append(units[group[-1]].bwd_start_event)
+                continue
+            releases.append(unit.fwd_end_event)
+            bwd = unit.bwd_start_event
             if actions[f] == "offload" and f in next_unit:
                 ahead = units[next_unit[f]].bwd_start_event
                 bwd = ahead if 0 <= ahead < bwd else bwd
             restores.append(bwd)
+        if held:
+            continue
+        release = max(releases) + 1
         restore = min(min(restores), life.death + 1)
         if restore <= release:
             continue
@@ -130,7 +150,8 @@ def evaluate(
         unit = units[fqn]
         compute_s = cost.compute_s(unit, fake=profile.fake)
         if action == "recompute":
-            extra_s += compute_s
+            # a unit inside a segment runs forward twice more: outer and inner recompute
+            extra_s += compute_s * (2 if fqn in segments else 1)
             spike = max(unit.temp_peak_bytes - unit.saved_bytes, 0)
             if 0 <= unit.bwd_start_event < profile.num_events:
                 total[unit.bwd_start_event] += spike
@@ -138,14 +159,50 @@ def evaluate(
             copy_s = cost.copy_s(unit.saved_bytes)
             transfer_s += 2 * copy_s
             exposed_s += max(0.0, copy_s - compute_s) + max(0.0, copy_s - 2 * compute_s)
+    for group in members.values():  # the outer recompute's transient, one unit at a time
+        bwd = units[group[-1]].bwd_start_event
+        if 0 <= bwd < profile.num_events:
+            total[bwd] += max(units[f].temp_peak_bytes for f in group)
     return _Outcome(int(total.max(initial=0)), host_bytes, extra_s, transfer_s, exposed_s)
+
+
+def segment_runs(profile: Profile, actions: dict[str, str]) -> dict[str, int]:
+    """Group runs of consecutive sibling recompute units into segments of ~sqrt(run) units.
+
+    Memory-centric recomputation (SuperNeurons §3.3) with Chen et al.'s sqrt(n) segment size:
+    a run of L blocks holds L/k segment inputs plus k inner inputs while one segment recomputes.
+    """
+    runs: list[list[str]] = []
+    previous: tuple[str, int] | None = None
+    for unit in profile.units:
+        parent, _, name = unit.fqn.rpartition(".")
+        key = (parent, int(name)) if name.isdigit() else None
+        if actions.get(unit.fqn) != "recompute" or key is None:
+            previous = None
+            continue
+        if previous is not None and previous[0] == parent and previous[1] + 1 == key[1]:
+            runs[-1].append(unit.fqn)
+        else:
+            runs.append([unit.fqn])
+        previous = key
+    segments: dict[str, int] = {}
+    for run in runs:
+        if len(run) < 3:
+            continue
+        size = max(2, round(math.sqrt(len(run))))
+        for start in range(0, len(run), size):
+            chunk = run[start : start + size]
+            if len(chunk) >= 2:
+                segment_id = len({*segments.values()})
+                segments.update(dict.fromkeys(chunk, segment_id))
+    return segments
 
 
 def _candidates(
     profile: Profile, allowed: tuple[str, ...], cost: CostModel
-) -> list[tuple[str, str]]:
-    """(fqn, action) steps in ascending cost per byte saved; offload-capable lists end with the
-    recompute->offload upgrades that give the smallest peak."""
+) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(fqn, action) steps in ascending cost per byte saved, then the recompute->offload
+    upgrades (offload-capable strategies) that give the smallest peak."""
     steps: list[tuple[float, str, str]] = []
     upgrades: list[tuple[float, str, str]] = []
     for unit in profile.units:
@@ -163,7 +220,7 @@ def _candidates(
         steps.append((options[action] / unit.saved_bytes, unit.fqn, action))
         if action == "recompute" and "offload" in options:
             upgrades.append((options["offload"] / unit.saved_bytes, unit.fqn, "offload"))
-    return [(f, a) for _, f, a in sorted(steps)] + [(f, a) for _, f, a in sorted(upgrades)]
+    return [(f, a) for _, f, a in sorted(steps)], [(f, a) for _, f, a in sorted(upgrades)]
 
 
 _ALLOWED: dict[str, tuple[str, ...]] = {
@@ -174,37 +231,60 @@ _ALLOWED: dict[str, tuple[str, ...]] = {
 }
 
 
-def _search(
-    profile: Profile, strategy: str, budget_bytes: int | None, cost: CostModel
-) -> tuple[dict[str, str], bool, _Outcome]:
-    """Shortest candidate prefix that fits ``budget_bytes`` (None: the full prefix)."""
+_SEGMENT: tuple[str, str] = ("", "segment")  # the step that turns on memory-centric segments
+
+
+@dataclass
+class _Choice:
+    actions: dict[str, str]
+    segments: dict[str, int]
+    optimizer_in_backward: bool
+    outcome: _Outcome
+
+
+def _search(profile: Profile, strategy: str, budget_bytes: int | None, cost: CostModel) -> _Choice:
+    """Shortest candidate prefix that fits ``budget_bytes`` (None: the prefix with least peak)."""
     opt_in = strategy == "offload+opt-in-backward"
     if strategy == "checkpoint":
         actions = {u.fqn: "recompute" for u in profile.units}
-        return actions, opt_in, evaluate(profile, actions, cost=cost)
+        return _Choice(actions, {}, False, evaluate(profile, actions, cost=cost))
     actions = {u.fqn: "keep" for u in profile.units}
-    outcome = evaluate(profile, actions, optimizer_in_backward=opt_in, cost=cost)
-    steps = _candidates(profile, _ALLOWED[strategy], cost)
-    if budget_bytes is None:  # the prefix with the smallest peak of this strategy
-        best = (dict(actions), outcome)
-        for fqn, action in steps:
-            actions[fqn] = action
-            outcome = evaluate(profile, actions, optimizer_in_backward=opt_in, cost=cost)
-            if outcome.peak_bytes < best[1].peak_bytes:
-                best = (dict(actions), outcome)
-        return best[0], opt_in, best[1]
+    first, upgrades = _candidates(profile, _ALLOWED[strategy], cost)
+    segment: list[tuple[str, str]] = [_SEGMENT] if "recompute" in _ALLOWED[strategy] else []
+    steps = first + segment + upgrades
+    segmented = False
+
+    def outcome_of() -> _Outcome:
+        segments = segment_runs(profile, actions) if segmented else {}
+        return evaluate(
+            profile, actions, optimizer_in_backward=opt_in, cost=cost, segments=segments
+        )
+
+    def choice(outcome: _Outcome) -> _Choice:
+        segments = segment_runs(profile, actions) if segmented else {}
+        return _Choice(dict(actions), segments, opt_in, outcome)
+
+    outcome = outcome_of()
+    best = choice(outcome)
     for fqn, action in steps:
-        if outcome.peak_bytes <= budget_bytes:
-            break
-        actions[fqn] = action
-        outcome = evaluate(profile, actions, optimizer_in_backward=opt_in, cost=cost)
-    return actions, opt_in, outcome
+        if budget_bytes is not None and outcome.peak_bytes <= budget_bytes:
+            return choice(outcome)
+        if (fqn, action) == _SEGMENT:
+            segmented = True
+        else:
+            actions[fqn] = action
+        outcome = outcome_of()
+        if outcome.peak_bytes < best.outcome.peak_bytes:
+            best = choice(outcome)
+    return best if budget_bytes is None else choice(outcome)
 
 
 def min_peak_bytes(profile: Profile, *, cost: CostModel | None = None) -> dict[str, int]:
     """The smallest predicted peak each strategy reaches (strategy -> bytes)."""
     cost = cost or CostModel()
-    return {s: _search(profile, s, None, cost)[2].peak_bytes for s in STRATEGIES if s != "auto"}
+    return {
+        s: _search(profile, s, None, cost).outcome.peak_bytes for s in STRATEGIES if s != "auto"
+    }
 
 
 def make_plan(
@@ -240,18 +320,31 @@ def make_plan(
         order = ["eager", "recompute", "offload", "offload+opt-in-backward"]
         if optimizer_in_backward:
             order = ["offload+opt-in-backward"]
-        tried = [(s, *_search(profile, s, budget_bytes, cost)) for s in order]
-        fits = [t for t in tried if t[3].peak_bytes <= budget_bytes]
-        if fits:
-            chosen = min(fits, key=lambda t: (t[2], t[3].extra_compute_s + t[3].exposed_s))
-            _, actions, opt_in, outcome = chosen
-        else:
-            actions, opt_in, outcome = tried[-1][1], tried[-1][2], tried[-1][3]
+        tried = [_search(profile, s, budget_bytes, cost) for s in order]
+        fits = [c for c in tried if c.outcome.peak_bytes <= budget_bytes]
+        chosen = (
+            min(
+                fits,
+                key=lambda c: (
+                    c.optimizer_in_backward,
+                    c.outcome.extra_compute_s + c.outcome.exposed_s,
+                ),
+            )
+            if fits
+            else tried[-1]
+        )
     else:
-        actions, opt_in, outcome = _search(profile, strategy, budget_bytes, cost)
-        opt_in = opt_in or optimizer_in_backward
-        if optimizer_in_backward and strategy != "offload+opt-in-backward":
-            outcome = evaluate(profile, actions, optimizer_in_backward=True, cost=cost)
+        chosen = _search(profile, strategy, budget_bytes, cost)
+        if optimizer_in_backward and not chosen.optimizer_in_backward:
+            chosen.optimizer_in_backward = True
+            chosen.outcome = evaluate(
+                profile,
+                chosen.actions,
+                optimizer_in_backward=True,
+                cost=cost,
+                segments=chosen.segments,
+            )
+    actions, outcome = chosen.actions, chosen.outcome
     if outcome.peak_bytes > budget_bytes:
         raise InfeasibleBudgetError(
             f"budget {format_bytes(budget_bytes)} is below the smallest predicted peak of strategy "
@@ -268,10 +361,13 @@ def make_plan(
         for s in profile.saved
     )
     return Plan(
-        units=tuple(UnitDecision(f, a, unit_bytes[f]) for f, a in actions.items()),
+        units=tuple(
+            UnitDecision(f, a, unit_bytes[f], segment=chosen.segments.get(f, -1))
+            for f, a in actions.items()
+        ),
         strategy=strategy,
         budget_bytes=budget_bytes,
-        optimizer_in_backward=opt_in,
+        optimizer_in_backward=chosen.optimizer_in_backward,
         predicted_peak_bytes=outcome.peak_bytes,
         min_budget_bytes=minima[best_strategy],
         host_bytes=outcome.host_bytes,
