@@ -130,7 +130,9 @@ def evaluate(
                 continue
             releases.append(unit.fwd_end_event)
             bwd = unit.bwd_start_event
-            if actions[f] == "offload" and f in next_unit:
+            # the runtime prefetches a unit when backward enters the next one if that one is
+            # offloaded too (its autograd pre-hook), else when backward enters the unit itself
+            if actions[f] == "offload" and actions.get(next_unit.get(f, ""), "") == "offload":
                 ahead = units[next_unit[f]].bwd_start_event
                 bwd = ahead if 0 <= ahead < bwd else bwd
             restores.append(bwd)

@@ -15,21 +15,32 @@ against a direct profile at the answer where they can afford it (``verify=True``
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from superneurons.errors import ConfigError
+from superneurons.memory.plan import Plan
 from superneurons.memory.planner import CostModel, min_peak_bytes
 from superneurons.memory.profile import profile_step
 from superneurons.memory.profile_types import Profile
 
-__all__ = ["OPTIMIZERS", "FitResult", "max_fitting", "profile_zoo", "zoo_peaks"]
+__all__ = [
+    "OPTIMIZERS",
+    "FitResult",
+    "max_fitting",
+    "profile_zoo",
+    "simulate_plan",
+    "zoo_peaks",
+]
 
 logger = logging.getLogger("superneurons.memory")
 
@@ -145,3 +156,168 @@ def zoo_peaks(
         return min_peak_bytes(profile_zoo(name, **kwargs), cost=cost)
 
     return peaks
+
+
+class _StepAll:
+    """Stands in for the optimizer when each parameter steps in backward: holds their state."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.state = {k: v for opt in optimizers for k, v in opt.state.items()}
+
+    def step(self) -> None:  # the per-parameter optimizers already stepped in backward
+        return None
+
+
+def simulate_plan(
+    model: nn.Module,
+    inputs: Any,
+    targets: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    plan: Plan,
+) -> Profile:
+    """Execute ``plan`` on fake copies and measure it (``measured_peak_bytes``, steady state).
+
+    Recompute units run under non-reentrant ``torch.utils.checkpoint`` (segments nested in one
+    outer checkpoint); offload units pack saved tensors to ``meta`` (no device bytes) and restore
+    them when backward unpacks them, i.e. later than the runtime's one-unit-ahead prefetch, so the
+    simulated peak is a lower bound of the runtime's. One warm-up step runs first so optimizer
+    state is resident, as from the second step on.
+    """
+    from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
+
+    mode = FakeTensorMode()
+    with FakeCopyMode(mode):
+        model, optimizer = copy.deepcopy((model, optimizer))
+    inputs, targets = (mode.from_tensor(t) if torch.is_tensor(t) else t for t in (inputs, targets))
+    with mode:
+        _apply(model, plan)
+        per_param = _in_backward(model, optimizer) if plan.optimizer_in_backward else []
+        loss_fn(model(inputs), targets).backward()  # warm-up: optimizer state exists after it
+        if not per_param:
+            optimizer.step()
+        for p in model.parameters():
+            p.grad = None
+        stepper: Any = _StepAll(per_param) if per_param else optimizer
+    return profile_step(model, inputs, targets, loss_fn, stepper, fake_mode=mode, units=[])
+
+
+def _in_backward(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    optimizers = []
+    for param in model.parameters():
+        opt = type(optimizer)([param], **optimizer.defaults)
+
+        def step(_p: torch.Tensor, opt: torch.optim.Optimizer = opt) -> None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        param.register_post_accumulate_grad_hook(step)
+        optimizers.append(opt)
+    return optimizers
+
+
+class _Offloader:
+    """Simulated host pool: saved tensors go to ``meta``; when backward first needs a unit, it
+    and the unit before it (if also offloaded: the runtime's one-ahead prefetch) come back."""
+
+    def __init__(self, model: nn.Module, plan: Plan) -> None:
+        self.params = {int(p.untyped_storage()._cdata) for p in model.parameters()}
+        order = [u.fqn for u in plan.units]
+        offloaded = {u.fqn for u in plan.units if u.action == "offload"}
+        self.previous = {
+            b: a
+            for a, b in zip(order, order[1:], strict=False)
+            if a in offloaded and b in offloaded
+        }
+        self.slots: dict[str, list[list[Any]]] = {}
+        self.by_storage: dict[int, tuple[Any, Any, Any]] = {}
+
+    def wrap(self, fqn: str, forward: Callable[..., Any]) -> Callable[..., Any]:
+        def pack(tensor: torch.Tensor) -> Any:
+            if int(tensor.untyped_storage()._cdata) in self.params:
+                return tensor
+            storage = tensor.untyped_storage()
+            known = self.by_storage.get(int(storage._cdata))
+            if known is not None and known[0]() is storage and known[2] == tensor.shape:
+                return known[1]  # the same storage saved twice is offloaded once
+            slot = [tensor.to("meta"), tensor.device, None]
+            self.slots.setdefault(fqn, []).append(slot)
+            self.by_storage[int(storage._cdata)] = (weakref.ref(storage), (fqn, slot), tensor.shape)
+            return (fqn, slot)
+
+        def unpack(packed: Any) -> torch.Tensor:
+            if isinstance(packed, torch.Tensor):
+                return packed
+            unit, slot = packed
+            self.by_storage.clear()  # backward has begun: no more packs to deduplicate
+            for name in (unit, self.previous.get(unit)):
+                for other in self.slots.pop(name or "", []):
+                    other[2] = torch.empty_like(other[0], device=other[1])
+            if slot[2] is None:  # a storage saved twice: its second unpack
+                slot[2] = torch.empty_like(slot[0], device=slot[1])
+            return slot[2]
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                return forward(*args, **kwargs)
+
+        return run
+
+
+def _apply(model: nn.Module, plan: Plan) -> None:
+    offloader = _Offloader(model, plan)
+    segments: dict[int, list[str]] = {}
+    for unit in plan.units:
+        module = model.get_submodule(unit.fqn)
+        if unit.action == "recompute":
+            module.forward = _checkpointed(module.forward)  # type: ignore[method-assign]
+        elif unit.action == "offload":
+            module.forward = offloader.wrap(unit.fqn, module.forward)  # type: ignore[method-assign]
+        if unit.segment >= 0:
+            segments.setdefault(unit.segment, []).append(unit.fqn)
+    for fqns in segments.values():
+        parent_fqn = fqns[0].rpartition(".")[0]
+        parent = model.get_submodule(parent_fqn)
+        names = [f.rpartition(".")[2] for f in fqns]
+        _segment_sequential(parent, names)  # type: ignore[arg-type]
+
+
+def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+    from torch.utils.checkpoint import checkpoint
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+def _segment_sequential(parent: nn.Sequential, names: list[str]) -> None:
+    """Make ``parent`` run children ``names`` (consecutive) under one outer checkpoint."""
+    previous = parent.forward
+    segments = getattr(parent, "_sn_segments", [])
+    segments.append(names)
+    parent._sn_segments = segments  # type: ignore[assignment]
+
+    def forward(x: Any) -> Any:
+        children = list(parent.named_children())
+        index = 0
+        while index < len(children):
+            name, child = children[index]
+            group = next((g for g in parent._sn_segments if g[0] == name), None)  # type: ignore[union-attr]
+            if group is None:
+                x = child(x)
+                index += 1
+                continue
+            chunk = [m for _, m in children[index : index + len(group)]]
+
+            def run(inp: Any, chunk: list[nn.Module] = chunk) -> Any:
+                for module in chunk:
+                    inp = module(inp)
+                return inp
+
+            x = _checkpointed(run)(x)
+            index += len(group)
+        return x
+
+    del previous
+    parent.forward = forward  # type: ignore[method-assign]

@@ -71,6 +71,8 @@ class LiveStorageTracker(TorchDispatchMode):
         return added
 
     def _track(self, tensor: torch.Tensor) -> int:
+        if tensor.device.type == "meta":
+            return 0  # no device bytes (the simulation's stand-in for host-offloaded tensors)
         storage = tensor.untyped_storage()
         address = int(storage._cdata)
         if address in self._live:
