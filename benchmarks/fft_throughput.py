@@ -146,6 +146,35 @@ def run(numel: int, reps: int, out: Path) -> list[dict[str, Any]]:
         logger.info("%s", record)
         records.append(record)
 
+    # decode_sum over 8 ranks' payloads (one inverse FFT) vs 8 separate decodes.
+    default = FFTCodec()
+    ranks = [default.encode(torch.randn(numel)) for _ in range(8)]
+    sum_wall, sum_cpu, _ = _timed(functools.partial(default.decode_sum, ranks), reps)
+    each_wall, each_cpu, _ = _timed(lambda: [default.decode(p) for p in ranks], reps)
+    records.append(
+        {
+            "variant": f"{default.spec} decode_sum of 8 payloads",
+            "kind": "decode_sum",
+            "decode_sum_ms_cpu": sum_cpu * 1e3,
+            "eight_decodes_ms_cpu": each_cpu * 1e3,
+            "speedup": each_cpu / sum_cpu,
+            "gbps_cpu_per_payload": 8 * nbytes / sum_cpu / 1e9,
+        }
+    )
+    # Index coding size vs theta (pure arithmetic on payload_bytes, chunk=512).
+    for theta in (0.5, 0.7, 0.75, 0.8, 0.9, 0.95, 0.99):
+        bitmap = FFTCodec(theta=theta, index="bitmap").payload_bytes(numel)
+        gap = FFTCodec(theta=theta, index="gap").payload_bytes(numel)
+        records.append(
+            {
+                "variant": f"theta={theta}",
+                "kind": "index_size",
+                "bitmap_bits_per_elem": 8 * bitmap / numel,
+                "gap_bits_per_elem": 8 * gap / numel,
+                "gap_over_bitmap": gap / bitmap,
+            }
+        )
+
     rfft_cpu_ms = next(r["cpu_ms"] for r in records if r["variant"] == "torch.fft.rfft whole")
     irfft_cpu_ms = next(r["cpu_ms"] for r in records if r["variant"] == "torch.fft.irfft whole")
     for r in records:
@@ -162,6 +191,10 @@ def run(numel: int, reps: int, out: Path) -> list[dict[str, Any]]:
 def _write(records: list[dict[str, Any]], numel: int, reps: int, out: Path) -> None:
     anchors = [r for r in records if r["kind"] == "anchor"]
     codecs = [r for r in records if r["kind"] == "codec"]
+    sums = [r for r in records if r["kind"] == "decode_sum"]
+    sizes = [r for r in records if r["kind"] == "index_size"]
+    sum_cols = ["variant", "decode_sum_ms_cpu", "eight_decodes_ms_cpu", "speedup"]
+    size_cols = ["variant", "bitmap_bits_per_elem", "gap_bits_per_elem", "gap_over_bitmap"]
     anchor_cols = ["variant", "cpu_ms", "wall_ms", "best_wall_ms", "gbps_cpu", "gbps_wall"]
     codec_cols = [
         "variant",
@@ -201,6 +234,10 @@ def _write(records: list[dict[str, Any]], numel: int, reps: int, out: Path) -> N
         + markdown_table(anchors, anchor_cols)
         + "\n## Codec variants (theta = 0.9, 8-bit values)\n\n"
         + markdown_table(codecs, codec_cols, floatfmt=".3f")
+        + "\n## decode_sum: 8 ranks, one inverse FFT (linearity)\n\n"
+        + markdown_table(sums, sum_cols, floatfmt=".3f")
+        + "\n## Index coding: bitmap vs Elias-Fano gap code, whole payload (chunk=512, 8 bits)"
+        "\n\n" + markdown_table(sizes, size_cols, floatfmt=".3f")
     )
     write_json(
         out / "fft_throughput.json",
@@ -213,6 +250,8 @@ def _write(records: list[dict[str, Any]], numel: int, reps: int, out: Path) -> N
     write_markdown(out / "fft_throughput.md", "FFT codec throughput (1 thread, 4 MiB)", body)
     print(markdown_table(anchors, anchor_cols))
     print(markdown_table(codecs, codec_cols, floatfmt=".3f"))
+    print(markdown_table(sums, sum_cols, floatfmt=".3f"))
+    print(markdown_table(sizes, size_cols, floatfmt=".3f"))
     print(verdict)
     _plot(codecs, out / "fft_throughput.png")
 

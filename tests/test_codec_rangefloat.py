@@ -188,3 +188,21 @@ def test_all_zero_and_single_element() -> None:
     assert bool((codec.decode(codec.encode(torch.zeros(33))) == 0).all())
     one = codec.decode(codec.encode(torch.tensor([-0.75])))
     assert float(one[0]) == -0.75
+
+
+@pytest.mark.parametrize("bits", [4, 8, 16])
+def test_quantize_rounds_to_the_nearest_representable_value(bits: int) -> None:
+    # Implementation-independent check of the branch-free integer code path: the grid of all
+    # representable magnitudes comes from dequantize, and every value must land on a nearest
+    # grid point (ties may go either way).
+    for name, values in _samples(20_000).items():
+        codes, header = quantize(values, bits, threshold=None)
+        grid = dequantize(torch.arange(2 ** (bits - 1), dtype=torch.int32), header, bits)
+        grid = grid.double()
+        assert bool((grid[1:] > grid[:-1]).all()), name  # strictly increasing magnitudes
+        mag = values.double().abs()
+        upper = torch.searchsorted(grid, mag).clamp(max=grid.numel() - 1)
+        lower = (upper - 1).clamp(min=0)
+        nearest = torch.minimum((grid[upper] - mag).abs(), (mag - grid[lower]).abs())
+        got = (dequantize(codes, header, bits).double().abs() - mag).abs()
+        torch.testing.assert_close(got, nearest, rtol=0, atol=0, msg=name)
