@@ -93,6 +93,7 @@ def run_deeper(
             predicted = fit.intercept_bytes + fit.slope_bytes * n
             validation[strategy] = (predicted - direct[strategy]) / direct[strategy]
         say(f"direct profile at n={n} (depth {n_to_depth(n)}) in {time.perf_counter() - t0:.1f} s")
+    plan_errors = _validate_plans(say) if validate else {}
     for name in ("resnet50", "resnet101", "resnet152"):
         fits_b = max_fitting(
             zoo_peaks(name, "batch", optimizer="sgd"),
@@ -113,8 +114,39 @@ def run_deeper(
                     "fit_residual": fit.residual,
                 }
             )
-    _write(out_dir, records, validation, budget_bytes)
+    _write(out_dir, records, validation, budget_bytes, plan_errors)
     return records
+
+
+def _validate_plans(say: Any, n: int = 8) -> dict[str, dict[str, float]]:
+    """Execute each strategy's smallest-peak plan on fakes at ``[6, 32, n, 6]`` and compare."""
+    import torch
+
+    from superneurons.memory.plan import make_plan
+    from superneurons.memory.profile import profile_step
+    from superneurons.memory.simulate import simulate_plan
+    from superneurons.models.zoo import build_model, default_loss, model_input
+
+    model = build_model("resnet", layers=(6, 32, n, 6))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = model_input("resnet", 16)
+    loss_fn = default_loss("resnet")
+    profile = profile_step(model, x, y, loss_fn, opt, fake=True)
+    errors = {}
+    for strategy, budget in min_peak_bytes(profile).items():
+        t0 = time.perf_counter()
+        plan = make_plan(profile, budget_bytes=budget, strategy=strategy)
+        measured = simulate_plan(model, x, y, loss_fn, opt, plan).measured_peak_bytes
+        errors[strategy] = {
+            "predicted_gib": plan.predicted_peak_bytes / GIB,
+            "executed_gib": measured / GIB,
+            "error": plan.predicted_peak_bytes / measured - 1,
+        }
+        say(
+            f"executed {strategy} plan at n={n} in {time.perf_counter() - t0:.1f} s: "
+            f"predicted/executed - 1 = {errors[strategy]['error']:+.2%}"
+        )
+    return errors
 
 
 def _depth_at(fit: Any, budget_bytes: float) -> int:
@@ -125,7 +157,11 @@ def _depth_at(fit: Any, budget_bytes: float) -> int:
 
 
 def _write(
-    out_dir: Path, records: list[dict[str, Any]], validation: dict[str, float], budget_bytes: int
+    out_dir: Path,
+    records: list[dict[str, Any]],
+    validation: dict[str, float],
+    budget_bytes: int,
+    plan_errors: dict[str, dict[str, float]],
 ) -> None:
     depth_rows = [r for r in records if r["experiment"] == "max_depth"]
     batch_rows = [r for r in records if r["experiment"] == "max_batch"]
@@ -134,6 +170,7 @@ def _write(
         records,
         budget_bytes=budget_bytes,
         extrapolation_error_at_eager_depth=validation,
+        executed_plan_peaks_n8=plan_errors,
         anchors=ANCHOR_DEPTHS,
         targets=PAPER_DEPTHS,
     )
@@ -160,6 +197,9 @@ def _write(
         )
         + "\nExtrapolation error vs a direct profile at the eager depth (predicted/direct - 1): "
         + ", ".join(f"{k} {v:+.3%}" for k, v in validation.items())
+        + "\n\nEach strategy's smallest-peak plan executed on fake tensors at [6, 32, 8, 6] "
+        "(checkpoint, segments, offload with one-ahead prefetch; predicted/executed - 1): "
+        + ", ".join(f"{k} {v['error']:+.2%}" for k, v in plan_errors.items())
         + "\n\nLargest batch in 12 GiB:\n\n"
         + markdown_table(
             batch_rows, ["model", "strategy", "max_batch", "mib_per_sample", "fit_residual"]
