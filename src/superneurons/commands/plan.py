@@ -103,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         transfer_s=plan.transfer_s,
         optimizer_in_backward=plan.optimizer_in_backward,
         units={a: plan.count(a) for a in ("keep", "offload", "recompute")},
+        segments=len({u.segment for u in plan.units if u.segment >= 0}),
     )
     if args.json:
         print(json.dumps({**record, "plan": plan.to_dict()}, indent=1))
@@ -118,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"  extra compute     {plan.extra_compute_s * 1e3:.2f} ms/step (cost model)")
     print(f"  transfers         {plan.transfer_s * 1e3:.2f} ms/step")
     print(
-        f"  units             {record['units']}, optimizer in backward: "
+        f"  units             {record['units']}, recompute segments {record['segments']}, "
+        "optimizer in backward: "
         f"{plan.optimizer_in_backward}"
     )
     return 0

@@ -19,7 +19,7 @@ from superneurons.memory.plan import (
 from superneurons.memory.planner import CostModel, min_peak_bytes
 from superneurons.memory.profile import profile_step
 from superneurons.memory.profile_types import Profile, SavedTensor, UnitProfile, default_units
-from superneurons.memory.simulate import profile_zoo
+from superneurons.memory.simulate import profile_zoo, simulate_plan
 from superneurons.memory.tracker import LiveStorageTracker
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "default_units",
     "profile_step",
     "profile_zoo",
+    "simulate_plan",
     # planning
     "ACTIONS",
     "PLAN_VERSION",
