@@ -5,21 +5,30 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from superneurons.bench.memory import device_peak_bytes
 from superneurons.errors import ConfigError
 from superneurons.memory.plan import Plan, UnitDecision
 from superneurons.memory.pool import PoolConfig
 from superneurons.memory.runtime import PlanHandle, apply_plan
-from superneurons.bench.memory import device_peak_bytes
 from superneurons.models.zoo import build_model, default_loss, model_input
 
 ALL_BYTES = PoolConfig(min_offload_bytes=0)  # offload every saved activation, however small
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """One intra-op thread: on a shared machine two threads made small ops 30-50x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 class Residual(nn.Module):
@@ -80,7 +89,9 @@ def _assert_same_training(
         grads = _train(planned, batches, loss_fn)
     for a, b in zip(grads_ref, grads, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # bitwise: CPU fp32 is deterministic
-    for (name, a), (_, b) in zip(ref.state_dict().items(), planned.state_dict().items()):
+    for (name, a), (_, b) in zip(
+        ref.state_dict().items(), planned.state_dict().items(), strict=True
+    ):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
     return handle
 
@@ -173,9 +184,11 @@ def test_remove_restores_model_exactly() -> None:
         assert torch.equal(value, before_state[key]), key
     assert torch.equal(model(x), before_out)
     # A second plan may be applied after remove(), but not on top of a live one.
-    with apply_plan(model, _plan(["blocks.0"], ["recompute"])):
-        with pytest.raises(ConfigError, match="already runs a plan"):
-            apply_plan(model, _plan(["blocks.0"], ["offload"]))
+    with (
+        apply_plan(model, _plan(["blocks.0"], ["recompute"])),
+        pytest.raises(ConfigError, match="already runs a plan"),
+    ):
+        apply_plan(model, _plan(["blocks.0"], ["offload"]))
 
 
 def test_bad_plans_raise_config_error() -> None:
@@ -204,7 +217,9 @@ def test_optimizer_in_backward_equals_step_after_backward() -> None:
             torch.manual_seed(100 + i)  # as _train does
             F.cross_entropy(planned(x), y).backward()
             assert all(p.grad is None for p in planned.parameters())  # freed at once
-    for (name, a), (_, b) in zip(ref.state_dict().items(), planned.state_dict().items()):
+    for (name, a), (_, b) in zip(
+        ref.state_dict().items(), planned.state_dict().items(), strict=True
+    ):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 

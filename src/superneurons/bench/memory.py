@@ -113,18 +113,32 @@ class _Workload:
         self.model = build_model(config.model, **build_kwargs)
         self.inputs, self.targets = model_input(config.model, config.batch_size, **kwargs)
         self.loss_fn = default_loss(config.model)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
+        self.optimizer = self.make_optimizer(list(self.model.parameters()))
+        # Optimizers whose state counts as resident; with optimizer-in-backward the runtime's
+        # per-parameter optimizers replace ``optimizer`` and the step does not call it.
+        self.live_optimizers: list[torch.optim.Optimizer] = [self.optimizer]
         self.forward: Callable[[torch.Tensor], torch.Tensor] = self.model
 
+    @staticmethod
+    def make_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+
     def step(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
         loss = self.loss_fn(self.forward(self.inputs), self.targets)
         loss.backward()
         del loss
-        self.optimizer.step()
+        if self.optimizer in self.live_optimizers:
+            self.optimizer.step()
 
     def resident(self) -> list[torch.Tensor]:
-        state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        state = [
+            t
+            for opt in self.live_optimizers
+            for s in opt.state.values()
+            for t in s.values()
+            if torch.is_tensor(t)
+        ]
         return [*self.model.parameters(), *self.model.buffers(), *state, self.inputs, self.targets]
 
     def measure(self, steps: int, host: Callable[[], Sequence[torch.Tensor]] = tuple) -> dict:
@@ -195,7 +209,7 @@ def _save_on_cpu_semantics() -> Iterator[None]:
 
 
 def _ours(work: _Workload, config: MemoryBenchConfig, eager_peak: int) -> list[dict]:
-    from superneurons.memory.plan import make_plan
+    from superneurons.memory.plan import InfeasibleBudgetError, make_plan
     from superneurons.memory.profile import profile_step
 
     # profile_step copies (model, optimizer) itself: the caller's state is untouched.
@@ -205,11 +219,19 @@ def _ours(work: _Workload, config: MemoryBenchConfig, eager_peak: int) -> list[d
         budget = int(eager_peak * fraction)
         try:
             plan = make_plan(profile, budget_bytes=budget, strategy="auto")
-        except ConfigError as exc:
-            rows.append({"budget_fraction": fraction, "skipped": str(exc).split(":")[0]})
+        except InfeasibleBudgetError as exc:
+            floor = exc.min_budget_bytes / eager_peak
+            note = f"infeasible: planner minimum {floor:.2f}x eager ({exc.strategy})"
+            rows.append({"budget_fraction": fraction, "skipped": note})
             continue
-        with apply_plan(work.model, plan) as handle:
-            row = work.measure(config.steps, host=handle.pool.host_buffers)
+        factory = work.make_optimizer if plan.optimizer_in_backward else None
+        with apply_plan(work.model, plan, optimizer_factory=factory) as handle:
+            if plan.optimizer_in_backward:
+                work.live_optimizers = list(handle.optimizers.values())
+            try:
+                row = work.measure(config.steps, host=handle.pool.host_buffers)
+            finally:
+                work.live_optimizers = [work.optimizer]
             row["host_bytes"] = handle.pool.stats().peak_host_bytes
         row.update(
             budget_fraction=fraction,
