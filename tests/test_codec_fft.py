@@ -248,3 +248,14 @@ def test_half_precision_inputs(dtype: torch.dtype) -> None:
         assert decoded.dtype == torch.float32
         reference = codec.decode(codec.encode(grad.float()))
         torch.testing.assert_close(decoded, reference, rtol=0, atol=0)
+
+
+def test_encode_and_decode_leave_their_inputs_untouched() -> None:
+    grad = _gradients(3000)["heavy"]
+    before = grad.clone()
+    for codec in CONFIGS:
+        payload = codec.encode(grad)
+        data = payload.data.clone()
+        codec.decode_sum([payload, payload])
+        assert torch.equal(grad, before), codec.spec
+        assert torch.equal(payload.data, data), codec.spec

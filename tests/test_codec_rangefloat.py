@@ -206,3 +206,19 @@ def test_quantize_rounds_to_the_nearest_representable_value(bits: int) -> None:
         nearest = torch.minimum((grid[upper] - mag).abs(), (mag - grid[lower]).abs())
         got = (dequantize(codes, header, bits).double().abs() - mag).abs()
         torch.testing.assert_close(got, nearest, rtol=0, atol=0, msg=name)
+
+
+def test_quantize_and_codec_leave_their_inputs_untouched() -> None:
+    values = _samples(3000)["wide"]
+    before = values.clone()
+    codes, header = quantize(values, 8)
+    codes_before = codes.clone()
+    dequantize(codes, header, 8)
+    assert torch.equal(values, before)
+    assert torch.equal(codes, codes_before)
+    codec = RangeFloatCodec(bits=8)
+    payload = codec.encode(values)
+    data = payload.data.clone()
+    codec.decode(payload)
+    assert torch.equal(values, before)
+    assert torch.equal(payload.data, data)
