@@ -33,6 +33,13 @@ threshold, Lin et al., ICLR 2018), keeps every bin above the upper one and ranks
 narrow band in between exactly, so it keeps the *same* k bins as exact (ties aside; it falls
 back to exact when the sample misses, ~0.1% of calls) at a fraction of the cost.
 
+Values: one range-float window per message, from the largest kept part down to the weakest
+kept bin's ``|X| / sqrt(2)`` (the paper's ``[threshold, max]`` rule, so smaller parts fall
+into the subnormal step). Index: "gap" (Elias-Fano) is smaller than "bitmap" for
+``theta > 0.75`` (1.08 vs 1.31 bits/element at 0.9, see benchmarks/fft_throughput.py) at about
+the same speed; bitmap stays the default for simplicity. Device: encode runs on the CPU (a CUDA
+gradient is copied over); payloads and decodes are CPU tensors.
+
 NaN/Inf policy (project-wide): ``encode`` never raises on values. A non-finite input gives a
 NaN header scale; such a payload decodes to all-NaN, and ``decode_sum`` over payloads of which
 any is non-finite is all-NaN, so a DDP hook propagates it as a dense all-reduce would and
