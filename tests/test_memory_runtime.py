@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import itertools
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -301,3 +302,25 @@ def test_many_mixes_leave_pool_empty() -> None:
             model(x).backward()
             stats = handle.pool.stats()
             assert (stats.host_bytes, stats.device_bytes, stats.live_slots) == (0, 0, 0)
+
+
+def test_inside_ddp_equals_plain_ddp(tmp_path: Path) -> None:
+    """Plan applied to the inner module, then wrapped (one gloo rank: the reducer still runs)."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        model = Net()
+        batches = [(torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))) for _ in range(2)]
+        ref = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+        inner = copy.deepcopy(model)
+        plan = _plan([f"blocks.{i}" for i in range(4)], ["recompute", "offload"] * 2)
+        with apply_plan(inner, plan, pool_config=ALL_BYTES):
+            planned = nn.parallel.DistributedDataParallel(inner)
+            grads = _train(planned, batches, F.cross_entropy)
+        for a, b in zip(_train(ref, batches, F.cross_entropy), grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    finally:
+        dist.destroy_process_group()
