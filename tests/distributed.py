@@ -7,13 +7,15 @@ makes the call fail with that rank's traceback; a rank that hangs (e.g. a collec
 makes it fail after ``timeout_s`` instead of blocking the test run.
 
 Starting ranks costs seconds (each imports torch), so :class:`Ranks` keeps a group alive
-across calls: ``with Ranks(2) as ranks: ranks.run(fn_a); ranks.run(fn_b)``. After a failed or
+across calls: ``with Ranks(2) as ranks: ranks.run(fn_a); ranks.run(fn_b)``, and
+:func:`shared_ranks` shares one group across test modules. After a failed or
 timed-out call the group is torn down and the next call starts a fresh one. ``fn`` must be a
 module-level function (spawn pickles it by name); results travel as ``torch.save`` bytes.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import io
 import multiprocessing as mp
@@ -26,7 +28,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-__all__ = ["Ranks", "free_port", "run_ranks"]
+__all__ = ["Ranks", "free_port", "run_ranks", "shared_ranks"]
 
 
 def free_port() -> int:
@@ -105,7 +107,7 @@ class Ranks:
             for tasks in getattr(self, "_tasks", []):
                 tasks.put(None)
         for proc in self._procs:
-            proc.join(timeout=2 if graceful else 0)
+            proc.join(timeout=0.5 if graceful else 0)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
@@ -161,3 +163,15 @@ def run_ranks(
     """Run ``fn(rank, world_size, *args)`` once on a fresh group of ``world_size`` ranks."""
     with Ranks(world_size) as ranks:
         return ranks.run(fn, *args, timeout_s=timeout_s)
+
+
+_SHARED: dict[int, Ranks] = {}
+
+
+def shared_ranks(world_size: int = 2) -> Ranks:
+    """One live group per world size for the whole test session (closed at exit), so test
+    modules do not each pay the seconds it takes to start ranks."""
+    if world_size not in _SHARED:
+        _SHARED[world_size] = Ranks(world_size)
+        atexit.register(_SHARED[world_size].close)
+    return _SHARED[world_size]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -11,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from distributed import Ranks
+from distributed import Ranks, shared_ranks
 from superneurons.compress.cast import Fp16Codec, IdentityCodec
 from superneurons.compress.qsgd import QSGDCodec
 from superneurons.compress.topk import TopKCodec
@@ -20,10 +19,9 @@ pytestmark = pytest.mark.dist
 
 
 @pytest.fixture(scope="module")
-def ranks() -> Iterator[Ranks]:
-    """One 2-rank gloo group for the whole module (starting ranks costs seconds)."""
-    with Ranks(2) as group:
-        yield group
+def ranks() -> Ranks:
+    """One 2-rank gloo group shared by the test modules (starting ranks costs seconds)."""
+    return shared_ranks(2)
 
 
 # Tiny buckets: every parameter gets its own bucket, so multi-bucket ordering is exercised.

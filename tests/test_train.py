@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from distributed import Ranks
+from distributed import Ranks, shared_ranks
 from superneurons.cli import main
 from superneurons.train.checkpoint import checkpoint_path
 from superneurons.train.config import TrainConfig
@@ -24,9 +23,8 @@ needs_data = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def ranks() -> Iterator[Ranks]:
-    with Ranks(2) as group:
-        yield group
+def ranks() -> Ranks:
+    return shared_ranks(2)
 
 
 def _config(out_dir: Path, **overrides: Any) -> TrainConfig:
@@ -129,3 +127,18 @@ def test_bad_flags_are_one_line(
 def test_config_round_trips_through_json(tmp_path: Path) -> None:
     config = _config(tmp_path, compress="fft:theta=0.9", budget_bytes=1 << 30)
     assert TrainConfig.from_json(config.to_json()) == config
+
+
+def test_budget_seam_applies_a_memory_plan() -> None:
+    from superneurons.models import build_model, default_loss
+    from superneurons.train.loop import _apply_budget
+
+    model = build_model("mlp")
+    batch = (torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,)))
+    handle = _apply_budget(model, batch, 1 << 30, loss_fn=default_loss("mlp"))
+    try:
+        loss = default_loss("mlp")(model(batch[0]), batch[1])
+        loss.backward()
+        assert all(p.grad is not None for p in model.parameters())
+    finally:
+        handle.remove()

@@ -6,6 +6,10 @@ all-reduce by a codec (Wang et al., HPDC'20, and the baselines in ``superneurons
 * summable payloads (identity, fp16, bf16) are divided by the world size, encoded and
   all-reduced; every other codec's fixed-size ``uint8`` payloads are all-gathered and turned
   into the average by one ``codec.decode_sum`` (FFT: summed spectra, one inverse FFT);
+* each parameter's gradient is encoded on its own, but a bucket travels in ONE collective.
+  NOTE: per parameter, not per bucket, so the result does not depend on DDP's bucket layout,
+  which changes after the first step and again after a resume: a resumed run continues bit
+  for bit, and ``bucket_cap_mb`` only changes the overlap, never the numbers;
 * PowerSGD (``powersgd:rank=4``) runs its two all-reduces (see :mod:`.powersgd`);
 * PyTorch's own hooks (``dense``, ``torch-fp16``, ``torch-powersgd``) are anchors
   (see :mod:`.torch_hooks`).
@@ -147,10 +151,12 @@ def _check_config_across_ranks(
     text = f"{options.spec} ef={options.error_feedback} warmup={options.warmup_steps}"
     text += f" seed={options.seed} theta={options.theta_schedule} params={len(params)}"
     raw = digest + text.encode()[:_TEXT_BYTES].ljust(_TEXT_BYTES, b"\0")
-    mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    gathered = torch.empty(world_size * mine.numel(), dtype=torch.uint8)
+    # NOTE: on the parameters' device: NCCL only moves CUDA tensors.
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
+    gathered = torch.empty(world_size * mine.numel(), dtype=torch.uint8, device=device)
     dist.all_gather_single(gathered, mine, group=group)
-    rows = gathered.view(world_size, -1)
+    rows = gathered.view(world_size, -1).cpu()
     differing = [r for r in range(world_size) if not torch.equal(rows[r], rows[0])]
     if differing:
         described_ranks = "; ".join(f"rank {r}: {_text(rows[r, 32:])}" for r in [0, *differing])
@@ -180,12 +186,6 @@ def _names_and_pieces(
     if offset != buffer.numel():
         raise ConfigError(f"bucket of {buffer.numel()} elements, parameters hold {offset}")
     return pieces
-
-
-def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(tensor)
-    return fut
 
 
 def _compression_hook(
@@ -248,11 +248,11 @@ def _codec_reduce(
         work = dist.all_reduce(wire, group=group, async_op=True)
         sent = wire.numel() * wire.element_size()
     else:
-        wire = torch.cat(
+        wire = torch.cat(  # payloads, then the non-finite flag byte (see the module docs)
             [payload.data.contiguous().view(torch.uint8).reshape(-1) for payload in payloads]
-            + [torch.tensor([0 if finite else 1], dtype=torch.uint8)]  # the non-finite flag
+            + [torch.tensor([0 if finite else 1], dtype=torch.uint8, device=buffer.device)]
         )
-        gathered = torch.empty(world_size * wire.numel(), dtype=torch.uint8)
+        gathered = torch.empty(world_size * wire.numel(), dtype=torch.uint8, device=buffer.device)
         work = dist.all_gather_single(gathered, wire, group=group, async_op=True)
         sent = wire.numel()
     state.count(sent_bytes=sent, dense_bytes=buffer.numel() * 4)
@@ -297,7 +297,8 @@ def _codecs_for_step(state: CompressionState, compensated: list[torch.Tensor]) -
     from superneurons.compress.schedule import with_theta
 
     if hasattr(schedule, "choose"):
-        thetas = torch.tensor([float(schedule.choose(flat, state.codec)) for flat in compensated])
+        chosen = [float(schedule.choose(flat, state.codec)) for flat in compensated]
+        thetas = torch.tensor(chosen, device=compensated[0].device)
         # MIN: the least aggressive θ keeps every rank within its error budget, and equal θ
         # keeps payload sizes equal for the all-gather.
         dist.all_reduce(thetas, op=dist.ReduceOp.MIN, group=state.process_group)

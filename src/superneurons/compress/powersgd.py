@@ -184,7 +184,7 @@ def powersgd_reduce(
     # Second all-reduce: Q = Mᵀ P̂ (m, r), issued here (not from a callback).
     p_hats = [orthogonalize_(p) for p in ps]
     qs = [mat.t() @ p_hat for (_, mat, _, _), p_hat in zip(mats, p_hats, strict=True)]
-    second = torch.cat([q.reshape(-1) for q in qs]) if qs else torch.empty(0)
+    second = torch.cat([q.reshape(-1) for q in qs]) if qs else out.new_empty(0)
     work = dist.all_reduce(second, group=group, async_op=True) if qs else None
     if residuals is not None:  # error = M − P̂ Q_localᵀ (the paper's local decompression)
         for (name, mat, _, _), p_hat, q in zip(mats, p_hats, qs, strict=True):

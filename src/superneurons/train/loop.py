@@ -57,8 +57,10 @@ def run_training(config: TrainConfig, device: torch.device) -> dict[str, Any]:
     loader = DataLoader(task.train_set, batch_size=config.batch_size, sampler=sampler)
     if len(loader) == 0:
         raise ConfigError(f"--batch-size {config.batch_size} leaves no batch per rank")
+    plan_handle = None
     if config.budget_bytes is not None:
-        _apply_budget(model, next(iter(loader)), config.budget_bytes, loss_fn=task.loss_fn)
+        batch = next(iter(loader))
+        plan_handle = _apply_budget(model, batch, config.budget_bytes, loss_fn=task.loss_fn)
     ddp = DistributedDataParallel(model, bucket_cap_mb=config.bucket_cap_mb)
     optimizer = _optimizer(config, model)
     compression = register_compression(
@@ -142,6 +144,8 @@ def run_training(config: TrainConfig, device: torch.device) -> dict[str, Any]:
             final_test_loss=test["test_loss"],
             parameters=sum(p.numel() for p in model.parameters()),
         )
+    if plan_handle is not None:
+        plan_handle.remove()
     if rank == 0:
         write_summary(config.out_dir, summary)
     return summary
