@@ -252,7 +252,7 @@ class TensorPool:
         return (
             type(tensor) is torch.Tensor
             and tensor.layout == torch.strided
-            and tensor.device.type not in ("meta",)
+            and tensor.device.type == self.device.type  # not meta/fake, not a stray CPU tensor
             and tensor.numel() * tensor.element_size() >= max(self.config.min_offload_bytes, 1)
             and _non_overlapping_and_dense(tensor)
             and tensor.untyped_storage().data_ptr() not in self._excluded_ptrs
@@ -380,6 +380,10 @@ class TensorPool:
 
     def _release(self, slot: _Slot) -> None:
         """Autograd dropped the handle: free the slot's host and device bytes."""
+        if self._cuda and slot.event is not None:
+            # A prefetch nobody unpacked may still be reading the host slot: order the slot's
+            # reuse (by a later device->host copy, which waits on this stream) after it.
+            torch.cuda.current_stream(self.device).wait_event(slot.event)
         if slot.device_tensor is not None:
             self._device_bytes -= slot.nbytes
             slot.device_tensor = None
