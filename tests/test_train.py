@@ -142,3 +142,22 @@ def test_budget_seam_applies_a_memory_plan() -> None:
         assert all(p.grad is not None for p in model.parameters())
     finally:
         handle.remove()
+
+
+def test_torchrun_command_passes_multi_node_flags_through(tmp_path: Path) -> None:
+    from superneurons.errors import ConfigError
+    from superneurons.train.launch import Launch, torchrun_command
+
+    single = torchrun_command(Launch(nproc=2), tmp_path / "config.json")
+    assert single[single.index("--nproc-per-node") + 1] == "2"
+    assert single[single.index("--rdzv-backend") + 1] == "c10d"
+    assert single[-3:] == ["-m", "superneurons.train.launch", str(tmp_path / "config.json")]
+    multi = torchrun_command(
+        Launch(nproc=4, nnodes=2, node_rank=1, rdzv_endpoint="head:29400"), tmp_path / "c.json"
+    )
+    for flag, value in [("--nnodes", "2"), ("--node-rank", "1"), ("--rdzv-endpoint", "head:29400")]:
+        assert multi[multi.index(flag) + 1] == value
+    static = torchrun_command(Launch(nnodes=2, master_addr="10.0.0.1"), tmp_path / "c.json")
+    assert static[static.index("--master-addr") + 1] == "10.0.0.1"
+    with pytest.raises(ConfigError, match="--rdzv-endpoint"):
+        Launch(nnodes=2)

@@ -7,6 +7,7 @@ Examples:
   superneurons train ... --out runs/x --resume          # continue from runs/x/checkpoint
 
 Writes OUT/metrics.jsonl, OUT/summary.json, OUT/config.json and OUT/checkpoint/rank*.pt.
+Started by your own torchrun (RANK/WORLD_SIZE/LOCAL_RANK set), it runs as that rank instead.
 --compress takes a codec spec (fft, rangefloat, topk, qsgd, terngrad, signsgd, identity, fp16,
 bf16, powersgd:rank=R) or a PyTorch anchor (dense, torch-fp16, torch-powersgd:rank=R).
 """
@@ -70,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from superneurons.compress.torch_hooks import resolve_spec
-    from superneurons.train.launch import Launch, run_torchrun
+    from superneurons.train.launch import Launch, run_torchrun, under_torchrun
     from superneurons.train.task import check_task
 
     config = TrainConfig(
@@ -108,6 +109,11 @@ def run(args: argparse.Namespace) -> int:
     _check_data(config)
     if config.resume and not (Path(config.out_dir) / "checkpoint" / "rank0.pt").exists():
         raise ConfigError(f"--resume: no checkpoint in {config.out_dir}/checkpoint")
+    if under_torchrun():  # started by the user's own torchrun: be a rank, launch nothing
+        from superneurons.train.loop import train
+
+        train(config)
+        return 0
     config_path = config.save(Path(config.out_dir) / "config.json")
     status = run_torchrun(launch, config_path)
     if status != 0:

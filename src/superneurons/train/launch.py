@@ -25,7 +25,14 @@ import torch.distributed as dist
 
 from superneurons.errors import ConfigError
 
-__all__ = ["Launch", "init_distributed", "main", "torchrun_command", "under_torchrun"]
+__all__ = [
+    "Launch",
+    "init_distributed",
+    "main",
+    "run_torchrun",
+    "torchrun_command",
+    "under_torchrun",
+]
 
 logger = logging.getLogger("superneurons.train")
 
