@@ -13,6 +13,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_cuda)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # One thread per process: on a 2-core machine torch's default threads made small ops
+    # 30-50x slower when another process (a gloo rank) was busy (CONTEXT.md §4).
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def _deterministic() -> None:
     torch.manual_seed(0)

@@ -130,10 +130,15 @@ def test_kept_count_is_a_fixed_function_and_bits_per_element_target() -> None:
     assert spectrum_layout(100, 4096) == (100, 1)
     n = 2**20
     for chunk in (0, 512, 4096):
-        bits_per_element = 8 * FFTCodec(theta=0.9, bits=8, chunk=chunk).payload_bytes(n) / n
-        assert bits_per_element <= 1.5  # task target; the bitmap layout predicts ~1.30
-        gap = FFTCodec(theta=0.9, bits=8, chunk=chunk, index="gap")
-        assert 8 * gap.payload_bytes(n) / n < bits_per_element
+        bitmap = FFTCodec(theta=0.9, bits=8, chunk=chunk, index="bitmap").payload_bytes(n)
+        assert 8 * bitmap / n <= 1.5  # task target; the bitmap layout predicts ~1.30
+        gap = FFTCodec(theta=0.9, bits=8, chunk=chunk, index="gap").payload_bytes(n)
+        assert gap < bitmap  # Elias-Fano wins at theta = 0.9
+        auto = FFTCodec(theta=0.9, bits=8, chunk=chunk)  # default index="auto": the smaller
+        assert auto.payload_bytes(n) == min(gap, bitmap) and auto.index_kind(n) == "gap"
+    low = FFTCodec(theta=0.3, bits=8)  # dense spectra: the bitmap is smaller
+    assert low.index_kind(n) == "bitmap"
+    assert low.payload_bytes(n) == FFTCodec(theta=0.3, bits=8, index="bitmap").payload_bytes(n)
 
 
 @pytest.mark.parametrize("codec", CONFIGS, ids=lambda c: c.spec)

@@ -70,3 +70,9 @@ def test_import_touches_no_cuda_and_prints_nothing() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout == ""
+
+
+def test_unpack_16_bit_from_odd_offset() -> None:
+    codes = torch.randint(0, 2**16, (5,))
+    data = torch.cat([torch.zeros(1, dtype=torch.uint8), pack_bits(codes, 16)])
+    assert torch.equal(unpack_bits(data[1:], 16, 5), codes)

@@ -81,7 +81,8 @@ def unpack_bits(data: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     if bits == 8:
         return data.to(torch.int64)
     if bits == 16:
-        return data.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+        # NOTE: clone: a slice at an odd byte offset cannot be viewed as int16.
+        return data.clone().view(torch.int16).to(torch.int64) & 0xFFFF
     if 8 % bits == 0:
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=data.device)  # (8 // bits,)
         mask = (1 << bits) - 1

@@ -179,7 +179,7 @@ class FFTCodec:
     ``theta``: fraction of bins dropped, in [0, 1). ``bits``: range-float width of each kept
     real/imag part (32 = raw float32). ``chunk``: transform length (0 = the whole bucket;
     powers of two are fastest; the last chunk is zero-padded).
-    ``select``: "exact" | "sampled" (same kept set, see module doc). ``index``: "bitmap" | "gap".
+    ``select``: "exact" | "sampled" (same kept set, see module doc). ``index``: "bitmap" | "gap" | "auto" (the smaller).
     """
 
     NAME: ClassVar[str] = "fft"
@@ -193,7 +193,11 @@ class FFTCodec:
     # the target. "sampled" keeps the same bins as "exact" at 1.5-2x the encode speed.
     chunk: int = 512
     select: str = "sampled"
-    index: str = "bitmap"
+    # NOTE: "auto" picks, per bucket size, whichever fixed-size index code is smaller: the
+    # Elias-Fano gap code wins for theta > ~0.75 (1.08 vs 1.31 bits/element at theta=0.9,
+    # 0.13 vs 0.58 at 0.99) at the same encode/decode speed (benchmarks/fft_throughput.py);
+    # the bitmap wins below. Both sides compute the same choice from (numel, theta, chunk).
+    index: str = "auto"
 
     def __post_init__(self) -> None:
         theta = self.theta
@@ -213,10 +217,18 @@ class FFTCodec:
             )
         if self.select not in SELECTS:
             raise ConfigError(f"fft: select={self.select!r} is unknown; use one of {list(SELECTS)}")
-        if self.index not in INDEX_KINDS:
+        if self.index not in (*INDEX_KINDS, "auto"):
             raise ConfigError(
-                f"fft: index={self.index!r} is unknown; use one of {list(INDEX_KINDS)}"
+                f"fft: index={self.index!r} is unknown; use one of {[*INDEX_KINDS, 'auto']}"
             )
+
+    def index_kind(self, numel: int) -> str:
+        """The index code used for a bucket of ``numel`` elements ("bitmap" or "gap")."""
+        if self.index != "auto":
+            return self.index
+        _, _, universe, kept = self._sizes(numel)
+        sizes = {kind: index_bytes(kind, universe, kept) for kind in INDEX_KINDS}
+        return min(INDEX_KINDS, key=lambda kind: (sizes[kind], kind != "bitmap"))
 
     @property
     def spec(self) -> str:
@@ -242,7 +254,8 @@ class FFTCodec:
 
     def payload_bytes(self, numel: int) -> int:
         _, _, universe, kept = self._sizes(numel)
-        return HEADER_BYTES + index_bytes(self.index, universe, kept) + self._value_bytes(kept)
+        kind = self.index_kind(numel)
+        return HEADER_BYTES + index_bytes(kind, universe, kept) + self._value_bytes(kept)
 
     def encode(self, grad: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         del generator  # deterministic: selection is exact, rounding is to nearest
@@ -265,7 +278,7 @@ class FFTCodec:
             floor = math.sqrt(float(score.index_select(0, indices).min()) / 2.0)
             codes, header = quantize(values.reshape(-1), self.bits, threshold=floor)
             value_bytes = write_codes(codes, self.bits)
-        if self.index == "bitmap":
+        if self.index_kind(numel) == "bitmap":
             index_code = encode_bitmap(mask)
         else:
             index_code = encode_gap(indices, universe)
@@ -291,8 +304,9 @@ class FFTCodec:
             return None
         _, _, universe, kept = self._sizes(numel)
         start = HEADER_BYTES
-        stop = start + index_bytes(self.index, universe, kept)
-        if self.index == "bitmap":
+        kind = self.index_kind(numel)
+        stop = start + index_bytes(kind, universe, kept)
+        if kind == "bitmap":
             indices = decode_bitmap(data[start:stop], universe).nonzero().reshape(-1)
         else:
             indices = decode_gap(data[start:stop], universe, kept)
