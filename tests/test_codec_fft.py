@@ -186,7 +186,7 @@ def test_spec_format_and_protocol() -> None:
     assert isinstance(codec, Codec)
     assert codec.summable is False
     assert FFTCodec.NAME == "fft"
-    pattern = r"fft:theta=[0-9.e-]+,bits=\d+,chunk=\d+,select=(exact|sampled),index=(bitmap|gap)"
+    pattern = r"fft:theta=[0-9.e-]+,bits=\d+,chunk=\d+,select=(exact|sampled),index=(bitmap|gap|auto)"
     for c in CONFIGS:
         assert re.fullmatch(pattern, c.spec), c.spec
         fields = dict(item.split("=") for item in c.spec.split(":", 1)[1].split(","))
@@ -201,7 +201,7 @@ def test_spec_format_and_protocol() -> None:
     assert FFTCodec(theta=0.9, bits=8, chunk=0, select="exact", index="bitmap").spec == (
         "fft:theta=0.9,bits=8,chunk=0,select=exact,index=bitmap"
     )
-    assert FFTCodec().spec == "fft:theta=0.9,bits=8,chunk=512,select=sampled,index=bitmap"
+    assert FFTCodec().spec == "fft:theta=0.9,bits=8,chunk=512,select=sampled,index=auto"
 
 
 @pytest.mark.parametrize(
