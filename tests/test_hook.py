@@ -75,10 +75,16 @@ def _identity_vs_plain(rank: int, world_size: int) -> tuple[list[torch.Tensor], 
     _train(plain, rank, 4)
     _train(hooked, rank, 4)
     assert state.step == 4 and state.bytes_sent_step == state.dense_bytes_step
-    return _params(plain), _params(hooked)
+    # dense warm-up: the first steps of a lossy codec are plain averaging
+    plain_short, warm = _ddp(_TINY_BUCKET_MB), _ddp(_TINY_BUCKET_MB)
+    warm_state = register_compression(warm, "fft:theta=0.9,bits=8", warmup_steps=2)
+    _train(plain_short, rank, 2)
+    _train(warm, rank, 2)
+    assert warm_state.step == 2 and not warm_state.residuals
+    return _params(plain) + _params(plain_short), _params(hooked) + _params(warm)
 
 
-def test_identity_equals_plain_ddp_bitwise(ranks: Ranks) -> None:
+def test_identity_and_dense_warmup_equal_plain_ddp_bitwise(ranks: Ranks) -> None:
     for plain, hooked in ranks.run(_identity_vs_plain):
         for a, b in zip(plain, hooked, strict=True):
             assert torch.equal(a, b)
