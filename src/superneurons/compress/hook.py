@@ -72,7 +72,11 @@ def register_compression(
     process_group: dist.ProcessGroup | None = None,
     seed: int = 0,
 ) -> CompressionState:
-    """Compress ``ddp_model``'s gradient averaging with ``codec_or_spec``; collective.
+    """Compress ``ddp_model``'s gradient averaging with ``codec_or_spec``.
+
+    Collective: every rank calls it, before the first backward. It all-gathers the
+    configuration digest right here (so a mismatch fails before any step, in milliseconds,
+    never as a hang inside backward), then registers the comm hook.
 
     Args:
         ddp_model: a ``DistributedDataParallel`` model, before its first backward.
@@ -84,7 +88,8 @@ def register_compression(
         theta_schedule: ``ConstantTheta``/``DiminishingTheta`` (``theta(step)``) or
             ``ErrorBudgetTheta`` (``choose(grad, codec)``, agreed by an all-reduce MIN).
         process_group: the group to average over (default: the world).
-        seed: seeds the RNG of stochastic codecs (offset by rank) and PowerSGD's first ``Q``.
+        seed: seeds stochastic codecs (one generator per rank, step and parameter name)
+            and PowerSGD's first ``Q`` (the same on every rank).
 
     Returns:
         The :class:`CompressionState` (counters, ``state_dict``/``load_state_dict``).
