@@ -27,7 +27,9 @@ HELP = "codec error / bits / speed on real gradients at equal bit budgets"
 _QUICK_CAPTURE = CaptureConfig(steps=(0, 5), window=2, batch_size=16)
 _QUICK_BENCH = CodecBenchConfig(timing_repeats=2, max_numel=2**17)
 _FULL_CAPTURE = CaptureConfig(steps=(0, 50, 200), window=8)
-_FULL_BENCH = CodecBenchConfig(timing_repeats=5)
+# Full: every element, 3 capture points; error feedback over K = 4 consecutive step-200
+# gradients (K = 8 doubled the run, ~55 min on the shared machine).
+_FULL_BENCH = CodecBenchConfig(timing_repeats=3, ef_window=4)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
