@@ -160,20 +160,20 @@ def _link(config: NetworkBenchConfig, rate_bit_s: int | None, say: Progress) -> 
 
 def _run_codecs(
     config: NetworkBenchConfig, link: _Link, model: str, workdir: Path, say: Progress
-) -> list[dict[str, Any]]:
+) -> Iterator[dict[str, Any]]:
     """Measure every codec on ``model``: one worker per rank runs the codecs in turn. If the
     ranks fail (a crash, or a hang past the timeout), fresh ranks retry the codec they were
     on once; a second failure is recorded (with the ranks' last log lines) and fresh ranks
-    carry on with the codecs after it."""
-    results: list[dict[str, Any]] = []
+    carry on with the codecs after it. Yields one record per codec as soon as it is known."""
     remaining = list(config.codecs)
     retried: set[str] = set()
     while remaining:
         say(f"  {model}: {', '.join(remaining)}")
         done, error = _run_ranks(config, link, model, tuple(remaining), workdir)
         for record in done:
-            results.append({"status": "ok", **record})
-            say(_describe(results[-1]))
+            result = {"status": "ok", **record, "attempts": 1 + (record["codec"] in retried)}
+            say(_describe(result))
+            yield result
         remaining = remaining[len(done) :]
         if error is None or not remaining:
             continue
@@ -182,12 +182,10 @@ def _run_codecs(
             retried.add(codec)  # with several buckets (CONTEXT section 4): one retry
             say(f"    {codec}: ranks failed, retrying once ({error[:200]})")
             continue
-        results.append({"codec": codec, "status": "failed", "error": error})
-        say(_describe(results[-1]))
+        result = {"codec": codec, "status": "failed", "error": error, "attempts": 2}
+        say(_describe(result))
+        yield result
         remaining = remaining[1:]
-    for record in results:
-        record["attempts"] = 2 if record["codec"] in retried else 1
-    return results
 
 
 def _run_ranks(
@@ -290,10 +288,14 @@ def add_breakdown(records: list[dict[str, Any]]) -> None:
 
 
 def run_network_bench(
-    config: NetworkBenchConfig, *, progress: Progress | None = None
+    config: NetworkBenchConfig,
+    *,
+    progress: Progress | None = None,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Measure every (bandwidth, model, codec); returns one record per run (failures included,
-    with ``status="failed"`` and the ranks' last log lines)."""
+    with ``status="failed"`` and the ranks' last log lines). ``on_record`` sees each record
+    as soon as it is measured (e.g. to save partial results of a long run)."""
     say = progress or log.info
     records: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="sn-network-") as tmp:
@@ -314,6 +316,8 @@ def run_network_bench(
                                 "load_avg_1m": os.getloadavg()[0],
                             }
                         )
+                        if on_record is not None:
+                            on_record(records[-1])
     add_speedups(records)
     add_breakdown(records)
     return records

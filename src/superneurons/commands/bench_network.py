@@ -9,6 +9,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -52,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 5, quick 3)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps (>= 2)")
+    parser.add_argument(
+        "--compute-steps", type=int, default=None, help="compute-only reference steps (2)"
+    )
     parser.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
     parser.add_argument("--quick", action="store_true", help="fewer steps, codecs and models")
     parser.add_argument(
@@ -86,7 +90,7 @@ def _config(args: argparse.Namespace) -> NetworkBenchConfig:
         batch_size=args.batch_size,
         warmup_steps=args.warmup,
         steps=steps,
-        compute_steps=2 if args.quick else 3,
+        compute_steps=args.compute_steps if args.compute_steps is not None else 2,
         shaping=not args.no_shaping,
     )
 
@@ -97,8 +101,17 @@ def run(args: argparse.Namespace) -> int:
     def progress(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
-    records = run_network_bench(config, progress=progress)
+    partial = args.out / "network.partial.jsonl"
+    args.out.mkdir(parents=True, exist_ok=True)
+    partial.unlink(missing_ok=True)
+
+    def save(record: dict[str, Any]) -> None:  # a long run interrupted keeps what it measured
+        with partial.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    records = run_network_bench(config, progress=progress, on_record=save)
     paths = write_artifacts(records, args.out, config)
+    partial.unlink(missing_ok=True)
     columns = ("bandwidth", "model", "codec", "mean_step_s", "speedup_vs_dense", "bytes_per_step")
     print("  ".join(f"{c:>22}" for c in columns))
     for record in records:
