@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -81,14 +81,19 @@ def _running_buffers(module: _NormBase) -> list[torch.Tensor]:
 
 
 def checkpointed_forward(
-    module: nn.Module, forward: Callable[..., Any], stats: RecomputeStats
+    module: nn.Module,
+    forward: Callable[..., Any],
+    stats: RecomputeStats,
+    *,
+    also: Sequence[nn.Module] = (),
 ) -> Callable[..., Any]:
     """Return a forward for ``module`` that runs ``forward`` under non-reentrant checkpoint.
 
-    ``forward`` is the module's original (bound) forward. Under ``torch.no_grad()`` (e.g.
-    evaluation) the unit runs plainly: there is nothing to save, so nothing to recompute.
+    ``forward`` is the module's original (bound) forward, or for a segment the chain of its
+    members; ``also`` names the other modules whose normalisation layers ``forward`` runs.
+    Under ``torch.no_grad()`` (e.g. evaluation) the unit runs plainly: nothing to recompute.
     """
-    norms = norm_layers(module)
+    norms = [n for m in (module, *also) for n in norm_layers(m)]
 
     def context_fn() -> tuple[contextlib.AbstractContextManager[None], Any]:
         return contextlib.nullcontext(), _frozen_running_stats(norms, stats)

@@ -166,6 +166,8 @@ def apply_plan(
                 handle._wrap(module, checkpointed_forward(module, module.forward, stats))
             elif action == "offload":
                 handle._wrap(module, _offloaded_forward(pool, module.forward))
+        for members in _segments(model, plan):
+            _wrap_segment(handle, members)
         if plan.optimizer_in_backward:
             _optimizer_in_backward(handle, model, optimizer_factory)
     except BaseException:
@@ -201,6 +203,56 @@ def _resolve_units(model: nn.Module, plan: Plan) -> list[tuple[str, str, nn.Modu
                     f"plan units {outer!r} and {inner!r} are nested: give the inner one 'keep'"
                 )
     return units
+
+
+def _segments(model: nn.Module, plan: Plan) -> list[list[tuple[str, nn.Module]]]:
+    """Runs of recompute units the plan groups into segments, when the runtime can honour them:
+    consecutive children of one ``nn.Sequential`` (else the segment is ignored, which is
+    correct but uses more memory than the plan predicts)."""
+    groups: dict[int, list[str]] = {}
+    for unit in plan.units:
+        if getattr(unit, "segment", -1) >= 0 and unit.action == "recompute":
+            groups.setdefault(unit.segment, []).append(unit.fqn)
+    runs = []
+    for segment, fqns in sorted(groups.items()):
+        parents = {f.rpartition(".")[0] for f in fqns}
+        parent = model.get_submodule(next(iter(parents))) if len(parents) == 1 else None
+        names = [f.rpartition(".")[2] for f in fqns]
+        children = list(parent._modules) if isinstance(parent, nn.Sequential) else []
+        start = children.index(names[0]) if names[0] in children else -1
+        if len(fqns) < 2 or start < 0 or children[start : start + len(names)] != names:
+            logger.warning(
+                "segment %d (%s) ignored: not consecutive Sequential children",
+                segment,
+                ", ".join(fqns),
+            )
+            continue
+        runs.append([(f, model.get_submodule(f)) for f in fqns])
+    return runs
+
+
+def _wrap_segment(handle: PlanHandle, members: list[tuple[str, nn.Module]]) -> None:
+    """One outer non-reentrant checkpoint around the segment's members (each keeping its own,
+    nested): only the segment's input stays saved (memory-centric recomputation, SuperNeurons
+    §3.3; Chen et al. 2016). The first member runs the whole chain; the others, still called
+    by their ``nn.Sequential``, pass their input through."""
+    inner = [module.forward for _, module in members]  # the members' checkpointed forwards
+
+    def chain(x: Any) -> Any:
+        for forward in inner:
+            x = forward(x)
+        return x
+
+    first_fqn, first = members[0]
+    stats = handle.recompute_stats.setdefault(first_fqn + "+segment", RecomputeStats())
+    others = [module for _, module in members[1:]]
+    handle._wrap(first, checkpointed_forward(first, chain, stats, also=others))
+    for module in others:
+        handle._wrap(module, _passthrough)
+
+
+def _passthrough(x: Any) -> Any:
+    return x
 
 
 def _offloaded_forward(pool: TensorPool, forward: Callable[..., Any]) -> Callable[..., Any]:
