@@ -219,74 +219,106 @@ def _compression_hook(
             world_size=world_size,
         )
         state.count(sent_bytes=sent, dense_bytes=dense_bytes)
+    elif state.codec.summable:
+        fut = _summable_reduce(state, bucket)
     else:
-        fut = _codec_reduce(state, bucket)
+        fut = _gathered_reduce(state, bucket)
     if bucket.is_last():
         state.end_step()
     return fut
 
 
-def _codec_reduce(
-    state: CompressionState, bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
-    """Encode each parameter of the bucket, one collective for the whole bucket."""
-    buffer = bucket.buffer()
-    group, world_size = state.process_group, state.world_size
-    pieces = _names_and_pieces(state, bucket)
+def _compensated(
+    state: CompressionState, pieces: list[tuple[str, torch.Tensor]]
+) -> list[torch.Tensor]:
+    """Each parameter's flat fp32 gradient plus its error-feedback residual."""
     use_ef = state.options.error_feedback
-    compensated = []
+    out = []
     for name, piece in pieces:
         flat = piece.reshape(-1).float()
-        compensated.append(
-            flat + state.residuals[name] if use_ef and name in state.residuals else flat
-        )
-    finite = all(bool(torch.isfinite(flat).all()) for flat in compensated)
-    codecs = _codecs_for_step(state, compensated)
-    # Summable codecs: divide before encoding, as DDP does, so fp16 sums cannot overflow.
-    scale = world_size if state.codec.summable else 1
-    payloads = [
-        codec.encode(flat / scale if scale != 1 else flat, generator=state.generator_for(name))
-        for codec, flat, (name, _) in zip(codecs, compensated, pieces, strict=True)
-    ]
-    if state.codec.summable:
-        wire = torch.cat([payload.data.reshape(-1) for payload in payloads])
-        work = dist.all_reduce(wire, group=group, async_op=True)
-        sent = wire.numel() * wire.element_size()
-    else:
-        wire = torch.cat(  # payloads, then the non-finite flag byte (see the module docs)
-            [payload.data.contiguous().view(torch.uint8).reshape(-1) for payload in payloads]
-            + [torch.tensor([0 if finite else 1], dtype=torch.uint8, device=buffer.device)]
-        )
-        gathered = torch.empty(world_size * wire.numel(), dtype=torch.uint8, device=buffer.device)
-        work = dist.all_gather_single(gathered, wire, group=group, async_op=True)
-        sent = wire.numel()
-    state.count(sent_bytes=sent, dense_bytes=buffer.numel() * 4)
-    if use_ef and finite:  # computed while the collective is in flight
-        for codec, flat, payload, (name, _) in zip(
-            codecs, compensated, payloads, pieces, strict=True
-        ):
-            state.residuals[name] = flat - codec.decode(payload) * scale
+        out.append(flat + state.residuals[name] if use_ef and name in state.residuals else flat)
+    return out
+
+
+def _store_residuals(
+    state: CompressionState, pieces: list[tuple[str, torch.Tensor]], errors: list[torch.Tensor]
+) -> None:
+    for (name, _), error in zip(pieces, errors, strict=True):
+        state.residuals[name] = error
+
+
+def _summable_reduce(
+    state: CompressionState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Cast codecs (identity, fp16, bf16): encode the whole bucket, one all-reduce.
+
+    NOTE: summable codecs are element-wise (a per-message scale could not be summed), so
+    encoding the bucket at once equals encoding each parameter: no per-parameter loop here.
+    """
+    buffer = bucket.buffer()
+    world_size = state.world_size
+    pieces = _names_and_pieces(state, bucket)
+    compensated = torch.cat(_compensated(state, pieces))
+    # Divide before encoding, as DDP does, so fp16 sums cannot overflow.
+    payload = state.codec.encode(compensated / world_size)
+    if state.options.error_feedback and state.codec.spec != "identity":  # identity drops nothing
+        error = compensated - state.codec.decode(payload) * world_size
+        if bool(torch.isfinite(error).all()):
+            _store_residuals(state, pieces, list(error.split([p.numel() for _, p in pieces])))
+    wire = payload.data.reshape(-1)
+    work = dist.all_reduce(wire, group=state.process_group, async_op=True)
+    state.count(sent_bytes=wire.numel() * wire.element_size(), dense_bytes=buffer.numel() * 4)
 
     def finish(_: object) -> torch.Tensor:
-        rows = wire.view(1, -1) if state.codec.summable else gathered.view(world_size, -1)
-        if not state.codec.summable and bool(rows[:, -1].any()):
+        buffer.copy_(state.codec.decode(Payload(wire, buffer.numel())))
+        return buffer
+
+    return work.get_future().then(finish)
+
+
+def _gathered_reduce(
+    state: CompressionState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Encode each parameter of the bucket; one fixed-size all-gather for the whole bucket."""
+    buffer = bucket.buffer()
+    world_size = state.world_size
+    pieces = _names_and_pieces(state, bucket)
+    compensated = _compensated(state, pieces)
+    finite = all(bool(torch.isfinite(flat).all()) for flat in compensated)
+    codecs = _codecs_for_step(state, compensated)
+    payloads = [
+        codec.encode(flat, generator=state.generator_for(name))
+        for codec, flat, (name, _) in zip(codecs, compensated, pieces, strict=True)
+    ]
+    wire = torch.cat(  # payloads, then the non-finite flag byte (see the module docs)
+        [payload.data.contiguous().view(torch.uint8).reshape(-1) for payload in payloads]
+        + [torch.tensor([0 if finite else 1], dtype=torch.uint8, device=buffer.device)]
+    )
+    gathered = torch.empty(world_size * wire.numel(), dtype=torch.uint8, device=buffer.device)
+    work = dist.all_gather_single(gathered, wire, group=state.process_group, async_op=True)
+    state.count(sent_bytes=wire.numel(), dense_bytes=buffer.numel() * 4)
+    if state.options.error_feedback and finite:  # computed while the all-gather is in flight
+        errors = [
+            flat - codec.decode(payload)
+            for codec, flat, payload in zip(codecs, compensated, payloads, strict=True)
+        ]
+        _store_residuals(state, pieces, errors)
+
+    def finish(_: object) -> torch.Tensor:
+        rows = gathered.view(world_size, -1)
+        if bool(rows[:, -1].any()):
             buffer.fill_(float("nan"))
             return buffer
         start = element = 0
         for codec, payload in zip(codecs, payloads, strict=True):
-            width = payload.data.numel() * (
-                1 if state.codec.summable else payload.data.element_size()
-            )
+            width = payload.data.numel() * payload.data.element_size()
             # clone: a slice may start at an odd byte offset; codecs view bytes as wider types
             received = [
                 Payload(row[start : start + width].clone().view(payload.data.dtype), payload.numel)
                 for row in rows
             ]
-            total = (
-                codec.decode(received[0]) if state.codec.summable else codec.decode_sum(received)
-            )
-            divisor = 1 if state.codec.summable else world_size
-            buffer[element : element + payload.numel].copy_(total / divisor)
+            total = codec.decode_sum(received)
+            buffer[element : element + payload.numel].copy_(total / world_size)
             start, element = start + width, element + payload.numel
         return buffer
 
