@@ -117,6 +117,8 @@ def evaluate(
         packers = life.units
         if "" in packers or any(actions.get(f, "keep") == "keep" for f in packers):
             continue
+        if life.birth == 0 or life.death >= profile.num_events - 1:
+            continue  # the caller holds it (an input, an output): moving it frees nothing
         releases, restores, held = [], [], False
         for f in packers:
             unit = units[f]
@@ -154,7 +156,7 @@ def evaluate(
         if action == "recompute":
             # a unit inside a segment runs forward twice more: outer and inner recompute
             extra_s += compute_s * (2 if fqn in segments else 1)
-            spike = max(unit.temp_peak_bytes - unit.saved_bytes, 0)
+            spike = max(unit.temp_peak_bytes - unit.saved_bytes - unit.output_bytes, 0)
             if 0 <= unit.bwd_start_event < profile.num_events:
                 total[unit.bwd_start_event] += spike
         elif action == "offload":

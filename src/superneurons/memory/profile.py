@@ -86,11 +86,16 @@ class _Recorder:
             )
             row["t0"] = time.perf_counter()
 
-    def post(self, fqn: str) -> None:
+    def post(self, fqn: str, output: Any) -> None:
         if self.stack and self.stack[-1][0] == fqn:
             self.stack.pop()
         if fqn in self.units:
             row = self.unit_rows[fqn]
+            row["out_bytes"] = sum(
+                t.untyped_storage().nbytes()
+                for t in tree_flatten(output)[0]
+                if isinstance(t, torch.Tensor)
+            )
             row["fwd_end"] = self.tracker.event
             row["time_s"] += time.perf_counter() - row["t0"]
 
@@ -259,7 +264,7 @@ def _run(
     handles = []
     for fqn, module in model.named_modules():
         handles.append(module.register_forward_pre_hook(lambda *_, f=fqn: rec.pre(f)))
-        handles.append(module.register_forward_hook(lambda *_, f=fqn: rec.post(f)))
+        handles.append(module.register_forward_hook(lambda _m, _a, out, f=fqn: rec.post(f, out)))
     params = [*model.parameters(), *model.buffers()]
     state_tensors = _optimizer_tensors(optimizer)
     leaves = [t for t in tree_flatten((inputs, targets))[0] if isinstance(t, torch.Tensor)]

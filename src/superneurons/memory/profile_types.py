@@ -94,6 +94,8 @@ class UnitProfile:
         fwd_time_s: measured wall time of its forward calls (meaningless under fake tensors).
         temp_peak_bytes: most bytes its forward held above the live bytes at its start.
         saved_bytes: storage-deduped bytes of the saved tensors packed in it.
+        output_bytes: bytes of its forward's output storages (a recompute with early stop,
+            as non-reentrant checkpoint does, never re-creates them).
     """
 
     fqn: str
@@ -105,6 +107,7 @@ class UnitProfile:
     fwd_time_s: float
     temp_peak_bytes: int
     saved_bytes: int
+    output_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -249,6 +252,7 @@ class Profile:
                     fwd_time_s=u["time_s"],
                     temp_peak_bytes=u["temp_peak"],
                     saved_bytes=sum(s.nbytes for s in storages if fqn in s.units),
+                    output_bytes=int(u.get("out_bytes", 0)),
                 )
             )
         return cls(
