@@ -1,29 +1,23 @@
 """Unified Tensor Pool: offload saved activations to host memory, prefetch them for backward.
 
-SuperNeurons (Wang et al., PPoPP'18, arXiv 1801.04380, section 3.2) treats device memory as a
-cache over pinned host memory: a tensor is copied out only when memory is actually short (LRU
-eviction, unlike vDNN which always copies), the host side is one preallocated pinned pool (no
-malloc per tensor), and the tensors of the previous checkpoint are prefetched during backward so
-the copy hides behind compute.
+SuperNeurons (Wang et al., PPoPP'18, arXiv 1801.04380, §3.2): device memory is a cache over one
+preallocated pinned host pool; a tensor is copied out only when memory is short (LRU, unlike
+vDNN which always copies) and prefetched during backward so the copy hides behind compute.
 
 In eager PyTorch the pool sits behind :func:`torch.autograd.graph.saved_tensors_hooks`, active
 only while an ``offload`` unit's forward runs (the runtime enters :meth:`TensorPool.offloading`):
 
-* ``pack`` keeps the saved tensor in a device-side LRU cache of ``cache_bytes``; what does not
-  fit is evicted: copied device→host into the slab on a side stream (ordered by a CUDA event,
-  never ``torch.cuda.synchronize()``) and its device reference dropped. Parameters, buffers,
-  tensors below ``min_offload_bytes`` and non-dense layouts are returned unchanged (kept).
-* when backward enters an offload unit (an autograd-node pre-hook on the unit's outputs), the
-  pool prefetches host→device, on another side stream, that unit's tensors and those of the
-  offload unit that ran just before it in forward, i.e. one unit ahead of the backward.
-* ``unpack`` returns the cached or prefetched tensor (waiting on its event) or fetches it.
-* a slot is released when autograd drops the packed handle (after the node's backward), so
-  the pool's accounting returns to zero after every step.
+* ``pack`` keeps the tensor in a device LRU cache of ``cache_bytes``; what does not fit is copied
+  device→host into the slab on a side stream (CUDA events, never ``torch.cuda.synchronize()``)
+  and its device reference dropped. Parameters, buffers, tensors below ``min_offload_bytes``
+  and non-dense layouts are kept.
+* when backward enters an offload unit (autograd-node pre-hook on its outputs) the pool
+  prefetches, on another side stream, its tensors and the previous offload unit's: one ahead.
+* ``unpack`` returns the cached or prefetched tensor (waiting on its event) or fetches it; a
+  slot is freed when autograd drops its handle, so the accounting returns to zero each step.
 
-On a CPU-only build the same code runs: the "device" is host memory, copies go into the slab
-synchronously and streams/events are ``None``. A dispatch-level live-storage count then sees
-exactly what a GPU would hold, because the slab is allocated before the step and the evicted
-activation's storage is really freed.
+On a CPU-only build the same code runs (copies into the slab are synchronous, no streams); a
+live-storage count minus :meth:`TensorPool.host_buffers` then sees what a GPU would hold.
 """
 
 from __future__ import annotations
@@ -33,7 +27,7 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,6 +40,8 @@ __all__ = ["PoolConfig", "PoolStats", "TensorPool"]
 logger = logging.getLogger("superneurons.memory")
 
 _ALIGN_BYTES = 512  # slot alignment in the slab: keeps every dtype view aligned for DMA
+_COUNTERS = ["d2h_bytes", "h2d_bytes", "d2h_count", "h2d_count", "cache_hits", "prefetch_hits"]
+_COUNTERS += ["demand_fetches", "kept_small", "still_resident"]
 
 
 @dataclass(frozen=True)
@@ -95,19 +91,6 @@ class PoolStats:
 class _Slot:
     """One packed tensor: its metadata, device copy (cached/prefetched) and host copy."""
 
-    __slots__ = (
-        "size",
-        "stride",
-        "dtype",
-        "device",
-        "nbytes",
-        "version",
-        "device_tensor",
-        "original",
-        "host",
-        "event",
-    )
-
     def __init__(self, tensor: torch.Tensor) -> None:
         self.size = tensor.size()
         self.stride = tensor.stride()
@@ -126,11 +109,10 @@ class _Slot:
 class _Handle:
     """What ``pack`` returns; autograd owns it and drops it after the node's backward."""
 
-    __slots__ = ("slot", "group", "uses", "pending", "__weakref__")
+    __slots__ = ("slot", "uses", "pending", "__weakref__")
 
-    def __init__(self, slot: _Slot, group: int) -> None:
+    def __init__(self, slot: _Slot) -> None:
         self.slot = slot
-        self.group = group
         self.uses = 1  # how many saved variables share this handle (deduplicated packs)
         self.pending = 1  # unpacks still expected in the current backward
 
@@ -155,16 +137,13 @@ class _HostSlab:
         return int(self.buffer.numel())
 
     def take(self, nbytes: int) -> torch.Tensor:
-        need = -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
+        need = _aligned(nbytes)
         if self.live_slots == 0:
             self.offset = 0
         if self.offset + need > self.capacity_bytes:
             grown = max(2 * self.capacity_bytes, self.offset + need, 1 << 20)
-            logger.info(
-                "host pool slab too small (%s): growing to %s",
-                format_bytes(self.capacity_bytes),
-                format_bytes(grown),
-            )
+            sizes = format_bytes(self.capacity_bytes), format_bytes(grown)
+            logger.info("host pool slab too small (%s): growing to %s", *sizes)
             # NOTE: slots already handed out keep the old buffer alive through their views;
             # it is freed once they are released.
             self.buffer = self._allocate(grown)
@@ -180,7 +159,7 @@ class _HostSlab:
     def give_back(self, nbytes: int) -> None:
         self.live_bytes -= nbytes
         self.live_slots -= 1
-        self._aligned_live -= -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
+        self._aligned_live -= _aligned(nbytes)
         if self.live_slots == 0 and self.capacity_bytes < self.peak_aligned_bytes:
             # The step that just ended spread over several buffers after growing: take one
             # buffer that holds it all now, between steps, so the next step allocates nothing.
@@ -211,24 +190,10 @@ class TensorPool:
         self._active_group: int | None = None
         self._excluded_ptrs: set[int] = set()
         self._dedupe: dict[int, tuple[weakref.ref[torch.Tensor], int, _Handle]] = {}
-        self._counters = dict.fromkeys(
-            (
-                "d2h_bytes",
-                "h2d_bytes",
-                "d2h_count",
-                "h2d_count",
-                "cache_hits",
-                "prefetch_hits",
-                "demand_fetches",
-                "kept_small",
-                "still_resident",
-            ),
-            0,
-        )
+        self._counters = dict.fromkeys(_COUNTERS, 0)
         self._device_bytes = 0
         self._peak_host_bytes = 0
 
-    # ----------------------------------------------------------------- forward side
     @contextlib.contextmanager
     def offloading(self) -> Iterator[int]:
         """Pack saved tensors into the pool while the block runs; yields the group id."""
@@ -271,10 +236,10 @@ class TensorPool:
             return seen[2]
         assert self._active_group is not None
         slot = _Slot(tensor)
-        handle = _Handle(slot, self._active_group)
+        handle = _Handle(slot)
         self._dedupe[id(tensor)] = (weakref.ref(tensor), tensor._version, handle)
         self._groups[self._active_group].append(weakref.ref(handle))
-        weakref.finalize(handle, self._release, slot)
+        weakref.finalize(handle, self._release, slot, self._active_group)
         self._device_bytes += slot.nbytes
         self._cache[id(slot)] = slot
         self._evict_to(self.config.cache_bytes)
@@ -282,12 +247,9 @@ class TensorPool:
 
     def _evict_to(self, limit_bytes: int) -> None:
         """Evict least-recently-used cached tensors until the cache holds ``limit_bytes``."""
-        while self._cache and self._cached_bytes() > limit_bytes:
+        while self._cache and sum(s.nbytes for s in self._cache.values()) > limit_bytes:
             _, slot = self._cache.popitem(last=False)
             self._to_host(slot)
-
-    def _cached_bytes(self) -> int:
-        return sum(s.nbytes for s in self._cache.values())
 
     def _to_host(self, slot: _Slot) -> None:
         tensor = slot.device_tensor
@@ -298,19 +260,16 @@ class TensorPool:
             self._peak_host_bytes = max(self._peak_host_bytes, self._slab.live_bytes)
             if self._d2h_stream is not None:
                 self._d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(self._d2h_stream):
-                    _copy_dense(slot.host, tensor, non_blocking=True)
+            with _on(self._d2h_stream):
+                slot.host.copy_(_memory_order(tensor), non_blocking=self._cuda)
+                slot.event = self._d2h_stream.record_event() if self._d2h_stream else None
+                if self._d2h_stream is not None:  # the allocator must not reuse it mid-copy
                     tensor.record_stream(self._d2h_stream)
-                    slot.event = torch.cuda.Event()
-                    slot.event.record(self._d2h_stream)
-            else:
-                _copy_dense(slot.host, tensor, non_blocking=False)
             self._counters["d2h_bytes"] += slot.nbytes
             self._counters["d2h_count"] += 1
         slot.device_tensor = None
         self._device_bytes -= slot.nbytes
 
-    # ---------------------------------------------------------------- backward side
     def backward_entered(self, group: int) -> None:
         """Backward reached the outputs of offload group ``group``: prefetch it and the one
         before it (forward order), so the next unit's copy overlaps this unit's backward."""
@@ -331,22 +290,13 @@ class TensorPool:
             slot.device_tensor = original
             self._device_bytes += slot.nbytes
             return
-        if self._h2d_stream is not None:
-            if slot.event is not None:
-                self._h2d_stream.wait_event(slot.event)
-            with torch.cuda.stream(self._h2d_stream):
-                tensor = torch.empty_strided(
-                    slot.size, slot.stride, dtype=slot.dtype, device=self.device
-                )
-                _copy_dense(tensor, slot.host, non_blocking=True)
-                slot.event = torch.cuda.Event()
-                slot.event.record(self._h2d_stream)
-        else:
-            tensor = torch.empty_strided(
-                slot.size, slot.stride, dtype=slot.dtype, device=slot.device
-            )
-            _copy_dense(tensor, slot.host, non_blocking=False)
-        slot.device_tensor = tensor
+        if self._h2d_stream is not None and slot.event is not None:
+            self._h2d_stream.wait_event(slot.event)  # the device->host copy has landed
+        with _on(self._h2d_stream):
+            t = torch.empty_strided(slot.size, slot.stride, dtype=slot.dtype, device=slot.device)
+            _memory_order(t).copy_(slot.host, non_blocking=self._cuda)
+            slot.event = self._h2d_stream.record_event() if self._h2d_stream else None
+        slot.device_tensor = t
         self._device_bytes += slot.nbytes
         self._counters["h2d_bytes"] += slot.nbytes
         self._counters["h2d_count"] += 1
@@ -378,11 +328,10 @@ class TensorPool:
             self._device_bytes -= slot.nbytes
         return tensor
 
-    def _release(self, slot: _Slot) -> None:
+    def _release(self, slot: _Slot, group: int) -> None:
         """Autograd dropped the handle: free the slot's host and device bytes."""
         if self._cuda and slot.event is not None:
-            # A prefetch nobody unpacked may still be reading the host slot: order the slot's
-            # reuse (by a later device->host copy, which waits on this stream) after it.
+            # an unread prefetch may still read the slot: order its reuse after that copy
             torch.cuda.current_stream(self.device).wait_event(slot.event)
         if slot.device_tensor is not None:
             self._device_bytes -= slot.nbytes
@@ -391,14 +340,12 @@ class TensorPool:
         if slot.host is not None:
             self._slab.give_back(slot.nbytes)
             slot.host = None
-        for group in [g for g, refs in self._groups.items() if g != self._active_group]:
-            refs = [r for r in self._groups[group] if r() is not None]
-            if refs:
-                self._groups[group] = refs
-            else:
-                del self._groups[group]
+        refs = [r for r in self._groups.get(group, ()) if r() is not None]
+        if refs or group == self._active_group:
+            self._groups[group] = refs
+        else:
+            self._groups.pop(group, None)
 
-    # ------------------------------------------------------------------- accounting
     def stats(self) -> PoolStats:
         return PoolStats(
             host_bytes=self._slab.live_bytes,
@@ -422,33 +369,21 @@ class TensorPool:
         self._counters.update({k: int(v) for k, v in state["counters"].items()})
         self._peak_host_bytes = int(state["peak_host_bytes"])
 
-    def reset_peak(self) -> None:
-        self._peak_host_bytes = self._slab.live_bytes
 
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self.stats())
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
 
 
-def _copy_dense(dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool) -> None:
-    """Copy between a dense strided tensor and a flat contiguous host buffer, byte for byte.
-
-    The flat side stores the elements in the dense tensor's memory order, so the copy is one
-    contiguous memcpy whatever the strides (channels-last, transposed views).
-    """
-    if dst.dim() == 1 and dst.is_contiguous() and src.dim() != 1:
-        dst.copy_(_memory_order(src), non_blocking=non_blocking)
-    elif src.dim() == 1 and src.is_contiguous() and dst.dim() != 1:
-        _memory_order(dst).copy_(src, non_blocking=non_blocking)
-    else:
-        dst.view(-1).copy_(src.reshape(-1), non_blocking=non_blocking)
+def _on(stream: Any) -> contextlib.AbstractContextManager[Any]:
+    """Run on a CUDA side stream; on CPU (no stream) just run."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def _non_overlapping_and_dense(tensor: torch.Tensor) -> bool:
     """True if the elements fill ``numel`` consecutive storage slots (any dimension order)."""
     expected = 1
-    for size, stride in sorted(
-        zip(tensor.size(), tensor.stride(), strict=True), key=lambda d: d[1]
-    ):
+    dims = sorted(zip(tensor.size(), tensor.stride(), strict=True), key=lambda d: d[1])
+    for size, stride in dims:
         if size == 1:
             continue
         if stride != expected:
@@ -458,5 +393,6 @@ def _non_overlapping_and_dense(tensor: torch.Tensor) -> bool:
 
 
 def _memory_order(tensor: torch.Tensor) -> torch.Tensor:
-    """A 1-D view of a non-overlapping dense tensor in memory order (no copy)."""
+    """A 1-D view of a non-overlapping dense tensor in memory order (no copy): the slab stores
+    elements in that order, so each copy is one memcpy whatever the strides."""
     return tensor.as_strided((tensor.numel(),), (1,), tensor.storage_offset())
