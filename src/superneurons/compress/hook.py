@@ -284,7 +284,7 @@ def _gathered_reduce(
     world_size = state.world_size
     pieces = _names_and_pieces(state, bucket)
     compensated = _compensated(state, pieces)
-    finite = all(bool(torch.isfinite(flat).all()) for flat in compensated)
+    finite = bool(torch.stack([torch.isfinite(flat).all() for flat in compensated]).all())
     codecs = _codecs_for_step(state, compensated)
     payloads = [
         codec.encode(flat, generator=state.generator_for(name))
