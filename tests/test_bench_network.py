@@ -148,3 +148,18 @@ def test_bad_cli_input_is_one_line_error(capsys: pytest.CaptureFixture[str]) -> 
     assert "cannot parse bandwidth" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="nproc"):
         _tiny(nproc=1)
+
+
+def test_from_partial_writes_artifacts_of_an_interrupted_run(tmp_path: Path) -> None:
+    fields = {"model": "fc-heavy", "status": "ok", "compute_step_s": 1.0, "bytes_per_step": 1e6}
+    lines = [
+        {"bandwidth": "100mbit", "codec": "dense", "mean_step_s": 8.0, **fields},
+        {"bandwidth": "100mbit", "codec": "fft", "mean_step_s": 2.0, **fields},
+    ]
+    (tmp_path / "network.partial.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    argv = ["bench", "network", "--bandwidth", "100mbit", "--models", "fc-heavy"]
+    assert main([*argv, "--codecs", "dense,fft", "--from-partial", "--out", str(tmp_path)]) == 0
+    body = json.loads((tmp_path / "network.json").read_text())
+    assert [r["speedup_vs_dense"] for r in body["records"]] == [1.0, 4.0]
+    assert "Interrupted run" in body["note"]
+    assert "fft 4.00x dense (target >= 4.0x: met)" in (tmp_path / "network.md").read_text()

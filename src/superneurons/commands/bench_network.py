@@ -22,6 +22,8 @@ from superneurons.bench.network import (
     ALL_CODECS,
     DEFAULT_MODELS,
     NetworkBenchConfig,
+    add_breakdown,
+    add_speedups,
     config_dict,
     run_network_bench,
 )
@@ -64,6 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the ranks on loopback without namespaces (no root needed; measures codec "
         "cost, not a network)",
     )
+    parser.add_argument(
+        "--from-partial",
+        action="store_true",
+        help="measure nothing: write the artifacts from DIR/network.partial.jsonl, the records "
+        "an interrupted run saved (give the same flags as that run)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="output directory")
 
 
@@ -102,16 +110,29 @@ def run(args: argparse.Namespace) -> int:
         print(message, file=sys.stderr, flush=True)
 
     partial = args.out / "network.partial.jsonl"
-    args.out.mkdir(parents=True, exist_ok=True)
-    partial.unlink(missing_ok=True)
+    if args.from_partial:
+        if not partial.exists():
+            raise ConfigError(f"{partial} not found: --from-partial needs an interrupted run's DIR")
+        records = [json.loads(line) for line in partial.read_text().splitlines() if line]
+        add_speedups(records)
+        add_breakdown(records)
+        note = (
+            f"Interrupted run: these {len(records)} records were measured by the command in "
+            f"{partial.name} before it was stopped; the artifacts were written afterwards by "
+            "--from-partial."
+        )
+        paths = write_artifacts(records, args.out, config, note=note)
+    else:
+        args.out.mkdir(parents=True, exist_ok=True)
+        partial.unlink(missing_ok=True)
 
-    def save(record: dict[str, Any]) -> None:  # a long run interrupted keeps what it measured
-        with partial.open("a", encoding="utf-8") as handle:
-            handle.write(json.dumps(record) + "\n")
+        def save(record: dict[str, Any]) -> None:  # an interrupted run keeps what it measured
+            with partial.open("a", encoding="utf-8") as handle:
+                handle.write(json.dumps({**record, "command": " ".join(sys.argv)}) + "\n")
 
-    records = run_network_bench(config, progress=progress, on_record=save)
-    paths = write_artifacts(records, args.out, config)
-    partial.unlink(missing_ok=True)
+        records = run_network_bench(config, progress=progress, on_record=save)
+        paths = write_artifacts(records, args.out, config)
+        partial.unlink(missing_ok=True)
     columns = ("bandwidth", "model", "codec", "mean_step_s", "speedup_vs_dense", "bytes_per_step")
     print("  ".join(f"{c:>22}" for c in columns))
     for record in records:
@@ -154,12 +175,11 @@ _COLUMNS = (
 
 
 def write_artifacts(
-    records: Sequence[dict[str, Any]], out_dir: Path, config: NetworkBenchConfig
+    records: Sequence[dict[str, Any]], out_dir: Path, config: NetworkBenchConfig, *, note: str = ""
 ) -> list[Path]:
     """DIR/network.json, DIR/network.md (table + targets) and DIR/network.png."""
-    paths = [
-        write_json(out_dir / "network.json", records, config=config_dict(config)),
-    ]
+    extra: dict[str, Any] = {"note": note} if note else {}
+    paths = [write_json(out_dir / "network.json", records, config=config_dict(config), **extra)]
     link_lines = sorted(
         {
             f"- {r['bandwidth']}: measured {r['measured_link_bit_s'] / 1e6:.0f} Mbit/s TCP goodput"
@@ -168,11 +188,15 @@ def write_artifacts(
         }
     )
     body = (
-        f"{config.nproc} ranks, one thread each, gloo over veth links shaped with tbf; "
+        (f"**{note}**\n\n" if note else "")
+        + f"{config.nproc} ranks, one thread each, gloo over veth links shaped with tbf; "
         f"batch {config.batch_size} per rank; {config.warmup_steps} warm-up steps excluded, "
         f"mean of {config.steps} timed steps. `bytes_per_step`: bytes one rank sends per step "
-        "(hook counter, or for PyTorch's hooks and dense DDP the analytic ring all-reduce "
-        "volume 2(P-1)/P x payload). `compute_step_s`: the same step without communication. "
+        "(see `bytes_source`: the hook's counter of payload bytes, or for dense DDP the "
+        "analytic ring all-reduce volume 2(P-1)/P x 4 bytes x parameters; with 2 ranks both "
+        "equal what one rank sends). torch-powersgd runs in one DDP bucket "
+        "(`ddp_bucket_cap_mb`): torch's hook crashes on gloo with several. "
+        "`compute_step_s`: the same step without communication. "
         "`wire_s_est`: bytes_per_step at the measured TCP goodput; `other_s`: the rest "
         "(encode/decode, synchronisation; negative when communication overlaps backward). "
         f"{_load_note(records)}\n\n"
