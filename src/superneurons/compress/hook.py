@@ -55,7 +55,7 @@ from superneurons.compress.torch_hooks import (
 )
 from superneurons.errors import ConfigError
 
-__all__ = ["CompressionState", "register_compression"]
+__all__ = ["CompressionState", "build_state", "register_compression", "resolve_codec"]
 
 logger = logging.getLogger("superneurons.compress")
 
@@ -104,6 +104,28 @@ def register_compression(
         )
     if not dist.is_initialized():
         raise ConfigError("torch.distributed is not initialised; call init_process_group first")
+    module = ddp_model.module
+    state = build_state(
+        module,
+        codec_or_spec,
+        error_feedback=error_feedback,
+        warmup_steps=warmup_steps,
+        theta_schedule=theta_schedule,
+        process_group=process_group,
+        seed=seed,
+    )
+    codec, options, world_size, rank = state.codec, state.options, state.world_size, state.rank
+    _check_config_across_ranks(module, options, world_size, process_group)
+    if isinstance(codec, TorchAnchor):
+        register_anchor(ddp_model, state)
+    else:
+        ddp_model.register_comm_hook(state, as_comm_hook(_compression_hook))
+    logger.info("rank %d: compressing gradients with %s", rank, codec.spec)
+    return state
+
+
+def resolve_codec(codec_or_spec: Any, *, theta_schedule: Any = None) -> Any:
+    """A codec object from a codec or a spec string, checked against ``theta_schedule``."""
     codec = resolve_spec(codec_or_spec) if isinstance(codec_or_spec, str) else codec_or_spec
     if not hasattr(codec, "spec") or not hasattr(codec, "summable"):
         raise ConfigError(f"{codec_or_spec!r} is neither a codec nor a spec string")
@@ -113,6 +135,22 @@ def register_compression(
         if isinstance(codec, (PowerSGD, TorchAnchor)):
             raise ConfigError(f"{codec.spec} has no θ to schedule; use fft or topk")
         with_theta(codec, 0.5)  # raises ConfigError for codecs without a θ
+    return codec
+
+
+def build_state(
+    module: torch.nn.Module,
+    codec_or_spec: Any,
+    *,
+    error_feedback: bool = True,
+    warmup_steps: int = 0,
+    theta_schedule: Any = None,
+    process_group: dist.ProcessGroup | None = None,
+    seed: int = 0,
+) -> CompressionState:
+    """The hook's :class:`CompressionState` for ``module`` (the model DDP wraps); needs an
+    initialised process group. Local: no collective."""
+    codec = resolve_codec(codec_or_spec, theta_schedule=theta_schedule)
     options = HookOptions(
         spec=codec.spec,
         error_feedback=bool(error_feedback),
@@ -120,27 +158,16 @@ def register_compression(
         seed=seed,
         theta_schedule=repr(theta_schedule) if theta_schedule is not None else "none",
     )
-    world_size = dist.get_world_size(process_group)
-    rank = dist.get_rank(process_group)
-    module = ddp_model.module
-    names_by_param = {id(p): name for name, p in module.named_parameters()}
-    state = CompressionState(
+    return CompressionState(
         options=options,
         codec=codec,
         process_group=process_group,
-        world_size=world_size,
-        rank=rank,
-        names_by_param=names_by_param,
+        world_size=dist.get_world_size(process_group),
+        rank=dist.get_rank(process_group),
+        names_by_param={id(p): name for name, p in module.named_parameters()},
         theta_schedule=theta_schedule,
         powersgd=PowerSGDState(seed=seed) if isinstance(codec, PowerSGD) else None,
     )
-    _check_config_across_ranks(module, options, world_size, process_group)
-    if isinstance(codec, TorchAnchor):
-        register_anchor(ddp_model, state)
-    else:
-        ddp_model.register_comm_hook(state, as_comm_hook(_compression_hook))
-    logger.info("rank %d: compressing gradients with %s", rank, codec.spec)
-    return state
 
 
 def _check_config_across_ranks(

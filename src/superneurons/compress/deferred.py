@@ -1,0 +1,103 @@
+"""Compression configured before the process group exists, for frameworks that register the
+comm hook themselves — PyTorch Lightning's ``DDPStrategy(ddp_comm_hook=...)``::
+
+    compression = DeferredCompression(lightning_module, "fft:theta=0.9,bits=8")
+    strategy = DDPStrategy(ddp_comm_state=compression, ddp_comm_hook=deferred_compression_hook)
+
+The options are validated at construction (a bad spec fails before any process starts). At the
+first backward, the hook binds to the default process group: it builds the
+:class:`~superneurons.compress.hookstate.CompressionState` and runs the same cross-rank
+configuration check as :func:`~superneurons.compress.hook.register_compression` — from the hook
+body of bucket 0, which every rank reaches first, so the collective order is fixed.
+PyTorch's own hooks (``torch-*`` anchors, ``dense``) register themselves; use them directly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from superneurons.compress.hook import (
+    _check_config_across_ranks,
+    _compression_hook,
+    build_state,
+    resolve_codec,
+)
+from superneurons.compress.hookstate import CompressionState
+from superneurons.compress.torch_hooks import TorchAnchor, as_comm_hook
+from superneurons.errors import ConfigError
+
+__all__ = ["DeferredCompression", "deferred_compression_hook"]
+
+
+class DeferredCompression:
+    """The comm-hook state for :func:`deferred_compression_hook`; binds at the first backward.
+
+    Args:
+        module: the model DDP will wrap (parameter names key the error-feedback state).
+        codec_or_spec, error_feedback, warmup_steps, theta_schedule, seed: as for
+            :func:`~superneurons.compress.hook.register_compression`.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        codec_or_spec: Any,
+        *,
+        error_feedback: bool = True,
+        warmup_steps: int = 0,
+        theta_schedule: Any = None,
+        seed: int = 0,
+    ) -> None:
+        codec = resolve_codec(codec_or_spec, theta_schedule=theta_schedule)
+        if isinstance(codec, TorchAnchor):
+            raise ConfigError(
+                f"{codec.spec} is one of PyTorch's own hooks: pass it to DDP directly, "
+                "DeferredCompression is for superneurons codecs"
+            )
+        self.module = module
+        self._options = {
+            "error_feedback": error_feedback,
+            "warmup_steps": warmup_steps,
+            "theta_schedule": theta_schedule,
+            "seed": seed,
+        }
+        self._codec = codec
+        self._pending: dict[str, Any] | None = None
+        self.state: CompressionState | None = None
+
+    def bind(self) -> CompressionState:
+        """The bound state (built, and checked across ranks, on first use)."""
+        if self.state is None:
+            if not dist.is_initialized():
+                raise ConfigError("torch.distributed is not initialised: DDP must wrap the model")
+            state = build_state(self.module, self._codec, **self._options)
+            _check_config_across_ranks(self.module, state.options, state.world_size, None)
+            if self._pending is not None:
+                state.load_state_dict(self._pending)
+                self._pending = None
+            self.state = state
+        return self.state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The compression state (empty before the first backward, unless one was loaded)."""
+        if self.state is not None:
+            return self.state.state_dict()
+        return dict(self._pending or {})
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a checkpoint now, or at binding if the first backward has not run yet."""
+        if self.state is not None:
+            self.state.load_state_dict(state)
+        else:
+            self._pending = dict(state)
+
+
+@as_comm_hook
+def deferred_compression_hook(
+    state: DeferredCompression, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook over a :class:`DeferredCompression` (see the module docs)."""
+    return _compression_hook(state.bind(), bucket)
