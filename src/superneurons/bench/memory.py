@@ -11,7 +11,8 @@ step, gradients reset to ``None`` first) and is measured twice:
 * **time**: the median wall time of ``steps`` untracked steps (one thread).
 
 Methods: ``eager``; ``ours`` (``make_plan`` at each budget, a fraction of eager's measured peak,
-executed by :func:`~superneurons.memory.runtime.apply_plan`); ``checkpoint`` (plain non-reentrant
+with the measured copy bandwidth, executed by :func:`~superneurons.memory.runtime.apply_plan`);
+``ours-offload`` (the same with ``strategy="offload"``); ``checkpoint`` (plain non-reentrant
 ``torch.utils.checkpoint`` around every unit, Chen et al. 2016); ``selective`` (per unit,
 ``create_selective_checkpoint_contexts`` saving conv/matmul/attention outputs, recomputing the
 rest, as Megatron-style selective recompute); ``save_on_cpu`` (``torch.autograd.graph.save_on_cpu``
@@ -44,7 +45,15 @@ __all__ = ["MemoryBenchConfig", "device_peak_bytes", "run_memory_bench"]
 
 logger = logging.getLogger("superneurons.bench")
 
-METHODS: tuple[str, ...] = ("eager", "ours", "checkpoint", "selective", "save_on_cpu", "compile")
+METHODS: tuple[str, ...] = (
+    "eager",
+    "ours",
+    "ours-offload",
+    "checkpoint",
+    "selective",
+    "save_on_cpu",
+    "compile",
+)
 
 
 @dataclass(frozen=True)
@@ -208,17 +217,36 @@ def _save_on_cpu_semantics() -> Iterator[None]:
         yield
 
 
-def _ours(work: _Workload, config: MemoryBenchConfig, eager_peak: int) -> list[dict]:
-    from superneurons.memory.plan import InfeasibleBudgetError, make_plan
-    from superneurons.memory.profile import profile_step
+def copy_bandwidth_bytes_per_s(nbytes: int = 64 << 20) -> float:
+    """Measured device->host copy bandwidth (on a CPU build: a memcpy into the slab), so the
+    planner weighs offload against recompute with this machine's figures, not a GPU's."""
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    if torch.cuda.is_available():
+        src, dst = src.cuda(), dst.pin_memory()
+    dst.copy_(src)
+    best_s = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        dst.copy_(src)
+        if torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()  # timing only, outside any step
+        best_s = min(best_s, time.perf_counter() - start)
+    return nbytes / best_s
 
-    # profile_step copies (model, optimizer) itself: the caller's state is untouched.
-    profile = profile_step(work.model, work.inputs, work.targets, work.loss_fn, work.optimizer)
+
+def _ours(
+    work: _Workload, config: MemoryBenchConfig, eager_peak: int, *, strategy: str, profile: Any
+) -> list[dict]:
+    from superneurons.memory.plan import InfeasibleBudgetError, make_plan
+
+    bandwidth = copy_bandwidth_bytes_per_s()
     rows = []
     for fraction in config.budgets:
         budget = int(eager_peak * fraction)
         try:
-            plan = make_plan(profile, budget_bytes=budget, strategy="auto")
+            plan = make_plan(
+                profile, budget_bytes=budget, strategy=strategy, bandwidth_bytes_per_s=bandwidth
+            )
         except InfeasibleBudgetError as exc:
             floor = exc.min_budget_bytes / eager_peak
             note = f"infeasible: planner minimum {floor:.2f}x eager ({exc.strategy})"
@@ -237,6 +265,7 @@ def _ours(work: _Workload, config: MemoryBenchConfig, eager_peak: int) -> list[d
             budget_fraction=fraction,
             budget_bytes=budget,
             strategy=plan.strategy,
+            copy_bytes_per_s=bandwidth,
             predicted_peak_bytes=plan.predicted_peak_bytes,
             actions={a: plan.count(a) for a in ("keep", "offload", "recompute")},
             optimizer_in_backward=plan.optimizer_in_backward,
@@ -283,9 +312,17 @@ def run_memory_bench(config: MemoryBenchConfig) -> list[dict[str, Any]]:
     eager = work.measure(config.steps)
     records: list[dict[str, Any]] = [{"method": "eager", "budget_fraction": 1.0, **eager}]
     logger.info("eager: peak %d bytes, %.3f s/step", eager["peak_bytes"], eager["step_s"])
+    profile = None
     for method in config.methods:
-        if method == "ours":
-            rows = _ours(work, config, eager["peak_bytes"])
+        if method in ("ours", "ours-offload"):
+            if profile is None:  # profile_step copies (model, optimizer): ours stay untouched
+                from superneurons.memory.profile import profile_step
+
+                profile = profile_step(
+                    work.model, work.inputs, work.targets, work.loss_fn, work.optimizer
+                )
+            strategy = "auto" if method == "ours" else "offload"
+            rows = _ours(work, config, eager["peak_bytes"], strategy=strategy, profile=profile)
         elif method == "compile":
             rows = _compile(work, config)
         elif method == "checkpoint":
