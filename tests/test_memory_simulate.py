@@ -14,7 +14,7 @@ from superneurons.memory.simulate import max_fitting, profile_zoo, simulate_plan
 
 
 def _peaks(n: int) -> dict[str, int]:
-    profile = profile_zoo("resnet", batch_size=2, layers=(1, 1, n, 1), image_size=32)
+    profile = profile_zoo("resnet", batch_size=8, layers=(1, 1, n, 1), image_size=128)
     return min_peak_bytes(profile)
 
 
@@ -61,18 +61,10 @@ def _chain(depth: int = 9, width: int = 16) -> nn.Sequential:
     )
 
 
-# Simulated-vs-predicted tolerance per strategy: keep/checkpoint/offload are modelled exactly;
-# segments and optimizer-in-backward are modelled conservatively (transients assumed coincident).
-_TOLERANCE = {
-    "eager": 0.03,
-    "checkpoint": 0.03,
-    "offload": 0.03,
-    "recompute": 0.15,
-    "offload+opt-in-backward": 0.15,
-}
+_STRATEGIES = ("eager", "checkpoint", "recompute", "offload", "offload+opt-in-backward")
 
 
-@pytest.mark.parametrize("strategy", sorted(_TOLERANCE))
+@pytest.mark.parametrize("strategy", _STRATEGIES)
 def test_executed_plan_peak_matches_prediction(strategy: str) -> None:
     model = _chain()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -84,6 +76,6 @@ def test_executed_plan_peak_matches_prediction(strategy: str) -> None:
     measured = simulate_plan(model, x, y, loss_fn, opt, plan).measured_peak_bytes
     predicted = plan.predicted_peak_bytes
     assert predicted <= budget
-    assert -0.01 * measured <= predicted - measured <= _TOLERANCE[strategy] * measured
+    assert abs(predicted - measured) <= 0.01 * measured  # the executed step, within 1%
     if strategy == "recompute":
         assert any(u.segment >= 0 for u in plan.units)  # memory-centric segments were used

@@ -102,7 +102,10 @@ def evaluate(
         table[:, profile.backward_end_event + 1 :] = 0
         table[CATEGORIES.index("params"), profile.backward_end_event + 1 :] = table[0, 0]
         table[CATEGORIES.index("optimizer"), profile.backward_end_event + 1 :] = table[2, 0]
-        table[CATEGORIES.index("grads")] += profile.largest_param_bytes
+        # each gradient lives one op: the post-accumulate hook steps its parameter (in place,
+        # as SGD/Adam do per parameter) and frees it at once
+        for birth, nbytes in profile.grad_births:
+            table[CATEGORIES.index("grads"), min(birth, profile.num_events - 1)] += nbytes
     total = table.sum(axis=0)
     change = np.zeros(profile.num_events + 1, dtype=np.int64)
     units = {u.fqn: u for u in profile.units}
@@ -113,6 +116,11 @@ def evaluate(
         if fqn in segments:
             members.setdefault(segments[fqn], []).append(fqn)
     host_bytes = 0
+    internal: dict[str, int] = {}  # saved bytes born inside each unit (its recompute re-creates)
+    for life in profile.storages:
+        for f in life.units:
+            if f and life.birth >= units[f].fwd_start_event:
+                internal[f] = internal.get(f, 0) + life.nbytes
     for life in profile.storages:
         packers = life.units
         if "" in packers or any(actions.get(f, "keep") == "keep" for f in packers):
@@ -141,7 +149,9 @@ def evaluate(
         if held:
             continue
         release = max(releases) + 1
-        restore = min(min(restores), life.death + 1)
+        # NOTE: an unpack at event e happens after op e, when the storages that died at e are
+        # already gone: what it brings back is live from op e + 1 on.
+        restore = min(min(restores) + 1, life.death + 1)
         if restore <= release:
             continue
         change[release] -= life.nbytes
@@ -156,17 +166,15 @@ def evaluate(
         if action == "recompute":
             # a unit inside a segment runs forward twice more: outer and inner recompute
             extra_s += compute_s * (2 if fqn in segments else 1)
-            spike = max(unit.temp_peak_bytes - unit.saved_bytes - unit.output_bytes, 0)
-            if 0 <= unit.bwd_start_event < profile.num_events:
-                total[unit.bwd_start_event] += spike
+            spike = max(unit.temp_peak_bytes - internal.get(fqn, 0) - unit.output_bytes, 0)
+            if 0 <= unit.bwd_start_event < profile.num_events - 1:
+                total[unit.bwd_start_event + 1] += spike
         elif action == "offload":
             copy_s = cost.copy_s(unit.saved_bytes)
             transfer_s += 2 * copy_s
             exposed_s += max(0.0, copy_s - compute_s) + max(0.0, copy_s - 2 * compute_s)
-    for group in members.values():  # the outer recompute's transient, one unit at a time
-        bwd = units[group[-1]].bwd_start_event
-        if 0 <= bwd < profile.num_events:
-            total[bwd] += max(units[f].temp_peak_bytes for f in group)
+    # NOTE: a segment's outer recompute holds the inner inputs plus one inner unit's internals
+    # at a time, less than what the last unit's own recompute holds right after it: no spike.
     return _Outcome(int(total.max(initial=0)), host_bytes, extra_s, transfer_s, exposed_s)
 
 

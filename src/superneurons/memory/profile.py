@@ -62,6 +62,7 @@ class _Recorder:
         self.first_key_of_storage: dict[int, str] = {}
         self.unit_rows: dict[str, dict[str, Any]] = {}
         self.op_of_storage: dict[int, str] = {}
+        self.saved_by_unit: dict[str, set[int]] = {}
         self.phase = "forward"
 
     # module hooks --------------------------------------------------------------------------
@@ -91,10 +92,12 @@ class _Recorder:
             self.stack.pop()
         if fqn in self.units:
             row = self.unit_rows[fqn]
+            # outputs the unit also saved are re-created by its recompute: not counted here
+            saved_here = self.saved_by_unit.get(fqn, set())
             row["out_bytes"] = sum(
                 t.untyped_storage().nbytes()
                 for t in tree_flatten(output)[0]
-                if isinstance(t, torch.Tensor)
+                if isinstance(t, torch.Tensor) and self.tracker.serial_of(t) not in saved_here
             )
             row["fwd_end"] = self.tracker.event
             row["time_s"] += time.perf_counter() - row["t0"]
@@ -142,6 +145,7 @@ class _Recorder:
         if first:
             self.first_key_of_storage[sid] = key
         index = len(self.saved)
+        self.saved_by_unit.setdefault(self.current_unit(), set()).add(sid)
         self.saved.append(
             dict(
                 key=key,

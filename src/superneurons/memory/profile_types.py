@@ -134,6 +134,7 @@ class Profile:
     units: tuple[UnitProfile, ...]
     optimizer_births: tuple[tuple[int, int], ...]  # (birth event, bytes) of state made by step
     largest_param_bytes: int = 0
+    grad_births: tuple[tuple[int, int], ...] = ()  # (birth event, bytes) of each gradient
 
     @property
     def saved_bytes(self) -> int:
@@ -183,6 +184,7 @@ class Profile:
         delta = np.zeros((len(CATEGORIES), num_events + 1), dtype=np.int64)
         totals = dict.fromkeys(("params", "grads", "optimizer"), 0)
         opt_births: list[tuple[int, int]] = []
+        grad_births: list[tuple[int, int]] = []
         for sid, nbytes in tracker.nbytes.items():
             if sid in param_storages:
                 cat = "params"
@@ -200,6 +202,8 @@ class Profile:
                 totals[cat] += nbytes
             if cat == "optimizer" and tracker.births[sid] >= 0:
                 opt_births.append((birth, nbytes))
+            if cat == "grads":
+                grad_births.append((birth, nbytes))
             cat_row = CATEGORIES.index(cat)
             delta[cat_row, birth] += nbytes
             delta[cat_row, min(death, last) + 1] -= nbytes
@@ -270,6 +274,7 @@ class Profile:
             storages=storages,
             units=tuple(units),
             optimizer_births=tuple(opt_births),
+            grad_births=tuple(grad_births),
             largest_param_bytes=max(
                 (tracker.nbytes[sid] for sid in param_storages if sid in tracker.nbytes), default=0
             ),
