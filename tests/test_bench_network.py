@@ -68,6 +68,7 @@ def test_loopback_run_records_and_artifacts(tmp_path: Path) -> None:
     assert "| loopback | mlp | torch-fp16 |" in (tmp_path / "network.md").read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.netns
 @pytest.mark.skipif(
