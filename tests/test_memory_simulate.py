@@ -79,3 +79,13 @@ def test_executed_plan_peak_matches_prediction(strategy: str) -> None:
     assert abs(predicted - measured) <= 0.01 * measured  # the executed step, within 1%
     if strategy == "recompute":
         assert any(u.segment >= 0 for u in plan.units)  # memory-centric segments were used
+
+
+def test_verify_corrects_a_non_affine_fit() -> None:
+    def peaks(n: int) -> dict[str, int]:
+        return {"eager": n * n}  # convex: the affine fit through 2 and 3 overshoots
+
+    budget = 200
+    fitted = max_fitting(peaks, ("eager",), budget_bytes=budget, sizes=(1, 2, 3))
+    verified = max_fitting(peaks, ("eager",), budget_bytes=budget, sizes=(1, 2, 3), verify=True)
+    assert fitted["eager"].size > 14 and verified["eager"].size == 14  # 14^2 <= 200 < 15^2

@@ -101,6 +101,7 @@ def run_deeper(
             budget_bytes=device_bytes,
             sizes=BATCH_SAMPLES,
             progress=say,
+            verify=True,
         )
         for strategy, fit in fits_b.items():
             records.append(
@@ -112,6 +113,7 @@ def run_deeper(
                     "max_batch": fit.size,
                     "mib_per_sample": fit.slope_bytes / 2**20,
                     "fit_residual": fit.residual,
+                    "verified": fit.verified,
                 }
             )
     _write(out_dir, records, validation, budget_bytes, plan_errors)
@@ -202,7 +204,8 @@ def _write(
         + ", ".join(f"{k} {v['error']:+.2%}" for k, v in plan_errors.items())
         + "\n\nLargest batch in 12 GiB:\n\n"
         + markdown_table(
-            batch_rows, ["model", "strategy", "max_batch", "mib_per_sample", "fit_residual"]
+            batch_rows,
+            ["model", "strategy", "max_batch", "mib_per_sample", "fit_residual", "verified"],
         )
     )
     write_markdown(out_dir / "deeper.md", "Going deeper: largest ResNet per strategy", body)

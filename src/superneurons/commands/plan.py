@@ -146,8 +146,15 @@ def _search(
     else:
         peaks = zoo_peaks(args.model, "batch", cost=cost, optimizer=args.optimizer, **kwargs)
         sizes = BATCH_SAMPLES
+    # NOTE: batches are verified by direct profiles (cheap); depths trust the affine fit,
+    # which is exact once stage 3 holds the peak (validated in `superneurons bench deeper`).
     fits = max_fitting(
-        peaks, strategies, budget_bytes=budget_bytes, sizes=sizes, progress=_progress
+        peaks,
+        strategies,
+        budget_bytes=budget_bytes,
+        sizes=sizes,
+        progress=_progress,
+        verify=bool(args.max_batch),
     )
     records = []
     for strategy, fit in fits.items():

@@ -16,6 +16,7 @@ against a direct profile at the answer where they can afford it (``verify=True``
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 import time
@@ -81,6 +82,7 @@ class FitResult:
         samples: ``(size, peak_bytes)`` of the profiled sizes.
         residual: relative error of the fit at the smallest sample.
         seconds: wall time of the search.
+        verified: the size was checked (and corrected) by direct profiles.
     """
 
     strategy: str
@@ -90,6 +92,7 @@ class FitResult:
     samples: tuple[tuple[int, int], ...]
     residual: float
     seconds: float
+    verified: bool = False
 
 
 def max_fitting(
@@ -99,22 +102,31 @@ def max_fitting(
     budget_bytes: int,
     sizes: tuple[int, int, int],
     progress: Callable[[str], None] | None = None,
+    verify: bool = False,
 ) -> dict[str, FitResult]:
     """Largest size per strategy with ``peaks(size)[strategy] <= budget_bytes`` (affine fit).
 
     ``peaks(size)`` returns each strategy's smallest predicted peak at ``size`` (e.g.
-    ``min_peak_bytes(profile_zoo(...))``); it is called once per sample size.
+    ``min_peak_bytes(profile_zoo(...))``); it is called once per sample size. With ``verify``
+    the fitted answer is then checked by direct calls (``size`` fits, ``size + 1`` does not)
+    and corrected by a bracketing search where the peak is not affine (``verified=True``).
     """
     if budget_bytes <= 0:
         raise ConfigError(f"budget must be positive, got {budget_bytes}")
     start_s = time.perf_counter()
     small, mid, large = sorted(sizes)
     samples: dict[int, dict[str, int]] = {}
+
+    def peak(size: int, strategy: str) -> int:
+        if size not in samples:
+            t0 = time.perf_counter()
+            samples[size] = peaks(size)
+            if progress is not None:
+                progress(f"profiled size {size} in {time.perf_counter() - t0:.1f} s")
+        return samples[size][strategy]
+
     for size in (small, mid, large):
-        t0 = time.perf_counter()
-        samples[size] = peaks(size)
-        if progress is not None:
-            progress(f"profiled size {size} in {time.perf_counter() - t0:.1f} s")
+        peak(size, strategies[0])
     results = {}
     for strategy in strategies:
         y_mid, y_large = samples[mid][strategy], samples[large][strategy]
@@ -126,6 +138,8 @@ def max_fitting(
             size = large if y_large <= budget_bytes else 0
         else:
             size = max(int(math.floor((budget_bytes - intercept) / slope)), 0)
+        if verify:
+            size = _bracket(functools.partial(_fits, peak, strategy, budget_bytes), max(size, 1))
         results[strategy] = FitResult(
             strategy=strategy,
             size=size,
@@ -134,8 +148,40 @@ def max_fitting(
             samples=tuple((s, samples[s][strategy]) for s in (small, mid, large)),
             residual=residual,
             seconds=time.perf_counter() - start_s,
+            verified=verify,
         )
     return results
+
+
+def _fits(peak: Callable[[int, str], int], strategy: str, budget_bytes: int, size: int) -> bool:
+    return peak(size, strategy) <= budget_bytes
+
+
+def _bracket(fits: Callable[[int], bool], guess: int) -> int:
+    """Largest ``n >= 1`` with ``fits(n)`` (0 if none), searching outward from ``guess``;
+    assumes ``fits`` is monotone (a larger model or batch never needs less memory)."""
+    if fits(guess):
+        low, step = guess, 1
+        while fits(low + step):
+            low, step = low + step, step * 2
+        high = low + step  # fails
+    else:
+        high, step = guess, 1
+        while True:
+            candidate = high - step
+            if candidate < 1:
+                if high == 1 or not fits(1):
+                    return 0
+                low = 1
+                break
+            if fits(candidate):
+                low = candidate
+                break
+            high, step = candidate, step * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
 
 
 def zoo_peaks(
