@@ -23,7 +23,7 @@ from superneurons.errors import ConfigError
 HELP = "codec error / bits / speed on real gradients at equal bit budgets"
 
 # --quick: 7 small-batch steps per model, the first 2^17 elements (512 KiB) of each gradient;
-# measured 14 s of CPU time, 1 min 41 s wall (cold cache) on the shared 2-core machine (load ~10).
+# measured ~14 s CPU, 35 s to 1 min 41 s wall (cold cache) on the shared 2-core machine.
 _QUICK_CAPTURE = CaptureConfig(steps=(0, 5), window=2, batch_size=16)
 _QUICK_BENCH = CodecBenchConfig(timing_repeats=2, max_numel=2**17)
 _FULL_CAPTURE = CaptureConfig(steps=(0, 50, 200), window=8)
