@@ -272,9 +272,10 @@ def add_speedups(records: list[dict[str, Any]]) -> None:
 
 
 def add_breakdown(records: list[dict[str, Any]]) -> None:
-    """Split each step: ``wire_s_est`` = bytes per step over the measured link goodput, and
+    """Split each step: ``wire_s_est`` = bytes per step over the measured link goodput,
     ``other_s`` = step - compute-only - wire (encode/decode, synchronisation, waiting for the
-    peer; negative when communication overlaps backward)."""
+    peer; negative when communication overlaps backward); ``idle_step_s_est`` = CPU seconds
+    per step + wire, and ``idle_speedup_est`` its ratio to dense's."""
     for record in records:
         link = record.get("measured_link_bit_s")
         ok = record.get("status") == "ok" and link
@@ -285,6 +286,20 @@ def add_breakdown(records: list[dict[str, Any]]) -> None:
             if wire_s is not None
             else None
         )
+        # NOTE: an estimate for a machine where each rank has a core to itself: the rank's CPU
+        # seconds per step (compute, encode/decode, gloo threads; no waiting) plus the wire
+        # time, with no overlap between them (so an upper bound when backward hides the wire).
+        cpu_s = record.get("cpu_step_s")
+        record["idle_step_s_est"] = cpu_s + wire_s if wire_s is not None and cpu_s else None
+    dense = {
+        (r["bandwidth"], r["model"]): r["idle_step_s_est"]
+        for r in records
+        if r["codec"] == "dense" and r.get("idle_step_s_est")
+    }
+    for record in records:
+        base = dense.get((record["bandwidth"], record["model"]))
+        est = record.get("idle_step_s_est")
+        record["idle_speedup_est"] = base / est if base and est else None
 
 
 def run_network_bench(

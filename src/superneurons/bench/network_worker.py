@@ -99,12 +99,14 @@ def _timed_steps(
     *,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     sync: Callable[[], None],
-) -> tuple[float, float]:
-    """Run ``count`` steps; returns (mean seconds per step, last loss)."""
+) -> tuple[float, float, float]:
+    """Run ``count`` steps; returns (mean wall seconds per step, mean CPU seconds per step of
+    this process, all its threads, last loss). CPU time excludes waiting for the network and
+    for other processes: on a shared machine it is what the step would cost on an idle core."""
     if count == 0:
-        return math.nan, math.nan
+        return math.nan, math.nan, math.nan
     sync()
-    start_s = time.perf_counter()
+    start_s, start_cpu_s = time.perf_counter(), time.process_time()
     loss = torch.zeros(())
     for _ in range(count):
         x, y = next(batches)
@@ -113,7 +115,8 @@ def _timed_steps(
         loss.backward()
         optimizer.step()
     sync()
-    return (time.perf_counter() - start_s) / count, float(loss.item())
+    cpu_s = (time.process_time() - start_cpu_s) / count
+    return (time.perf_counter() - start_s) / count, cpu_s, float(loss.item())
 
 
 def analytic_bytes_per_step(model: nn.Module, codec: str, world_size: int) -> float:
@@ -217,13 +220,18 @@ def _run(config: WorkerConfig) -> None:
     local_opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
     no_sync: Callable[[], None] = lambda: None  # noqa: E731
     _timed_steps(model, local_opt, batches, 1, loss_fn=loss_fn, sync=no_sync)  # first-call costs
-    compute_s, _ = _timed_steps(
+    compute_s, compute_cpu_s, _ = _timed_steps(
         model, local_opt, batches, config.compute_steps, loss_fn=loss_fn, sync=dist.barrier
     )
     for codec in config.codecs:
         record = _run_codec(config, codec, batches, loss_fn)
         if config.rank == 0 and config.out:
-            record.update(nproc=config.world_size, params=numel, compute_step_s=compute_s)
+            record.update(
+                nproc=config.world_size,
+                params=numel,
+                compute_step_s=compute_s,
+                compute_cpu_s=compute_cpu_s,
+            )
             with open(config.out, "a", encoding="utf-8") as handle:
                 handle.write(json.dumps(record) + "\n")
 
@@ -259,7 +267,7 @@ def _run_codec(
     no_sync: Callable[[], None] = lambda: None  # noqa: E731
     _timed_steps(ddp, optimizer, batches, config.warmup_steps, loss_fn=loss_fn, sync=no_sync)
     before = _bytes_counter(state)
-    step_s, last_loss = _timed_steps(
+    step_s, cpu_s, last_loss = _timed_steps(
         ddp, optimizer, batches, config.steps, loss_fn=loss_fn, sync=dist.barrier
     )
     after = _bytes_counter(state)
@@ -275,6 +283,7 @@ def _run_codec(
         "warmup_steps": config.warmup_steps,
         "steps": config.steps,
         "mean_step_s": step_s,
+        "cpu_step_s": cpu_s,
         "bytes_per_step": bytes_per_step,
         "bytes_source": source,
         "ddp_bucket_cap_mb": bucket_cap_mb or 25,
