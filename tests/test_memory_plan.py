@@ -112,3 +112,25 @@ def test_bad_strategy_and_plan_fields(profile: Profile) -> None:
         Plan(units=(), strategy="eager", budget_bytes=1, version=99)
     with pytest.raises(ConfigError):
         Plan.from_json("[1, 2]")
+
+
+def test_disallowing_optimizer_in_backward_limits_auto_and_the_named_minimum() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(6)])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    inputs, targets = torch.randn(128, 64), torch.randn(128, 64)
+    profile = profile_step(model, inputs, targets, nn.functional.mse_loss, optimizer)
+    minima = min_peak_bytes(profile)
+    without = min(v for k, v in minima.items() if k != "offload+opt-in-backward")
+    with pytest.raises(InfeasibleBudgetError) as info:
+        make_plan(profile, budget_bytes=without - 1, allow_optimizer_in_backward=False)
+    assert info.value.min_budget_bytes == without
+    plan = make_plan(profile, budget_bytes=without, allow_optimizer_in_backward=False)
+    assert not plan.optimizer_in_backward and plan.predicted_peak_bytes <= without
+    with pytest.raises(ConfigError):
+        make_plan(
+            profile,
+            budget_bytes=without,
+            strategy="offload+opt-in-backward",
+            allow_optimizer_in_backward=False,
+        )

@@ -118,7 +118,8 @@ def compare_memory(
     optimizer = make_optimizer(planned_model)
     profile = profile_step(planned_model, inputs, targets, loss_fn, optimizer)
     try:
-        plan = make_plan(profile, budget_bytes=budget_bytes)
+        # The trainer runs the plan under DDP: no optimizer-in-backward (see train/loop.py).
+        plan = make_plan(profile, budget_bytes=budget_bytes, allow_optimizer_in_backward=False)
     except InfeasibleBudgetError:
         raise
     except ConfigError as exc:  # pragma: no cover - planner input errors are user errors

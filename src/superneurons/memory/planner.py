@@ -306,9 +306,14 @@ def make_plan(
     strategy: str = "auto",
     bandwidth_bytes_per_s: float = 25e9,
     optimizer_in_backward: bool = False,
+    allow_optimizer_in_backward: bool = True,
     cost: CostModel | None = None,
 ) -> Plan:
     """Plan keep / offload / recompute per unit so the predicted peak fits ``budget_bytes``.
+
+    ``allow_optimizer_in_backward=False`` keeps ``auto`` (and the minimum an infeasible budget
+    names) to strategies that step the optimizer after backward, as DDP needs: under
+    optimizer-in-backward a parameter would be stepped before its gradient is all-reduced.
 
     ``strategy``: ``eager`` (keep all), ``checkpoint`` (recompute every unit), ``recompute``
     (cost-aware recompute only), ``offload`` (cost-aware offload and recompute),
@@ -327,9 +332,15 @@ def make_plan(
         raise ConfigError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
     cost = cost or CostModel(bandwidth_bytes_per_s=bandwidth_bytes_per_s)
     minima = min_peak_bytes(profile, cost=cost)
+    if not allow_optimizer_in_backward:
+        if optimizer_in_backward or strategy == "offload+opt-in-backward":
+            raise ConfigError("optimizer_in_backward contradicts allow_optimizer_in_backward=False")
+        minima.pop("offload+opt-in-backward", None)
     best_strategy = min(minima, key=lambda s: minima[s])
     if strategy == "auto":
         order = ["eager", "recompute", "offload", "offload+opt-in-backward"]
+        if not allow_optimizer_in_backward:
+            order.remove("offload+opt-in-backward")
         if optimizer_in_backward:
             order = ["offload+opt-in-backward"]
         tried = [_search(profile, s, budget_bytes, cost) for s in order]
@@ -343,8 +354,9 @@ def make_plan(
                 ),
             )
             if fits
-            else tried[-1]
+            else min(tried, key=lambda c: c.outcome.peak_bytes)
         )
+        minima["auto"] = min(minima[s] for s in order)
     else:
         chosen = _search(profile, strategy, budget_bytes, cost)
         if optimizer_in_backward and not chosen.optimizer_in_backward:

@@ -213,6 +213,7 @@ def _apply_budget(model: nn.Module, batch: Any, budget_bytes: int, *, loss_fn: A
         raise ConfigError(f"--budget needs the memory runtime ({exc})") from exc
     inputs, targets = batch
     profile = profile_step(model, inputs, targets, loss_fn)
-    plan = make_plan(profile, budget_bytes=budget_bytes)
+    # NOTE: no optimizer-in-backward under DDP: it would step before the all-reduce.
+    plan = make_plan(profile, budget_bytes=budget_bytes, allow_optimizer_in_backward=False)
     logger.info("memory plan for a budget of %d bytes: %s", budget_bytes, plan)
     return apply_plan(model, plan)
