@@ -16,13 +16,46 @@ from __future__ import annotations
 import logging
 
 from superneurons.bytesize import format_bytes, parse_bytes
+from superneurons.compress import (
+    Codec,
+    CompressionState,
+    DeferredCompression,
+    ErrorFeedback,
+    Payload,
+    parse_spec,
+    register_compression,
+)
 from superneurons.errors import ConfigError
+from superneurons.memory import (
+    InfeasibleBudgetError,
+    Plan,
+    Profile,
+    apply_plan,
+    make_plan,
+    profile_step,
+)
 
 __version__ = "0.1.0"
 
 logging.getLogger("superneurons").addHandler(logging.NullHandler())
 
 __all__ = [
+    # memory: profile -> plan -> run (SuperNeurons, PPoPP'18)
+    "InfeasibleBudgetError",
+    "Plan",
+    "Profile",
+    "apply_plan",
+    "make_plan",
+    "profile_step",
+    # communication: codecs as DDP comm hooks (FFT compression, HPDC'20)
+    "Codec",
+    "CompressionState",
+    "DeferredCompression",
+    "ErrorFeedback",
+    "Payload",
+    "parse_spec",
+    "register_compression",
+    # common
     "ConfigError",
     "__version__",
     "format_bytes",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from superneurons.compress.cast import Bf16Codec, Fp16Codec, IdentityCodec
 from superneurons.compress.codec import Codec, Payload, check_gradient, sum_of_decodes
+from superneurons.compress.deferred import DeferredCompression, deferred_compression_hook
 from superneurons.compress.feedback import ErrorFeedback, feedback_step, join_flat, split_flat
 from superneurons.compress.fft import FFTCodec
 from superneurons.compress.hook import CompressionState, register_compression
@@ -65,5 +66,7 @@ __all__ = [
     "with_theta",
     # the DDP comm hook
     "CompressionState",
+    "DeferredCompression",
+    "deferred_compression_hook",
     "register_compression",
 ]

@@ -17,8 +17,10 @@ from superneurons.memory.plan import (
     make_plan,
 )
 from superneurons.memory.planner import CostModel, min_peak_bytes
+from superneurons.memory.pool import PoolConfig, PoolStats, TensorPool
 from superneurons.memory.profile import profile_step
 from superneurons.memory.profile_types import Profile, SavedTensor, UnitProfile, default_units
+from superneurons.memory.runtime import PlanHandle, apply_plan
 from superneurons.memory.simulate import profile_zoo, simulate_plan
 from superneurons.memory.tracker import LiveStorageTracker
 
@@ -43,4 +45,10 @@ __all__ = [
     "UnitDecision",
     "make_plan",
     "min_peak_bytes",
+    # running a plan
+    "PlanHandle",
+    "PoolConfig",
+    "PoolStats",
+    "TensorPool",
+    "apply_plan",
 ]

@@ -1,0 +1,46 @@
+"""The public surface is explicit and frozen: changing it must change this test."""
+
+from __future__ import annotations
+
+import superneurons
+import superneurons.compress
+import superneurons.memory
+
+TOP_LEVEL = {
+    "InfeasibleBudgetError",
+    "Plan",
+    "Profile",
+    "apply_plan",
+    "make_plan",
+    "profile_step",
+    "Codec",
+    "CompressionState",
+    "DeferredCompression",
+    "ErrorFeedback",
+    "Payload",
+    "parse_spec",
+    "register_compression",
+    "ConfigError",
+    "__version__",
+    "format_bytes",
+    "parse_bytes",
+}
+
+
+def test_top_level_surface_is_frozen() -> None:
+    assert set(superneurons.__all__) == TOP_LEVEL
+    for name in superneurons.__all__:
+        assert hasattr(superneurons, name), name
+
+
+def test_subpackage_all_names_exist() -> None:
+    for package in (superneurons.compress, superneurons.memory):
+        assert len(package.__all__) == len(set(package.__all__))
+        for name in package.__all__:
+            assert hasattr(package, name), f"{package.__name__}.{name}"
+
+
+def test_every_codec_name_is_exported_as_a_class() -> None:
+    for name, cls in superneurons.compress.CODECS.items():
+        assert name == cls.NAME
+        assert cls.__name__ in superneurons.compress.__all__
