@@ -17,7 +17,8 @@ MiB = 2**20
 def read_run(run_dir: Path) -> dict[str, Any]:
     """A run's ``summary.json`` and its step/epoch records from ``metrics.jsonl``."""
     summary = json.loads((run_dir / "summary.json").read_text())
-    steps, epochs = [], []
+    steps: list[dict[str, Any]] = []
+    epochs: list[dict[str, Any]] = []
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         (steps if record.get("kind") == "step" else epochs).append(record)

@@ -31,4 +31,4 @@ class CompressedDDPStrategy(DDPStrategy):
         if self.root_device.type == "cuda":
             super()._register_ddp_hooks()
             return
-        self.model.register_comm_hook(self.compression, deferred_compression_hook)  # type: ignore[union-attr]
+        self.model.register_comm_hook(self.compression, deferred_compression_hook)  # type: ignore[union-attr,operator]
