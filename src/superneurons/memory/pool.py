@@ -49,11 +49,10 @@ class PoolConfig:
     """Hyper-parameters of the tensor pool.
 
     Attributes:
-        min_offload_bytes: saved tensors smaller than this stay on the device (a copy of a few
-            KiB costs more launch latency than it saves memory).
+        min_offload_bytes: smaller saved tensors stay (copy latency outweighs the bytes).
         host_bytes: initial slab capacity; it doubles (with a log message) when too small.
-        cache_bytes: device bytes that packed tensors may keep before LRU eviction to the host
-            (0: evict at once, what the planner predicts for ``offload``).
+        cache_bytes: device bytes packed tensors may keep before LRU eviction (0: evict at once,
+            as the planner predicts for ``offload``).
         prefetch: prefetch one offload unit ahead of backward (else fetch on demand).
     """
 
@@ -98,9 +97,10 @@ class _Slot:
         self.device = tensor.device
         self.nbytes = tensor.numel() * tensor.element_size()
         self.version = tensor._version
+        # dense: strides kept (memcpy in memory order); views (q, k, v of one qkv) compacted
+        self.dense = _non_overlapping_and_dense(tensor)
         self.device_tensor: torch.Tensor | None = tensor
-        # After eviction: the original, if something else (the model input, a later unit's
-        # activation) keeps it alive, is reused instead of a second copy.
+        # after eviction, the original is reused if something else (an input) keeps it alive
         self.original: weakref.ref[torch.Tensor] = weakref.ref(tensor)
         self.host: torch.Tensor | None = None  # contiguous view into the slab
         self.event: Any = None  # CUDA event of the last copy touching ``device_tensor``/``host``
@@ -219,7 +219,9 @@ class TensorPool:
             and tensor.layout == torch.strided
             and tensor.device.type == self.device.type  # not meta/fake, not a stray CPU tensor
             and tensor.numel() * tensor.element_size() >= max(self.config.min_offload_bytes, 1)
-            and _non_overlapping_and_dense(tensor)
+            and all(
+                st != 0 for sz, st in zip(tensor.size(), tensor.stride(), strict=True) if sz > 1
+            )
             and tensor.untyped_storage().data_ptr() not in self._excluded_ptrs
         )
 
@@ -227,8 +229,7 @@ class TensorPool:
         if not self._offloadable(tensor):
             self._counters["kept_small"] += 1
             return tensor
-        # The same activation is often saved by two nodes (e.g. an output read by the next
-        # two layers): share one slot while the tensor object and its version are unchanged.
+        # one activation saved by two nodes shares a slot (same object, same version)
         seen = self._dedupe.get(id(tensor))
         if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
             seen[2].uses += 1
@@ -261,7 +262,8 @@ class TensorPool:
             if self._d2h_stream is not None:
                 self._d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
             with _on(self._d2h_stream):
-                slot.host.copy_(_memory_order(tensor), non_blocking=self._cuda)
+                src = _memory_order(tensor) if slot.dense else tensor
+                slot.host.view(src.shape).copy_(src, non_blocking=self._cuda)
                 slot.event = self._d2h_stream.record_event() if self._d2h_stream else None
                 if self._d2h_stream is not None:  # the allocator must not reuse it mid-copy
                     tensor.record_stream(self._d2h_stream)
@@ -293,8 +295,10 @@ class TensorPool:
         if self._h2d_stream is not None and slot.event is not None:
             self._h2d_stream.wait_event(slot.event)  # the device->host copy has landed
         with _on(self._h2d_stream):
-            t = torch.empty_strided(slot.size, slot.stride, dtype=slot.dtype, device=slot.device)
-            _memory_order(t).copy_(slot.host, non_blocking=self._cuda)
+            t = torch.empty(slot.size, dtype=slot.dtype, device=slot.device)
+            t = t.as_strided(slot.size, slot.stride) if slot.dense else t
+            dst = _memory_order(t) if slot.dense else t
+            dst.copy_(slot.host.view(dst.shape), non_blocking=self._cuda)
             slot.event = self._h2d_stream.record_event() if self._h2d_stream else None
         slot.device_tensor = t
         self._device_bytes += slot.nbytes
@@ -321,8 +325,7 @@ class TensorPool:
             tensor.record_stream(current)
         packed.pending -= 1
         if slot.host is not None and packed.pending <= 0:
-            # NOTE: once its last user unpacked it, a fetched copy belongs to autograd; the pool
-            # keeps the host copy (retain_graph may unpack again) and forgets the device one.
+            # NOTE: fetched copy now autograd's; host copy kept (retain_graph may unpack again)
             packed.pending = packed.uses
             slot.device_tensor = None
             self._device_bytes -= slot.nbytes
@@ -357,8 +360,7 @@ class TensorPool:
         )
 
     def host_buffers(self) -> list[torch.Tensor]:
-        """The host slab the pool owns: register it with a live-storage tracker and subtract
-        it, so the count is device memory only (the pool is host memory by definition)."""
+        """The host slab: subtract it from a live-storage count to get device bytes only."""
         return [self._slab.buffer]
 
     def state_dict(self) -> dict[str, Any]:
@@ -371,7 +373,7 @@ class TensorPool:
 
 
 def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
+    return -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES  # round up
 
 
 def _on(stream: Any) -> contextlib.AbstractContextManager[Any]:
