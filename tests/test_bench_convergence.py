@@ -34,7 +34,14 @@ def test_tiny_run_records_curves_and_artifacts(tmp_path: Path) -> None:
     config = ConvergenceConfig(
         codecs=("dense", "fft"),
         tasks=(
-            replace(FASHION_MNIST, epochs=1, train_limit=256, batch_size=32, eval_points=2, eval_limit=300),
+            replace(
+                FASHION_MNIST,
+                epochs=1,
+                train_limit=256,
+                batch_size=32,
+                eval_points=2,
+                eval_limit=300,
+            ),
             replace(SHAKESPEARE, steps=3, batch_size=4, eval_points=1, eval_limit=8),
         ),
         shakespeare_root=str(SHAKESPEARE_ROOT),
@@ -72,6 +79,8 @@ def test_deltas_are_per_task() -> None:
     assert [r["delta_vs_dense"] for r in records] == [0.0, -0.5, None]
 
 
-def test_config_needs_dense_reference() -> None:
+def test_config_needs_dense_reference_and_known_codecs() -> None:
     with pytest.raises(ConfigError, match="dense"):
         ConvergenceConfig(codecs=("fft",))
+    with pytest.raises(ConfigError):
+        ConvergenceConfig(codecs=("dense", "no-such-codec"))

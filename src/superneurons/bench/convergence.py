@@ -108,6 +108,10 @@ class ConvergenceConfig:
             raise ConfigError("the convergence benchmark needs 'dense' as its reference codec")
         if self.nproc < 1:
             raise ConfigError(f"nproc must be >= 1, got {self.nproc}")
+        from superneurons.bench.network import check_codec
+
+        for codec in self.codecs:
+            check_codec(codec)  # fail before any rank starts
 
     @staticmethod
     def quick() -> ConvergenceConfig:
