@@ -272,13 +272,13 @@ class TensorPool:
         slot.device_tensor = None
         self._device_bytes -= slot.nbytes
 
-    def backward_entered(self, group: int) -> None:
-        """Backward reached the outputs of offload group ``group``: prefetch it and the one
-        before it (forward order), so the next unit's copy overlaps this unit's backward."""
+    def backward_entered(self, group: int, *, previous: bool) -> None:
+        """Backward reached the outputs of offload group ``group``: prefetch it and, when the
+        unit just before it in forward order is offloaded too (``previous``), that unit's group,
+        so its copy overlaps this unit's backward (the planner predicts the same rule)."""
         if not self.config.prefetch:
             return
-        earlier = [g for g in self._groups if g < group]
-        for g in (group, *(earlier[-1:])):
+        for g in (group, group - 1) if previous else (group,):
             for ref in self._groups.get(g, ()):
                 handle = ref()
                 if handle is not None and handle.slot.device_tensor is None:

@@ -150,6 +150,8 @@ def apply_plan(
     config = pool_config or PoolConfig(host_bytes=plan.host_bytes)
 
     units = _resolve_units(model, plan)
+    order = [u.fqn for u in plan.units]  # forward order, keep units included
+    previous = {b: plan.action_of(a) for a, b in zip(order, order[1:], strict=False)}
     if any(getattr(m.forward, _MARK, False) for _, _, m in units):
         raise ConfigError("this model already runs a plan: remove() the first handle")
 
@@ -165,7 +167,8 @@ def apply_plan(
                 stats = handle.recompute_stats.setdefault(fqn, RecomputeStats())
                 handle._wrap(module, checkpointed_forward(module, module.forward, stats))
             elif action == "offload":
-                handle._wrap(module, _offloaded_forward(pool, module.forward))
+                chained = previous.get(fqn) == "offload"
+                handle._wrap(module, _offloaded_forward(pool, module.forward, chained))
         for members in _segments(model, plan):
             _wrap_segment(handle, members)
         if plan.optimizer_in_backward:
@@ -255,8 +258,11 @@ def _passthrough(x: Any) -> Any:
     return x
 
 
-def _offloaded_forward(pool: TensorPool, forward: Callable[..., Any]) -> Callable[..., Any]:
-    """Run ``forward`` with its saved tensors packed into ``pool``; arm the prefetch."""
+def _offloaded_forward(
+    pool: TensorPool, forward: Callable[..., Any], chained: bool
+) -> Callable[..., Any]:
+    """Run ``forward`` with its saved tensors packed into ``pool``; arm the prefetch (of the
+    previous unit too when it is offloaded as well: ``chained``)."""
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -272,7 +278,9 @@ def _offloaded_forward(pool: TensorPool, forward: Callable[..., Any]) -> Callabl
             if isinstance(t, torch.Tensor) and t.grad_fn is not None
         }
         for node in nodes:
-            node.register_prehook(lambda _grads, g=group: pool.backward_entered(g))
+            node.register_prehook(
+                lambda _grads, g=group: pool.backward_entered(g, previous=chained)
+            )
         return out
 
     return wrapped
