@@ -226,3 +226,20 @@ def test_cuda_pinned_slab_side_streams_equal_eager() -> None:
         assert stats.prefetch_hits > 0 and stats.host_bytes == 0
     for a, b in zip(ref.parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+
+
+def test_prefetch_takes_the_previous_group_only_when_adjacent() -> None:
+    x = torch.randn(1024, requires_grad=True)
+    for previous, expected in ((False, 1), (True, 2)):
+        pool = _pool(min_offload_bytes=0)
+        with pool.offloading() as first:
+            a = x.sin()  # saves x: one slot in the first group
+        with pool.offloading() as second:
+            b = a.sin()  # saves a: one slot in the second group
+        pool.backward_entered(second, previous=previous)
+        stats = pool.stats()  # a and x are still alive: served as the originals, no copy
+        assert stats.h2d_count + stats.still_resident == expected
+        assert first == second - 1
+        b.sum().backward()
+        del a, b
+        assert (pool.stats().host_bytes, pool.stats().device_bytes) == (0, 0)
