@@ -122,7 +122,7 @@ def run(numel: int, reps: int, out: Path) -> list[dict[str, Any]]:
     codecs: list[Any] = [RangeFloatCodec(bits=8)]
     for chunk in (0, 256, 512, 1024, 2048, 4096, 16384, 65536):
         for select in ("exact", "sampled"):
-            for index in ("bitmap", "gap"):
+            for index in ("bitmap", "gap", "auto"):
                 codecs.append(FFTCodec(theta=0.9, bits=8, chunk=chunk, select=select, index=index))
     for codec in codecs:
         payload = codec.encode(white)
