@@ -76,3 +76,14 @@ def test_unpack_16_bit_from_odd_offset() -> None:
     codes = torch.randint(0, 2**16, (5,))
     data = torch.cat([torch.zeros(1, dtype=torch.uint8), pack_bits(codes, 16)])
     assert torch.equal(unpack_bits(data[1:], 16, 5), codes)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_all_finite_detects_every_non_finite_value(bad: float) -> None:
+    from superneurons.compress.codec import all_finite
+
+    values = torch.randn(1001)
+    assert all_finite(values) and all_finite(torch.zeros(0))
+    assert all_finite(torch.full((3,), 3e38))  # large but finite: no overflow false alarm
+    values[500] = bad
+    assert not all_finite(values)

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from superneurons.compress.codec import Payload
+from superneurons.compress.codec import Payload, all_finite
 from superneurons.compress.hookstate import CompressionState, HookOptions
 from superneurons.compress.powersgd import PowerSGD, PowerSGDState, powersgd_reduce
 from superneurons.compress.torch_hooks import (
@@ -290,7 +290,7 @@ def _summable_reduce(
     payload = state.codec.encode(compensated / world_size)
     if state.options.error_feedback and state.codec.spec != "identity":  # identity drops nothing
         error = compensated - state.codec.decode(payload) * world_size
-        if bool(torch.isfinite(error).all()):
+        if all_finite(error):
             _store_residuals(state, pieces, list(error.split([p.numel() for _, p in pieces])))
     wire = payload.data.reshape(-1)
     work = dist.all_reduce(wire, group=state.process_group, async_op=True)
@@ -311,7 +311,7 @@ def _gathered_reduce(
     world_size = state.world_size
     pieces = _names_and_pieces(state, bucket)
     compensated = _compensated(state, pieces)
-    finite = bool(torch.stack([torch.isfinite(flat).all() for flat in compensated]).all())
+    finite = all(all_finite(flat) for flat in compensated)
     codecs = _codecs_for_step(state, compensated)
     payloads = [
         codec.encode(flat, generator=state.generator_for(name))

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from superneurons.compress.codec import all_finite
 from superneurons.errors import ConfigError
 
 __all__ = ["PowerSGD", "PowerSGDState", "orthogonalize_", "parse_powersgd", "powersgd_reduce"]
@@ -179,7 +180,7 @@ def powersgd_reduce(
         cursor += size
         if residuals is not None:
             residuals.pop(pieces[i][0], None)  # sent exactly: no residual
-    finite = bool(torch.isfinite(first).all())
+    finite = all_finite(first)
 
     # Second all-reduce: Q = Mᵀ P̂ (m, r), issued here (not from a callback).
     p_hats = [orthogonalize_(p) for p in ps]
@@ -189,7 +190,7 @@ def powersgd_reduce(
     if residuals is not None:  # error = M − P̂ Q_localᵀ (the paper's local decompression)
         for (name, mat, _, _), p_hat, q in zip(mats, p_hats, qs, strict=True):
             error = mat - p_hat @ q.t()
-            if bool(torch.isfinite(error).all()):
+            if all_finite(error):
                 residuals[name] = error.reshape(-1)
 
     def finish(_: object = None) -> torch.Tensor:
