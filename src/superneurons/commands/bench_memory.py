@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -124,9 +125,9 @@ def _report(rows: list[dict[str, Any]], table: str) -> str:
         "Peaks are dispatch-level live-storage counts of one steady-state step (host memory "
         "excluded: what a GPU would hold); times are medians of CPU steps with one thread.",
         "",
-        "NOTE: measured on a shared 2-core machine while other engineers ran jobs (load average "
-        "well above the core count): step times are noisy, ratios measured in the same run "
-        "are the figures to compare. Peaks are exact (they do not depend on load).",
+        f"NOTE: load average (1/5/15 min) at the end: {_load()}; on a shared machine step "
+        "times are noisy (compare ratios measured in the same run). Peaks are exact (they "
+        "do not depend on load).",
         "",
     ]
     ours = [r for r in rows if r["method"] == "ours" and r.get("peak_mib") is not None]
@@ -144,6 +145,13 @@ def _report(rows: list[dict[str, Any]], table: str) -> str:
                 )
             )
     return "\n".join(lines) + "\n"
+
+
+def _load() -> str:
+    try:
+        return "/".join(f"{v:.1f}" for v in os.getloadavg())
+    except OSError:  # pragma: no cover - not on every platform
+        return "unknown"
 
 
 def _plot(records: list[dict[str, Any]], path: Path) -> None:
