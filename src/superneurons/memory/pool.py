@@ -100,8 +100,9 @@ class _Slot:
         # dense: strides kept (memcpy in memory order); views (q, k, v of one qkv) compacted
         self.dense = _non_overlapping_and_dense(tensor)
         self.device_tensor: torch.Tensor | None = tensor
-        # after eviction, the original is reused if something else (an input) keeps it alive
-        self.original: weakref.ref[torch.Tensor] = weakref.ref(tensor)
+        # reused after eviction if still alive elsewhere (an input, a keep unit's saved output)
+        self.original, self.offset = weakref.ref(tensor), tensor.storage_offset()
+        self.storage = weakref.ref(tensor.untyped_storage())
         self.host: torch.Tensor | None = None  # contiguous view into the slab
         self.event: Any = None  # CUDA event of the last copy touching ``device_tensor``/``host``
 
@@ -286,10 +287,11 @@ class TensorPool:
 
     def _to_device(self, slot: _Slot) -> None:
         assert slot.host is not None, "a slot without device tensor has a host copy"
-        original = slot.original()
-        if original is not None and original._version == slot.version:
+        original, storage = slot.original(), slot.storage()
+        if storage is not None and (original is None or original._version == slot.version):
+            view = (storage, slot.offset, slot.size, slot.stride)
+            slot.device_tensor = torch.empty(0, dtype=slot.dtype, device=slot.device).set_(*view)
             self._counters["still_resident"] += 1
-            slot.device_tensor = original
             self._device_bytes += slot.nbytes
             return
         if self._h2d_stream is not None and slot.event is not None:
@@ -331,8 +333,7 @@ class TensorPool:
             self._device_bytes -= slot.nbytes
         return tensor
 
-    def _release(self, slot: _Slot, group: int) -> None:
-        """Autograd dropped the handle: free the slot's host and device bytes."""
+    def _release(self, slot: _Slot, group: int) -> None:  # autograd dropped the handle
         if self._cuda and slot.event is not None:
             # an unread prefetch may still read the slot: order its reuse after that copy
             torch.cuda.current_stream(self.device).wait_event(slot.event)
@@ -359,8 +360,7 @@ class TensorPool:
             **self._counters,
         )
 
-    def host_buffers(self) -> list[torch.Tensor]:
-        """The host slab: subtract it from a live-storage count to get device bytes only."""
+    def host_buffers(self) -> list[torch.Tensor]:  # subtract from a count: device bytes only
         return [self._slab.buffer]
 
     def state_dict(self) -> dict[str, Any]:
