@@ -6,4 +6,6 @@ bash "$ROOT/scripts/setup.sh"
 VENV="${SUPERNEURONS_VENV:-$ROOT/.venv}"
 cd "$ROOT"
 "$VENV/bin/ruff" check src tests benchmarks examples
+"$VENV/bin/ruff" format --check src tests benchmarks examples
+"$VENV/bin/mypy"
 "$VENV/bin/python" -m pytest "$@"

@@ -186,7 +186,9 @@ def test_spec_format_and_protocol() -> None:
     assert isinstance(codec, Codec)
     assert codec.summable is False
     assert FFTCodec.NAME == "fft"
-    pattern = r"fft:theta=[0-9.e-]+,bits=\d+,chunk=\d+,select=(exact|sampled),index=(bitmap|gap|auto)"
+    pattern = (
+        r"fft:theta=[0-9.e-]+,bits=\d+,chunk=\d+,select=(exact|sampled),index=(bitmap|gap|auto)"
+    )
     for c in CONFIGS:
         assert re.fullmatch(pattern, c.spec), c.spec
         fields = dict(item.split("=") for item in c.spec.split(":", 1)[1].split(","))
