@@ -82,10 +82,15 @@ def resolve_spec(text: str) -> Any:
     found: TorchAnchor | PowerSGD | None = parse_anchor(text) or parse_powersgd(text)
     if found is not None:
         return found
-    try:
-        from superneurons.compress.spec import parse_spec
-    except ImportError as exc:  # the codec zoo is a separate module
-        raise ConfigError(f"codec {text!r} needs superneurons.compress.spec ({exc})") from exc
+    from superneurons.compress.spec import CODECS, parse_spec
+
+    name = text.split(":", 1)[0].strip()
+    if name not in CODECS:
+        raise ConfigError(
+            f"unknown codec {name!r}; valid: {', '.join(CODECS)}, powersgd (e.g. "
+            "powersgd:rank=4), and PyTorch's own hooks dense, torch-allreduce, torch-fp16, "
+            "torch-powersgd:rank=4"
+        )
     return parse_spec(text)
 
 
