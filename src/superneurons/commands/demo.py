@@ -1,7 +1,7 @@
 """Train a real model on 2 local ranks twice — dense DDP, then superneurons (a memory budget plus
 FFT gradient compression with error feedback) — and write DIR/report.md with plots.
 
-Takes about 10 minutes on 2 CPU cores with the defaults; --limit-steps makes it a smoke test.
+Takes about 5 minutes on 2 CPU cores with the defaults; --limit-steps makes it a smoke test.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ class DemoConfig:
 Progress = Callable[[str], None]
 
 
-def _memory_comparison(config: DemoConfig) -> dict:
+def _memory_comparison(config: DemoConfig, progress: Progress) -> dict:
     """Measure eager vs planned memory of one step; returns the comparison as a dict."""
     from superneurons.demo.memory import compare_memory, eager_peak_bytes
     from superneurons.memory.plan import InfeasibleBudgetError
@@ -89,8 +89,10 @@ def _memory_comparison(config: DemoConfig) -> dict:
             task.model, make_optimizer, inputs, targets, task.loss_fn, budget_bytes=budget
         )
     except InfeasibleBudgetError as exc:
-        logger.warning(
-            "budget %d bytes is infeasible; using the minimum %d", budget, exc.min_budget_bytes
+        progress(
+            f"      {config.budget_fraction:.0%} of eager's peak is below the planner's minimum "
+            f"for this model and batch; using the minimum, "
+            f"{exc.min_budget_bytes / eager_peak:.0%} of eager's peak"
         )
         budget = exc.min_budget_bytes
         comparison = compare_memory(
@@ -140,7 +142,7 @@ def run_demo(config: DemoConfig, *, progress: Progress = lambda _msg: None) -> P
     config.out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     progress("[1/4] measuring one step's device memory, eager and under a plan")
-    memory = _memory_comparison(config)
+    memory = _memory_comparison(config, progress)
     (config.out_dir / "memory.json").write_text(json.dumps(memory, indent=2) + "\n")
     budget = memory["budget_bytes"]
     progress(
