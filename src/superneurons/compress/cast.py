@@ -53,11 +53,11 @@ def _decode_sum_cast(
 
 
 @dataclass(frozen=True)
-class IdentityCodec:
-    """No compression: float32 on the wire (the dense all-reduce reference)."""
+class _CastCodec:
+    """Every element cast to ``WIRE_DTYPE``: summable, ``itemsize`` bytes per element."""
 
-    NAME: ClassVar[str] = "identity"
-    WIRE_DTYPE: ClassVar[torch.dtype] = torch.float32
+    NAME: ClassVar[str]
+    WIRE_DTYPE: ClassVar[torch.dtype]
 
     @property
     def spec(self) -> str:
@@ -68,7 +68,7 @@ class IdentityCodec:
         return True
 
     def payload_bytes(self, numel: int) -> int:
-        return 4 * numel
+        return self.WIRE_DTYPE.itemsize * numel
 
     def encode(self, grad: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         flat = check_gradient(grad, codec_name=self.NAME)
@@ -83,7 +83,15 @@ class IdentityCodec:
 
 
 @dataclass(frozen=True)
-class Fp16Codec:
+class IdentityCodec(_CastCodec):
+    """No compression: float32 on the wire (the dense all-reduce reference)."""
+
+    NAME: ClassVar[str] = "identity"
+    WIRE_DTYPE: ClassVar[torch.dtype] = torch.float32
+
+
+@dataclass(frozen=True)
+class Fp16Codec(_CastCodec):
     """IEEE half precision on the wire, 2 bytes per element (max finite 65504).
 
     Relative rounding error <= 2**-11 for normal values (|v| >= 2**-14); below that, an
@@ -93,30 +101,9 @@ class Fp16Codec:
     NAME: ClassVar[str] = "fp16"
     WIRE_DTYPE: ClassVar[torch.dtype] = torch.float16
 
-    @property
-    def spec(self) -> str:
-        return self.NAME
-
-    @property
-    def summable(self) -> bool:
-        return True
-
-    def payload_bytes(self, numel: int) -> int:
-        return 2 * numel
-
-    def encode(self, grad: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
-        flat = check_gradient(grad, codec_name=self.NAME)
-        return Payload(flat.to(self.WIRE_DTYPE, copy=True).contiguous(), flat.numel())
-
-    def decode(self, payload: Payload) -> torch.Tensor:
-        return _decode_cast(payload, self.WIRE_DTYPE, self.NAME)
-
-    def decode_sum(self, payloads: Sequence[Payload]) -> torch.Tensor:
-        return _decode_sum_cast(payloads, self.WIRE_DTYPE, self.NAME)
-
 
 @dataclass(frozen=True)
-class Bf16Codec:
+class Bf16Codec(_CastCodec):
     """bfloat16 on the wire, 2 bytes per element, float32's exponent range.
 
     Relative rounding error <= 2**-8; no overflow where float32 has none.
@@ -124,24 +111,3 @@ class Bf16Codec:
 
     NAME: ClassVar[str] = "bf16"
     WIRE_DTYPE: ClassVar[torch.dtype] = torch.bfloat16
-
-    @property
-    def spec(self) -> str:
-        return self.NAME
-
-    @property
-    def summable(self) -> bool:
-        return True
-
-    def payload_bytes(self, numel: int) -> int:
-        return 2 * numel
-
-    def encode(self, grad: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
-        flat = check_gradient(grad, codec_name=self.NAME)
-        return Payload(flat.to(self.WIRE_DTYPE, copy=True).contiguous(), flat.numel())
-
-    def decode(self, payload: Payload) -> torch.Tensor:
-        return _decode_cast(payload, self.WIRE_DTYPE, self.NAME)
-
-    def decode_sum(self, payloads: Sequence[Payload]) -> torch.Tensor:
-        return _decode_sum_cast(payloads, self.WIRE_DTYPE, self.NAME)
