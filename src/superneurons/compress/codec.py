@@ -23,7 +23,7 @@ import torch
 
 from superneurons.errors import ConfigError
 
-__all__ = ["Codec", "Payload", "all_finite", "check_gradient", "sum_of_decodes"]
+__all__ = ["Codec", "Payload", "all_finite", "check_gradient", "check_payload", "sum_of_decodes"]
 
 
 @dataclass(frozen=True)
@@ -112,3 +112,18 @@ def all_finite(tensor: torch.Tensor) -> bool:
     if tensor.numel() == 0:
         return True
     return bool(torch.isfinite(torch.stack(torch.aminmax(tensor.reshape(-1)))).all())
+
+
+def check_payload(payload: Payload, *, nbytes: int, codec_name: str) -> torch.Tensor:
+    """The payload's uint8 bytes, after checking they are the ``nbytes`` its codec produces.
+
+    Raises:
+        ConfigError: wrong dtype or size (a payload made by another codec or setting).
+    """
+    data = payload.data
+    if data.dtype != torch.uint8 or data.numel() != nbytes:
+        raise ConfigError(
+            f"{codec_name}: payload for numel={payload.numel} must be {nbytes} uint8 bytes, "
+            f"got {data.numel()} of {data.dtype}"
+        )
+    return data

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from superneurons.compress.codec import Codec, Payload, check_gradient
+from superneurons.compress.codec import Codec, Payload, all_finite, check_gradient
 from superneurons.errors import ConfigError
 
 __all__ = ["ErrorFeedback", "feedback_step", "join_flat", "split_flat"]
@@ -67,8 +67,8 @@ def feedback_step(
     corrected = flat + previous
     payload = codec.encode(corrected, generator=generator)
     new_residual = corrected - codec.decode(payload)
-    finite = torch.isfinite(new_residual).all()
-    return payload, torch.where(finite, new_residual, previous)
+    # NOTE: a fresh tensor either way, never an alias of the caller's residual.
+    return payload, new_residual if all_finite(new_residual) else previous.clone()
 
 
 def split_flat(flat: torch.Tensor, numels: Sequence[int]) -> list[torch.Tensor]:

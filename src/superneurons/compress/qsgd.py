@@ -27,7 +27,13 @@ from typing import ClassVar
 import torch
 
 from superneurons.compress.bitpack import pack_bits, packed_bytes, unpack_bits
-from superneurons.compress.codec import Payload, check_gradient, sum_of_decodes
+from superneurons.compress.codec import (
+    Payload,
+    all_finite,
+    check_gradient,
+    check_payload,
+    sum_of_decodes,
+)
 from superneurons.errors import ConfigError
 
 __all__ = ["QSGDCodec"]
@@ -102,20 +108,15 @@ class QSGDCodec:
         level = (lower + (noise < scaled - lower).to(torch.float32)).clamp_(0, self.levels)
         sign = (rows < 0).to(torch.int64)
         codes = level.to(torch.int64) | (sign << (self.bits - 1))
-        all_finite = torch.isfinite(flat).all()
-        norms = torch.where(all_finite, norms, torch.full_like(norms, math.nan))
+        if not all_finite(flat):
+            norms = torch.full_like(norms, math.nan)
         data = torch.cat([norms.view(torch.uint8), pack_bits(codes.reshape(-1)[:numel], self.bits)])
         return Payload(data, numel)
 
     def decode(self, payload: Payload) -> torch.Tensor:
         numel = payload.numel
         buckets = self._buckets(numel)
-        data = payload.data
-        if data.dtype != torch.uint8 or data.numel() != self.payload_bytes(numel):
-            raise ConfigError(
-                f"qsgd: payload for numel={numel} must be {self.payload_bytes(numel)} uint8 "
-                f"bytes, got {data.numel()} of {data.dtype}"
-            )
+        data = check_payload(payload, nbytes=self.payload_bytes(numel), codec_name=self.NAME)
         norms = data[: 4 * buckets].view(torch.float32)
         codes = unpack_bits(data[4 * buckets :], self.bits, numel)
         sign_bit = 1 << (self.bits - 1)
@@ -124,8 +125,8 @@ class QSGDCodec:
         unit = torch.zeros(buckets * self.bucket, dtype=torch.float32, device=data.device)
         unit[:numel] = level * signs / self.levels
         out = (unit.view(buckets, self.bucket) * norms.unsqueeze(1)).reshape(-1)[:numel]
-        all_finite = torch.isfinite(norms).all()
-        return torch.where(all_finite, out, torch.full_like(out, math.nan))
+        finite = torch.isfinite(norms).all()  # (buckets,): small
+        return torch.where(finite, out, torch.full_like(out, math.nan))
 
     def decode_sum(self, payloads: Sequence[Payload]) -> torch.Tensor:
         return sum_of_decodes(self, payloads)

@@ -23,7 +23,13 @@ from typing import ClassVar
 import torch
 
 from superneurons.compress.bitpack import pack_bits, packed_bytes, unpack_bits
-from superneurons.compress.codec import Payload, check_gradient, sum_of_decodes
+from superneurons.compress.codec import (
+    Payload,
+    all_finite,
+    check_gradient,
+    check_payload,
+    sum_of_decodes,
+)
 from superneurons.errors import ConfigError
 
 __all__ = ["SignSGDCodec"]
@@ -51,20 +57,15 @@ class SignSGDCodec:
     def encode(self, grad: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         flat = check_gradient(grad, codec_name=self.NAME).to(torch.float32)
         scale = flat.abs().mean()
-        all_finite = torch.isfinite(flat).all()
-        scale = torch.where(all_finite, scale, torch.full_like(scale, math.nan))
+        if not all_finite(flat):
+            scale = torch.full_like(scale, math.nan)
         negative = (flat < 0).to(torch.int64)
         data = torch.cat([scale.reshape(1).view(torch.uint8), pack_bits(negative, 1)])
         return Payload(data, flat.numel())
 
     def decode(self, payload: Payload) -> torch.Tensor:
         numel = payload.numel
-        data = payload.data
-        if data.dtype != torch.uint8 or data.numel() != self.payload_bytes(numel):
-            raise ConfigError(
-                f"signsgd: payload for numel={numel} must be {self.payload_bytes(numel)} "
-                f"uint8 bytes, got {data.numel()} of {data.dtype}"
-            )
+        data = check_payload(payload, nbytes=self.payload_bytes(numel), codec_name=self.NAME)
         scale = data[:4].view(torch.float32)
         negative = unpack_bits(data[4:], 1, numel).to(torch.float32)
         return (1.0 - 2.0 * negative) * scale

@@ -30,7 +30,13 @@ from typing import ClassVar
 import torch
 
 from superneurons.compress.bitpack import pack_bits, packed_bytes, unpack_bits
-from superneurons.compress.codec import Payload, check_gradient, sum_of_decodes
+from superneurons.compress.codec import (
+    Payload,
+    all_finite,
+    check_gradient,
+    check_payload,
+    sum_of_decodes,
+)
 from superneurons.errors import ConfigError
 
 __all__ = ["TernGradCodec"]
@@ -90,19 +96,14 @@ class TernGradCodec:
         noise = torch.rand(prob.shape, generator=generator, device=prob.device)
         keep = (noise < prob).to(torch.int64)
         codes = keep * (1 + (clipped < 0).to(torch.int64))
-        all_finite = torch.isfinite(flat).all()
-        scale = torch.where(all_finite, scale, torch.full_like(scale, math.nan))
+        if not all_finite(flat):
+            scale = torch.full_like(scale, math.nan)
         data = torch.cat([scale.reshape(1).view(torch.uint8), pack_bits(codes, _BITS)])
         return Payload(data, flat.numel())
 
     def decode(self, payload: Payload) -> torch.Tensor:
         numel = payload.numel
-        data = payload.data
-        if data.dtype != torch.uint8 or data.numel() != self.payload_bytes(numel):
-            raise ConfigError(
-                f"terngrad: payload for numel={numel} must be {self.payload_bytes(numel)} "
-                f"uint8 bytes, got {data.numel()} of {data.dtype}"
-            )
+        data = check_payload(payload, nbytes=self.payload_bytes(numel), codec_name=self.NAME)
         scale = data[:4].view(torch.float32)
         codes = unpack_bits(data[4:], _BITS, numel)
         ternary = (codes == 1).to(torch.float32) - (codes == 2).to(torch.float32)

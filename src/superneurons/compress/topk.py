@@ -30,7 +30,7 @@ from typing import ClassVar
 
 import torch
 
-from superneurons.compress.codec import Payload, check_gradient
+from superneurons.compress.codec import Payload, all_finite, check_gradient, check_payload
 from superneurons.errors import ConfigError
 
 __all__ = ["TopKCodec"]
@@ -102,19 +102,14 @@ class TopKCodec:
         else:
             indices = torch.topk(magnitude, k, sorted=False).indices
         values = flat[indices]
-        all_finite = torch.isfinite(flat).all()
-        values = torch.where(all_finite, values, torch.full_like(values, math.nan))
+        if not all_finite(flat):
+            values = torch.full_like(values, math.nan)
         data = torch.cat([values.view(torch.uint8), indices.to(torch.int32).view(torch.uint8)])
         return Payload(data, numel)
 
     def _unpack(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor]:
         k = self.kept(payload.numel)
-        data = payload.data
-        if data.dtype != torch.uint8 or data.numel() != 8 * k:
-            raise ConfigError(
-                f"topk: payload for numel={payload.numel} must be {8 * k} uint8 bytes, "
-                f"got {data.numel()} of {data.dtype}"
-            )
+        data = check_payload(payload, nbytes=8 * k, codec_name=self.NAME)
         values = data[: 4 * k].view(torch.float32)
         indices = data[4 * k :].view(torch.int32).to(torch.int64)
         return values, indices
@@ -134,8 +129,8 @@ class TopKCodec:
         indices = torch.cat([i for _, i in pairs])
         out = torch.zeros(numel, dtype=torch.float32, device=values.device)
         out.index_add_(0, indices, values)
-        all_finite = torch.isfinite(values).all()
-        return torch.where(all_finite, out, torch.full_like(out, math.nan))
+        finite = torch.isfinite(values).all()  # (k,): small
+        return torch.where(finite, out, torch.full_like(out, math.nan))
 
 
 def _sampled_topk(
