@@ -5,7 +5,6 @@ DDP-style buckets partition the gradient."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,16 +14,6 @@ from superneurons.bench.codecs import CodecBenchConfig, run_codec_bench, write_c
 from superneurons.bench.gradients import GradientCapture, bucket_bounds
 from superneurons.compress.spec import parse_spec
 from superneurons.models import build_model, default_loss, model_input
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """One intra-op thread: on a shared machine torch's default pool is 30-50x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 REQUIRED = {"codec", "spec", "model", "bits_per_element", "rel_error", "encode_gbps",
             "decode_gbps", "cosine", "ef_rel_error", "noef_rel_error", "bucket_bytes"}  # fmt: skip

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -20,16 +19,6 @@ from superneurons.compress.indexcode import (
     gap_bytes,
 )
 from superneurons.errors import ConfigError
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # NOTE: the machine is shared; torch's default threads make small ops 30-50x slower there.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 SIZES = (1, 2, 3, 7, 97, 1000, 4097, 2**20)
 

@@ -4,7 +4,6 @@ Shakespeare char dataset, and the error messages."""
 from __future__ import annotations
 
 import gzip
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,15 +12,6 @@ import torch
 from superneurons.data import build_dataset, fashion_mnist, read_idx, shakespeare
 from superneurons.data.fashion_mnist import DEFAULT_ROOT
 from superneurons.errors import ConfigError
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """One intra-op thread: on a shared machine torch's default pool is 30-50x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _idx_bytes(array: torch.Tensor, code: int = 0x08) -> bytes:

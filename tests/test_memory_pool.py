@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -15,15 +15,6 @@ from superneurons.errors import ConfigError
 from superneurons.memory.plan import Plan, UnitDecision
 from superneurons.memory.pool import PoolConfig, TensorPool
 from superneurons.memory.runtime import apply_plan
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """One intra-op thread: on a shared machine two threads made small ops 30-50x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class _Probe(torch.autograd.Function):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -21,15 +21,6 @@ from superneurons.memory.runtime import PlanHandle, apply_plan
 from superneurons.models.zoo import build_model, default_loss, model_input
 
 ALL_BYTES = PoolConfig(min_offload_bytes=0)  # offload every saved activation, however small
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """One intra-op thread: on a shared machine two threads made small ops 30-50x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class Residual(nn.Module):

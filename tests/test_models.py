@@ -3,7 +3,6 @@ model at tiny size, and the error messages."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,15 +20,6 @@ from superneurons.models import (
     n_to_depth,
     resnet_deep,
 )
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """One intra-op thread: on a shared machine torch's default pool is 30-50x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _params(model: nn.Module) -> int:
