@@ -22,10 +22,7 @@ step phase drop to the largest single gradient.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
-
-import numpy as np
 
 from superneurons.bytesize import format_bytes
 from superneurons.errors import ConfigError
@@ -36,178 +33,12 @@ from superneurons.memory.plan import (
     TensorDecision,
     UnitDecision,
 )
-from superneurons.memory.profile_types import CATEGORIES, Profile, UnitProfile
+from superneurons.memory.predict import CostModel, _Outcome, evaluate, segment_runs
+from superneurons.memory.profile_types import Profile
 
 __all__ = ["CostModel", "evaluate", "make_plan", "min_peak_bytes"]
 
 logger = logging.getLogger("superneurons.memory")
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Device speeds the planner converts work into seconds with.
-
-    Defaults: PCIe 4.0 x16 at ~25 GB/s effective host<->device; an A100's datasheet fp32 rate
-    (19.5 TFLOP/s) and HBM bandwidth (1.55 TB/s) for recompute. Pass the target's figures.
-    """
-
-    bandwidth_bytes_per_s: float = 25e9
-    flops_per_s: float = 19.5e12
-    memory_bandwidth_bytes_per_s: float = 1.55e12
-
-    def __post_init__(self) -> None:
-        for name in ("bandwidth_bytes_per_s", "flops_per_s", "memory_bandwidth_bytes_per_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-
-    def compute_s(self, unit: UnitProfile, *, fake: bool) -> float:
-        """Forward time of ``unit``: measured for real profiles, a roofline for fake ones."""
-        roofline_s = max(
-            unit.flops / self.flops_per_s, unit.bytes_written / self.memory_bandwidth_bytes_per_s
-        )
-        return roofline_s if fake else max(unit.fwd_time_s, roofline_s)
-
-    def copy_s(self, nbytes: int) -> float:
-        return nbytes / self.bandwidth_bytes_per_s
-
-
-@dataclass(frozen=True)
-class _Outcome:
-    peak_bytes: int
-    host_bytes: int
-    extra_compute_s: float
-    transfer_s: float
-    exposed_s: float
-
-
-def evaluate(
-    profile: Profile,
-    actions: dict[str, str],
-    *,
-    optimizer_in_backward: bool = False,
-    cost: CostModel | None = None,
-    segments: dict[str, int] | None = None,
-) -> _Outcome:
-    """Predict peak bytes, host bytes and time overheads of per-unit ``actions`` (fqn -> action).
-
-    ``segments`` (fqn -> segment id) groups consecutive recompute units under one outer
-    checkpoint: only the first unit's input stays saved; the inner units' inputs come back when
-    the segment is recomputed at the backward start of its last unit.
-    """
-    cost = cost or CostModel()
-    segments = segments or {}
-    table = profile.timeline_array(steady_state=True)
-    if optimizer_in_backward:
-        table[CATEGORIES.index("grads")] = 0
-        table[:, profile.backward_end_event + 1 :] = 0
-        table[CATEGORIES.index("params"), profile.backward_end_event + 1 :] = table[0, 0]
-        table[CATEGORIES.index("optimizer"), profile.backward_end_event + 1 :] = table[2, 0]
-        # each gradient lives one op: the post-accumulate hook steps its parameter (in place,
-        # as SGD/Adam do per parameter) and frees it at once
-        for birth, nbytes in profile.grad_births:
-            table[CATEGORIES.index("grads"), min(birth, profile.num_events - 1)] += nbytes
-    total = table.sum(axis=0)
-    change = np.zeros(profile.num_events + 1, dtype=np.int64)
-    units = {u.fqn: u for u in profile.units}
-    order = [u.fqn for u in profile.units]
-    next_unit = {a: b for a, b in zip(order, order[1:], strict=False)}
-    members: dict[int, list[str]] = {}
-    for fqn in order:
-        if fqn in segments:
-            members.setdefault(segments[fqn], []).append(fqn)
-    host_bytes = 0
-    internal: dict[str, int] = {}  # saved bytes born inside each unit (its recompute re-creates)
-    for life in profile.storages:
-        for f in life.units:
-            if f and life.birth >= units[f].fwd_start_event:
-                internal[f] = internal.get(f, 0) + life.nbytes
-    for life in profile.storages:
-        packers = life.units
-        if "" in packers or any(actions.get(f, "keep") == "keep" for f in packers):
-            continue
-        if life.birth == 0 or life.death >= profile.num_events - 1:
-            continue  # the caller holds it (an input, an output): moving it frees nothing
-        releases, restores, held = [], [], False
-        for f in packers:
-            unit = units[f]
-            if actions[f] == "recompute" and life.birth < unit.fwd_start_event:
-                group = members.get(segments.get(f, -1), [f])
-                if group[0] == f:
-                    held = True  # a checkpoint's input stays saved
-                    break
-                releases.append(units[group[-1]].fwd_end_event)
-                restores.append(units[group[-1]].bwd_start_event)
-                continue
-            releases.append(unit.fwd_end_event)
-            bwd = unit.bwd_start_event
-            # the runtime prefetches a unit when backward enters the next one if that one is
-            # offloaded too (its autograd pre-hook), else when backward enters the unit itself
-            if actions[f] == "offload" and actions.get(next_unit.get(f, ""), "") == "offload":
-                ahead = units[next_unit[f]].bwd_start_event
-                bwd = ahead if 0 <= ahead < bwd else bwd
-            restores.append(bwd)
-        if held:
-            continue
-        release = max(releases) + 1
-        # NOTE: an unpack at event e happens after op e, when the storages that died at e are
-        # already gone: what it brings back is live from op e + 1 on.
-        restore = min(min(restores) + 1, life.death + 1)
-        if restore <= release:
-            continue
-        change[release] -= life.nbytes
-        change[restore] += life.nbytes
-        if any(actions[f] == "offload" for f in packers):
-            host_bytes += life.nbytes
-    total = total + np.cumsum(change[:-1])
-    extra_s = transfer_s = exposed_s = 0.0
-    for fqn, action in actions.items():
-        unit = units[fqn]
-        compute_s = cost.compute_s(unit, fake=profile.fake)
-        if action == "recompute":
-            # a unit inside a segment runs forward twice more: outer and inner recompute
-            extra_s += compute_s * (2 if fqn in segments else 1)
-            spike = max(unit.temp_peak_bytes - internal.get(fqn, 0) - unit.output_bytes, 0)
-            if 0 <= unit.bwd_start_event < profile.num_events - 1:
-                total[unit.bwd_start_event + 1] += spike
-        elif action == "offload":
-            copy_s = cost.copy_s(unit.saved_bytes)
-            transfer_s += 2 * copy_s
-            exposed_s += max(0.0, copy_s - compute_s) + max(0.0, copy_s - 2 * compute_s)
-    # NOTE: a segment's outer recompute holds the inner inputs plus one inner unit's internals
-    # at a time, less than what the last unit's own recompute holds right after it: no spike.
-    return _Outcome(int(total.max(initial=0)), host_bytes, extra_s, transfer_s, exposed_s)
-
-
-def segment_runs(profile: Profile, actions: dict[str, str]) -> dict[str, int]:
-    """Group runs of consecutive sibling recompute units into segments of ~sqrt(run) units.
-
-    Memory-centric recomputation (SuperNeurons §3.3) with Chen et al.'s sqrt(n) segment size:
-    a run of L blocks holds L/k segment inputs plus k inner inputs while one segment recomputes.
-    """
-    runs: list[list[str]] = []
-    previous: tuple[str, int] | None = None
-    for unit in profile.units:
-        parent, _, name = unit.fqn.rpartition(".")
-        key = (parent, int(name)) if name.isdigit() else None
-        if actions.get(unit.fqn) != "recompute" or key is None:
-            previous = None
-            continue
-        if previous is not None and previous[0] == parent and previous[1] + 1 == key[1]:
-            runs[-1].append(unit.fqn)
-        else:
-            runs.append([unit.fqn])
-        previous = key
-    segments: dict[str, int] = {}
-    for run in runs:
-        if len(run) < 3:
-            continue
-        size = max(2, round(math.sqrt(len(run))))
-        for start in range(0, len(run), size):
-            chunk = run[start : start + size]
-            if len(chunk) >= 2:
-                segment_id = len({*segments.values()})
-                segments.update(dict.fromkeys(chunk, segment_id))
-    return segments
 
 
 def _candidates(
