@@ -16,13 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from superneurons.errors import ConfigError
 from superneurons.memory.plan import InfeasibleBudgetError, Plan, make_plan
 from superneurons.memory.profile import profile_step
 from superneurons.memory.runtime import apply_plan
 from superneurons.memory.tracker import LiveStorageTracker
 
-__all__ = ["MemoryComparison", "compare_memory", "eager_peak_bytes"]
+__all__ = ["MemoryComparison", "compare_memory"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -85,19 +84,6 @@ def _measure(
     return timeline, int(tracker.peak_bytes - host_bytes)
 
 
-def eager_peak_bytes(
-    model: nn.Module,
-    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
-    inputs: Any,
-    targets: Any,
-    loss_fn: LossFn,
-) -> int:
-    """Measured peak device bytes of one eager steady-state step (on a copy of ``model``)."""
-    model = copy.deepcopy(model)
-    _, peak = _measure(model, make_optimizer(model), inputs, targets, loss_fn)
-    return peak
-
-
 def compare_memory(
     model: nn.Module,
     make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
@@ -105,25 +91,32 @@ def compare_memory(
     targets: Any,
     loss_fn: LossFn,
     *,
-    budget_bytes: int,
+    budget_fraction: float,
+    on_minimum: Callable[[float], None] | None = None,
 ) -> MemoryComparison:
-    """Plan ``model`` under ``budget_bytes`` and measure one step eager and under the plan.
+    """Plan ``model`` under ``budget_fraction`` of eager's measured peak and measure one step
+    eager and under the plan.
 
-    Runs on copies: the caller's model is untouched. An infeasible budget raises the planner's
-    :class:`~superneurons.memory.plan.InfeasibleBudgetError` (it names the minimum).
+    Runs on copies: the caller's model is untouched. If the budget is below the planner's
+    minimum, ``on_minimum`` (when given) is told that minimum as a fraction of eager's peak and
+    the minimum is used; without it the planner's
+    :class:`~superneurons.memory.plan.InfeasibleBudgetError` (it names the minimum) propagates.
     """
     eager_model = copy.deepcopy(model)
     eager, eager_peak = _measure(eager_model, make_optimizer(eager_model), inputs, targets, loss_fn)
     planned_model = copy.deepcopy(model)
     optimizer = make_optimizer(planned_model)
     profile = profile_step(planned_model, inputs, targets, loss_fn, optimizer)
+    budget_bytes = int(eager_peak * budget_fraction)
+    # The trainer runs the plan under DDP: no optimizer-in-backward (see train/loop.py).
     try:
-        # The trainer runs the plan under DDP: no optimizer-in-backward (see train/loop.py).
         plan = make_plan(profile, budget_bytes=budget_bytes, allow_optimizer_in_backward=False)
-    except InfeasibleBudgetError:
-        raise
-    except ConfigError as exc:  # pragma: no cover - planner input errors are user errors
-        raise ConfigError(f"cannot plan the demo model: {exc}") from exc
+    except InfeasibleBudgetError as exc:
+        if on_minimum is None:
+            raise
+        on_minimum(exc.min_budget_bytes / eager_peak)
+        budget_bytes = exc.min_budget_bytes
+        plan = make_plan(profile, budget_bytes=budget_bytes, allow_optimizer_in_backward=False)
     with apply_plan(planned_model, plan) as handle:
         planned, planned_peak = _measure(
             planned_model, optimizer, inputs, targets, loss_fn, host=handle.pool.host_buffers()

@@ -70,8 +70,7 @@ Progress = Callable[[str], None]
 
 def _memory_comparison(config: DemoConfig, progress: Progress) -> dict:
     """Measure eager vs planned memory of one step; returns the comparison as a dict."""
-    from superneurons.demo.memory import compare_memory, eager_peak_bytes
-    from superneurons.memory.plan import InfeasibleBudgetError
+    from superneurons.demo.memory import compare_memory
     from superneurons.train.task import build_task
 
     torch.manual_seed(0)
@@ -82,22 +81,21 @@ def _memory_comparison(config: DemoConfig, progress: Progress) -> dict:
     def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
-    eager_peak = eager_peak_bytes(task.model, make_optimizer, inputs, targets, task.loss_fn)
-    budget = int(eager_peak * config.budget_fraction)
-    try:
-        comparison = compare_memory(
-            task.model, make_optimizer, inputs, targets, task.loss_fn, budget_bytes=budget
-        )
-    except InfeasibleBudgetError as exc:
+    def on_minimum(fraction: float) -> None:
         progress(
             f"      {config.budget_fraction:.0%} of eager's peak is below the planner's minimum "
-            f"for this model and batch; using the minimum, "
-            f"{exc.min_budget_bytes / eager_peak:.0%} of eager's peak"
+            f"for this model and batch; using the minimum, {fraction:.0%} of eager's peak"
         )
-        budget = exc.min_budget_bytes
-        comparison = compare_memory(
-            task.model, make_optimizer, inputs, targets, task.loss_fn, budget_bytes=budget
-        )
+
+    comparison = compare_memory(
+        task.model,
+        make_optimizer,
+        inputs,
+        targets,
+        task.loss_fn,
+        budget_fraction=config.budget_fraction,
+        on_minimum=on_minimum,
+    )
     return comparison.as_dict()
 
 
