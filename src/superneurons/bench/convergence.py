@@ -34,6 +34,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from superneurons.errors import ConfigError
+from superneurons.train.launch import free_port
 
 __all__ = ["CONVERGENCE_CODECS", "ConvergenceConfig", "TaskConfig", "run_convergence_bench"]
 
@@ -251,14 +252,6 @@ def _rank_main(rank: int, config: ConvergenceConfig, port: int, out: str) -> Non
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def run_convergence_bench(
     config: ConvergenceConfig, *, progress: Progress | None = None
 ) -> list[dict[str, Any]]:
@@ -270,7 +263,7 @@ def run_convergence_bench(
         out = Path(tmp) / "records.jsonl"
         ctx = mp.start_processes(
             _rank_main,
-            args=(config, _free_port(), str(out)),
+            args=(config, free_port(), str(out)),
             nprocs=config.nproc,
             join=False,
             start_method="spawn",

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from superneurons.bench.netns import (
     network_namespaces,
 )
 from superneurons.errors import ConfigError
+from superneurons.train.launch import free_port
 
 __all__ = [
     "ALL_CODECS",
@@ -140,12 +140,6 @@ class _Link:
         return self.topology.interfaces[rank] if self.topology else "lo"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextmanager
 def _link(config: NetworkBenchConfig, rate_bit_s: int | None, say: Progress) -> Iterator[_Link]:
     if not config.shaping:
@@ -198,7 +192,7 @@ def _run_ranks(
     """Start one worker per rank; returns the records of the codecs they finished and, if
     they failed, an error summary."""
     out = workdir / f"rank0-{time.monotonic_ns()}.jsonl"
-    port = 29500 + int(time.monotonic_ns() % 400) if link.topology else _free_port()
+    port = 29500 + int(time.monotonic_ns() % 400) if link.topology else free_port()
     with ExitStack() as stack:
         procs, logs = [], []
         for rank in range(config.nproc):

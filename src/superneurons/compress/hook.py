@@ -187,7 +187,7 @@ def _check_config_across_ranks(
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
     gathered = torch.empty(world_size * mine.numel(), dtype=torch.uint8, device=device)
-    dist.all_gather_single(gathered, mine, group=group)
+    dist.all_gather_into_tensor(gathered, mine, group=group)
     rows = gathered.view(world_size, -1).cpu()
     differing = [r for r in range(world_size) if not torch.equal(rows[r], rows[0])]
     if differing:
@@ -322,7 +322,7 @@ def _gathered_reduce(
         + [torch.tensor([0 if finite else 1], dtype=torch.uint8, device=buffer.device)]
     )
     gathered = torch.empty(world_size * wire.numel(), dtype=torch.uint8, device=buffer.device)
-    work = dist.all_gather_single(gathered, wire, group=state.process_group, async_op=True)
+    work = dist.all_gather_into_tensor(gathered, wire, group=state.process_group, async_op=True)
     state.count(sent_bytes=wire.numel(), dense_bytes=buffer.numel() * 4)
     if state.options.error_feedback and finite:  # computed while the all-gather is in flight
         errors = [

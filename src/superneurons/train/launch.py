@@ -67,7 +67,8 @@ def under_torchrun() -> bool:
     return all(key in os.environ for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago (the one helper for local ranks)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -80,7 +81,7 @@ def torchrun_command(launch: Launch, config_path: Path) -> list[str]:
     if launch.master_addr is not None:
         command += ["--master-addr", launch.master_addr, "--master-port", str(launch.master_port)]
     else:
-        endpoint = launch.rdzv_endpoint or f"localhost:{_free_port()}"
+        endpoint = launch.rdzv_endpoint or f"localhost:{free_port()}"
         command += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
     return [*command, "-m", "superneurons.train.launch", str(config_path)]
 
