@@ -57,14 +57,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--compress", default="fft:theta=0.9,bits=8")
     parser.add_argument("--budget-fraction", type=float, default=0.7)
+    parser.add_argument("--strategy", default="auto", help="the planner's: auto, checkpoint, recompute, offload, ...")
     parser.add_argument("--out", type=Path, default=Path("runs/hf_trainer"))
     args = parser.parse_args()
     torch.set_num_threads(1)
 
     torch.manual_seed(0)
     config = GPT2Config(
-        n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
-        bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1,
+        n_layer=2,
+        n_embd=64,
+        n_head=2,
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        bos_token_id=VOCAB - 1,
+        eos_token_id=VOCAB - 1,
     )
     model = GPT2LMHeadModel(config)
     training = TrainingArguments(
@@ -82,7 +88,10 @@ def main() -> None:
     )
     trainer = Trainer(model=model, args=training, train_dataset=CountingTokens(512))
     callback = SuperNeuronsCallback(
-        trainer, compression=args.compress, budget_fraction=args.budget_fraction
+        trainer,
+        compression=args.compress,
+        budget_fraction=args.budget_fraction,
+        strategy=args.strategy,
     )
     trainer.add_callback(callback)
     result = trainer.train()
@@ -107,6 +116,10 @@ def main() -> None:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{record['rank']}.json").write_text(json.dumps(record, indent=1) + "\n")
+    # NOTE: leave together: a rank exiting while its peer's gloo threads still talk to it
+    # can abort the peer (seen once in seven runs without this).
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
     if record["rank"] == 0:
         print(json.dumps({k: v for k, v in record.items() if k != "plan_stats"}))
 

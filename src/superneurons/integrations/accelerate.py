@@ -120,7 +120,7 @@ def prepare_superneurons(
     setup = SuperNeuronsSetup()
     inner = accelerator.unwrap_model(model, keep_torch_compile=False)
     if budget_given:
-        batch = sample_batch
+        batch: Mapping[str, Any] = sample_batch or {}
         setup.plan = _planned_on_rank_zero(
             lambda: plan_for_batch(
                 inner,
@@ -190,5 +190,5 @@ def _planned_on_rank_zero(make: Callable[[], Plan]) -> Plan:
     text = box[0]
     assert isinstance(text, str)
     if text.startswith("error: "):
-        raise ConfigError(f"rank 0 could not plan: {text[len('error: '):]}")
+        raise ConfigError(f"rank 0 could not plan: {text[len('error: ') :]}")
     return Plan.from_json(text)

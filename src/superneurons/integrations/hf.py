@@ -51,7 +51,7 @@ class _BatchLoss(nn.Module):
 
     def forward(self, batch: Mapping[str, Any]) -> torch.Tensor:
         output = self.model(**batch)
-        loss = output["loss"] if isinstance(output, Mapping) else getattr(output, "loss", None)
+        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
         if loss is None:
             raise ConfigError(
                 "the model returned no loss for the sample batch: include the labels in it "

@@ -73,7 +73,9 @@ class SuperNeuronsCallback(TrainerCallback):  # type: ignore[misc]
         **compression_options: Any,
     ) -> None:
         if getattr(trainer, "accelerator", None) is None:
-            raise ConfigError("SuperNeuronsCallback needs a transformers.Trainer (with .accelerator)")
+            raise ConfigError(
+                "SuperNeuronsCallback needs a transformers.Trainer (with .accelerator)"
+            )
         self.trainer = trainer
         self.compression = compression
         self.budget_bytes = budget_bytes

@@ -1,0 +1,50 @@
+"""A tiny model called HF-style (``model(**batch)["loss"]``) for the integration tests: fast to
+build in spawned ranks, unlike a transformers model."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+VOCAB = 32
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 4 * width)
+        self.drop = nn.Dropout(0.1)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down(self.drop(torch.nn.functional.gelu(self.up(h))))
+
+
+class TinyLM(nn.Module):
+    """Embedding, three residual MLP blocks (the plan's units), LM head; has a ``config``."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(use_cache=True)
+        self.embed = nn.Embedding(VOCAB, width)
+        self.blocks = nn.ModuleList([Block(width) for _ in range(3)])
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+        h = self.embed(input_ids)  # (B, T, C)
+        for block in self.blocks:
+            h = block(h)
+        logits = self.head(h)  # (B, T, V)
+        if labels is None:
+            return {"logits": logits}
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return {"loss": loss, "logits": logits}
+
+
+def batch(seed: int, size: int = 4, seq: int = 16) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (size, seq), generator=gen)
+    return {"input_ids": ids, "labels": ids.roll(-1, dims=1)}

@@ -1,0 +1,127 @@
+"""Memory plans for HF-style models (``model(**batch).loss``), and the transformers.Trainer
+example on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from integrations_models import TinyLM, batch
+from superneurons.errors import ConfigError
+from superneurons.integrations.hf import plan_for_batch, training_without_kv_cache
+from superneurons.memory import apply_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_hf = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="transformers not installed"
+)
+
+
+def _grads(model: torch.nn.Module, data: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(7)  # the same dropout masks in both runs
+    model(**data)["loss"].backward()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def test_plan_names_units_of_the_model_itself() -> None:
+    model = TinyLM()
+    plan = plan_for_batch(model, batch(0), budget_fraction=1.0)
+    assert [u.fqn for u in plan.units] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert plan.tensors and not any(t.key.startswith("model.") for t in plan.tensors)
+    assert {t.unit for t in plan.tensors} <= {"", "blocks.0", "blocks.1", "blocks.2"}
+
+
+def test_plan_fits_its_budget_and_keeps_gradients_exact() -> None:
+    model = TinyLM()
+    optimizer = torch.optim.AdamW(model.parameters())
+    data = batch(1)
+    eager = plan_for_batch(model, data, budget_fraction=1.0, optimizer=optimizer)
+    plan = plan_for_batch(
+        model, data, budget_fraction=0.8, optimizer=optimizer, strategy="checkpoint"
+    )
+    assert plan.count("recompute") == 3
+    assert plan.budget_bytes == int(0.8 * eager.predicted_peak_bytes)
+    assert plan.predicted_peak_bytes <= plan.budget_bytes < eager.predicted_peak_bytes
+    assert not optimizer.state  # the profile stepped a copy
+    expected = _grads(model, data)
+    with apply_plan(model, plan) as handle:
+        got = _grads(model, data)
+    assert all(s.recompute_calls == 1 for s in handle.recompute_stats.values())
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_bad_budgets_and_batches_are_refused() -> None:
+    model = TinyLM()
+    with pytest.raises(ConfigError, match="exactly one"):
+        plan_for_batch(model, batch(0))
+    with pytest.raises(ConfigError, match="exactly one"):
+        plan_for_batch(model, batch(0), budget_bytes=10**9, budget_fraction=0.5)
+    for fraction in (0.0, 1.5):
+        with pytest.raises(ConfigError, match=r"\(0, 1\]"):
+            plan_for_batch(model, batch(0), budget_fraction=fraction)
+    with pytest.raises(ConfigError, match="dict"):
+        plan_for_batch(model, [batch(0)["input_ids"]], budget_fraction=0.5)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="labels"):
+        plan_for_batch(model, {"input_ids": batch(0)["input_ids"]}, budget_fraction=0.5)
+
+
+def test_kv_cache_is_off_while_training_and_restored() -> None:
+    model = TinyLM()
+    with training_without_kv_cache(model) as previous:
+        assert previous is True and model.config.use_cache is False
+    assert model.config.use_cache is True
+    with training_without_kv_cache(torch.nn.Linear(2, 2)) as previous:  # no config: a no-op
+        assert previous is False
+
+
+def _torchrun(script: str, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "localhost:0",
+        script,
+        "--out",
+        str(out),
+        *extra,
+    ]
+    return subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False
+    )
+
+
+def check_example_ranks(out: Path) -> dict[str, object]:
+    """Both ranks agree bit for bit, compression ran and sent fewer bytes than dense."""
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["params_sha256"] == ranks[1]["params_sha256"]
+    assert ranks[0]["plan"] == ranks[1]["plan"]
+    record = ranks[0]
+    assert record["compress_steps"] == record["steps"] > 0
+    assert 0 < record["bytes_sent_step"] < record["dense_bytes_step"]
+    assert record["bytes_sent_total"] == record["steps"] * record["bytes_sent_step"]
+    assert record["predicted_peak_bytes"] <= record["budget_bytes"]
+    return record
+
+
+@pytest.mark.dist
+@needs_hf
+def test_trainer_example_plans_and_compresses_on_two_gloo_ranks(tmp_path: Path) -> None:
+    result = _torchrun("examples/hf_trainer.py", tmp_path, "--steps", "3", "--strategy", "checkpoint")
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = check_example_ranks(tmp_path)
+    assert set(record["plan"].values()) == {"recompute"}
+    stats = record["plan_stats"]["recompute"]
+    assert all(s["recompute_calls"] == record["steps"] for s in stats.values())
