@@ -4,20 +4,16 @@ example on 2 gloo ranks."""
 from __future__ import annotations
 
 import importlib.util
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from integrations_models import TinyLM, batch
+from integrations_support import TinyLM, batch, check_example_ranks, torchrun
 from superneurons.errors import ConfigError
 from superneurons.integrations.hf import plan_for_batch, training_without_kv_cache
 from superneurons.memory import apply_plan
 
-ROOT = Path(__file__).resolve().parents[1]
 needs_hf = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None, reason="transformers not installed"
 )
@@ -82,44 +78,12 @@ def test_kv_cache_is_off_while_training_and_restored() -> None:
         assert previous is False
 
 
-def _torchrun(script: str, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        "localhost:0",
-        script,
-        "--out",
-        str(out),
-        *extra,
-    ]
-    return subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False
-    )
-
-
-def check_example_ranks(out: Path) -> dict[str, object]:
-    """Both ranks agree bit for bit, compression ran and sent fewer bytes than dense."""
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert ranks[0]["params_sha256"] == ranks[1]["params_sha256"]
-    assert ranks[0]["plan"] == ranks[1]["plan"]
-    record = ranks[0]
-    assert record["compress_steps"] == record["steps"] > 0
-    assert 0 < record["bytes_sent_step"] < record["dense_bytes_step"]
-    assert record["bytes_sent_total"] == record["steps"] * record["bytes_sent_step"]
-    assert record["predicted_peak_bytes"] <= record["budget_bytes"]
-    return record
-
-
 @pytest.mark.dist
 @needs_hf
 def test_trainer_example_plans_and_compresses_on_two_gloo_ranks(tmp_path: Path) -> None:
-    result = _torchrun("examples/hf_trainer.py", tmp_path, "--steps", "3", "--strategy", "checkpoint")
+    result = torchrun(
+        "examples/hf_trainer.py", tmp_path, "--steps", "3", "--strategy", "checkpoint"
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     record = check_example_ranks(tmp_path)
     assert set(record["plan"].values()) == {"recompute"}
