@@ -54,7 +54,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--compress", default="fft:theta=0.9,bits=8")
     parser.add_argument("--budget-fraction", type=float, default=0.7)
-    parser.add_argument("--strategy", default="auto", help="the planner's: auto, checkpoint, recompute, offload, ...")
+    parser.add_argument(
+        "--strategy",
+        default="auto",
+        help="the planner's: auto, checkpoint, recompute, offload, ...",
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/accelerate"))
     args = parser.parse_args()
     torch.set_num_threads(1)
