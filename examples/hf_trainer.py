@@ -62,6 +62,7 @@ def main() -> None:
         default="auto",
         help="the planner's: auto, checkpoint, recompute, offload, ...",
     )
+    parser.add_argument("--repeat", type=int, default=1, help="call trainer.train() this often")
     parser.add_argument("--out", type=Path, default=Path("runs/hf_trainer"))
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -98,14 +99,17 @@ def main() -> None:
         strategy=args.strategy,
     )
     trainer.add_callback(callback)
-    result = trainer.train()
+    steps = 0
+    for _ in range(args.repeat):  # a second train() keeps the DDP model and its hook
+        result = trainer.train()
+        steps += trainer.state.global_step
 
     setup = callback.setup
     assert setup is not None and setup.compression is not None and setup.plan is not None
     state = setup.compression
     record = {
         "rank": int(os.environ.get("RANK", 0)),
-        "steps": trainer.state.global_step,
+        "steps": steps,
         "train_loss": result.training_loss,
         "params_sha256": digest(model),
         "codec": state.codec.spec,

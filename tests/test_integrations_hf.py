@@ -82,10 +82,79 @@ def test_kv_cache_is_off_while_training_and_restored() -> None:
 @needs_hf
 def test_trainer_example_plans_and_compresses_on_two_gloo_ranks(tmp_path: Path) -> None:
     result = torchrun(
-        "examples/hf_trainer.py", tmp_path, "--steps", "3", "--strategy", "checkpoint"
+        "examples/hf_trainer.py",
+        tmp_path,
+        "--steps",
+        "3",
+        "--strategy",
+        "checkpoint",
+        "--repeat",
+        "2",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     record = check_example_ranks(tmp_path)
     assert set(record["plan"].values()) == {"recompute"}
     stats = record["plan_stats"]["recompute"]
-    assert all(s["recompute_calls"] == record["steps"] for s in stats.values())
+    assert record["steps"] == 6  # two train() calls of 3 steps, one hook
+    assert all(s["recompute_calls"] == 3 for s in stats.values())  # the second plan's
+
+
+def _trainer_params(tmp_path: Path, *, callback: bool) -> tuple[list[torch.Tensor], object]:
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from superneurons.integrations.transformers import SuperNeuronsCallback
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    model = GPT2LMHeadModel(config)
+    ids = torch.randint(0, 64, (16, 32), generator=torch.Generator().manual_seed(1))
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        max_steps=2,
+        learning_rate=1e-3,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = Trainer(
+        model=model, args=args, train_dataset=[{"input_ids": x, "labels": x} for x in ids]
+    )
+    use_cache = model.config.use_cache  # transformers 5 sets args.use_cache (False) here
+    hook = None
+    if callback:
+        hook = SuperNeuronsCallback(trainer, budget_fraction=1.0, strategy="checkpoint")
+        trainer.add_callback(hook)
+    trainer.train()
+    trainer.train()  # again: the plan is applied anew, the model restored after each
+    assert model.config.use_cache is use_cache
+    return [p.detach().clone() for p in model.parameters()], hook
+
+
+@needs_hf
+def test_trainer_callback_plans_without_changing_the_numbers(tmp_path: Path) -> None:
+    expected, _ = _trainer_params(tmp_path / "eager", callback=False)
+    got, hook = _trainer_params(tmp_path / "planned", callback=True)
+    setup = hook.setup  # type: ignore[attr-defined]
+    assert setup.compression is None  # one process: nothing to average
+    assert setup.plan.count("recompute") == 2
+    assert all(s.recompute_calls == 2 for s in setup.plan_handle.recompute_stats.values())
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+def test_plan_for_batch_on_cuda_keeps_gradients_exact() -> None:
+    model = TinyLM().cuda()
+    data = {k: v.cuda() for k, v in batch(3).items()}
+    plan = plan_for_batch(model, data, budget_fraction=1.0, strategy="offload")
+    expected = _grads(model, data)
+    with apply_plan(model, plan):
+        got = _grads(model, data)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

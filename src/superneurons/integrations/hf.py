@@ -13,7 +13,8 @@ Two things HF models need that plain modules do not:
   also fills a ``DynamicCache``; a recomputed block appends its keys and values a second time
   (on CUDA this crashed with 2048 vs 1024 positions, and on CPU it exceeded the budget; CONTEXT
   §5). :func:`training_without_kv_cache` sets ``use_cache=False`` for the duration of training,
-  as HF does itself under gradient checkpointing.
+  as HF does itself under gradient checkpointing (transformers 5's ``Trainer`` already sets
+  ``config.use_cache = args.use_cache``, False by default; plain loops keep the config's).
 * **No optimizer-in-backward.** These models train under DDP here, where stepping a parameter
   inside backward would step it before its gradient is averaged: plans never choose it.
 """

@@ -84,6 +84,7 @@ class SuperNeuronsCallback(TrainerCallback):  # type: ignore[misc]
         self.strategy = strategy
         self.compression_options = compression_options
         self.setup: SuperNeuronsSetup | None = None
+        self._hooked_model: Any = None
         if self._wants_plan and getattr(trainer.args, "gradient_checkpointing", False):
             raise ConfigError(
                 "gradient_checkpointing=True already recomputes every block; a memory plan "
@@ -98,13 +99,17 @@ class SuperNeuronsCallback(TrainerCallback):  # type: ignore[misc]
         trainer = self.trainer
         batch = None
         device = torch.device(args.device)
+        previous = self.setup
+        # A second train() keeps the DDP model, which takes one comm hook: keep the first.
+        hooked = previous is not None and previous.compression is not None
+        hooked = hooked and trainer.model_wrapped is self._hooked_model
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             if self._wants_plan:
                 batch = _to_device(self.sample_batch or _first_batch(trainer), device)
             self.setup = prepare_superneurons(
                 trainer.accelerator,
                 trainer.model_wrapped,
-                compression=self.compression,
+                compression=None if hooked else self.compression,
                 sample_batch=batch,
                 budget_bytes=self.budget_bytes,
                 budget_fraction=self.budget_fraction,
@@ -112,6 +117,10 @@ class SuperNeuronsCallback(TrainerCallback):  # type: ignore[misc]
                 strategy=self.strategy,
                 **self.compression_options,
             )
+        if hooked:
+            assert previous is not None
+            self.setup.compression = previous.compression
+        self._hooked_model = trainer.model_wrapped
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.setup is not None:
