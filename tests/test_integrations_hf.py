@@ -158,3 +158,42 @@ def test_plan_for_batch_on_cuda_keeps_gradients_exact() -> None:
         got = _grads(model, data)
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _hf_step_peak(*, use_cache: bool) -> tuple[int, int]:
+    """(predicted, measured) peak bytes of a steady-state step of a tiny HF GPT-2 under a
+    recompute plan; measured with the same live-storage tracker the profile uses."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from superneurons.memory import LiveStorageTracker
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=3, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0,
+        eos_token_id=0, use_cache=use_cache,
+    )  # fmt: skip
+    model = GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(0))
+    data = {"input_ids": ids, "labels": ids}
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(**data).loss.backward()
+    optimizer.step()  # steady state: the optimizer's moments exist, as the plan predicts
+    plan = plan_for_batch(
+        model, data, budget_fraction=0.8, optimizer=optimizer, strategy="checkpoint"
+    )
+    optimizer.zero_grad(set_to_none=True)
+    tracker = LiveStorageTracker()
+    tracker.register([*model.parameters(), *model.buffers(), ids])
+    tracker.register([t for s in optimizer.state.values() for t in s.values()])
+    with apply_plan(model, plan), tracker:
+        model(**data).loss.backward()
+        optimizer.step()
+    return plan.predicted_peak_bytes, tracker.peak_bytes
+
+
+@needs_hf
+def test_hf_plan_peak_is_exact_without_kv_cache_and_exceeded_with_it() -> None:
+    predicted, measured = _hf_step_peak(use_cache=False)
+    assert measured == predicted
+    predicted, measured = _hf_step_peak(use_cache=True)
+    assert measured > predicted  # recomputed blocks append their keys to the cache again
