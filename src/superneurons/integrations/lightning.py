@@ -32,7 +32,6 @@ from superneurons.compress import (
     deferred_compression_hook,
     register_compression,
 )
-from superneurons.compress.hook import resolve_codec
 from superneurons.errors import ConfigError
 
 __all__ = ["CompressedDDPStrategy"]
@@ -80,8 +79,8 @@ class CompressedDDPStrategy(DDPStrategy):
         if isinstance(compression, DeferredCompression):
             kwargs.update(ddp_comm_state=compression, ddp_comm_hook=deferred_compression_hook)
         elif compression is not None:
-            resolve_codec(compression, theta_schedule=self._spec_options.get("theta_schedule"))
-            self._spec = compression  # validated now; registered when DDP exists
+            _validate(compression)  # a bad spec fails here, before any process starts
+            self._spec = compression  # registered when DDP exists
         super().__init__(**kwargs)
         self.compression = compression
         self._state: CompressionState | None = None
@@ -107,3 +106,13 @@ class CompressedDDPStrategy(DDPStrategy):
         if self._ddp_comm_wrapper is not None:
             hook = self._ddp_comm_wrapper(hook)
         model.register_comm_hook(state=self._ddp_comm_state, hook=hook)
+
+
+def _validate(compression: Any) -> None:
+    """Parse/validate ``compression`` with the hook's own resolver (no process group needed)."""
+    from superneurons.compress import hook
+
+    # NOTE: `resolve` since register_compression takes one composed object; `resolve_codec`
+    # before. Either accepts a spec string or an object and raises ConfigError.
+    resolver = getattr(hook, "resolve", None) or hook.resolve_codec
+    resolver(compression)
