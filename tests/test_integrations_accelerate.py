@@ -27,9 +27,6 @@ class _Accelerator:
         self.num_processes = processes
         self.ddp_handler = SimpleNamespace(comm_hook=hook) if hook is not None else None
 
-    def unwrap_model(self, model: nn.Module, keep_torch_compile: bool = True) -> nn.Module:
-        return model.module if isinstance(model, DistributedDataParallel) else model
-
 
 def _train(rank: int, *, plan: bool, steps: int = 3) -> tuple[list[torch.Tensor], Any]:
     torch.manual_seed(0)

@@ -118,7 +118,7 @@ def prepare_superneurons(
     if compression is not None:
         _check_can_compress(accelerator, ddp)
     setup = SuperNeuronsSetup()
-    inner = accelerator.unwrap_model(model, keep_torch_compile=False)
+    inner = _uncompiled(ddp.module if ddp is not None else model)
     if budget_given:
         batch: Mapping[str, Any] = sample_batch or {}
         setup.plan = _planned_on_rank_zero(
@@ -140,11 +140,14 @@ def prepare_superneurons(
 
 def _find_ddp(model: nn.Module) -> DistributedDataParallel | None:
     """The DDP module inside ``model`` (it may sit under ``torch.compile``'s wrapper)."""
-    while not isinstance(model, DistributedDataParallel):
-        inner = getattr(model, "_orig_mod", None)
-        if not isinstance(inner, nn.Module):
-            return None
-        model = inner
+    model = _uncompiled(model)
+    return model if isinstance(model, DistributedDataParallel) else None
+
+
+def _uncompiled(model: nn.Module) -> nn.Module:
+    """``model`` without ``torch.compile``'s ``OptimizedModule`` wrappers (``_orig_mod``)."""
+    while isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        model = model._orig_mod  # type: ignore[assignment]
     return model
 
 
