@@ -4,12 +4,15 @@ example on 2 gloo ranks."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from integrations_support import TinyLM, batch, check_example_ranks, torchrun
+from integrations_support import ROOT, TinyLM, batch, check_example_ranks, torchrun
 from superneurons.errors import ConfigError
 from superneurons.integrations.hf import plan_for_batch, training_without_kv_cache
 from superneurons.memory import apply_plan
@@ -134,6 +137,26 @@ def _trainer_params(tmp_path: Path, *, callback: bool) -> tuple[list[torch.Tenso
     trainer.train()  # again: the plan is applied anew, the model restored after each
     assert model.config.use_cache is use_cache
     return [p.detach().clone() for p in model.parameters()], hook
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@needs_hf
+def test_trainer_resume_restores_compression_state_bit_exactly(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    command += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]
+    command += ["tests/hf_resume_run.py", str(tmp_path)]
+    result = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1]
+    record = ranks[0]
+    assert record["saved"] == [f"superneurons-compression-rank{r}.pt" for r in (0, 1)]
+    assert record["resumed"] == record["uninterrupted"]
+    # the saved residuals matter: without them the resumed run takes another path
+    assert record["resumed_without_state"] != record["uninterrupted"]
 
 
 @needs_hf

@@ -17,7 +17,9 @@ Callbacks are not handed the wrapped model, so this one holds the trainer. At
 on ``trainer.accelerator`` and ``trainer.model_wrapped``: the plan is profiled on one real
 batch (``sample_batch``, by default the first ``per_device_train_batch_size`` examples of the
 train set through the trainer's collator) and the comm hook is registered before the first
-backward. ``on_train_end`` restores the model's forwards and ``use_cache``.
+backward. ``on_train_end`` restores the model's forwards and ``use_cache``. ``on_save`` writes
+each rank's compression state (error-feedback residuals, step) into the checkpoint folder;
+resuming from ``<output_dir>/checkpoint-N`` loads it back.
 
 The profile runs forward and backward on a copy of the model; the random-number state is
 restored afterwards, so dropout masks and the data order of training are the same as
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -120,11 +123,42 @@ class SuperNeuronsCallback(TrainerCallback):  # type: ignore[misc]
         if hooked:
             assert previous is not None
             self.setup.compression = previous.compression
+        elif self.setup.compression is not None and state.global_step > 0:
+            self._resume(args, state)
         self._hooked_model = trainer.model_wrapped
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Write this rank's compression state (error-feedback residuals, step, counters) into
+        the checkpoint Trainer just wrote, next to its per-rank RNG state."""
+        if self.setup is None or self.setup.compression is None:
+            return
+        path = _state_path(args, state.global_step)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(self.setup.compression.state_dict(), path)
+
+    def _resume(self, args: Any, state: Any) -> None:
+        """Trainer resumed at ``state.global_step``: load what :meth:`on_save` wrote there."""
+        assert self.setup is not None and self.setup.compression is not None
+        path = _state_path(args, state.global_step)
+        if not path.is_file():
+            logger.warning(
+                "resumed at step %d but %s does not exist: compression restarts its state "
+                "(error-feedback residuals at zero)",
+                state.global_step,
+                path,
+            )
+            return
+        self.setup.compression.load_state_dict(torch.load(path, weights_only=False))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.setup is not None:
             self.setup.remove()
+
+
+def _state_path(args: Any, global_step: int) -> Path:
+    """Where the compression state of this rank lives in Trainer's checkpoint folder."""
+    folder = Path(args.output_dir) / f"checkpoint-{global_step}"
+    return folder / f"superneurons-compression-rank{args.process_index}.pt"
 
 
 def _first_batch(trainer: Any) -> Mapping[str, Any]:
