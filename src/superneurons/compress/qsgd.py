@@ -29,9 +29,9 @@ import torch
 from superneurons.compress.bitpack import pack_bits, packed_bytes, unpack_bits
 from superneurons.compress.codec import (
     Payload,
-    all_finite,
     check_gradient,
     check_payload,
+    finite_flag,
     sum_of_decodes,
 )
 from superneurons.errors import ConfigError
@@ -108,8 +108,7 @@ class QSGDCodec:
         level = (lower + (noise < scaled - lower).to(torch.float32)).clamp_(0, self.levels)
         sign = (rows < 0).to(torch.int64)
         codes = level.to(torch.int64) | (sign << (self.bits - 1))
-        if not all_finite(flat):
-            norms = torch.full_like(norms, math.nan)
+        norms = norms * torch.where(finite_flag(flat), 1.0, math.nan)
         data = torch.cat([norms.view(torch.uint8), pack_bits(codes.reshape(-1)[:numel], self.bits)])
         return Payload(data, numel)
 

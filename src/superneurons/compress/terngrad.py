@@ -32,9 +32,9 @@ import torch
 from superneurons.compress.bitpack import pack_bits, packed_bytes, unpack_bits
 from superneurons.compress.codec import (
     Payload,
-    all_finite,
     check_gradient,
     check_payload,
+    finite_flag,
     sum_of_decodes,
 )
 from superneurons.errors import ConfigError
@@ -96,8 +96,7 @@ class TernGradCodec:
         noise = torch.rand(prob.shape, generator=generator, device=prob.device)
         keep = (noise < prob).to(torch.int64)
         codes = keep * (1 + (clipped < 0).to(torch.int64))
-        if not all_finite(flat):
-            scale = torch.full_like(scale, math.nan)
+        scale = scale * torch.where(finite_flag(flat), 1.0, math.nan)
         data = torch.cat([scale.reshape(1).view(torch.uint8), pack_bits(codes, _BITS)])
         return Payload(data, flat.numel())
 
