@@ -62,7 +62,8 @@ def test_quick_path_writes_records_that_match_payload_bytes(tmp_path: Path) -> N
     assert paths["markdown"].read_text().count("|") > 10 and paths["png"].stat().st_size > 0
     assert body["records"] and all(set(r) >= REQUIRED for r in body["records"])
     families = {r["codec"] for r in body["records"] if r["budget_bits"] == 1.0}
-    assert {"fft", "topk", "signsgd"} <= families
+    assert {"fft", "ctopk", "adaptive", "topk", "signsgd"} <= families
+    assert body["verdicts"] and "adaptive/ctopk_ef" in body["summary"]
 
     bounds = bucket_bounds(capture.numels, config.bucket_bytes)
     assert len(bounds) > 1 and all(r["n_buckets"] == len(bounds) for r in records)

@@ -111,3 +111,23 @@ def test_cuda_codecs_never_synchronise(spec: str, numel: int) -> None:
         torch.testing.assert_close(
             decoded.cpu(), cpu, rtol=1e-3, atol=1e-3 * float(cpu.abs().max())
         )
+
+
+@pytest.mark.parametrize("index", ["bitmap", "gap"])
+@pytest.mark.parametrize("theta", [0.0, 0.5, 0.97])
+def test_sync_free_decode_paths_equal_the_cpu_paths(index: str, theta: float) -> None:
+    # The GPU paths (dense bitmap scatter, Elias-Fano by scatter) checked for values on the CPU.
+    from superneurons.compress.sparsecode import KeptLayout, add_kept, kept_count
+
+    gen = torch.Generator().manual_seed(3)
+    for universe in (1, 9, 1000, 65_537):
+        codec = parse_spec(f"ctopk:theta={theta},index={index},bits=8")
+        payload = codec.encode(torch.randn(universe, generator=gen))
+        layout = KeptLayout(universe, kept_count(universe, theta), 1, 8, index)
+        outs = []
+        for sync_free in (False, True):
+            out = torch.zeros(universe, 1)
+            assert bool(add_kept(out, payload.data, layout, sync_free=sync_free))
+            outs.append(out)
+        torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+        torch.testing.assert_close(outs[0].reshape(-1), codec.decode(payload), rtol=0, atol=0)

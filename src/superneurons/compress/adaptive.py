@@ -54,6 +54,7 @@ __all__ = ["BASES", "AdaptiveCodec", "adaptive_layout"]
 BASES: tuple[str, ...] = ("spatial", "fourier", "dct")  # basis code = position here
 _BASIS_BITS = 2
 SCOPES: tuple[str, ...] = ("global", "chunk")
+CHOICES: tuple[str, ...] = ("rd", "l1")
 
 
 def adaptive_layout(numel: int, chunk: int) -> tuple[int, int]:
@@ -79,6 +80,7 @@ class AdaptiveCodec:
     chunk: int = 512
     bases: str = "spatial+fourier+dct"
     scope: str = "global"
+    choice: str = "rd"
     select: str = "sampled"
     index: str = "auto"
 
@@ -98,6 +100,10 @@ class AdaptiveCodec:
                 f"{self.NAME}: bases={self.bases!r} must join distinct names of {list(BASES)} "
                 "with '+', e.g. 'spatial+dct'"
             )
+        if self.choice not in CHOICES:
+            raise ConfigError(
+                f"{self.NAME}: choice={self.choice!r} is unknown; use {list(CHOICES)}"
+            )
         if self.scope not in SCOPES:
             raise ConfigError(f"{self.NAME}: scope={self.scope!r} is unknown; use {list(SCOPES)}")
 
@@ -105,7 +111,7 @@ class AdaptiveCodec:
     def spec(self) -> str:
         return (
             f"{self.NAME}:theta={self.theta!r},bits={self.bits},chunk={self.chunk},"
-            f"bases={self.bases},scope={self.scope},select={self.select},index={self.index}"
+            f"bases={self.bases},scope={self.scope},choice={self.choice},select={self.select},index={self.index}"
         )
 
     @property
@@ -128,9 +134,33 @@ class AdaptiveCodec:
         _, chunks, layout = self._sizes(numel)
         return packed_bytes(chunks, _BASIS_BITS) + layout.nbytes
 
-    def _transforms(self, chunks: torch.Tensor) -> torch.Tensor:
-        """``(3, C, L)`` coefficients in every basis (disallowed ones are skipped later)."""
-        return torch.stack([chunks, fourier(chunks), dct(chunks)])
+    def _basis_cost(self, candidates: list[torch.Tensor], keep_share: float) -> torch.Tensor:
+        """``(3, C)``: how badly each basis codes each chunk (lower is better; disallowed
+        bases get +inf).
+
+        ``choice="rd"``: the Lagrangian of "least dropped energy for k kept coefficients":
+        with a threshold ``lam`` on squared magnitude (a kept coefficient costs ``lam``, a
+        dropped one its energy) a chunk costs ``sum(min(c**2, lam))``. ``lam`` is the
+        ``keep_share`` quantile of the spatial coefficients' energy, from a strided sample.
+        ``choice="l1"``: the L1 norm (at equal energy, the smaller is the more compressible).
+        """
+        allowed = self.bases.split("+")
+        count = candidates[0].shape[0]
+        device = candidates[0].device
+        if self.choice == "rd":
+            spatial = candidates[0].reshape(-1)
+            sample = spatial[:: max(1, spatial.numel() // 65536)]
+            rank = min(sample.numel(), max(1, round(sample.numel() * (1.0 - keep_share))))
+            lam = torch.kthvalue(sample * sample, rank).values  # 0-d, on the device
+        costs = []
+        for name, coef in zip(BASES, candidates, strict=True):
+            if name not in allowed:
+                costs.append(torch.full((count,), math.inf, device=device))
+            elif self.choice == "rd":
+                costs.append(torch.clamp(coef * coef, max=lam).sum(dim=1))
+            else:
+                costs.append(torch.linalg.vector_norm(coef, ord=1, dim=1))
+        return torch.stack(costs)
 
     def encode(self, grad: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         del generator  # deterministic
@@ -140,14 +170,12 @@ class AdaptiveCodec:
         if count * length != numel:
             flat = torch.nn.functional.pad(flat, (0, count * length - numel))
         chunks = flat.view(count, length)  # (C, L)
-        coefs = self._transforms(chunks)  # (3, C, L)
-        l1 = coefs.abs().sum(dim=2)  # (3, C): smaller = more compact at equal energy
-        allowed = torch.tensor(
-            [name in self.bases.split("+") for name in BASES], device=flat.device
-        )  # NOTE: made on the input's device: no CPU constant meets a CUDA tensor
-        l1 = torch.where(allowed.unsqueeze(1), l1, math.inf)
-        basis = l1.argmin(dim=0)  # (C,) int64
-        chosen = coefs.gather(0, basis.view(1, count, 1).expand(1, count, length))[0]  # (C, L)
+        candidates = [chunks, fourier(chunks), dct(chunks)]  # 3 x (C, L), orthonormal
+        cost = self._basis_cost(candidates, layout.kept / layout.universe)  # (3, C)
+        basis = cost.argmin(dim=0)  # (C,) int64
+        pick = basis.unsqueeze(1)  # (C, 1)
+        chosen = torch.where(pick == 0, candidates[0], candidates[1])
+        chosen = torch.where(pick == 2, candidates[2], chosen)  # (C, L)
         score = chosen * chosen  # (C, L)
         if self.scope == "chunk":
             per_chunk = kept_count(length, self.theta)

@@ -111,23 +111,32 @@ def encode_gap(indices: torch.Tensor, universe: int) -> torch.Tensor:
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def decode_gap(data: torch.Tensor, universe: int, count: int) -> torch.Tensor:
+def decode_gap(
+    data: torch.Tensor, universe: int, count: int, *, sync_free: bool | None = None
+) -> torch.Tensor:
     """Inverse of :func:`encode_gap`: sorted int64 indices.
 
     The i-th set bit of the upper vector, at position p, holds high part ``p - i``. It is
     scattered to slot i (the rank of p) instead of listed by ``nonzero``, whose data-dependent
     output size would need a host round trip on a GPU; unset positions go to a spare slot.
+    ``sync_free``: force that path (None: everywhere but the CPU, where nonzero is faster and
+    has nothing to wait for).
     """
     low = gap_low_bits(universe, count)
     low_bytes = packed_bytes(count, low) if low else 0
     upper = decode_bitmap(data[low_bytes:], _upper_bits(universe, count, low))  # (U,)
-    # NOTE: cumsum of a bool tensor accumulates in int64 ~20x slower on the CPU than in int32.
-    rank = torch.cumsum(upper, 0, dtype=torch.int32).sub_(1).to(torch.int64)  # (U,)
-    position = torch.arange(upper.numel(), device=data.device)  # (U,)
-    slot = torch.where(upper, rank, count)  # (U,): unset bits -> the spare slot `count`
-    high = torch.zeros(count + 1, dtype=torch.int64, device=data.device)
-    high.index_add_(0, slot, torch.where(upper, position - rank, 0))  # one add per used slot
-    high = high[:count]
+    if sync_free is None:
+        sync_free = upper.device.type != "cpu"
+    if not sync_free:
+        high = upper.nonzero().reshape(-1) - torch.arange(count)
+    else:
+        # NOTE: cumsum of bools accumulates in int64 ~20x slower (CPU) than in int32.
+        rank = torch.cumsum(upper, 0, dtype=torch.int32).sub_(1).to(torch.int64)  # (U,)
+        position = torch.arange(upper.numel(), device=data.device)  # (U,)
+        slot = torch.where(upper, rank, count)  # (U,): unset bits -> the spare slot `count`
+        high = torch.zeros(count + 1, dtype=torch.int64, device=data.device)
+        high.index_add_(0, slot, torch.where(upper, position - rank, 0))  # one add per slot
+        high = high[:count]
     if not low:
         return high
     return (high << low) | unpack_bits(data[:low_bytes], low, count)

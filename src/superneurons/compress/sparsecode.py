@@ -200,9 +200,15 @@ def pack_kept(
     return torch.cat([header.to_bytes(), index_code, value_bytes])
 
 
-def add_kept(out: torch.Tensor, data: torch.Tensor, layout: KeptLayout) -> torch.Tensor:
+def add_kept(
+    out: torch.Tensor, data: torch.Tensor, layout: KeptLayout, *, sync_free: bool | None = None
+) -> torch.Tensor:
     """Add the message's kept coefficients into ``out`` ``(T, width)`` float32 in place;
-    returns the header's 0-d bool "finite" flag (the caller turns False into all-NaN)."""
+    returns the header's 0-d bool "finite" flag (the caller turns False into all-NaN).
+    ``sync_free``: take the path without ``nonzero`` (None: on every device but the CPU, where
+    ``nonzero`` waits for nothing and is faster)."""
+    if sync_free is None:
+        sync_free = out.device.type != "cpu"
     header = RangeFloatHeader.from_bytes(data[:HEADER_BYTES])
     start = HEADER_BYTES
     stop = start + layout.index_bytes
@@ -214,11 +220,14 @@ def add_kept(out: torch.Tensor, data: torch.Tensor, layout: KeptLayout) -> torch
     values = values.view(layout.kept, layout.width)  # (k, width)
     if layout.index_kind == "bitmap":
         mask = decode_bitmap(data[start:stop], layout.universe)  # (T,)
-        # Dense, sync-free scatter: the i-th set bit takes the i-th value.
-        rank = torch.cumsum(mask, 0, dtype=torch.int32).sub_(1).clamp_(min=0)  # (T,)
-        gathered = values.index_select(0, rank)  # (T, width)
-        out.addcmul_(gathered, mask.unsqueeze(1).to(out.dtype))
+        if not sync_free:
+            out.index_add_(0, mask.nonzero().reshape(-1), values)
+        else:
+            # Dense, sync-free scatter: the i-th set bit takes the i-th value.
+            rank = torch.cumsum(mask, 0, dtype=torch.int32).sub_(1).clamp_(min=0)  # (T,)
+            gathered = values.index_select(0, rank)  # (T, width)
+            out.addcmul_(gathered, mask.unsqueeze(1).to(out.dtype))
     else:
-        indices = decode_gap(data[start:stop], layout.universe, layout.kept)  # (k,)
+        indices = decode_gap(data[start:stop], layout.universe, layout.kept, sync_free=sync_free)
         out.index_add_(0, indices, values)
     return header.finite
