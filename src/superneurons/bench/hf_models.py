@@ -64,8 +64,8 @@ def _resnet(*, in_channels: int = 1, num_classes: int = 10) -> nn.Module:
         hidden_sizes=[64, 128, 256, 512],
         depths=[2, 2, 2, 2],
         layer_type="basic",
-        num_labels=num_classes,
     )
+    config.num_labels = num_classes  # a PretrainedConfig property, not a ResNetConfig argument
     return _Logits(ResNetForImageClassification(config), "pixel_values")
 
 

@@ -5,6 +5,10 @@ LSTM on Shakespeare for a few hundred steps, captures their gradients at several
 (cached under --cache), and measures every codec at equal wire budgets of ~0.5, 1, 2 and 4
 bits per element: relative error, cosine, error-feedback accumulation, encode/decode GB/s on
 one thread. Writes DIR/codecs.json, DIR/codecs.md and DIR/codecs.png.
+
+With ``--device cpu|cuda`` it measures throughput instead: encode/decode GB/s of every codec at
+4 MiB and 100 MiB on that device (CUDA timed with events), written to DIR/speed-<device>.json
+and .md.
 """
 
 from __future__ import annotations
@@ -16,6 +20,12 @@ from pathlib import Path
 
 import torch
 
+from superneurons.bench.codec_speed import (
+    SPEED_SPECS,
+    SpeedConfig,
+    measure_codec_speed,
+    write_speed_artifacts,
+)
 from superneurons.bench.codecs import CodecBenchConfig, run_codec_bench, write_codec_artifacts
 from superneurons.bench.gradients import CAPTURE_MODELS, CaptureConfig, load_or_capture
 from superneurons.errors import ConfigError
@@ -51,9 +61,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--fashion-mnist-root", default="/usr/share/datasets/fashion-mnist", help="IDX files"
     )
     parser.add_argument("--shakespeare-root", default="data/shakespeare", help="*.txt files")
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="measure throughput on this device (cpu, cuda) instead of errors on real gradients",
+    )
+    parser.add_argument(
+        "--sizes-mib",
+        default="4,100",
+        help="with --device: comma-separated fp32 bucket sizes in MiB (default 4,100)",
+    )
+    parser.add_argument("--repeats", type=int, default=5, help="with --device: timed repeats")
+    parser.add_argument(
+        "--codecs",
+        default=None,
+        help="with --device: comma-separated codec names/specs without ',' (default: all)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.device is not None:
+        return _run_speed(args)
     from tqdm import tqdm
 
     torch.set_num_threads(1)
@@ -120,3 +148,27 @@ def _print_summary(records: list[dict]) -> None:
             f"{r['rel_error']:>8.4f} {r['ef_rel_error']:>8.4f} {r['encode_gbps']:>8.3f} "
             f"{r['decode_gbps']:>8.3f}"
         )
+
+
+def _run_speed(args: argparse.Namespace) -> int:
+    try:
+        sizes = tuple(float(x) for x in args.sizes_mib.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"--sizes-mib must be numbers, got {args.sizes_mib!r}") from None
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available here; use --device cpu")
+    specs = SPEED_SPECS if args.codecs is None else tuple(args.codecs.split(","))
+    config = SpeedConfig(device=args.device, sizes_mib=sizes, repeats=args.repeats, specs=specs)
+    start = time.perf_counter()
+    records = measure_codec_speed(config, progress=lambda label: print(label, file=sys.stderr))
+    paths = write_speed_artifacts(
+        records, args.out, config=str(config), wall_s=time.perf_counter() - start
+    )
+    print(f"{'MiB':>5} {'spec':<36} {'bits/el':>8} {'enc GB/s':>9} {'dec GB/s':>9}")
+    for r in records:
+        print(
+            f"{r['size_mib']:>5g} {r['spec'][:36]:<36} {r['bits_per_element']:>8.3f} "
+            f"{r['encode_gbps']:>9.3f} {r['decode_gbps']:>9.3f}"
+        )
+    print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    return 0
