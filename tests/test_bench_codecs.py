@@ -92,8 +92,11 @@ def test_error_feedback_helps_a_biased_sparsifier() -> None:
 
 
 def test_speed_records_every_codec_on_the_cpu(tmp_path: Path) -> None:
-    from superneurons.bench.codec_speed import SpeedConfig, measure_codec_speed
-    from superneurons.bench.codec_speed import write_speed_artifacts
+    from superneurons.bench.codec_speed import (
+        SpeedConfig,
+        measure_codec_speed,
+        write_speed_artifacts,
+    )
 
     config = SpeedConfig(sizes_mib=(0.01,), repeats=1, specs=("fft", "adaptive", "qsgd"))
     records = measure_codec_speed(config)

@@ -105,12 +105,12 @@ def test_cuda_codecs_never_synchronise(spec: str, numel: int) -> None:
         torch.cuda.set_sync_debug_mode("default")
     assert payload.data.device == decoded.device == summed.device == grad.device
     assert payload.nbytes == codec.payload_bytes(numel)
-    # The GPU result equals the CPU result of the same (exact-selection) codec within rounding.
-    if reference.spec.split(":")[0] not in ("qsgd", "terngrad"):  # stochastic
-        cpu = reference.decode(reference.encode(grad.cpu()))
-        torch.testing.assert_close(
-            decoded.cpu(), cpu, rtol=1e-3, atol=1e-3 * float(cpu.abs().max())
-        )
+    # The GPU codec is as accurate as the CPU one (selections may differ on near-ties, since
+    # cuFFT and pocketfft round differently, so compare errors, not values).
+    cpu = reference.decode(reference.encode(grad.cpu()))
+    gpu_err = float((decoded.cpu() - grad.cpu()).norm() / grad.cpu().norm())
+    cpu_err = float((cpu - grad.cpu()).norm() / grad.cpu().norm())
+    assert gpu_err <= cpu_err * 1.05 + 1e-4, (gpu_err, cpu_err)
 
 
 @pytest.mark.parametrize("index", ["bitmap", "gap"])
