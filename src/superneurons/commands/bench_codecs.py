@@ -1,10 +1,11 @@
 """Codec benchmark on real gradients (Wang et al., HPDC'20's central claim, tested).
 
-Trains a ResNet-style CNN and an FC-heavy AlexNet on Fashion-MNIST and a char GPT and a char
-LSTM on Shakespeare for a few hundred steps, captures their gradients at several points
-(cached under --cache), and measures every codec at equal wire budgets of ~0.5, 1, 2 and 4
-bits per element: relative error, cosine, error-feedback accumulation, encode/decode GB/s on
-one thread. Writes DIR/codecs.json, DIR/codecs.md and DIR/codecs.png.
+Trains a ResNet-style CNN and an FC-heavy AlexNet on Fashion-MNIST, a char GPT and a char
+LSTM on Shakespeare, and two transformers models we did not tune (GPT-2 on Shakespeare,
+ResNet-18 on Fashion-MNIST), captures their gradients (cached under --cache), and measures
+every codec at equal wire budgets of ~0.5, 1, 2 and 4 bits per element, the sparsifiers with
+equal coding: relative error, cosine, error after K steps of error feedback, encode/decode GB/s
+on one thread. Writes DIR/codecs.json, DIR/codecs.md and DIR/codecs.png.
 
 With ``--device cpu|cuda`` it measures throughput instead: encode/decode GB/s of every codec at
 4 MiB and 100 MiB on that device (CUDA timed with events), written to DIR/speed-<device>.json
@@ -33,7 +34,8 @@ from superneurons.errors import ConfigError
 HELP = "codec error / bits / speed on real gradients at equal bit budgets"
 
 # --quick: 7 small-batch steps per model, the first 2^17 elements (512 KiB) of each gradient;
-# measured ~14 s CPU, 35 s to 1 min 41 s wall (cold cache) on the shared 2-core machine.
+# measured ~14 s CPU, 35 s to 1 min 41 s wall (cold cache) with the four zoo models on the
+# shared 2-core machine; the two HF models (transformers import, ResNet-18) add about a minute.
 _QUICK_CAPTURE = CaptureConfig(steps=(0, 5), window=2, batch_size=16)
 _QUICK_BENCH = CodecBenchConfig(timing_repeats=2, max_numel=2**17)
 _FULL_CAPTURE = CaptureConfig(steps=(0, 100), window=20)
