@@ -13,12 +13,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from superneurons.bench.convergence import (
-    ConvergenceConfig,
-    run_convergence_bench,
-    summary_lines,
-    write_artifacts,
-)
+from superneurons.bench.convergence import ConvergenceConfig, run_convergence_bench
+from superneurons.bench.convergence_report import summary_lines, write_artifacts
 
 __all__ = ["HELP", "add_arguments", "run"]
 

@@ -29,6 +29,7 @@ optimizer; it issues one collective per step from ``step()``, the same on every 
 from __future__ import annotations
 
 import logging
+import re
 import zlib
 from collections.abc import Iterable
 from typing import Any
@@ -42,9 +43,25 @@ from superneurons.compress.feedback import feedback_step
 from superneurons.compress.torch_hooks import as_comm_hook
 from superneurons.errors import ConfigError
 
-__all__ = ["CompressedAdamW", "register_local_gradients"]
+__all__ = ["CompressedAdamW", "parse_update_spec", "register_local_gradients"]
 
 logger = logging.getLogger("superneurons.compress")
+
+
+_UPDATE_SPEC = re.compile(r"^adam-update(?:\[warmup=(\d+)\])?:(.+)$")
+
+
+def parse_update_spec(text: str) -> tuple[Codec, int] | None:
+    """``"adam-update[warmup=10]:signsgd"`` -> (codec, warm-up steps); other text -> None.
+
+    The codec part is any spec of :func:`superneurons.compress.spec.parse_spec`.
+    """
+    match = _UPDATE_SPEC.match(text.strip())
+    if match is None:
+        return None
+    from superneurons.compress.spec import parse_spec
+
+    return parse_spec(match.group(2)), int(match.group(1) or 0)
 
 
 def register_local_gradients(ddp_model: DistributedDataParallel) -> None:
