@@ -72,3 +72,12 @@ def test_candidate_codecs_reject_unknown_names() -> None:
     with pytest.raises(ConfigError, match="unknown codec"):
         candidate_codecs(["nope"])
     assert candidate_codecs(["dense"]) == []
+
+
+@pytest.mark.cuda
+def test_measure_codecs_on_cuda_times_by_events() -> None:
+    sample = torch.randn(256, 1024, device="cuda")
+    costs = measure_codecs(candidate_codecs(["fp16", "topk:ratio=0.01", "powersgd:rank=4"]), sample)
+    assert [c.spec for c in costs][0] == "dense"
+    for cost in costs[1:]:
+        assert cost.encode_s_per_byte > 0 and cost.decode_s_per_byte > 0
