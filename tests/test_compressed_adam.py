@@ -70,6 +70,21 @@ def test_momentum_mode_freezes_the_second_moment_after_warmup() -> None:
         torch.testing.assert_close(opt.state[p]["exp_avg"], torch.lerp(m, p.grad, 0.1))
 
 
+def test_clip_rms_bounds_the_frozen_direction() -> None:
+    model = _model()
+    opt = CompressedAdamW(
+        model.parameters(), codec=parse_spec("identity"), warmup_steps=1, clip_rms=0.5, lr=1.0
+    )
+    _train(model, opt, range(1))
+    before = [p.detach().clone() for p in model.parameters()]
+    for group in opt.param_groups:
+        group["weight_decay"] = 0.0
+    _train(model, opt, range(1, 2))
+    for p, old in zip(model.parameters(), before, strict=True):
+        step_rms = float((p.detach() - old).square().mean().sqrt())
+        assert step_rms <= 0.5 + 1e-6
+
+
 def test_fp16_warmup_wire_halves_the_bytes() -> None:
     model = _model()
     opt = CompressedAdamW(
@@ -130,9 +145,9 @@ def test_bad_options() -> None:
 
 
 def test_parse_optimizer_spec() -> None:
-    spec = parse_optimizer_spec("adam-momentum[warmup=20,wire=fp16]:topk:ratio=0.1")
+    spec = parse_optimizer_spec("adam-momentum[warmup=20,wire=fp16,clip=1.5]:topk:ratio=0.1")
     assert spec is not None
-    assert (spec.mode, spec.warmup_steps) == ("momentum", 20)
+    assert (spec.mode, spec.warmup_steps, spec.clip_rms) == ("momentum", 20, 1.5)
     assert spec.codec == parse_spec("topk:ratio=0.1")
     assert spec.warmup_codec == parse_spec("fp16")
     update = parse_optimizer_spec("adam-update:signsgd")

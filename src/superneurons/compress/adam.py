@@ -72,6 +72,7 @@ class OptimizerSpec:
     codec: Codec
     warmup_steps: int = 0
     warmup_codec: Codec | None = None
+    clip_rms: float | None = None
 
     def kwargs(self) -> dict[str, Any]:
         return {
@@ -79,6 +80,7 @@ class OptimizerSpec:
             "codec": self.codec,
             "warmup_steps": self.warmup_steps,
             "warmup_codec": self.warmup_codec,
+            "clip_rms": self.clip_rms,
         }
 
 
@@ -98,19 +100,21 @@ def parse_optimizer_spec(text: str) -> OptimizerSpec | None:
     from superneurons.compress.spec import parse_spec
 
     mode, options, codec = match.groups()
-    warmup, wire = 0, None
+    warmup, wire, clip = 0, None, None
     for item in filter(None, (part.strip() for part in (options or "").split(","))):
         key, _, value = item.partition("=")
         if key == "warmup" and value.isdigit():
             warmup = int(value)
         elif key == "wire" and value:
             wire = parse_spec(value)
+        elif key == "clip" and value.replace(".", "", 1).isdigit():
+            clip = float(value)
         else:
             raise ConfigError(
-                f"{text!r}: options are warmup=N and wire=SPEC, e.g. "
+                f"{text!r}: options are warmup=N, wire=SPEC and clip=RMS, e.g. "
                 "'adam-momentum[warmup=20,wire=fp16]:signsgd'"
             )
-    return OptimizerSpec(mode, parse_spec(codec), warmup, wire)
+    return OptimizerSpec(mode, parse_spec(codec), warmup, wire, clip)
 
 
 def register_local_gradients(ddp_model: DistributedDataParallel) -> None:
@@ -147,6 +151,9 @@ class CompressedAdamW(torch.optim.Optimizer):
         warmup_steps: the first steps average gradients (momentum mode) or updates (update
             mode) through ``warmup_codec``.
         warmup_codec: a summable codec for the warm-up (``fp16``, ``bf16``); None: fp32.
+        clip_rms: momentum mode: scale each tensor's frozen-variance direction down to this
+            RMS when above it (Adafactor's update clipping, Shazeer & Stern, ICML 2018, d=1):
+            a guard against coordinates whose frozen ``v`` is near zero. None: off.
         process_group: the group to average over (default: the world; none initialised:
             a single process, nothing is sent).
         seed: seeds stochastic codecs (per rank, step and parameter).
@@ -167,6 +174,7 @@ class CompressedAdamW(torch.optim.Optimizer):
         weight_decay: float = 0.01,
         warmup_steps: int = 0,
         warmup_codec: Codec | None = None,
+        clip_rms: float | None = None,
         process_group: dist.ProcessGroup | None = None,
         seed: int = 0,
     ) -> None:
@@ -187,6 +195,8 @@ class CompressedAdamW(torch.optim.Optimizer):
                 "mode='momentum' freezes Adam's second moment after a dense warm-up: set "
                 "warmup_steps >= 1 (about 10% of the run; 20 of 200 steps on the char-GPT)"
             )
+        if clip_rms is not None and not clip_rms > 0:
+            raise ConfigError(f"clip_rms must be > 0 or None, got {clip_rms}")
         if warmup_codec is not None and not warmup_codec.summable:
             raise ConfigError(
                 f"warmup_codec must be summable (fp16, bf16, identity), got {warmup_codec.spec}"
@@ -196,6 +206,7 @@ class CompressedAdamW(torch.optim.Optimizer):
         self.codec = codec
         self.mode = mode
         self.warmup_codec = warmup_codec
+        self.clip_rms = clip_rms
         self.warmup_steps = warmup_steps
         self.process_group = process_group
         self.seed = seed
@@ -274,7 +285,11 @@ class CompressedAdamW(torch.optim.Optimizer):
         bias_correction1 = 1 - beta1**self.steps
         bias_correction2_sqrt = (1 - beta2**self.warmup_steps) ** 0.5
         denom = (state["exp_avg_sq"].sqrt() / bias_correction2_sqrt).add_(group["eps"])
-        return (state["exp_avg"] / denom / bias_correction1).reshape(-1)
+        direction = (state["exp_avg"] / denom / bias_correction1).reshape(-1)
+        if self.clip_rms is not None:  # no host sync: a tensor scale
+            rms = direction.square().mean().sqrt()
+            direction /= torch.clamp(rms / self.clip_rms, min=1.0)
+        return direction
 
     def _generator(self, rank: int, index: int, device: torch.device) -> torch.Generator:
         key = f"{self.seed}/{rank}/{self.steps}/{index}".encode()
