@@ -268,6 +268,11 @@ def _check_label(label: str) -> None:
         _theta_schedule(schedule, 1)
 
 
+def _applies(task: TaskConfig, label: str) -> bool:
+    """Optimizer-side labels (``adam-*``) replace Adam/AdamW: not run on SGD tasks."""
+    return task.optimizer != "sgd" or not label.startswith("adam-")
+
+
 def _theta_schedule(options: dict[str, float], total: int) -> Any:
     from superneurons.compress.schedule import DiminishingTheta
 
@@ -325,7 +330,7 @@ def _rank_main(rank: int, config: ConvergenceConfig, port: int, out: str) -> Non
     try:
         for task in config.tasks:
             data = _datasets(task, config)
-            for codec in config.codecs:
+            for codec in (c for c in config.codecs if _applies(task, c)):
                 record = _train_one(task, codec, data, rank, config.nproc, config.seed)
                 if rank == 0:
                     with open(out, "a", encoding="utf-8") as handle:
@@ -350,7 +355,7 @@ def run_convergence_bench(
             join=False,
             start_method="spawn",
         )
-        expected = len(config.tasks) * len(config.codecs)
+        expected = sum(_applies(t, c) for t in config.tasks for c in config.codecs)
         seen = 0
         while not ctx.join(timeout=1.0):
             lines = out.read_text().splitlines() if out.exists() else []
