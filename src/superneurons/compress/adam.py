@@ -31,7 +31,6 @@ it issues one collective per step from ``step()``, the same on every rank.
 
 from __future__ import annotations
 
-import logging
 import re
 import zlib
 from collections.abc import Iterable
@@ -56,8 +55,6 @@ __all__ = [
 ]
 
 MODES = ("momentum", "update")
-
-logger = logging.getLogger("superneurons.compress")
 
 
 _OPTIMIZER_SPEC = re.compile(r"^adam-(momentum|update)(?:\[([^\]]*)\])?:(.+)$")
