@@ -7,10 +7,11 @@ import torch
 from torch import nn
 
 from superneurons.errors import ConfigError
-from superneurons.memory.plan import make_plan
+from superneurons.memory.planner import make_plan
 from superneurons.memory.planner import min_peak_bytes
 from superneurons.memory.profile import profile_step
-from superneurons.memory.simulate import max_fitting, profile_zoo, simulate_plan
+from superneurons.bench.search import max_fitting
+from superneurons.memory.simulate import profile_zoo, simulate_plan
 
 
 def _peaks(n: int) -> dict[str, int]:

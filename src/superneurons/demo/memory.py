@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from superneurons.memory.plan import InfeasibleBudgetError, Plan, make_plan
+from superneurons.memory.plan import InfeasibleBudgetError, Plan
+from superneurons.memory.planner import make_plan
 from superneurons.memory.profile import profile_step
 from superneurons.memory.runtime import apply_plan
 from superneurons.memory.tracker import LiveStorageTracker

@@ -32,6 +32,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from superneurons.errors import ConfigError
+from superneurons.memory.cost import measure_copy_bandwidth
+from superneurons.memory.recompute import running_stat_bytes
 from superneurons.memory.profile_types import (
     CATEGORIES,
     Profile,
@@ -64,9 +66,10 @@ class _Recorder:
         self.op_of_storage: dict[int, str] = {}
         self.saved_by_unit: dict[str, set[int]] = {}
         self.phase = "forward"
+        self.timer: _EventTimer | None = None  # CUDA events per unit forward (real CUDA runs)
 
     # module hooks --------------------------------------------------------------------------
-    def pre(self, fqn: str) -> None:
+    def pre(self, fqn: str, args: Any = ()) -> None:
         call = self.calls.get(fqn, 0)
         self.calls[fqn] = call + 1
         self.stack.append((fqn, call))
@@ -86,6 +89,13 @@ class _Recorder:
                 ),
             )
             row["t0"] = time.perf_counter()
+            row["in_sids"] = {
+                self.tracker.serial_of(t)
+                for t in tree_flatten(args)[0]
+                if isinstance(t, torch.Tensor)
+            } - {None}
+            if self.timer is not None:
+                row["events"] = self.timer.start()
 
     def post(self, fqn: str, output: Any) -> None:
         if self.stack and self.stack[-1][0] == fqn:
@@ -99,8 +109,17 @@ class _Recorder:
                 for t in tree_flatten(output)[0]
                 if isinstance(t, torch.Tensor) and self.tracker.serial_of(t) not in saved_here
             )
+            out_sids = {
+                self.tracker.serial_of(t)
+                for t in tree_flatten(output)[0]
+                if isinstance(t, torch.Tensor)
+            }
+            row["inplace"] = row.get("inplace", False) or bool(out_sids & row["in_sids"])
             row["fwd_end"] = self.tracker.event
-            row["time_s"] += time.perf_counter() - row["t0"]
+            if self.timer is not None:
+                self.timer.stop(fqn, row.pop("events"))
+            else:
+                row["time_s"] += time.perf_counter() - row["t0"]
 
     def current_unit(self) -> str:
         for fqn, _ in reversed(self.stack):
@@ -168,7 +187,35 @@ class _Recorder:
             unit = row["unit"]
             if unit and self.unit_rows[unit]["bwd_start"] < 0:
                 self.unit_rows[unit]["bwd_start"] = self.tracker.event
+            if unit:
+                self.unit_rows[unit]["bwd_end"] = self.tracker.event
         return tensor
+
+
+class _EventTimer:
+    """Per-unit forward time on CUDA from event pairs, read once after the step (no synchronize
+    between ops: ``perf_counter`` around asynchronous launches would time the launch only)."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[str, Any, Any]] = []
+
+    def start(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, fqn: str, start: Any) -> None:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self.pairs.append((fqn, start, end))
+
+    def seconds(self) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        if self.pairs:
+            self.pairs[-1][2].synchronize()  # once, after the profiled step
+        for fqn, start, end in self.pairs:
+            totals[fqn] = totals.get(fqn, 0.0) + start.elapsed_time(end) / 1e3
+        return totals
 
 
 def profile_step(
@@ -265,9 +312,13 @@ def _run(
     tracker = LiveStorageTracker(record_timeline=False)
     rec = _Recorder(tracker, unit_fqns)
     tracker._on_op = rec.on_op  # type: ignore[assignment]
+    first = next(iter(model.parameters()), None)
+    on_cuda = not fake and first is not None and first.device.type == "cuda"
+    if on_cuda:
+        rec.timer = _EventTimer()
     handles = []
     for fqn, module in model.named_modules():
-        handles.append(module.register_forward_pre_hook(lambda *_, f=fqn: rec.pre(f)))
+        handles.append(module.register_forward_pre_hook(lambda _m, a, f=fqn: rec.pre(f, a)))
         handles.append(module.register_forward_hook(lambda _m, _a, out, f=fqn: rec.post(f, out)))
     params = [*model.parameters(), *model.buffers()]
     state_tensors = _optimizer_tensors(optimizer)
@@ -281,11 +332,15 @@ def _run(
     try:
         with tracker, torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack):
             output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+            events["model_end"] = tracker.event
             loss = loss_fn(output, targets)
+            # NOTE: a training loop drops the model's output once the loss exists
+            # (``loss_fn(model(x), y).backward()``); only what autograd saved of it stays.
+            del output
             events["forward_end"] = tracker.event
             rec.phase = "backward"
             loss.backward()
-            del output, loss
+            del loss
             events["backward_end"] = tracker.event
             rec.phase = "step"
             if optimizer is not None:
@@ -295,13 +350,23 @@ def _run(
         for handle in handles:
             handle.remove()
     step_s = time.perf_counter() - start_s
+    for fqn, row in rec.unit_rows.items():
+        row["norm_state_bytes"] = running_stat_bytes(model.get_submodule(fqn))
+    bandwidth = (0.0, 0.0)
+    if rec.timer is not None:
+        for fqn, seconds in rec.timer.seconds().items():
+            if fqn in rec.unit_rows:
+                rec.unit_rows[fqn]["time_s"] = seconds
+        assert first is not None
+        bandwidth = measure_copy_bandwidth(first.device)
     grads = {tracker.serial_of(p.grad) for p in model.parameters() if p.grad is not None} - {None}
     opt_state = {tracker.serial_of(t) for t in _optimizer_tensors(optimizer)} - {None}
     return Profile.from_recording(
         tracker=tracker,
         saved_rows=rec.saved,
         unit_rows=rec.unit_rows,
-        unit_order=[f for f in dict(model.named_modules()) if f in rec.unit_rows],
+        # forward order (the runtime's one-ahead prefetch and the planner rely on it)
+        unit_order=sorted(rec.unit_rows, key=lambda f: rec.unit_rows[f]["fwd_start"]),
         param_storages=rec.param_storages,
         grad_storages=grads,  # type: ignore[arg-type]
         opt_storages=opt_state,  # type: ignore[arg-type]
@@ -309,6 +374,7 @@ def _run(
         events=events,
         fake=fake,
         step_s=step_s,
+        copy_bytes_per_s=bandwidth,
     )
 
 

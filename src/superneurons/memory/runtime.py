@@ -5,7 +5,9 @@
 non-reentrant checkpoint with BatchNorm statistics updated once
 (:mod:`superneurons.memory.recompute`, SuperNeurons §3.3); ``offload`` packs its saved
 tensors into the Unified Tensor Pool (:mod:`superneurons.memory.pool`, §3.2), which brings
-them back one unit ahead of backward. With ``plan.optimizer_in_backward`` each parameter is
+them back one unit ahead of backward; ``recompute+offload`` runs the checkpointed forward
+inside the pool, so the one tensor the checkpoint saves (its input) goes to the host and is
+prefetched one unit ahead, and the layers between checkpoints are recomputed. With ``plan.optimizer_in_backward`` each parameter is
 stepped as soon as its gradient is accumulated and the gradient is freed at once
 (``Tensor.register_post_accumulate_grad_hook``).
 
@@ -31,7 +33,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from superneurons.errors import ConfigError
-from superneurons.memory.plan import Plan
+from superneurons.memory.plan import OFFLOADING, Plan
 from superneurons.memory.pool import PoolConfig, PoolStats, TensorPool
 from superneurons.memory.recompute import RecomputeStats, checkpointed_forward
 
@@ -152,6 +154,7 @@ def apply_plan(
     units = _resolve_units(model, plan)
     order = [u.fqn for u in plan.units]  # forward order, keep units included
     previous = {b: plan.action_of(a) for a, b in zip(order, order[1:], strict=False)}
+    chained = {fqn: previous.get(fqn) in OFFLOADING for fqn in order}
     if any(getattr(m.forward, _MARK, False) for _, _, m in units):
         raise ConfigError("this model already runs a plan: remove() the first handle")
 
@@ -167,8 +170,11 @@ def apply_plan(
                 stats = handle.recompute_stats.setdefault(fqn, RecomputeStats())
                 handle._wrap(module, checkpointed_forward(module, module.forward, stats))
             elif action == "offload":
-                chained = previous.get(fqn) == "offload"
-                handle._wrap(module, _offloaded_forward(pool, module.forward, chained))
+                handle._wrap(module, _offloaded_forward(pool, module.forward, chained[fqn]))
+            elif action == "recompute+offload":
+                stats = handle.recompute_stats.setdefault(fqn, RecomputeStats())
+                inner = checkpointed_forward(module, module.forward, stats)
+                handle._wrap(module, _offloaded_forward(pool, inner, chained[fqn]))
         for members in _segments(model, plan):
             _wrap_segment(handle, members)
         if plan.optimizer_in_backward:
@@ -177,10 +183,12 @@ def apply_plan(
         handle.remove()
         raise
     logger.info(
-        "plan applied: %d keep, %d offload, %d recompute units, optimizer_in_backward=%s",
+        "plan applied: %d keep, %d offload, %d recompute, %d recompute+offload units, "
+        "optimizer_in_backward=%s",
         plan.count("keep"),
         plan.count("offload"),
         plan.count("recompute"),
+        plan.count("recompute+offload"),
         plan.optimizer_in_backward,
     )
     return handle
