@@ -72,12 +72,15 @@ def evaluate(
             members.setdefault(segments[fqn], []).append(fqn)
     def prefetched(fqn: str) -> int:
         # the runtime prefetches a unit's pool group when backward enters the next unit if that
-        # one is offloaded too (autograd pre-hook on its outputs), else when backward enters
-        # the unit itself
+        # one is offloaded too (autograd pre-hook on its outputs; for a recompute+offload unit
+        # on the nodes after its output node, once its recompute is over), else when backward
+        # enters the unit itself
         bwd = units[fqn].bwd_start_event
         nxt = next_unit.get(fqn, "")
         if actions.get(nxt, "") in OFFLOADING:
             ahead = units[nxt].bwd_start_event
+            if actions[nxt] == "recompute+offload" and ahead >= 0:
+                ahead += 1  # after the next unit's recompute (its spike at ahead + 1)
             bwd = ahead if 0 <= ahead < bwd else bwd
         return bwd
 
@@ -130,6 +133,21 @@ def evaluate(
         change[restore] += life.nbytes
         if to_host:
             host_bytes += life.nbytes
+    for fqn, action in actions.items():
+        unit = units[fqn]
+        if action not in RECOMPUTING or not unit.unsaved_input_bytes or unit.bwd_start_event < 0:
+            continue
+        if members.get(segments.get(fqn, -1), [fqn])[0] != fqn:
+            continue  # inside a segment: the segment's recompute brings it back
+        # a checkpoint keeps an input eager autograd would have freed in forward
+        end = min(max(unit.bwd_end_event, unit.bwd_start_event) + 1, profile.num_events)
+        start = unit.fwd_end_event + 1
+        if action == "recompute+offload":
+            start = prefetched(fqn) + 1
+            host_bytes += unit.unsaved_input_bytes
+        if start < end:
+            change[start] += unit.unsaved_input_bytes
+            change[end] -= unit.unsaved_input_bytes
     total = total + np.cumsum(change[:-1])
     extra_s = transfer_s = exposed_s = 0.0
     for fqn, action in actions.items():
@@ -169,7 +187,7 @@ def segment_runs(profile: Profile, actions: dict[str, str]) -> dict[str, int]:
     for unit in profile.units:
         parent, _, name = unit.fqn.rpartition(".")
         key = (parent, int(name)) if name.isdigit() else None
-        if actions.get(unit.fqn) != "recompute" or key is None:
+        if actions.get(unit.fqn) != "recompute" or key is None or not unit.in_sequential:
             previous = None
             continue
         if previous is not None and previous[0] == parent and previous[1] + 1 == key[1]:

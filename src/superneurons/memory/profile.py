@@ -94,6 +94,7 @@ class _Recorder:
                 for t in tree_flatten(args)[0]
                 if isinstance(t, torch.Tensor)
             } - {None}
+            row.setdefault("first_in_sids", row["in_sids"])
             if self.timer is not None:
                 row["events"] = self.timer.start()
 
@@ -352,6 +353,8 @@ def _run(
     step_s = time.perf_counter() - start_s
     for fqn, row in rec.unit_rows.items():
         row["norm_state_bytes"] = running_stat_bytes(model.get_submodule(fqn))
+        parent = model.get_submodule(fqn.rpartition(".")[0]) if fqn else None
+        row["in_sequential"] = isinstance(parent, nn.Sequential)
     bandwidth = (0.0, 0.0)
     if rec.timer is not None:
         for fqn, seconds in rec.timer.seconds().items():

@@ -119,6 +119,8 @@ class UnitProfile:
         inplace: its forward returned a tensor sharing storage with an input (an in-place
             layer such as ``ReLU(inplace=True)``): it cannot be recomputed from its input.
         norm_state_bytes: BatchNorm running statistics a recompute of it snapshots.
+        unsaved_input_bytes: bytes of its inputs that eager autograd does not save (e.g. a
+            dropout's input), made during the step: a checkpoint of the unit would keep them.
     """
 
     fqn: str
@@ -135,6 +137,8 @@ class UnitProfile:
     bwd_end_event: int = -1
     inplace: bool = False
     norm_state_bytes: int = 0  # running statistics a recompute snapshots (memory.recompute)
+    unsaved_input_bytes: int = 0
+    in_sequential: bool = False  # a child of an ``nn.Sequential`` (segments need one)
 
 
 @dataclass(frozen=True)
@@ -295,6 +299,14 @@ class Profile:
                     bwd_end_event=int(u.get("bwd_end", -1)),
                     inplace=bool(u.get("inplace", False)),
                     norm_state_bytes=int(u.get("norm_state_bytes", 0)),
+                    in_sequential=bool(u.get("in_sequential", False)),
+                    unsaved_input_bytes=sum(
+                        tracker.nbytes[sid]
+                        for sid in u.get("first_in_sids", ())
+                        if sid not in saved_sids
+                        and sid not in param_storages
+                        and tracker.births.get(sid, -1) >= 0
+                    ),
                 )
             )
         return cls(

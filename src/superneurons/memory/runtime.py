@@ -172,9 +172,12 @@ def apply_plan(
             elif action == "offload":
                 handle._wrap(module, _offloaded_forward(pool, module.forward, chained[fqn]))
             elif action == "recompute+offload":
+                # the checkpoint's input goes to the pool; the previous checkpoint is
+                # prefetched once this unit's recompute has finished
                 stats = handle.recompute_stats.setdefault(fqn, RecomputeStats())
                 inner = checkpointed_forward(module, module.forward, stats)
-                handle._wrap(module, _offloaded_forward(pool, inner, chained[fqn]))
+                forward = _offloaded_forward(pool, inner, chained[fqn], after_first_node=True)
+                handle._wrap(module, forward)
         for members in _segments(model, plan):
             _wrap_segment(handle, members)
         if plan.optimizer_in_backward:
@@ -267,10 +270,16 @@ def _passthrough(x: Any) -> Any:
 
 
 def _offloaded_forward(
-    pool: TensorPool, forward: Callable[..., Any], chained: bool
+    pool: TensorPool, forward: Callable[..., Any], chained: bool, *, after_first_node: bool = False
 ) -> Callable[..., Any]:
     """Run ``forward`` with its saved tensors packed into ``pool``; arm the prefetch (of the
-    previous unit too when it is offloaded as well: ``chained``)."""
+    previous unit too when it is offloaded as well: ``chained``).
+
+    ``after_first_node`` (recompute+offload): the previous unit's group is prefetched when
+    backward leaves this unit's output node, i.e. once the recompute that node's unpack
+    triggered is over and its transient buffers are gone, so the copy is not live during the
+    recompute's peak and still overlaps the rest of this unit's backward.
+    """
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -287,8 +296,17 @@ def _offloaded_forward(
         }
         for node in nodes:
             node.register_prehook(
-                lambda _grads, g=group: pool.backward_entered(g, previous=chained)
+                lambda _grads, g=group: pool.backward_entered(
+                    g, previous=chained and not after_first_node
+                )
             )
+            if not (chained and after_first_node):
+                continue
+            for child, _ in node.next_functions:
+                if child is not None and child not in nodes:
+                    child.register_prehook(
+                        lambda _grads, g=group: pool.backward_entered(g - 1, previous=False)
+                    )
         return out
 
     return wrapped

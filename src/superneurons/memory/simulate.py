@@ -14,6 +14,7 @@ The zoo searches (largest depth / batch) live in :mod:`superneurons.bench.search
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -95,7 +96,9 @@ def simulate_plan(
     inputs, targets = (mode.from_tensor(t) if torch.is_tensor(t) else t for t in (inputs, targets))
     with mode:
         def factory(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-            return type(optimizer)(params, **optimizer.defaults)
+            accepted = inspect.signature(type(optimizer)).parameters
+            options = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+            return type(optimizer)(params, **options)
 
         handle: PlanHandle = apply_plan(
             model,
