@@ -107,7 +107,9 @@ def _search(profile: Profile, strategy: str, budget_bytes: int | None, cost: Cos
     actions = {u.fqn: "keep" for u in profile.units}
     first, upgrades = _candidates(profile, _ALLOWED[strategy], cost)
     segment: list[tuple[str, str]] = [_SEGMENT] if "recompute" in _ALLOWED[strategy] else []
-    steps = first + segment + upgrades
+    # NOTE: with a host pool, checkpoints go to the host (hidden behind recompute) before
+    # memory-centric segments, which recompute twice and still hold the segment inputs
+    steps = first + upgrades + segment
     segmented = False
 
     def outcome_of() -> _Outcome:

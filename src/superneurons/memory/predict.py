@@ -99,38 +99,49 @@ def evaluate(
             continue
         if life.birth == 0 or life.death >= profile.num_events - 1:
             continue  # the caller holds it (an input, an output): moving it frees nothing
-        releases, restores, held, to_host = [], [], False, False
+        # where it lives again after its release: (start, end) event windows. A prefetched
+        # checkpoint lives until its unit's backward is over; what a recompute re-creates is
+        # a new storage that lives until the eager death, as does what a prefetch brings back.
+        releases, windows, held, to_host = [], [], False, False
+        death = life.death + 1
         for f in packers:
             unit, action = units[f], actions[f]
             if action in RECOMPUTING and life.birth < unit.fwd_start_event:
                 group = members.get(segments.get(f, -1), [f])
                 if group[0] != f:  # an inner input of a segment: the segment recomputes it
                     releases.append(units[group[-1]].fwd_end_event)
-                    restores.append(units[group[-1]].bwd_start_event)
+                    windows.append((units[group[-1]].bwd_start_event + 1, death))
                     continue
                 if action == "recompute":
                     held = True  # a checkpoint's input stays saved
                     break
                 releases.append(unit.fwd_end_event)  # the checkpoint goes to the host pool
-                restores.append(prefetched(f))
+                end = max(unit.bwd_end_event, unit.bwd_start_event) + 2
+                windows.append((prefetched(f) + 1, end))
                 to_host = True
                 continue
             releases.append(unit.fwd_end_event)
             if action == "offload":
-                restores.append(prefetched(f))
+                windows.append((prefetched(f) + 1, death))
                 to_host = True
             else:
-                restores.append(unit.bwd_start_event)  # recomputed
+                windows.append((unit.bwd_start_event + 1, death))  # recomputed
         if held:
             continue
-        release = max(releases) + 1
         # NOTE: an unpack at event e happens after op e, when the storages that died at e are
         # already gone: what it brings back is live from op e + 1 on.
-        restore = min(min(restores) + 1, life.death + 1)
-        if restore <= release:
+        release = max(releases) + 1
+        if release >= death:
             continue
         change[release] -= life.nbytes
-        change[restore] += life.nbytes
+        change[death] += life.nbytes
+        live_until = release
+        for start, end in sorted((max(s, release), min(e, death)) for s, e in windows):
+            start = max(start, live_until)
+            if start < end:
+                change[start] += life.nbytes
+                change[end] -= life.nbytes
+                live_until = end
         if to_host:
             host_bytes += life.nbytes
     for fqn, action in actions.items():
