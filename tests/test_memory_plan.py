@@ -9,8 +9,7 @@ from torch import nn
 from superneurons.bytesize import parse_bytes
 from superneurons.errors import ConfigError
 from superneurons.memory.plan import InfeasibleBudgetError, Plan, UnitDecision
-from superneurons.memory.planner import make_plan
-from superneurons.memory.planner import min_peak_bytes
+from superneurons.memory.planner import make_plan, min_peak_bytes
 from superneurons.memory.profile import profile_step
 from superneurons.memory.profile_types import Profile
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from superneurons.bench.artifacts import markdown_table, pyplot, write_json, write_markdown
-from superneurons.memory.planner import min_peak_bytes
 from superneurons.bench.search import max_fitting, zoo_peaks
+from superneurons.memory.planner import min_peak_bytes
 from superneurons.memory.simulate import profile_zoo
 from superneurons.models.resnet import n_to_depth
 

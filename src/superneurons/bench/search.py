@@ -21,9 +21,10 @@ from typing import Any
 from superneurons.errors import ConfigError
 from superneurons.memory.cost import CostModel
 from superneurons.memory.planner import min_peak_bytes
+from superneurons.memory.profile_types import Profile
 from superneurons.memory.simulate import profile_zoo
 
-__all__ = ["FitResult", "max_fitting", "zoo_peaks"]
+__all__ = ["FitResult", "max_fitting", "profile_for_strategy", "zoo_peaks"]
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,25 @@ def zoo_peaks(
             kwargs["layers"] = (6, 32, size, 6)
         else:
             kwargs["batch_size"] = size
-        return min_peak_bytes(profile_zoo(name, **kwargs), cost=cost)
+        # NOTE: blocks suit checkpointing (a layer's checkpoint is its input: no saving);
+        # splitting the largest blocks into layers suits the pool: each strategy its best
+        block = min_peak_bytes(profile_zoo(name, granularity="block", **kwargs), cost=cost)
+        split = min_peak_bytes(profile_zoo(name, granularity="auto", **kwargs), cost=cost)
+        return {s: min(block[s], split[s]) for s in block}
 
     return peaks
+
+
+def profile_for_strategy(
+    name: str, strategy: str, *, cost: CostModel | None = None, **kwargs: Any
+) -> tuple[Profile, str]:
+    """The zoo profile (block or split granularity) whose floor for ``strategy`` is lower, and
+    that granularity's name: blocks suit checkpointing, split blocks suit the tensor pool."""
+    found = []
+    for granularity in ("block", "auto"):
+        profile = profile_zoo(name, granularity=granularity, **kwargs)
+        minima = min_peak_bytes(profile, cost=cost)
+        floor = minima[strategy] if strategy in minima else min(minima.values())
+        found.append((floor, granularity, profile))
+    floor, granularity, profile = min(found, key=lambda f: f[0])
+    return profile, granularity

@@ -17,10 +17,11 @@ down to "the maximal memory usage among layers". A plan's floor is therefore rep
 from __future__ import annotations
 
 import numpy as np
+from torch import nn
 
-from superneurons.memory.profile_types import CATEGORIES, Profile
+from superneurons.memory.profile_types import CATEGORIES, Profile, layer_units
 
-__all__ = ["LOSS", "largest_unit_bytes", "resident_bytes", "working_sets"]
+__all__ = ["LOSS", "largest_unit_bytes", "resident_bytes", "split_largest", "working_sets"]
 
 LOSS = "<loss>"
 
@@ -77,3 +78,24 @@ def working_sets(profile: Profile) -> dict[str, int]:
 def largest_unit_bytes(profile: Profile) -> int:
     """The largest working set of one unit (or the loss): see :func:`working_sets`."""
     return max(working_sets(profile).values(), default=0)
+
+
+def split_largest(model: nn.Module, profile: Profile, *, factor: float = 1.5) -> list[str]:
+    """Units for a second profile: each unit whose working set exceeds ``factor`` x the median
+    unit's is replaced by its layers (:func:`layer_units`), the others kept.
+
+    The floor of a plan is set by the largest working set; splitting only the few units that
+    hold it (a ResNet's high-resolution stages) lowers it at a fraction of the planning cost of
+    splitting everything (SuperNeurons plans per layer, Wang et al., PPoPP'18 §3).
+    """
+    sets = working_sets(profile)
+    sizes = sorted(sets[u.fqn] for u in profile.units)
+    if not sizes:
+        return []
+    threshold = factor * sizes[len(sizes) // 2]
+    layers = layer_units(model)
+    units: list[str] = []
+    for unit in profile.units:
+        inner = [f for f in layers if f.startswith(unit.fqn + ".")]
+        units += inner if sets[unit.fqn] > threshold and inner else [unit.fqn]
+    return units

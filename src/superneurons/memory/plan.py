@@ -204,4 +204,3 @@ class Plan:
         if not isinstance(body, dict):
             raise ConfigError("plan JSON must be an object: write one with Plan.to_json")
         return cls.from_dict(body)
-

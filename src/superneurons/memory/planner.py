@@ -30,6 +30,8 @@ from dataclasses import dataclass, replace
 
 from superneurons.bytesize import format_bytes
 from superneurons.errors import ConfigError
+from superneurons.memory.bounds import largest_unit_bytes, resident_bytes
+from superneurons.memory.cost import CostModel
 from superneurons.memory.plan import (
     STRATEGIES,
     InfeasibleBudgetError,
@@ -37,8 +39,6 @@ from superneurons.memory.plan import (
     TensorDecision,
     UnitDecision,
 )
-from superneurons.memory.bounds import largest_unit_bytes, resident_bytes
-from superneurons.memory.cost import CostModel
 from superneurons.memory.predict import _Outcome, evaluate, segment_runs
 from superneurons.memory.profile_types import Profile
 

@@ -66,7 +66,9 @@ class PoolConfig:
 
     def __post_init__(self) -> None:
         if self.host_device not in ("cpu", "meta"):
-            raise ConfigError(f"PoolConfig.host_device must be 'cpu' or 'meta', got {self.host_device!r}")
+            raise ConfigError(
+                f"PoolConfig.host_device must be 'cpu' or 'meta', got {self.host_device!r}"
+            )
         for name in ("min_offload_bytes", "host_bytes", "cache_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"PoolConfig.{name} must be >= 0, got {getattr(self, name)}")
@@ -165,9 +167,9 @@ class TensorPool:
                 yield group
         finally:
             self._active_group = None
-            self._dedupe.clear()
-            if not self._groups[group]:
-                del self._groups[group]
+            self._dedupe.clear()  # may drop the last reference to a handle: released
+            if not self._groups.get(group):
+                self._groups.pop(group, None)
 
     def _offloadable(self, tensor: torch.Tensor) -> bool:
         return (

@@ -70,6 +70,7 @@ def evaluate(
     for fqn in order:
         if fqn in segments:
             members.setdefault(segments[fqn], []).append(fqn)
+
     def prefetched(fqn: str) -> int:
         # the runtime prefetches a unit's pool group when backward enters the next unit if that
         # one is offloaded too (autograd pre-hook on its outputs; for a recompute+offload unit

@@ -33,7 +33,6 @@ from torch.utils.flop_counter import flop_registry
 
 from superneurons.errors import ConfigError
 from superneurons.memory.cost import measure_copy_bandwidth
-from superneurons.memory.recompute import running_stat_bytes
 from superneurons.memory.profile_types import (
     CATEGORIES,
     Profile,
@@ -41,6 +40,7 @@ from superneurons.memory.profile_types import (
     UnitProfile,
     default_units,
 )
+from superneurons.memory.recompute import running_stat_bytes
 from superneurons.memory.tracker import LiveStorageTracker
 
 __all__ = ["CATEGORIES", "Profile", "SavedTensor", "UnitProfile", "profile_step"]

@@ -23,10 +23,11 @@ import torch
 from torch import nn
 
 from superneurons.errors import ConfigError
+from superneurons.memory.bounds import split_largest
 from superneurons.memory.plan import Plan
 from superneurons.memory.pool import PoolConfig
 from superneurons.memory.profile import profile_step
-from superneurons.memory.profile_types import Profile
+from superneurons.memory.profile_types import GRANULARITIES, Profile, default_units, layer_units
 from superneurons.memory.runtime import PlanHandle, apply_plan
 
 __all__ = ["OPTIMIZERS", "profile_zoo", "simulate_plan"]
@@ -42,13 +43,27 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
 
 
 def profile_zoo(
-    name: str, *, batch_size: int, optimizer: str = "sgd", **model_kwargs: Any
+    name: str,
+    *,
+    batch_size: int,
+    optimizer: str = "sgd",
+    granularity: str = "auto",
+    **model_kwargs: Any,
 ) -> Profile:
-    """Profile one step of zoo model ``name`` on fake tensors (no real memory)."""
+    """Profile one step of zoo model ``name`` on fake tensors (no real memory).
+
+    ``granularity``: ``"block"`` (:func:`default_units`), ``"layer"`` (:func:`layer_units`) or
+    ``"auto"`` (blocks, then the blocks with the largest working sets split into their layers
+    and profiled again: :func:`superneurons.memory.bounds.split_largest`).
+    """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from superneurons.models.zoo import build_model, default_loss, model_input
 
+    if granularity not in GRANULARITIES:
+        raise ConfigError(
+            f"unknown granularity {granularity!r}: use one of {', '.join(GRANULARITIES)}"
+        )
     if optimizer not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
     mode = FakeTensorMode()
@@ -56,7 +71,16 @@ def profile_zoo(
         model = build_model(name, **model_kwargs)
         opt = None if optimizer == "none" else OPTIMIZERS[optimizer](model.parameters())
         inputs, targets = model_input(name, batch_size, **model_kwargs)
-    return profile_step(model, inputs, targets, default_loss(name), opt, fake_mode=mode)
+    units = layer_units(model) if granularity == "layer" else default_units(model)
+    loss_fn = default_loss(name)
+    profile = profile_step(model, inputs, targets, loss_fn, opt, fake_mode=mode, units=units)
+    if granularity == "auto":
+        split = split_largest(model, profile)
+        if split != units:
+            profile = profile_step(
+                model, inputs, targets, loss_fn, opt, fake_mode=mode, units=split
+            )
+    return profile
 
 
 class _StepAll:
@@ -95,6 +119,7 @@ def simulate_plan(
         model, optimizer = copy.deepcopy((model, optimizer))
     inputs, targets = (mode.from_tensor(t) if torch.is_tensor(t) else t for t in (inputs, targets))
     with mode:
+
         def factory(params: list[nn.Parameter]) -> torch.optim.Optimizer:
             accepted = inspect.signature(type(optimizer)).parameters
             options = {k: v for k, v in optimizer.defaults.items() if k in accepted}
