@@ -103,7 +103,7 @@ def evaluate(
         # where it lives again after its release: (start, end) event windows. A prefetched
         # checkpoint lives until its unit's backward is over; what a recompute re-creates is
         # a new storage that lives until the eager death, as does what a prefetch brings back.
-        releases, windows, held, to_host = [], [], False, False
+        releases, windows, held, copies = [], [], False, 0
         death = life.death + 1
         for f in packers:
             unit, action = units[f], actions[f]
@@ -119,12 +119,12 @@ def evaluate(
                 releases.append(unit.fwd_end_event)  # the checkpoint goes to the host pool
                 end = max(unit.bwd_end_event, unit.bwd_start_event) + 2
                 windows.append((prefetched(f) + 1, end))
-                to_host = True
+                copies += 1
                 continue
             releases.append(unit.fwd_end_event)
             if action == "offload":
                 windows.append((prefetched(f) + 1, death))
-                to_host = True
+                copies += 1  # each unit's pool group copies what it saved
             else:
                 windows.append((unit.bwd_start_event + 1, death))  # recomputed
         if held:
@@ -143,8 +143,7 @@ def evaluate(
                 change[start] += life.nbytes
                 change[end] -= life.nbytes
                 live_until = end
-        if to_host:
-            host_bytes += life.nbytes
+        host_bytes += copies * life.nbytes
     for fqn, action in actions.items():
         unit = units[fqn]
         if action not in RECOMPUTING or not unit.unsaved_input_bytes or unit.bwd_start_event < 0:
