@@ -241,3 +241,17 @@ def test_cuda_pinned_pool_prefetch_overlaps_compute() -> None:
     on_demand, _ = step_ms(PoolConfig(min_offload_bytes=0, prefetch=False))
     assert stats["prefetch_hits"] > 0 and stats["demand_fetches"] <= 4  # one per step at most
     assert with_prefetch < on_demand
+
+
+def test_device_presets_and_measured_copy_bandwidth() -> None:
+    from superneurons.memory.cost import DEVICE_PRESETS, cost_model, measure_copy_bandwidth
+
+    assert set(DEVICE_PRESETS) == {"h100", "a100", "cpu"}
+    h100 = cost_model("h100")
+    assert h100.fetch_s(54_600_000_000) == pytest.approx(1.0)  # CONTEXT §5: 54.6 GB/s back
+    assert h100.copy_s(41_700_000_000) == pytest.approx(1.0)  # and 41.7 GB/s to the host
+    assert cost_model("a100", bandwidth_bytes_per_s=1e9).bandwidth_bytes_per_s == 1e9
+    with pytest.raises(ConfigError):
+        cost_model("tpu")
+    d2h, h2d = measure_copy_bandwidth("cpu", nbytes=1 << 20, repeats=2)
+    assert d2h > 0 and h2d > 0
