@@ -18,7 +18,6 @@ from typing import Any
 from superneurons.bench.artifacts import markdown_table, pyplot, write_json, write_markdown
 from superneurons.bench.search import max_fitting, zoo_peaks
 from superneurons.memory.planner import min_peak_bytes
-from superneurons.memory.simulate import profile_zoo
 from superneurons.models.resnet import n_to_depth
 
 __all__ = ["ANCHOR_DEPTHS", "PAPER_DEPTHS", "run_deeper"]
@@ -89,7 +88,7 @@ def run_deeper(
     if validate:
         n = fits["eager"].size
         t0 = time.perf_counter()
-        direct = min_peak_bytes(profile_zoo("resnet", batch_size=16, layers=(6, 32, n, 6)))
+        direct = peaks(n)  # the same per-strategy profiles (block and split) as the fit
         for strategy, fit in fits.items():
             predicted = fit.intercept_bytes + fit.slope_bytes * n
             validation[strategy] = (predicted - direct[strategy]) / direct[strategy]
