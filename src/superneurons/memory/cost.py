@@ -17,7 +17,7 @@ import torch
 
 from superneurons.errors import ConfigError
 
-__all__ = ["DEVICE_PRESETS", "CostModel", "cost_model", "measure_copy_bandwidth"]
+__all__ = ["DEVICE_PRESETS", "CostModel", "EventTimer", "cost_model", "measure_copy_bandwidth"]
 
 logger = logging.getLogger("superneurons.memory")
 
@@ -130,3 +130,29 @@ def measure_copy_bandwidth(
         rates.append(nbytes * repeats / (start.elapsed_time(end) / 1e3))
     logger.info("pinned copies on %s: %.1f GB/s to host, %.1f GB/s back", device, *rates)
     return rates[0], rates[1]
+
+
+class EventTimer:
+    """Per-unit forward time on CUDA from event pairs, read once after the step (no synchronize
+    between ops: ``perf_counter`` around asynchronous launches would time the launch only)."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[str, Any, Any]] = []
+
+    def start(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, fqn: str, start: Any) -> None:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self.pairs.append((fqn, start, end))
+
+    def seconds(self) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        if self.pairs:
+            self.pairs[-1][2].synchronize()  # once, after the profiled step
+        for fqn, start, end in self.pairs:
+            totals[fqn] = totals.get(fqn, 0.0) + start.elapsed_time(end) / 1e3
+        return totals

@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from superneurons.errors import ConfigError
-from superneurons.memory.cost import measure_copy_bandwidth
+from superneurons.memory.cost import EventTimer, measure_copy_bandwidth
 from superneurons.memory.profile_types import (
     CATEGORIES,
     Profile,
@@ -66,7 +66,7 @@ class _Recorder:
         self.op_of_storage: dict[int, str] = {}
         self.saved_by_unit: dict[str, set[int]] = {}
         self.phase = "forward"
-        self.timer: _EventTimer | None = None  # CUDA events per unit forward (real CUDA runs)
+        self.timer: EventTimer | None = None  # CUDA events per unit forward (real CUDA runs)
 
     # module hooks --------------------------------------------------------------------------
     def pre(self, fqn: str, args: Any = ()) -> None:
@@ -193,32 +193,6 @@ class _Recorder:
         return tensor
 
 
-class _EventTimer:
-    """Per-unit forward time on CUDA from event pairs, read once after the step (no synchronize
-    between ops: ``perf_counter`` around asynchronous launches would time the launch only)."""
-
-    def __init__(self) -> None:
-        self.pairs: list[tuple[str, Any, Any]] = []
-
-    def start(self) -> Any:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def stop(self, fqn: str, start: Any) -> None:
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        self.pairs.append((fqn, start, end))
-
-    def seconds(self) -> dict[str, float]:
-        totals: dict[str, float] = {}
-        if self.pairs:
-            self.pairs[-1][2].synchronize()  # once, after the profiled step
-        for fqn, start, end in self.pairs:
-            totals[fqn] = totals.get(fqn, 0.0) + start.elapsed_time(end) / 1e3
-        return totals
-
-
 def profile_step(
     model: nn.Module,
     inputs: Any,
@@ -229,6 +203,7 @@ def profile_step(
     fake: bool = False,
     units: Sequence[str] | None = None,
     fake_mode: Any = None,
+    keep_output: bool = True,
 ) -> Profile:
     """Profile one training step (forward, ``loss_fn(output, targets)``, backward, optimizer step).
 
@@ -242,6 +217,10 @@ def profile_step(
             non-container children of ``nn.Sequential``/``nn.ModuleList`` containers, e.g.
             residual blocks and transformer blocks).
         fake_mode: an existing ``FakeTensorMode`` when model and inputs are already fake.
+        keep_output: the step holds the model's output through backward, as a loop that
+            keeps ``output = model(x)`` in scope does (``train/loop.py``, ``bench memory``);
+            ``False`` for ``loss_fn(model(x), y).backward()``, which frees whatever autograd
+            did not save (for GPT-2 124M at B=8, T=1024: 1.53 GiB of logits).
 
     Raises:
         ConfigError: the step fails under fake tensors (data-dependent ops such as ``nonzero`` or
@@ -275,8 +254,26 @@ def profile_step(
     try:
         if mode is not None:
             with mode:
-                return _run(model_c, opt_c, inputs, targets, loss_fn, unit_fqns, fake=True)
-        return _run(model_c, opt_c, inputs, targets, loss_fn, unit_fqns, fake=False)
+                return _run(
+                    model_c,
+                    opt_c,
+                    inputs,
+                    targets,
+                    loss_fn,
+                    unit_fqns,
+                    fake=True,
+                    keep_output=keep_output,
+                )
+        return _run(
+            model_c,
+            opt_c,
+            inputs,
+            targets,
+            loss_fn,
+            unit_fqns,
+            fake=False,
+            keep_output=keep_output,
+        )
     except (RuntimeError, NotImplementedError) as exc:
         if mode is None:
             raise
@@ -309,6 +306,7 @@ def _run(
     unit_fqns: set[str],
     *,
     fake: bool,
+    keep_output: bool = True,
 ) -> Profile:
     tracker = LiveStorageTracker(record_timeline=False)
     rec = _Recorder(tracker, unit_fqns)
@@ -316,7 +314,7 @@ def _run(
     first = next(iter(model.parameters()), None)
     on_cuda = not fake and first is not None and first.device.type == "cuda"
     if on_cuda:
-        rec.timer = _EventTimer()
+        rec.timer = EventTimer()
     handles = []
     for fqn, module in model.named_modules():
         handles.append(module.register_forward_pre_hook(lambda _m, a, f=fqn: rec.pre(f, a)))
@@ -335,13 +333,13 @@ def _run(
             output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
             events["model_end"] = tracker.event
             loss = loss_fn(output, targets)
-            # NOTE: a training loop drops the model's output once the loss exists
-            # (``loss_fn(model(x), y).backward()``); only what autograd saved of it stays.
-            del output
+            if not keep_output:  # ``loss_fn(model(x), y).backward()``: only what autograd saved
+                del output
             events["forward_end"] = tracker.event
             rec.phase = "backward"
             loss.backward()
             del loss
+            output = None  # the step's output is released with the loss
             events["backward_end"] = tracker.event
             rec.phase = "step"
             if optimizer is not None:
