@@ -41,9 +41,9 @@ def test_partial_spec_fills_defaults_and_tolerates_spaces() -> None:
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("nosuch", "valid codecs: identity, fp16"),
-        ("", "NAME:KEY=VALUE"),
-        (":theta=0.5", "no codec name"),
+        ("nosuch", "valid names: identity, fp16"),
+        ("", "NAME[:KEY=VALUE"),
+        (":theta=0.5", "has no name"),
         ("fft:", "nothing after ':'"),
         ("fft:theta", "is not KEY=VALUE"),
         ("fft:theta=", "is not KEY=VALUE"),
@@ -84,7 +84,7 @@ class _Typed:
 
 
 def test_field_types_bool_optional_literal(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(spec_module.CODECS, "typed", _Typed)  # type: ignore[arg-type]
+    monkeypatch.setitem(spec_module.SPECS, "typed", _Typed)  # type: ignore[arg-type]
     parsed = parse_spec("typed:flag=yes,size=none,mode=b")
     assert parsed == _Typed(flag=True, size=None, mode="b")  # type: ignore[comparison-overlap]
     assert parse_spec("typed:flag=0,size=12") == _Typed(flag=False, size=12)  # type: ignore[comparison-overlap]
@@ -99,7 +99,7 @@ def test_field_types_bool_optional_literal(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_describe_codecs_lists_every_codec() -> None:
     text = describe_codecs()
-    assert "NAME:KEY=VALUE" in text
+    assert "NAME[:KEY=VALUE" in text
     for name in CODECS:
         assert f"  {name} " in text
     assert "fft:theta=0.9" in text

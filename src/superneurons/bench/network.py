@@ -113,14 +113,14 @@ _TORCH_ONLY = ("dense", "torch-fp16", "torch-powersgd")
 def check_codec(codec: str) -> None:
     """Fail before starting any rank if ``codec`` is not a spec the hook understands."""
     try:
-        from superneurons.compress.torch_hooks import resolve_spec
+        from superneurons.compress.spec import parse_spec
     except ImportError:  # no compression subsystem: the worker uses torch's hooks directly
         if codec.partition(":")[0] not in _TORCH_ONLY:
             raise ConfigError(
                 f"codec {codec!r} needs superneurons.compress; available: {_TORCH_ONLY}"
             ) from None
         return
-    resolve_spec(codec)
+    parse_spec(codec)
 
 
 @dataclass(frozen=True)
