@@ -59,9 +59,9 @@ def parse_update_spec(text: str) -> tuple[Codec, int] | None:
     match = _UPDATE_SPEC.match(text.strip())
     if match is None:
         return None
-    from superneurons.compress.spec import parse_spec
+    from superneurons.compress.spec import parse_codec
 
-    return parse_spec(match.group(2)), int(match.group(1) or 0)
+    return parse_codec(match.group(2)), int(match.group(1) or 0)
 
 
 def register_local_gradients(ddp_model: DistributedDataParallel) -> None:
