@@ -152,7 +152,9 @@ class CompressionState:
         self.residuals = {name: r.clone() for name, r in state["residuals"].items()}
         self.bytes_sent_total = int(state["bytes_sent_total"])
         self.last_theta = state["last_theta"]
-        if self.powersgd is not None:
+        if "powersgd" in state:  # auto creates PowerSGD's state on first use: create it here
+            if self.powersgd is None:
+                self.powersgd = PowerSGDState(seed=self.seed)
             self.powersgd.load_state_dict(state["powersgd"])
         if self.torch_state is not None:
             self.torch_state.__setstate__(state["torch_powersgd"])
