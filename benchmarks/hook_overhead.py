@@ -3,9 +3,10 @@
 One gloo rank (world size 1: the collective is a local copy, so what remains is the hook's own
 work), one thread, the zoo's ``fc-heavy`` (29.9M parameters, 97% in one FC layer). For each
 spec: ``steps`` timed steps after ``warmup`` untimed ones; per step the process CPU time and
-the wall time of forward + backward + optimizer step. The hook's overhead is a spec's CPU time
-minus dense's in the same run. The codec's own time (encode + decode_sum of each parameter's
-gradient, outside any hook) is measured alongside, so "overhead / codec time" is visible.
+the wall time of forward + backward + optimizer step. The hook's CPU time is a spec's CPU time
+minus dense's in the same run. The codec's own time in an error-feedback step (encode + decode
+for the residual + decode_sum, per parameter, outside any hook) is measured alongside: what the
+hook adds beyond it is copies, error-feedback arithmetic and Python.
 
 Run it under the bench lock (the machine is shared)::
 
@@ -44,7 +45,8 @@ def _step_times(ddp: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], steps:
 
 
 def _codec_time(spec: str, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
-    """CPU seconds of encode + decode_sum over every parameter's gradient, no hook."""
+    """CPU seconds of the codec's own work in one error-feedback step, no hook: per parameter
+    ``encode`` + ``decode`` (the residual) + ``decode_sum`` of one payload (world size 1)."""
     codec = parse_spec(spec)
     if not hasattr(codec, "encode"):
         return float("nan")
@@ -53,7 +55,9 @@ def _codec_time(spec: str, model: nn.Module, batch: tuple[torch.Tensor, torch.Te
     grads = [p.grad.reshape(-1).clone() for p in model.parameters() if p.grad is not None]
     cpu0 = time.process_time()
     for g in grads:
-        codec.decode_sum([codec.encode(g)])
+        payload = codec.encode(g)
+        codec.decode(payload)
+        codec.decode_sum([payload])
     return time.process_time() - cpu0
 
 
@@ -82,10 +86,12 @@ def main() -> int:
         cpu = sorted(t[0] for t in times)[len(times) // 2]
         wall = sorted(t[1] for t in times)[len(times) // 2]
         codec_s = _codec_time(spec, model, batch) if spec != "dense" else 0.0
+        torch.distributed.barrier()
         rows.append({"spec": spec, "cpu_s": cpu, "wall_s": wall, "codec_cpu_s": codec_s})
     dense = next((r for r in rows if r["spec"] == "dense"), None)
     print(f"model {args.model}, batch {args.batch}, median of {args.steps} steps, 1 thread")
     print(f"{'spec':<28} {'cpu s/step':>10} {'wall s/step':>11} {'hook cpu s':>10} {'codec s':>8}")
+    # hook cpu s = cpu s/step - dense's; codec s = encode + decode + decode_sum outside the hook
     for r in rows:
         r["hook_cpu_s"] = r["cpu_s"] - dense["cpu_s"] if dense else float("nan")
         print(
