@@ -25,12 +25,13 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from superneurons.compress.auto import Auto
+from superneurons.compress.bucket import Route
 from superneurons.compress.codec import Codec
 from superneurons.compress.powersgd import PowerSGD
 from superneurons.errors import ConfigError
@@ -38,8 +39,6 @@ from superneurons.errors import ConfigError
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
 
-    from superneurons.compress.hookstate import CompressionState
-    from superneurons.compress.reduce import Route
     from superneurons.strategy import Assignment, NetworkModel
 
 __all__ = ["AutoController"]
@@ -48,6 +47,16 @@ logger = logging.getLogger("superneurons.compress")
 
 _STATE_VERSION = 1
 _SAMPLE_NUMEL = 2**20  # elements of the real gradient the candidates are timed on
+
+
+class CompressionState(Protocol):
+    """What the controller reads of the hook's state (``hookstate.CompressionState``)."""
+
+    step: int
+    rank: int
+    world_size: int
+    process_group: dist.ProcessGroup | None
+    names_by_param: dict[int, str]
 
 
 class _Clock:

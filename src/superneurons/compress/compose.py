@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from superneurons.compress.anchors import TorchAnchor, TorchDense, TorchFp16, TorchPowerSGD
+from superneurons.compress.anchors import TorchAnchor, TorchDense, TorchFp16
 from superneurons.compress.auto import Auto
 from superneurons.compress.cast import IdentityCodec
 from superneurons.compress.codec import Codec
@@ -24,14 +24,10 @@ from superneurons.compress.feedback import ErrorFeedback
 from superneurons.compress.powersgd import PowerSGD
 from superneurons.compress.rowsparse import RowSparse
 from superneurons.compress.schedule import Scheduled, ThetaSchedule, Warmup, with_theta
-from superneurons.compress.spec import parse_spec
+from superneurons.compress.spec import Base, Compression, parse_spec
 from superneurons.errors import ConfigError
 
 __all__ = ["Base", "Compression", "Pipeline", "compose", "unwrap", "with_defaults"]
-
-Base = Codec | PowerSGD | TorchDense | TorchFp16 | TorchPowerSGD | Auto
-Wrapper = ErrorFeedback | Warmup | Scheduled | RowSparse
-Compression = Base | Wrapper
 
 
 @dataclass(frozen=True)

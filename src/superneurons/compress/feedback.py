@@ -34,15 +34,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from superneurons.compress.codec import Codec, Payload, all_finite, check_gradient
+from superneurons.compress.specced import Specced
 from superneurons.errors import ConfigError
-
-if TYPE_CHECKING:
-    from superneurons.compress.compose import Compression
 
 __all__ = ["ErrorFeedback", "Residuals", "feedback_step", "join_flat", "split_flat"]
 
@@ -106,7 +104,7 @@ class ErrorFeedback:
     gradient; for ``torch-powersgd`` it sets torch's ``use_error_feedback``.
     """
 
-    inner: Compression
+    inner: Specced
     NAME: ClassVar[str] = "ef"
 
     @property

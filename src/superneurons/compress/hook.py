@@ -50,11 +50,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from superneurons.compress.anchors import TorchDense, TorchFp16, TorchPowerSGD
 from superneurons.compress.auto import Auto
+from superneurons.compress.bucket import Route, pieces_of
 from superneurons.compress.codec import Codec
 from superneurons.compress.compose import Compression, Pipeline, unwrap, with_defaults
 from superneurons.compress.hookstate import CompressionState
 from superneurons.compress.powersgd import PowerSGD, PowerSGDState
-from superneurons.compress.reduce import Route, pieces_of, reduce_bucket
+from superneurons.compress.reduce import reduce_bucket
 from superneurons.compress.spec import parse_spec
 from superneurons.compress.torch_hooks import as_comm_hook, register_anchor
 from superneurons.errors import ConfigError
@@ -226,7 +227,7 @@ def _codecs_for_step(
     from superneurons.compress.schedule import ErrorBudgetTheta, with_theta
 
     schedule = pipeline.schedule
-    pieces = pieces_of(state, bucket)
+    pieces = pieces_of(state.names_by_param, bucket)
     if isinstance(schedule, ErrorBudgetTheta):
         chosen = []
         for piece in pieces:

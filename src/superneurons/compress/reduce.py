@@ -25,50 +25,21 @@ straightforward reference in ``tests/test_hook_compose.py``).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from superneurons.compress.bucket import Piece, Route, pieces_of
 from superneurons.compress.codec import Codec, Payload, all_finite
 from superneurons.compress.hookstate import CompressionState, WireBuffers
 from superneurons.compress.powersgd import PowerSGD, PowerSGDState, powersgd_reduce
-from superneurons.compress.rowsparse import RowBlock, decide_rows, gather_row_counts
-from superneurons.errors import ConfigError
+from superneurons.compress.rowblocks import RowBlock, decide_rows, gather_row_counts
 
-__all__ = ["Piece", "Route", "pieces_of", "reduce_bucket"]
+__all__ = ["reduce_bucket"]
 
-Route = Codec | PowerSGD | None  # None: plain fp32 all-reduce
 Future = torch.futures.Future[torch.Tensor]
 
 _ALIGN = 16  # bytes: codecs view payload bytes as wider types (float32, int64)
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One parameter's slice of a flat bucket."""
-
-    name: str
-    flat: torch.Tensor  # (numel,) view of the bucket buffer
-    shape: torch.Size
-    start: int  # element offset in the bucket
-
-
-def pieces_of(state: CompressionState, bucket: dist.GradBucket) -> list[Piece]:
-    """Split the flat bucket into per-parameter views, named by ``state.names_by_param``."""
-    buffer = bucket.buffer()
-    pieces: list[Piece] = []
-    offset = 0
-    for param in bucket.parameters():
-        name = state.names_by_param.get(id(param))
-        if name is None:
-            raise ConfigError("a DDP bucket holds a parameter the module does not name")
-        n = param.numel()
-        pieces.append(Piece(name, buffer[offset : offset + n], param.shape, offset))
-        offset += n
-    if offset != buffer.numel():
-        raise ConfigError(f"bucket of {buffer.numel()} elements, parameters hold {offset}")
-    return pieces
 
 
 def _aligned(nbytes: int) -> int:
@@ -105,7 +76,7 @@ def reduce_bucket(
     """
     buffer = bucket.buffer()
     _group, _world_size = state.process_group, state.world_size
-    pieces = pieces_of(state, bucket)
+    pieces = pieces_of(state.names_by_param, bucket)
     state.count(sent_bytes=0, dense_bytes=buffer.numel() * 4)
     routes = list(routes)
     if codecs_for_step is not None:

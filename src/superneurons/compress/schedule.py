@@ -33,17 +33,15 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from superneurons.compress.codec import Codec, check_gradient
 from superneurons.compress.fft import FFTCodec, kept_count, spectrum_layout
+from superneurons.compress.specced import Specced
 from superneurons.compress.topk import TopKCodec
 from superneurons.errors import ConfigError
-
-if TYPE_CHECKING:
-    from superneurons.compress.compose import Compression
 
 __all__ = [
     "ConstantTheta",
@@ -267,7 +265,7 @@ class Warmup:
     wrapper's own options come first, the wrapped spec last).
     """
 
-    inner: Compression
+    inner: Specced
     steps: int = 0
     NAME: ClassVar[str] = "warmup"
 
@@ -292,7 +290,7 @@ class Scheduled:
     the CLI's spec grammar: its string form names the schedule by ``repr``.
     """
 
-    inner: Compression
+    inner: Specced
     schedule: ThetaSchedule
     NAME: ClassVar[str] = "scheduled"
 

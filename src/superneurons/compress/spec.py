@@ -25,7 +25,7 @@ import dataclasses
 import re
 import types
 import typing
-from typing import TYPE_CHECKING, Any, Literal, Union
+from typing import Any, Literal, Union
 
 from superneurons.compress.anchors import TorchDense, TorchFp16, TorchPowerSGD
 from superneurons.compress.auto import Auto
@@ -37,16 +37,23 @@ from superneurons.compress.powersgd import PowerSGD
 from superneurons.compress.qsgd import QSGDCodec
 from superneurons.compress.rangefloat import RangeFloatCodec
 from superneurons.compress.rowsparse import RowSparse
-from superneurons.compress.schedule import Warmup
+from superneurons.compress.schedule import Scheduled, Warmup
 from superneurons.compress.sign import SignSGDCodec
 from superneurons.compress.terngrad import TernGradCodec
 from superneurons.compress.topk import TopKCodec
 from superneurons.errors import ConfigError
 
-if TYPE_CHECKING:
-    from superneurons.compress.compose import Compression
-
-__all__ = ["CODECS", "GRAMMAR", "SPECS", "WRAPPERS", "describe_codecs", "parse_codec", "parse_spec"]
+__all__ = [
+    "Base",
+    "Compression",
+    "CODECS",
+    "GRAMMAR",
+    "SPECS",
+    "WRAPPERS",
+    "describe_codecs",
+    "parse_codec",
+    "parse_spec",
+]
 
 CODECS: dict[str, type[Codec]] = {
     "identity": IdentityCodec,
@@ -70,6 +77,10 @@ SPECS: dict[str, type] = {
     "torch-powersgd": TorchPowerSGD,
     "auto": Auto,
 }
+
+# What a spec names: a base reduction, or wrappers around one (``Scheduled`` has no spec name).
+Base = Codec | PowerSGD | TorchDense | TorchFp16 | TorchPowerSGD | Auto
+Compression = Base | ErrorFeedback | Warmup | Scheduled | RowSparse
 
 WRAPPERS: dict[str, type] = {
     "ef": ErrorFeedback,
