@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import pytest
 
-from superneurons.compress import CODECS, describe_codecs, parse_spec
+from superneurons.compress import (
+    CODECS,
+    SPECS,
+    ErrorFeedback,
+    TopKCodec,
+    TorchDense,
+    Warmup,
+    compose,
+    describe_codecs,
+    parse_spec,
+)
 from superneurons.compress import spec as spec_module
 from superneurons.errors import ConfigError
 
@@ -103,3 +114,69 @@ def test_describe_codecs_lists_every_codec() -> None:
     for name in CODECS:
         assert f"  {name} " in text
     assert "fft:theta=0.9" in text
+
+
+# Every name the CLI accepts, and wrappers around them: one grammar, one table.
+_EVERY = [
+    *(name for name in SPECS),
+    "powersgd:rank=2",
+    "torch-powersgd:rank=8",
+    "auto:observe_steps=2,drift=0.3",
+    "ef(topk:ratio=0.01)",
+    "warmup(steps=100,fft:theta=0.95,bits=8)",
+    "ef(warmup(steps=5,powersgd:rank=1))",
+    "rowsparse(ef(fp16))",
+    "warmup(steps=3,dense)",
+    " EF( topk : ratio = 0.1 ) ",
+]
+
+
+@pytest.mark.parametrize("text", _EVERY)
+def test_every_accepted_name_round_trips(text: str) -> None:
+    parsed = parse_spec(text)
+    assert parse_spec(parsed.spec) == parsed
+    if type(parsed) not in CODECS.values():  # codecs: ``spec`` (their str() is the repr)
+        assert str(parsed) == parsed.spec
+        assert parse_spec(str(parsed)) == parsed
+
+
+def test_composed_objects_print_as_parseable_specs() -> None:
+    composed = ErrorFeedback(Warmup(TopKCodec(ratio=0.01), steps=100))
+    assert str(composed) == "ef(warmup(steps=100,topk:ratio=0.01,select=exact))"
+    assert parse_spec(str(composed)) == composed
+    assert parse_spec("torch-allreduce") == TorchDense()  # an alias prints as "dense"
+
+
+@pytest.mark.parametrize("text", ["nosuch", "ef(nosuch)", "foo(topk)", "warmup(steps=2,bogus:x=1)"])
+def test_a_bad_name_is_one_line_listing_the_valid_names(text: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_spec(text)
+    message = str(info.value)
+    assert "\n" not in message
+    for name in ["fft", "topk", "powersgd", "dense", "torch-fp16", "torch-powersgd", "auto"]:
+        assert name in message
+    assert "ef(...)" in message and "warmup(...)" in message
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("ef(", "not closed"),
+        ("ef(steps=1)", "wraps no spec"),
+        ("warmup(steps=x,fft)", "must be an integer"),
+        ("warmup(stepz=1,fft)", "valid: steps"),
+        ("warmup(steps=-1,fft)", ">= 0"),
+    ],
+)
+def test_bad_wrapper_specs(text: str, expected: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        parse_spec(text)
+
+
+def test_compose_builds_the_cli_flags_into_one_object() -> None:
+    assert compose("topk", error_feedback=True, warmup_steps=10) == ErrorFeedback(
+        Warmup(TopKCodec(), steps=10)
+    )
+    assert compose("topk", error_feedback=False) == TopKCodec()
+    assert compose("dense", error_feedback=True) == TorchDense()  # nothing to feed back
+    assert compose("ef(topk)", error_feedback=True) == ErrorFeedback(TopKCodec())
