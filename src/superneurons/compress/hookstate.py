@@ -69,6 +69,7 @@ class CompressionState:
     bytes_sent_total: int = 0
     last_theta: float | None = None
     wires: dict[tuple[str, ...], WireBuffers] = field(default_factory=dict)
+    scratch: dict[tuple[str, ...], torch.Tensor] = field(default_factory=dict)  # cast codecs' x / P
     _bytes_current: int = 0
     _dense_current: int = 0
 

@@ -173,10 +173,16 @@ def _cast_reduce(
     whole = sum(p.flat.numel() for p in pieces) == buffer.numel() and buffer.dtype == torch.float32
     flats = [_compensate(state, piece) for piece in pieces]
     compensated = buffer if whole else torch.cat(flats)
-    # Divide before encoding, as DDP does, so fp16 sums cannot overflow.
-    payload = codec.encode(compensated / world_size)
+    # Divide before encoding, as DDP does, so fp16 sums cannot overflow; into a buffer kept
+    # per bucket signature (cast codecs return a fresh payload, so it is free again at once).
+    key = (codec.spec, *(piece.name for piece in pieces))
+    scaled = state.scratch.get(key)
+    if scaled is None or scaled.shape != compensated.shape or scaled.device != buffer.device:
+        scaled = state.scratch[key] = torch.empty_like(compensated)
+    payload = codec.encode(torch.div(compensated, world_size, out=scaled))
     if state.pipeline.error_feedback:
-        error = compensated - codec.decode(payload) * world_size
+        error = codec.decode(payload)  # a fresh float32 tensor
+        torch.sub(compensated, error.mul_(world_size), out=error)  # c - decode · P, in place
         if all_finite(error):
             for piece, part in zip(
                 pieces, error.split([p.flat.numel() for p in pieces]), strict=True
