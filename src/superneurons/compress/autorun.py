@@ -146,9 +146,9 @@ class AutoController:
         bucket: dist.GradBucket,
         fut: torch.futures.Future[torch.Tensor],
     ) -> torch.futures.Future[torch.Tensor]:
-        """Record when this bucket's average is ready (the step's exposed end)."""
+        """Record when the last bucket's average is ready (the step's exposed end)."""
         clock, step, t0 = self._clock, state.step, self._t0
-        if clock is None or t0 is None:
+        if clock is None or t0 is None or not bucket.is_last():
             return fut
 
         def stamp(done: torch.futures.Future[torch.Tensor]) -> torch.Tensor:

@@ -129,6 +129,8 @@ def reduce_bucket(
             done()
         return buffer
 
+    if len(futures) == 1 and not finishers:  # one collective, nothing to scatter: one callback
+        return futures[0].then(lambda _: buffer)
     return torch.futures.collect_all(futures).then(finish)  # type: ignore[arg-type]
 
 
