@@ -39,14 +39,17 @@ from superneurons.errors import ConfigError
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
 
-    from superneurons.strategy import Assignment, NetworkModel
+    from superneurons.strategy import Assignment, CodecCost, NetworkModel
 
 __all__ = ["AutoController"]
 
 logger = logging.getLogger("superneurons.compress")
 
 _STATE_VERSION = 1
-_SAMPLE_NUMEL = 2**20  # elements of the real gradient the candidates are timed on
+# Elements of the real gradient the candidates are timed on: 16 MB, because per-byte costs
+# measured on 4 MB under-predicted top-k's encode of a 100 MB bucket (run 2 of
+# benchmarks/results/network/auto: predicted 0.48 s, measured 2.9 s per step).
+_SAMPLE_NUMEL = 2**22
 
 
 class CompressionState(Protocol):
@@ -84,8 +87,9 @@ class _Clock:
 class AutoController:
     """Carries an :class:`Assignment` out; ``state_dict`` holds the decision (see module docs)."""
 
-    def __init__(self, config: Auto) -> None:
+    def __init__(self, config: Auto, *, error_feedback: bool) -> None:
         self.config = config
+        self.error_feedback = error_feedback
         self.network: NetworkModel | None = None
         self.assignment: Assignment | None = None
         self.decisions = 0
@@ -241,6 +245,8 @@ class AutoController:
         costs = measure_codecs(
             candidate_codecs(DEFAULT_CANDIDATES), self._sample, world_size=world_size
         )
+        if self.error_feedback:  # what the hook does per step beyond the encode (see reduce)
+            costs = [_with_feedback(cost) for cost in costs]
         return select(
             buckets,
             costs,
@@ -287,6 +293,19 @@ class AutoController:
         if state["assignment"] is not None:
             self.apply(Assignment.from_json(state["assignment"]), step=int(state["decided_step"]))
         self.decisions = int(state["decisions"])
+
+
+def _with_feedback(cost: CodecCost) -> CodecCost:
+    """``cost`` as the hook pays it with error feedback: gathered codecs and PowerSGD decode
+    their own payload for the residual before the step ends (cast routes and dense do not:
+    see :func:`~superneurons.compress.reduce.reduce_bucket`)."""
+    import dataclasses
+
+    if cost.spec == "dense" or (cost.summable and not cost.spec.startswith("powersgd")):
+        return cost
+    return dataclasses.replace(
+        cost, encode_s_per_byte=cost.encode_s_per_byte + cost.decode_s_per_byte
+    )
 
 
 def _global_rank0(state: CompressionState) -> int:

@@ -159,7 +159,7 @@ def build_state(
     if isinstance(pipeline.base, Auto):
         from superneurons.compress.autorun import AutoController
 
-        state.auto = AutoController(pipeline.base)
+        state.auto = AutoController(pipeline.base, error_feedback=pipeline.error_feedback)
     return state
 
 
