@@ -92,6 +92,7 @@ def test_codec_labels_are_checked_before_any_rank_starts() -> None:
             "dense",
             "auto",
             "adam-update[warmup=10]:signsgd",
+            "adam-momentum[warmup=20,wire=fp16]:signsgd",
             "fft|diminishing:start=0.999,floor=0.9,drops=1,until=0.5",
         )
     )

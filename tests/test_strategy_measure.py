@@ -72,3 +72,35 @@ def test_candidate_codecs_reject_unknown_names() -> None:
     with pytest.raises(ConfigError, match="unknown codec"):
         candidate_codecs(["nope"])
     assert candidate_codecs(["dense"]) == []
+
+
+@pytest.mark.cuda
+def test_measure_codecs_on_cuda_times_by_events() -> None:
+    sample = torch.randn(256, 1024, device="cuda")
+    costs = measure_codecs(candidate_codecs(["fp16", "topk:ratio=0.01", "powersgd:rank=4"]), sample)
+    assert [c.spec for c in costs][0] == "dense"
+    for cost in costs[1:]:
+        assert cost.encode_s_per_byte > 0 and cost.decode_s_per_byte > 0
+
+
+class _Broken:
+    spec = "broken"
+    summable = False
+
+    def payload_bytes(self, numel: int) -> int:
+        return numel
+
+    def encode(self, grad: torch.Tensor, *, generator: object = None) -> object:
+        raise RuntimeError("Expected all tensors to be on the same device")
+
+    def decode(self, payload: object) -> torch.Tensor:
+        raise AssertionError
+
+    def decode_sum(self, payloads: object) -> torch.Tensor:
+        raise AssertionError
+
+
+def test_a_codec_that_fails_here_is_left_out(caplog: pytest.LogCaptureFixture) -> None:
+    costs = measure_codecs([_Broken(), *candidate_codecs(["fp16"])], torch.randn(1024))  # type: ignore[list-item]
+    assert [c.spec for c in costs] == ["dense", "fp16"]
+    assert "broken" in caplog.text

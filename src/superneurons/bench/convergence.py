@@ -15,9 +15,10 @@ holds the final metric, its delta to dense, the bytes sent vs dense, and the cur
 vs step) for the plot.
 
 Codec labels: ``dense``; any hook spec (``fft``, ``powersgd:rank=4``, ``torch-fp16``, and
-``auto`` once the hook implements it); ``adam-update[warmup=N]:SPEC`` trains with
-:class:`~superneurons.compress.adam.CompressedAdamW` (local AdamW updates averaged through
-SPEC with error feedback, DDP left local); a suffix ``|diminishing:start=S,floor=F,drops=D,
+``auto`` once the hook implements it); ``adam-momentum[warmup=N,wire=W]:SPEC`` and
+``adam-update[...]:SPEC`` train with :class:`~superneurons.compress.adam.CompressedAdamW`
+(1-bit-Adam momentum, or local updates, averaged through SPEC with error feedback; DDP
+leaves gradients local); a suffix ``|diminishing:start=S,floor=F,drops=D,
 until=U`` gives the hook a :class:`~superneurons.compress.schedule.DiminishingTheta` that
 reaches ``floor`` at the fraction ``U`` of the run (HPDC'20's two θ claims: diminishing θ
 converges; lowering θ after a failure recovers, ``drops=1``).
@@ -64,7 +65,7 @@ CONVERGENCE_CODECS: tuple[str, ...] = (
     "signsgd",
     "powersgd:rank=4",
     "torch-powersgd:rank=4",
-    "adam-update[warmup=10]:signsgd",
+    "adam-momentum[warmup=20,wire=fp16]:signsgd",
 )
 Progress = Callable[[str], None]
 
@@ -255,16 +256,21 @@ def _split_label(label: str) -> tuple[str, dict[str, float] | None]:
 
 
 def _check_label(label: str) -> None:
-    from superneurons.compress.adam import parse_update_spec
+    from superneurons.compress.adam import parse_optimizer_spec
 
     spec, schedule = _split_label(label)
-    if spec in ("dense", "auto") or parse_update_spec(spec) is not None:
+    if spec in ("dense", "auto") or parse_optimizer_spec(spec) is not None:
         return  # "auto" is resolved by register_compression (the hook branch)
     from superneurons.bench.network import check_codec
 
     check_codec(spec)
     if schedule is not None:
         _theta_schedule(schedule, 1)
+
+
+def _applies(task: TaskConfig, label: str) -> bool:
+    """Optimizer-side labels (``adam-*``) replace Adam/AdamW: not run on SGD tasks."""
+    return task.optimizer != "sgd" or not label.startswith("adam-")
 
 
 def _theta_schedule(options: dict[str, float], total: int) -> Any:
@@ -285,25 +291,19 @@ def _setup(
     ddp: DistributedDataParallel, task: TaskConfig, label: str, total: int, seed: int
 ) -> tuple[Any, torch.optim.Optimizer]:
     """The compression state (or None) and the optimizer for one codec label."""
-    from superneurons.compress.adam import CompressedAdamW, parse_update_spec
+    from superneurons.compress.adam import CompressedAdamW, parse_optimizer_spec
 
     spec, schedule = _split_label(label)
     decay = 0.01 if task.optimizer == "adamw" else 0.0
-    update = parse_update_spec(spec)
+    update = parse_optimizer_spec(spec)
     if update is not None:
         if task.optimizer == "sgd":
             raise ConfigError(f"{label!r} replaces Adam/AdamW; task {task.task} uses SGD")
         from superneurons.compress.adam import register_local_gradients
 
-        codec, warmup = update
         register_local_gradients(ddp)
         opt = CompressedAdamW(
-            ddp.parameters(),
-            codec=codec,
-            lr=task.lr,
-            weight_decay=decay,
-            warmup_steps=warmup,
-            seed=seed,
+            ddp.parameters(), lr=task.lr, weight_decay=decay, seed=seed, **update.kwargs()
         )
         return opt, opt
     state = None
@@ -336,7 +336,7 @@ def _rank_main(rank: int, config: ConvergenceConfig, port: int, out: str) -> Non
     try:
         for task in config.tasks:
             data = _datasets(task, config)
-            for codec in config.codecs:
+            for codec in (c for c in config.codecs if _applies(task, c)):
                 record = _train_one(task, codec, data, rank, config.nproc, config.seed)
                 if rank == 0:
                     with open(out, "a", encoding="utf-8") as handle:
@@ -361,7 +361,7 @@ def run_convergence_bench(
             join=False,
             start_method="spawn",
         )
-        expected = len(config.tasks) * len(config.codecs)
+        expected = sum(_applies(t, c) for t in config.tasks for c in config.codecs)
         seen = 0
         while not ctx.join(timeout=1.0):
             lines = out.read_text().splitlines() if out.exists() else []

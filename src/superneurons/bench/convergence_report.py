@@ -80,9 +80,10 @@ def write_artifacts(
     )
     body = (
         f"{config.nproc} gloo ranks on loopback, one thread each; every codec through "
-        "`register_compression` with its defaults (error feedback on), `adam-update[...]:C` "
-        "through `CompressedAdamW` (local AdamW updates averaged by codec C with error "
-        "feedback), same initial weights and data order. "
+        "`register_compression` with its defaults (error feedback on); `adam-momentum[...]:C` "
+        "and `adam-update[...]:C` through `CompressedAdamW` (1-bit-Adam momentum after a "
+        "warm-up, or local AdamW updates, averaged by codec C with error feedback); same "
+        "initial weights and data order. "
         f"{tasks}. `final_metric`: test accuracy in % (Fashion-MNIST, full "
         "test set) or validation cross-entropy in nats/char (Shakespeare, lower is better); "
         "`delta_vs_dense`: final_metric minus dense's; `ratio_vs_dense`: dense fp32 bytes / "

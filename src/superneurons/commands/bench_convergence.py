@@ -15,7 +15,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from superneurons.bench.convergence import ConvergenceConfig, run_convergence_bench
+from superneurons.bench.convergence import ConvergenceConfig, TaskConfig, run_convergence_bench
 from superneurons.bench.convergence_report import summary_lines, write_artifacts
 from superneurons.errors import ConfigError
 
@@ -37,6 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="comma-separated subset of fashion-mnist,shakespeare (default: both)",
     )
+    parser.add_argument("--epochs", type=int, default=None, help="Fashion-MNIST epochs")
+    parser.add_argument(
+        "--train-limit", type=int, default=None, help="Fashion-MNIST: first N training images"
+    )
+    parser.add_argument("--lm-steps", type=int, default=None, help="Shakespeare steps")
+    parser.add_argument("--seed", type=int, default=0, help="initial weights and data order")
     parser.add_argument("--nproc", type=int, default=2, help="gloo ranks on loopback")
     parser.add_argument(
         "--fashion-mnist-root", default="/usr/share/datasets/fashion-mnist", help="IDX files"
@@ -45,11 +51,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, required=True, help="output directory")
 
 
+def _override(task: TaskConfig, args: argparse.Namespace) -> TaskConfig:
+    if task.task == "fashion-mnist":
+        if args.epochs is not None:
+            task = replace(task, epochs=args.epochs)
+        if args.train_limit is not None:
+            task = replace(task, train_limit=args.train_limit)
+    elif args.lm_steps is not None:
+        task = replace(task, steps=args.lm_steps)
+    return task
+
+
 def run(args: argparse.Namespace) -> int:
     config = ConvergenceConfig.quick() if args.quick else ConvergenceConfig()
     config = replace(
         config,
         nproc=args.nproc,
+        seed=args.seed,
         fashion_mnist_root=args.fashion_mnist_root,
         shakespeare_root=args.shakespeare_root,
     )
@@ -60,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         if unknown:
             raise ConfigError(f"unknown task(s) {unknown}; choose from {sorted(known)}")
         config = replace(config, tasks=tuple(t for t in config.tasks if t.task in wanted))
+    config = replace(config, tasks=tuple(_override(t, args) for t in config.tasks))
     if args.codecs:
         sep = ";" if ";" in args.codecs else ","
         labels = tuple(c.strip() for c in args.codecs.split(sep) if c.strip())

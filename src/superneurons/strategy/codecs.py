@@ -14,6 +14,7 @@ spec grammar, so codecs added to ``compress.spec.CODECS`` (e.g. ``adaptive``) pl
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +34,8 @@ __all__ = [
     "candidate_codecs",
     "measure_codecs",
 ]
+
+logger = logging.getLogger("superneurons.strategy")
 
 # NOTE: a few densities per family, not a sweep: the selection is per bucket, and each
 # candidate costs one encode/decode measurement at registration.
@@ -212,6 +215,8 @@ def measure_codecs(
     * ``bits_per_element``: ``payload_bytes(numel) · 8 / numel`` at the sample's size;
     * ``rel_error``: ``‖decode(encode(g)) − g‖ / ‖g‖`` once (no error feedback).
 
+    A codec that raises on this device is logged and left out.
+
     :data:`DENSE` is always first in the result. The measurement is local; to make ranks
     agree, measure on rank 0 and broadcast, or agree by an all-reduce MAX of the times.
     """
@@ -224,8 +229,13 @@ def measure_codecs(
     flat = sample.detach().reshape(-1).float()
     costs = [DENSE]
     for codec in codecs:
-        if isinstance(codec, PowerSGD):
-            costs.append(_measure_powersgd(codec, sample.detach(), repeats))
-            continue
-        costs.append(_measure_codec(codec, flat, repeats, world_size))
+        try:
+            if isinstance(codec, PowerSGD):
+                costs.append(_measure_powersgd(codec, sample.detach(), repeats))
+            else:
+                costs.append(_measure_codec(codec, flat, repeats, world_size))
+        except (RuntimeError, ConfigError) as exc:
+            # NOTE: a codec that cannot run here (e.g. a CPU-only decode on CUDA, CONTEXT §5)
+            # is not a candidate; the others still are.
+            logger.warning("strategy: candidate %s skipped: %s", codec.spec, exc)
     return costs
