@@ -23,6 +23,7 @@ import torch
 from superneurons.cli import main
 from superneurons.models import build_model
 from superneurons.train.checkpoint import checkpoint_path, save_checkpoint
+from superneurons.train.precheck import resident_bytes
 from tiny_data import write_fashion_mnist
 
 # The target of issue 12: every bad input answered in at most this many seconds.
@@ -78,12 +79,20 @@ def _flags(flags: list[str], names: str) -> Callable[[Path, Path], tuple[list[st
     return lambda data, out: (flags, names)
 
 
+def _budget_below_any_plan(data: Path, out: Path) -> tuple[list[str], str]:
+    # Above the parameters + gradients floor, below what any plan needs (activations too):
+    # caught by the launcher's fake-tensor profile, not by a rank.
+    floor_bytes = resident_bytes(build_model("mlp"))
+    return ["--budget", str(floor_bytes + 1024)], "smallest predicted peak"
+
+
 CASES: dict[str, Callable[[Path, Path], tuple[list[str], str]]] = {
     "truncated .gz IDX": _truncated_gz,
     "truncated raw IDX": _truncated_raw,
     "truncated checkpoint": _truncated_checkpoint,
     "garbage checkpoint": _garbage_checkpoint,
     "budget 1KiB": _flags(["--budget", "1KiB"], "--budget"),
+    "budget below any plan": _budget_below_any_plan,
     "budget abc": _flags(["--budget", "abc"], "'abc'"),
     "theta 1.0": _flags(["--compress", "fft:theta=1.0"], "theta=1.0"),
     "theta -0.1": _flags(["--compress", "fft:theta=-0.1"], "theta=-0.1"),

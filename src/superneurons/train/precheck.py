@@ -10,24 +10,31 @@ ranks. What is checked, in order:
    ``.gz`` or raw IDX file, an unreadable text file) — the model is built from them;
 4. ``--budget`` can hold at least the resident state every plan keeps on the device: the
    parameters, their gradients and the buffers (SuperNeurons, Wang et al. PPoPP'18: "parameters,
-   gradients and BN statistics stay resident"). This is a floor, not the plan's exact minimum,
-   which needs a profile of one step and is checked by the ranks;
+   gradients and BN statistics stay resident"); then a memory plan exists for it, from a profile
+   of one step on fake tensors (shapes only, well under a second for the trainer's models).
+   The ranks plan again from a real profile on their device, whose bytes can only be larger
+   (allocator, cuDNN workspaces), so nothing the ranks accept is refused here;
 5. ``--resume``: every rank holds a readable checkpoint of a common step, of this run.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict
 from pathlib import Path
 
 from torch import nn
+from torch.utils.data import default_collate
 
 from superneurons.bytesize import format_bytes
 from superneurons.errors import ConfigError, DataError
 from superneurons.train.checkpoint import ResumePoint, find_resume_point
 from superneurons.train.config import TrainConfig
+from superneurons.train.task import Task
 
 __all__ = ["check_before_launch", "resident_bytes"]
+
+logger = logging.getLogger("superneurons.train")
 
 
 def resident_bytes(model: nn.Module) -> int:
@@ -59,6 +66,27 @@ def _check_budget(config: TrainConfig, model: nn.Module) -> None:
         )
 
 
+def _check_plan(config: TrainConfig, task: Task) -> None:
+    """A memory plan exists for ``--budget``: profile one step of ``config.batch_size`` samples
+    on fake tensors and plan as the ranks do (``train.loop._apply_budget``)."""
+    if config.budget_bytes is None:
+        return
+    from superneurons.memory.plan import InfeasibleBudgetError, make_plan
+    from superneurons.memory.profile import profile_step
+
+    count = min(config.batch_size, len(task.train_set))  # type: ignore[arg-type]
+    inputs, targets = default_collate([task.train_set[i] for i in range(count)])
+    try:
+        profile = profile_step(task.model, inputs, targets, task.loss_fn, fake=True)
+    except ConfigError as exc:  # a step fake tensors cannot run: the ranks profile for real
+        logger.info("no fake-tensor profile before launch (%s); the ranks will plan", exc)
+        return
+    try:
+        make_plan(profile, budget_bytes=config.budget_bytes, allow_optimizer_in_backward=False)
+    except InfeasibleBudgetError as exc:
+        raise ConfigError(f"--budget: {exc} (batch {config.batch_size} per rank)") from None
+
+
 def check_before_launch(
     config: TrainConfig, *, world_size: int, shared_files: bool = True
 ) -> ResumePoint | None:
@@ -80,6 +108,7 @@ def check_before_launch(
         config.model, config.data, data_dir=config.data_dir, block_size=config.block_size
     )
     _check_budget(config, task.model)
+    _check_plan(config, task)
     if not config.resume or not shared_files:
         return None
     return find_resume_point(config.out_dir, config=asdict(config), world_size=world_size)
