@@ -49,7 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--limit-steps", type=int, default=None, help="at most N steps (and test batches) per epoch"
     )
     run_group.add_argument("--log-every", type=int, default=10, help="steps between metric lines")
-    run_group.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    run_group.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from OUT/checkpoint (without it, a run starts over in OUT)",
+    )
     run_group.add_argument(
         "--budget",
         default=None,
