@@ -11,6 +11,7 @@ step once); a run without ``--resume`` starts over and removes an earlier run's 
 from __future__ import annotations
 
 import logging
+import random
 import time
 from dataclasses import asdict
 from typing import Any
@@ -55,6 +56,7 @@ def run_training(config: TrainConfig, device: torch.device) -> dict[str, Any]:
     """The loop itself, in an already initialised process group (tests call it directly)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(config.seed)  # same initial weights on every rank
+    random.seed(config.seed)  # NOTE: checkpointed too; unseeded it differs run to run
     task = build_task(
         config.model, config.data, data_dir=config.data_dir, block_size=config.block_size
     )
