@@ -4,12 +4,18 @@
   ``summary.json`` step count and each step once in ``metrics.jsonl``.
 - A crash between writing a checkpoint's temporary file and renaming it, or a newest checkpoint
   cut short afterwards, leaves the previous complete checkpoint; ``--resume`` continues from it
-  on every rank and ends bit for bit where the uninterrupted run ends.
+  on every rank and ends bit for bit where the uninterrupted run ends. The slow test does it for
+  real: SIGKILL to rank 1 (through the CLI and torchrun) while its checkpoint is being written.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -201,3 +207,77 @@ def test_a_fresh_run_removes_an_earlier_runs_checkpoint(ranks: Ranks, straight: 
     ranks.run(_train, config, timeout_s=120)
     assert not stale.exists()
     assert [r["step"] for r in _records(out) if r["kind"] == "step"] == [2, 3]
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _rank_pid(launcher: subprocess.Popen[bytes], rank: int, deadline_s: float) -> int:
+    while time.monotonic() < deadline_s and launcher.poll() is None:
+        for pid in _descendants(launcher.pid):
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes()
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if f"\0RANK={rank}\0".encode() in environ and b"superneurons.train.launch" in cmdline:
+                return pid
+        time.sleep(0.05)
+    raise AssertionError(f"rank {rank} never started")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc")
+def test_sigkill_during_a_checkpoint_write_then_resume_is_bit_exact(tmp_path: Path) -> None:
+    """The real thing, through the CLI and torchrun: SIGKILL rank 1 while its checkpoint's
+    temporary file is being written, then ``--resume``."""
+    data = write_fashion_mnist(tmp_path / "data", n_train=256, n_test=32)
+    command = [sys.executable, "-m", "superneurons.cli", "train", "--model", "mlp"]
+    command += ["--data", "fashion-mnist", "--data-dir", str(data), "--batch-size", "16"]
+    command += ["--nproc", "2", "--epochs", "4", "--compress", "qsgd"]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
+    straight, out = tmp_path / "straight", tmp_path / "killed"
+    subprocess.run([*command, "--out", str(straight)], env=env, capture_output=True, check=True)
+
+    launcher = subprocess.Popen(
+        [*command, "--out", str(out)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline_s = time.monotonic() + 300
+        pid = _rank_pid(launcher, 1, deadline_s)
+        newest = checkpoint_path(out, 1)
+        tmp = Path(f"{newest}.tmp")
+        while not (newest.exists() and tmp.exists()):  # a later save of rank 1 under way
+            assert launcher.poll() is None and time.monotonic() < deadline_s, "missed the save"
+            time.sleep(0.0005)
+        os.kill(pid, signal.SIGKILL)
+        assert launcher.wait(timeout=300) != 0
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    resumed = subprocess.run(
+        [*command, "--out", str(out), "--resume"], env=env, capture_output=True, text=True
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    _assert_same_checkpoints(straight, out)
+    assert _summary(out)["steps"] == _summary(straight)["steps"]
+    have = [r["step"] for r in _records(out) if r["kind"] == "step"]
+    assert have == [r["step"] for r in _records(straight) if r["kind"] == "step"]
