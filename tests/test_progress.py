@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from superneurons.progress import LineProgress, progress_bar
 from superneurons.train.metrics import MetricsLog, keep_records_until, summarize
+from superneurons.train.progress import LineProgress, progress_bar
 
 
 class _Clock:

@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from superneurons.progress import progress_bar
+    from superneurons.train.progress import progress_bar
 
     torch.set_num_threads(1)
     models = tuple(m.strip() for m in args.models.split(",") if m.strip())

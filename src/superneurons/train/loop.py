@@ -24,7 +24,6 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from superneurons.compress.hook import register_compression
 from superneurons.errors import ConfigError
-from superneurons.progress import Progress, progress_bar
 from superneurons.train.checkpoint import (
     Checkpoint,
     remove_checkpoints,
@@ -35,6 +34,7 @@ from superneurons.train.checkpoint import (
 from superneurons.train.config import TrainConfig
 from superneurons.train.launch import init_distributed
 from superneurons.train.metrics import MetricsLog, summarize, write_summary
+from superneurons.train.progress import Progress, progress_bar
 from superneurons.train.task import Task, build_task
 
 __all__ = ["run_training", "train"]
@@ -217,7 +217,7 @@ def _resume_or_start_over(config: TrainConfig, rank: int, world_size: int) -> Ch
 
 def _progress(total: int, description: str, rank: int) -> Progress | None:
     """Rank 0's progress on stderr: a live bar on a terminal, a plain line every ~10 s in a
-    log (:func:`superneurons.progress.progress_bar`)."""
+    log (:func:`superneurons.train.progress.progress_bar`)."""
     if rank != 0:
         return None
     return progress_bar(total, desc=description, unit="step", leave=False)
