@@ -34,7 +34,6 @@ from superneurons.train.checkpoint import (
 from superneurons.train.config import TrainConfig
 from superneurons.train.launch import init_distributed
 from superneurons.train.metrics import MetricsLog, summarize, write_summary
-from superneurons.train.progress import Progress, progress_bar
 from superneurons.train.task import Task, build_task
 
 __all__ = ["run_training", "train"]
@@ -215,9 +214,11 @@ def _resume_or_start_over(config: TrainConfig, rank: int, world_size: int) -> Ch
     return None
 
 
-def _progress(total: int, description: str, rank: int) -> Progress | None:
+def _progress(total: int, description: str, rank: int) -> Any:
     """Rank 0's progress on stderr: a live bar on a terminal, a plain line every ~10 s in a
     log (:func:`superneurons.train.progress.progress_bar`)."""
+    from superneurons.train.progress import progress_bar
+
     if rank != 0:
         return None
     return progress_bar(total, desc=description, unit="step", leave=False)
