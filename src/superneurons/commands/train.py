@@ -79,8 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from superneurons.compress.torch_hooks import resolve_spec
     from superneurons.train.launch import Launch, run_torchrun, under_torchrun
     from superneurons.train.precheck import check_before_launch
+    from superneurons.train.task import check_task
 
     config = TrainConfig(
         model=args.model,
@@ -112,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
         master_port=args.master_port,
     )
     # Validate here, before any rank starts: bad input is one line, never a rank traceback.
+    check_task(config.model, config.data)
+    resolve_spec(config.compress)
+    _check_data(config)
     if under_torchrun():
         world_size = int(os.environ["WORLD_SIZE"])
         shared = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) == world_size
@@ -137,3 +142,10 @@ def run(args: argparse.Namespace) -> int:
     if summary_path.exists():
         print(summary_path.read_text(encoding="utf-8").strip())
     return 0
+
+
+def _check_data(config: TrainConfig) -> None:
+    """``--data-dir`` is a directory (check_before_launch then reads the files)."""
+    from superneurons.train.precheck import check_data_dir
+
+    check_data_dir(config)

@@ -5,7 +5,8 @@ line and exit status 2 within seconds, not a rank's traceback after torchrun has
 ranks. What is checked, in order:
 
 1. the (model, data) pair is one the trainer knows;
-2. the compression spec parses (codec names, ``theta`` in [0, 1), bits, ranks ...);
+2. (the compression spec is parsed by the command, through the compression layer's parser:
+   codec names, ``theta`` in [0, 1), bits, ranks ...);
 3. ``--data-dir`` is a directory, and both splits of the dataset read completely (a truncated
    ``.gz`` or raw IDX file, an unreadable text file) — the model is built from them;
 4. ``--budget`` can hold at least the resident state every plan keeps on the device: the
@@ -32,7 +33,7 @@ from superneurons.train.checkpoint import ResumePoint, find_resume_point
 from superneurons.train.config import TrainConfig
 from superneurons.train.task import Task
 
-__all__ = ["check_before_launch", "resident_bytes"]
+__all__ = ["check_before_launch", "check_data_dir", "resident_bytes"]
 
 logger = logging.getLogger("superneurons.train")
 
@@ -46,7 +47,8 @@ def resident_bytes(model: nn.Module) -> int:
     return params + grads + buffers
 
 
-def _check_data_dir(config: TrainConfig) -> None:
+def check_data_dir(config: TrainConfig) -> None:
+    """``--data-dir``, when given, is a directory."""
     if config.data_dir is not None and not Path(config.data_dir).is_dir():
         raise DataError(
             f"--data-dir {config.data_dir}: no such directory; pass the directory that holds "
@@ -98,12 +100,10 @@ def check_before_launch(
     ``shared_files``: every rank's checkpoint is visible here (one node, or a shared file
     system); otherwise the ranks settle the resume point among themselves once started.
     """
-    from superneurons.compress.torch_hooks import resolve_spec
     from superneurons.train.task import build_task, check_task
 
     check_task(config.model, config.data)
-    resolve_spec(config.compress)
-    _check_data_dir(config)
+    check_data_dir(config)
     task = build_task(
         config.model, config.data, data_dir=config.data_dir, block_size=config.block_size
     )
