@@ -79,8 +79,8 @@ def run_training(config: TrainConfig, device: torch.device) -> dict[str, Any]:
         warmup_steps=config.warmup_steps,
         seed=config.seed,
     )
-    saved = _resume_or_start_over(config, rank, world_size)
     start_epoch = step = 0
+    saved = _resume_or_start_over(config, rank, world_size)
     if saved is not None:
         model.load_state_dict(saved.model)
         optimizer.load_state_dict(saved.optimizer)
