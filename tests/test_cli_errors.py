@@ -75,6 +75,11 @@ def _garbage_checkpoint(data: Path, out: Path) -> tuple[list[str], str]:
     return ["--resume"], "rank0.pt"
 
 
+def _checkpoint_of_one_rank(data: Path, out: Path) -> tuple[list[str], str]:
+    _checkpoint(out)
+    return ["--resume", "--nproc", "2"], "resume with --nproc 1"
+
+
 def _flags(flags: list[str], names: str) -> Callable[[Path, Path], tuple[list[str], str]]:
     return lambda data, out: (flags, names)
 
@@ -91,6 +96,7 @@ CASES: dict[str, Callable[[Path, Path], tuple[list[str], str]]] = {
     "truncated raw IDX": _truncated_raw,
     "truncated checkpoint": _truncated_checkpoint,
     "garbage checkpoint": _garbage_checkpoint,
+    "checkpoint of another world size": _checkpoint_of_one_rank,
     "budget 1KiB": _flags(["--budget", "1KiB"], "--budget"),
     "budget below any plan": _budget_below_any_plan,
     "budget abc": _flags(["--budget", "abc"], "'abc'"),

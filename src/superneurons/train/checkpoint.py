@@ -229,13 +229,15 @@ def _readable_files(out_dir: str | Path, rank: int) -> tuple[dict[int, Path], li
     return steps, problems
 
 
-def _choose(held: list[set[int]], problems: list[str], directory: Path) -> int:
-    common = set.intersection(*held) if held else set()
+def _choose(held: dict[int, set[int]], problems: list[str], directory: Path) -> int:
+    """The newest step every rank in ``held`` (rank -> steps it can read) holds."""
+    common = set.intersection(*held.values()) if held else set()
     if common:
         return max(common)
-    if not any(held) and not problems:
+    if not any(held.values()) and not problems:
         raise CheckpointError(f"--resume: no checkpoint in {directory}; run without --resume")
-    detail = "; ".join(problems) if problems else "the ranks hold checkpoints of different steps"
+    empty = [f"rank {rank} has none" for rank, steps in held.items() if not steps]
+    detail = "; ".join(problems + empty) or "the ranks hold checkpoints of different steps"
     raise CheckpointError(
         f"--resume: no checkpoint in {directory} that every rank can read ({detail}); {_START_OVER}"
     )
@@ -265,12 +267,17 @@ def find_resume_point(
         CheckpointError: no step that every rank holds a readable file of, or the checkpoint
             belongs to another run (world size, the settings in ``RESUME_KEYS``).
     """
-    held, problems, files = [], [], []
+    held: dict[int, set[int]] = {}
+    problems: list[str] = []
+    files = []
     for rank in range(world_size):
         steps, rank_problems = _readable_files(out_dir, rank)
-        held.append(set(steps))
+        held[rank] = set(steps)
         problems += rank_problems
         files.append(steps)
+    if files and files[0]:  # another world size says so, not "rank 1 has none"
+        newest = files[0][max(files[0])]
+        _check_same_run(_read(newest, mmap=True), newest, config, world_size)
     step = _choose(held, problems, Path(out_dir) / "checkpoint")
     paths = tuple(steps[step] for steps in files)
     body = _read(paths[0], mmap=True)
@@ -295,7 +302,7 @@ def load_checkpoint(
     """
     steps, problems = _readable_files(out_dir, rank)
     if step is None:
-        step = _choose([set(steps)], problems, Path(out_dir) / "checkpoint")
+        step = _choose({rank: set(steps)}, problems, Path(out_dir) / "checkpoint")
     if step not in steps:
         detail = "; ".join(problems) or f"it holds steps {sorted(steps)}"
         raise CheckpointError(
@@ -332,7 +339,7 @@ def resume_checkpoint(
     steps, problems = _readable_files(out_dir, rank)
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, (sorted(steps), problems))
-    held = [set(rank_steps) for rank_steps, _ in gathered]
+    held = {r: set(rank_steps) for r, (rank_steps, _) in enumerate(gathered)}
     all_problems = [p for _, rank_problems in gathered for p in rank_problems]
     step = _choose(held, all_problems, Path(out_dir) / "checkpoint")
     return load_checkpoint(out_dir, rank, config=config, world_size=world_size, step=step)
