@@ -105,6 +105,7 @@ CASES: dict[str, Callable[[Path, Path], tuple[list[str], str]]] = {
     "unknown codec": _flags(["--compress", "zstd"], "'zstd'"),
     "unknown model": _flags(["--model", "transformer-xl"], "--model transformer-xl"),
     "nproc 0": _flags(["--nproc", "0"], "--nproc"),
+    "fewer samples than ranks": _flags(["--nproc", "200"], "fewer than the 200 ranks"),
     "missing data dir": _flags(["--data-dir", "/nonexistent/fmnist"], "/nonexistent/fmnist"),
     "resume without checkpoint": _flags(["--resume"], "--resume"),
 }

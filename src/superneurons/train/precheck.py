@@ -7,12 +7,14 @@ ranks. What is checked, in order:
 1. the (model, data) pair is one the trainer knows;
 2. (the compression spec is parsed by the command, through the compression layer's parser:
    codec names, ``theta`` in [0, 1), bits, ranks ...);
-3. ``--data-dir`` is a directory, and both splits of the dataset read completely (a truncated
-   ``.gz`` or raw IDX file, an unreadable text file) — the model is built from them;
+3. ``--data-dir`` is a directory, both splits of the dataset read completely (a truncated
+   ``.gz`` or raw IDX file, an unreadable text file) and hold a sample for every rank; the
+   model is built from them;
 4. ``--budget`` can hold at least the resident state every plan keeps on the device: the
    parameters, their gradients and the buffers (SuperNeurons, Wang et al. PPoPP'18: "parameters,
    gradients and BN statistics stay resident"); then a memory plan exists for it, from a profile
-   of one step on fake tensors (shapes only, well under a second for the trainer's models).
+   of one step on fake tensors (shapes only; 0.4-2 s of CPU for the trainer's models, most of
+   it importing torch._dynamo, which FakeTensorMode needs).
    The ranks plan again from a real profile on their device, whose bytes can only be larger
    (allocator, cuDNN workspaces), so nothing the ranks accept is refused here;
 5. ``--resume``: every rank holds a readable checkpoint of a common step, of this run.
@@ -107,6 +109,12 @@ def check_before_launch(
     task = build_task(
         config.model, config.data, data_dir=config.data_dir, block_size=config.block_size
     )
+    samples = len(task.train_set)  # type: ignore[arg-type]
+    if samples // world_size == 0:  # DistributedSampler(drop_last=True) gives each rank this many
+        raise ConfigError(
+            f"the training split has {samples} samples, fewer than the {world_size} ranks: "
+            f"pass fewer ranks or more data"
+        )
     _check_budget(config, task.model)
     _check_plan(config, task)
     if not config.resume or not shared_files:
