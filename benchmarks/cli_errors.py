@@ -94,6 +94,11 @@ def _garbage_checkpoint(scratch: Path) -> list[str]:
     return ["--resume"]
 
 
+def _checkpoint_of_one_rank(scratch: Path) -> list[str]:
+    _checkpoint(scratch)
+    return ["--resume", "--nproc", "2"]
+
+
 def _flags(*flags: str) -> Setup:
     return lambda scratch: list(flags)
 
@@ -103,6 +108,7 @@ CASES: dict[str, Setup] = {
     "truncated raw IDX": _truncated_raw,
     "truncated checkpoint, --resume": _truncated_checkpoint,
     "garbage checkpoint, --resume": _garbage_checkpoint,
+    "checkpoint of 1 rank, --resume --nproc 2": _checkpoint_of_one_rank,
     "--budget 1KiB": _flags("--budget", "1KiB"),
     "--budget below any plan": lambda s: ["--budget", str(resident_bytes(build_model("mlp")) + 1)],
     "--budget abc": _flags("--budget", "abc"),
@@ -111,6 +117,7 @@ CASES: dict[str, Setup] = {
     "unknown codec": _flags("--compress", "zstd"),
     "unknown model": _flags("--model", "transformer-xl"),
     "--nproc 0": _flags("--nproc", "0"),
+    "--nproc 100000 (fewer samples than ranks)": _flags("--nproc", "100000"),
     "missing --data-dir": _flags("--data-dir", "/nonexistent/fashion-mnist"),
 }
 
