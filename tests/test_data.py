@@ -11,7 +11,7 @@ import torch
 
 from superneurons.data import build_dataset, fashion_mnist, read_idx, shakespeare
 from superneurons.data.fashion_mnist import DEFAULT_ROOT
-from superneurons.errors import ConfigError
+from superneurons.errors import ConfigError, DataError
 
 
 def _idx_bytes(array: torch.Tensor, code: int = 0x08) -> bytes:
@@ -98,3 +98,24 @@ def test_shakespeare_and_catalog_errors(tmp_path: Path) -> None:
         shakespeare(tmp_path)
     with pytest.raises(ConfigError, match="choose one of: fashion-mnist, shakespeare"):
         build_dataset("cifar10")
+
+
+@pytest.mark.parametrize("gz", [True, False])
+def test_truncated_idx_files_name_the_file(tmp_path: Path, gz: bool) -> None:
+    _write_split(tmp_path, "t10k", 5, gz=gz)
+    path = tmp_path / ("t10k-images-idx3-ubyte" + (".gz" if gz else ""))
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(DataError, match=f"{path}: .*truncated or corrupt.*replace it") as info:
+        fashion_mnist(tmp_path, split="test")
+    assert "\n" not in str(info.value)
+
+
+def test_missing_directories_and_unreadable_texts_are_data_errors(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="does not exist"):
+        fashion_mnist(tmp_path / "nowhere")
+    with pytest.raises(DataError, match="does not exist"):
+        shakespeare(tmp_path / "nowhere")
+    (tmp_path / "a.txt").mkdir()  # a directory where a text file should be
+    (tmp_path / "b.txt").write_text("to be\n", encoding="utf-8")
+    with pytest.raises(DataError, match="a.txt: cannot be read"):
+        shakespeare(tmp_path)

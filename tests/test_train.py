@@ -161,3 +161,53 @@ def test_torchrun_command_passes_multi_node_flags_through(tmp_path: Path) -> Non
     assert static[static.index("--master-addr") + 1] == "10.0.0.1"
     with pytest.raises(ConfigError, match="--rdzv-endpoint"):
         Launch(nnodes=2)
+
+
+def test_checkpoint_rotation_keeps_the_last_complete_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dataclasses import asdict
+
+    from superneurons.models import build_model
+    from superneurons.train import checkpoint
+    from superneurons.train.checkpoint import find_resume_point, previous_checkpoint_path
+
+    model = build_model("mlp")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = asdict(_config(tmp_path))
+
+    def save(step: int) -> None:
+        checkpoint.save_checkpoint(
+            tmp_path,
+            0,
+            epoch=step,
+            step=step,
+            model=model,
+            optimizer=optimizer,
+            compression={},
+            config=config,
+            world_size=1,
+        )
+
+    def resume_step() -> int:
+        return find_resume_point(tmp_path, config=config, world_size=1).step
+
+    newest, previous = checkpoint_path(tmp_path, 0), previous_checkpoint_path(tmp_path, 0)
+    save(1)
+    save(2)
+    assert resume_step() == 2 and torch.load(previous, weights_only=False)["step"] == 1
+    newest.write_bytes(newest.read_bytes()[:100])  # the newest file cut short
+    assert resume_step() == 1
+    save(3)  # the damaged file is not kept as the previous one
+    assert torch.load(previous, weights_only=False)["step"] == 1 and resume_step() == 3
+
+    def crash(src: Any, dst: Any) -> None:
+        raise KeyboardInterrupt("killed between the temporary file and the rename")
+
+    monkeypatch.setattr(checkpoint.os, "replace", crash)
+    with pytest.raises(KeyboardInterrupt):
+        save(4)
+    monkeypatch.undo()
+    assert Path(f"{newest}.tmp").exists() and resume_step() == 3
+    save(5)  # the leftover temporary file is simply overwritten
+    assert resume_step() == 5 and not Path(f"{newest}.tmp").exists()

@@ -84,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.device is not None:
         return _run_speed(args)
-    from tqdm import tqdm
+    from superneurons.train.progress import progress_bar
 
     torch.set_num_threads(1)
     models = tuple(m.strip() for m in args.models.split(",") if m.strip())
@@ -101,12 +101,12 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     steps_per_model = max(capture_config.steps) + capture_config.window
     captures = []
-    with tqdm(total=steps_per_model * len(models), desc="capture", file=sys.stderr) as bar:
+    with progress_bar(steps_per_model * len(models), desc="capture", file=sys.stderr) as bar:
         for model in models:
             captures.append(load_or_capture(model, capture_config, args.cache, progress=bar.update))
             bar.n = steps_per_model * len(captures)
             bar.refresh()
-    with tqdm(desc="codecs", file=sys.stderr, unit="setting") as bar:
+    with progress_bar(desc="codecs", file=sys.stderr, unit="setting") as bar:
 
         def progress(label: str) -> None:
             bar.set_postfix_str(label[:40])

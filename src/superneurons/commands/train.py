@@ -6,7 +6,10 @@ Examples:
       --optimizer adamw --epochs 2 --out runs/gpt-psgd
   superneurons train ... --out runs/x --resume          # continue from runs/x/checkpoint
 
-Writes OUT/metrics.jsonl, OUT/summary.json, OUT/config.json and OUT/checkpoint/rank*.pt.
+Writes OUT/metrics.jsonl, OUT/summary.json, OUT/config.json and OUT/checkpoint/rank*.pt
+(the previous checkpoint kept as rank*.prev.pt until a new one is complete; --resume continues
+from the newest step every rank can read). Without --resume a run starts over in OUT.
+Progress: a live bar when stderr is a terminal, a plain line every ~10 s otherwise.
 Started by your own torchrun (RANK/WORLD_SIZE/LOCAL_RANK set), it runs as that rank instead.
 --compress takes a codec spec (fft, rangefloat, topk, qsgd, terngrad, signsgd, identity, fp16,
 bf16, powersgd:rank=R) or a PyTorch anchor (dense, torch-fp16, torch-powersgd:rank=R).
@@ -15,6 +18,8 @@ bf16, powersgd:rank=R) or a PyTorch anchor (dense, torch-fp16, torch-powersgd:ra
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from pathlib import Path
 
 from superneurons.bytesize import parse_bytes
@@ -44,7 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--limit-steps", type=int, default=None, help="at most N steps (and test batches) per epoch"
     )
     run_group.add_argument("--log-every", type=int, default=10, help="steps between metric lines")
-    run_group.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    run_group.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from OUT/checkpoint (without it, a run starts over in OUT)",
+    )
     run_group.add_argument(
         "--budget",
         default=None,
@@ -72,6 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from superneurons.compress.compose import compose
     from superneurons.train.launch import Launch, run_torchrun, under_torchrun
+    from superneurons.train.precheck import check_before_launch
     from superneurons.train.task import check_task
 
     config = TrainConfig(
@@ -107,8 +117,18 @@ def run(args: argparse.Namespace) -> int:
     check_task(config.model, config.data)
     compose(config.compress, error_feedback=config.error_feedback, warmup_steps=config.warmup_steps)
     _check_data(config)
-    if config.resume and not (Path(config.out_dir) / "checkpoint" / "rank0.pt").exists():
-        raise ConfigError(f"--resume: no checkpoint in {config.out_dir}/checkpoint")
+    if under_torchrun():
+        world_size = int(os.environ["WORLD_SIZE"])
+        shared = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) == world_size
+    else:
+        world_size, shared = launch.nproc * launch.nnodes, launch.nnodes == 1
+    resume_point = check_before_launch(config, world_size=world_size, shared_files=shared)
+    if resume_point is not None and resume_point.skipped:
+        print(
+            f"superneurons: resuming from step {resume_point.step}; skipped "
+            f"{'; '.join(resume_point.skipped)}",
+            file=sys.stderr,
+        )
     if under_torchrun():  # started by the user's own torchrun: be a rank, launch nothing
         from superneurons.train.loop import train
 
@@ -125,10 +145,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_data(config: TrainConfig) -> None:
-    """Open the training split once in the launcher so a missing dataset is one line."""
-    from superneurons.data import build_dataset
+    """``--data-dir`` is a directory (check_before_launch then reads the files)."""
+    from superneurons.train.precheck import check_data_dir
 
-    kwargs: dict[str, object] = {} if config.data_dir is None else {"root": config.data_dir}
-    if config.data == "shakespeare":
-        kwargs["block_size"] = config.block_size
-    build_dataset(config.data, "train", **kwargs)
+    check_data_dir(config)

@@ -10,12 +10,13 @@ On Debian the package ``dataset-fashion-mnist`` installs them under
 from __future__ import annotations
 
 import gzip
+import zlib
 from pathlib import Path
 
 import torch
 from torch.utils.data import TensorDataset
 
-from superneurons.errors import ConfigError
+from superneurons.errors import ConfigError, DataError
 
 __all__ = ["FASHION_MNIST_MEAN", "FASHION_MNIST_STD", "fashion_mnist", "read_idx"]
 
@@ -32,6 +33,10 @@ _IDX_DTYPES: dict[int, torch.dtype] = {
     0x0D: torch.float32,
     0x0E: torch.float64,
 }
+# What to do about a bad file, appended to every message about one.
+_REPLACE_HINT = (
+    "replace it (apt-get install --reinstall dataset-fashion-mnist, or `bash scripts/setup.sh`)"
+)
 _FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
@@ -42,21 +47,21 @@ def read_idx(path: str | Path) -> torch.Tensor:
     """Read one IDX file (optionally ``.gz``) into a tensor of its stored dtype and shape.
 
     Raises:
-        ConfigError: bad magic number, unknown dtype code, or a size that does not match the
-            header.
+        DataError: the file is missing or unreadable (e.g. a truncated ``.gz``), has a bad magic
+            number or dtype code, or holds fewer or more bytes than its header says.
     """
     path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as handle:
-        raw = handle.read()
+    raw = _read_bytes(path)
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
-        raise ConfigError(f"{path}: not an IDX file (magic must start with two zero bytes)")
+        raise DataError(
+            f"{path}: not an IDX file (magic must start with two zero bytes); {_REPLACE_HINT}"
+        )
     code, ndim = raw[2], raw[3]
     if code not in _IDX_DTYPES:
-        raise ConfigError(f"{path}: unknown IDX dtype code 0x{code:02x}")
+        raise DataError(f"{path}: unknown IDX dtype code 0x{code:02x}; {_REPLACE_HINT}")
     header_bytes = 4 + 4 * ndim
     if len(raw) < header_bytes:
-        raise ConfigError(f"{path}: truncated IDX header")
+        raise DataError(f"{path}: truncated IDX header; {_REPLACE_HINT}")
     shape = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
     dtype = _IDX_DTYPES[code]
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -64,9 +69,9 @@ def read_idx(path: str | Path) -> torch.Tensor:
     for dim in shape:
         numel *= dim
     if len(raw) - header_bytes != numel * itemsize:
-        raise ConfigError(
+        raise DataError(
             f"{path}: IDX header says shape {shape} ({numel * itemsize} bytes) but the file "
-            f"holds {len(raw) - header_bytes} data bytes"
+            f"holds {len(raw) - header_bytes} data bytes (truncated or corrupt); {_REPLACE_HINT}"
         )
     data = torch.frombuffer(bytearray(raw[header_bytes:]), dtype=dtype) if numel else None
     if data is None:
@@ -76,11 +81,34 @@ def read_idx(path: str | Path) -> torch.Tensor:
     return data.reshape(shape)
 
 
+def _read_bytes(path: Path) -> bytes:
+    """The (decompressed) bytes of ``path``; any read failure is one :class:`DataError`."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as handle:
+            return bytes(handle.read())
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file; {_REPLACE_HINT}") from None
+    # NOTE: a truncated gzip stream raises EOFError, a damaged one gzip.BadGzipFile (an OSError)
+    # or zlib.error; none of them names the file.
+    except (EOFError, OSError, zlib.error) as exc:
+        reason = str(exc).strip() or type(exc).__name__
+        raise DataError(
+            f"{path}: cannot be read ({reason}): the file is truncated or corrupt; {_REPLACE_HINT}"
+        ) from None
+
+
 def _find(root: Path, stem: str) -> Path:
+    if not root.is_dir():
+        raise DataError(
+            f"Fashion-MNIST directory {root} does not exist: install the Debian package "
+            f"dataset-fashion-mnist (apt-get install dataset-fashion-mnist) or run "
+            f"`bash scripts/setup.sh`, or pass root= the directory holding the IDX files"
+        )
     for candidate in (root / f"{stem}.gz", root / stem):
         if candidate.is_file():
             return candidate
-    raise ConfigError(
+    raise DataError(
         f"Fashion-MNIST file {stem}(.gz) not found in {root}: install the Debian package "
         f"dataset-fashion-mnist (apt-get install dataset-fashion-mnist) or run "
         f"`bash scripts/setup.sh`, or pass root= the directory holding the IDX files"
@@ -94,12 +122,12 @@ def fashion_mnist(root: str | Path = DEFAULT_ROOT, split: str = "train") -> Tens
         raise ConfigError(f"fashion-mnist: split must be one of {sorted(_FILES)}, got {split!r}")
     root = Path(root)
     image_stem, label_stem = _FILES[split]
-    images = read_idx(_find(root, image_stem))
-    labels = read_idx(_find(root, label_stem))
+    image_path, label_path = _find(root, image_stem), _find(root, label_stem)
+    images, labels = read_idx(image_path), read_idx(label_path)
     if images.dim() != 3 or labels.dim() != 1 or images.shape[0] != labels.shape[0]:
-        raise ConfigError(
-            f"fashion-mnist: expected images (N, H, W) and labels (N,), got "
-            f"{tuple(images.shape)} and {tuple(labels.shape)}"
+        raise DataError(
+            f"fashion-mnist: expected images (N, H, W) in {image_path} and labels (N,) in "
+            f"{label_path}, got {tuple(images.shape)} and {tuple(labels.shape)}; {_REPLACE_HINT}"
         )
     x = images.to(torch.float32).div_(255.0).sub_(FASHION_MNIST_MEAN).div_(FASHION_MNIST_STD)
     return TensorDataset(x.unsqueeze(1), labels.to(torch.int64))  # (N, 1, H, W), (N,)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from superneurons.errors import ConfigError
+from superneurons.errors import ConfigError, DataError
 
 __all__ = ["ShakespeareDataset", "Vocab", "load_corpus", "shakespeare"]
 
@@ -60,16 +60,28 @@ def load_corpus(root: str | Path = DEFAULT_ROOT) -> tuple[torch.Tensor, Vocab]:
     root = Path(root)
     files = sorted(root.glob("*.txt"))
     if not files:
-        raise ConfigError(
-            f"no Shakespeare *.txt files in {root}: run `bash scripts/setup.sh` (it fetches the "
-            f"texts into data/shakespeare) or pass root= a directory of plain-text files"
+        missing = "does not exist" if not root.is_dir() else "holds no *.txt files"
+        raise DataError(
+            f"Shakespeare directory {root} {missing}: run `bash scripts/setup.sh` (it fetches "
+            f"the texts into data/shakespeare) or pass root= a directory of plain-text files"
         )
-    text = "".join(path.read_text(encoding="utf-8", errors="replace") for path in files)
+    text = "".join(_read_text(path) for path in files)
     # Code points via UTF-32 and torch.unique: ~10x faster than a Python dict over 9M chars.
     codes = torch.frombuffer(bytearray(text.encode("utf-32-le")), dtype=torch.int32)
     uniques, ids = torch.unique(codes, sorted=True, return_inverse=True)
     vocab = Vocab(tuple(chr(int(c)) for c in uniques))
     return ids.to(torch.int64), vocab
+
+
+def _read_text(path: Path) -> str:
+    try:
+        # NOTE: errors="replace": a stray byte costs one character, not the run.
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise DataError(
+            f"{path}: cannot be read ({exc.strerror or exc}); fix its permissions, remove it, "
+            f"or re-run `bash scripts/setup.sh`"
+        ) from None
 
 
 class ShakespeareDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):

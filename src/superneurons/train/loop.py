@@ -3,13 +3,15 @@
 Per rank: seed, build the model and data, wrap in DDP, register gradient compression
 (:func:`superneurons.compress.hook.register_compression`), then for each epoch train over this
 rank's shard (``DistributedSampler``), evaluate on the test split, checkpoint. ``--resume``
-loads the checkpoint and continues exactly where an uninterrupted run would be.
+loads the newest checkpoint every rank holds and continues exactly where an uninterrupted run
+would be, records included (``summary.json`` counts every step, ``metrics.jsonl`` holds each
+step once); a run without ``--resume`` starts over and removes an earlier run's checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
+import random
 import time
 from dataclasses import asdict
 from typing import Any
@@ -23,7 +25,13 @@ from torch.utils.data import DataLoader, DistributedSampler
 from superneurons.compress.compose import compose
 from superneurons.compress.hook import register_compression
 from superneurons.errors import ConfigError
-from superneurons.train.checkpoint import load_checkpoint, restore_rng, save_checkpoint
+from superneurons.train.checkpoint import (
+    Checkpoint,
+    remove_checkpoints,
+    restore_rng,
+    resume_checkpoint,
+    save_checkpoint,
+)
 from superneurons.train.config import TrainConfig
 from superneurons.train.launch import init_distributed
 from superneurons.train.metrics import MetricsLog, summarize, write_summary
@@ -48,6 +56,7 @@ def run_training(config: TrainConfig, device: torch.device) -> dict[str, Any]:
     """The loop itself, in an already initialised process group (tests call it directly)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(config.seed)  # same initial weights on every rank
+    random.seed(config.seed)  # NOTE: checkpointed too; unseeded it differs run to run
     task = build_task(
         config.model, config.data, data_dir=config.data_dir, block_size=config.block_size
     )
@@ -69,8 +78,8 @@ def run_training(config: TrainConfig, device: torch.device) -> dict[str, Any]:
     )
     compression = register_compression(ddp, composed, seed=config.seed)
     start_epoch = step = 0
-    if config.resume:
-        saved = load_checkpoint(config.out_dir, rank, config=asdict(config), world_size=world_size)
+    saved = _resume_or_start_over(config, rank, world_size)
+    if saved is not None:
         model.load_state_dict(saved.model)
         optimizer.load_state_dict(saved.optimizer)
         compression.load_state_dict(saved.compression)
@@ -78,8 +87,10 @@ def run_training(config: TrainConfig, device: torch.device) -> dict[str, Any]:
         start_epoch, step = saved.epoch, saved.step
     steps_per_epoch = min(len(loader), config.limit_steps or len(loader))
     test = {"test_loss": float("nan"), "test_accuracy": float("nan")}
-    start_s = time.perf_counter()
-    with MetricsLog(config.out_dir, enabled=rank == 0) as log:
+    resume_at = None if saved is None else (saved.epoch, saved.step)
+    with MetricsLog(config.out_dir, enabled=rank == 0, resume_at=resume_at) as log:
+        if saved is not None:
+            log.load_state_dict(saved.metrics or {"steps": saved.step})
         for epoch in range(start_epoch, config.epochs):
             sampler.set_epoch(epoch)
             ddp.train()
@@ -118,7 +129,7 @@ def run_training(config: TrainConfig, device: torch.device) -> dict[str, Any]:
             if progress is not None:
                 progress.close()
             test = _evaluate(ddp.module, task, config, device)
-            log.write("epoch", epoch=epoch, wall_s=time.perf_counter() - start_s, **test)
+            log.write("epoch", epoch=epoch, step=step, wall_s=log.wall_s, **test)
             save_checkpoint(
                 config.out_dir,
                 rank,
@@ -129,6 +140,7 @@ def run_training(config: TrainConfig, device: torch.device) -> dict[str, Any]:
                 compression=compression.state_dict(),
                 config=asdict(config),
                 world_size=world_size,
+                metrics=log.state_dict(),
             )
         summary = summarize(
             log,
@@ -138,7 +150,7 @@ def run_training(config: TrainConfig, device: torch.device) -> dict[str, Any]:
             **compression.summary(),
             world_size=world_size,
             epochs=config.epochs,
-            wall_s=time.perf_counter() - start_s,
+            wall_s=log.wall_s,
             final_test_accuracy=test["test_accuracy"],
             final_test_loss=test["test_loss"],
             parameters=sum(p.numel() for p in model.parameters()),
@@ -186,15 +198,29 @@ def _evaluate(
     return {"test_loss": loss_sum / max(count, 1), "test_accuracy": correct / max(count, 1)}
 
 
+def _resume_or_start_over(config: TrainConfig, rank: int, world_size: int) -> Checkpoint | None:
+    """``--resume``: the checkpoint all ranks agree on. Otherwise remove an earlier run's
+    checkpoint, so that a later ``--resume`` can never mix its files with this run's."""
+    if config.resume:
+        return resume_checkpoint(config.out_dir, rank, config=asdict(config), world_size=world_size)
+    removed = remove_checkpoints(config.out_dir, rank)
+    if removed and rank == 0:
+        logger.warning(
+            "starting over in %s: removed the earlier run's checkpoint (pass --resume to "
+            "continue a run instead)",
+            config.out_dir,
+        )
+    return None
+
+
 def _progress(total: int, description: str, rank: int) -> Any:
-    """A tqdm bar on rank 0's stderr (tqdm is an optional extra: no bar without it)."""
+    """Rank 0's progress on stderr: a live bar on a terminal, a plain line every ~10 s in a
+    log (:func:`superneurons.train.progress.progress_bar`)."""
+    from superneurons.train.progress import progress_bar
+
     if rank != 0:
         return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc=description, file=sys.stderr, leave=False, dynamic_ncols=True)
+    return progress_bar(total, desc=description, unit="step", leave=False)
 
 
 def _apply_budget(model: nn.Module, batch: Any, budget_bytes: int, *, loss_fn: Any) -> Any:
