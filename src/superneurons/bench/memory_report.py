@@ -24,6 +24,7 @@ COLUMNS = (
     "predicted_mib",
     "peak_fraction",
     "step_ms",
+    "step_cpu_ms",
     "step_ratio_vs_eager",
     "plan",
     "note",
@@ -46,6 +47,8 @@ def table_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row["predicted_mib"] = record["predicted_peak_bytes"] / _MIB
         if record.get("step_s") is not None:
             row["step_ms"] = record["step_s"] * 1e3
+        if record.get("step_cpu_s") is not None:
+            row["step_cpu_ms"] = record["step_cpu_s"] * 1e3
         if "actions" in record:
             row["plan"] = "/".join(f"{a[0]}{n}" for a, n in record["actions"].items()) + (
                 "+opt" if record.get("optimizer_in_backward") else ""

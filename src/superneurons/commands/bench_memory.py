@@ -56,6 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "'none' (default: all on cuda; all but compile on cpu, where compiles take minutes)",
     )
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile points")
+    parser.add_argument(
+        "--compile-budgets",
+        default="1,0.5,0.25,0.1,0",
+        help="torch._functorch activation_memory_budget values the compile anchor sweeps",
+    )
     parser.add_argument("--tiny", action="store_true", help="GPT-2 models at a tiny size")
     parser.add_argument(
         "--optimizer-in-backward",
@@ -80,6 +85,13 @@ def _budgets(text: str) -> tuple[float, ...]:
     if not values:
         raise ConfigError("--budgets is empty: give percentages like 75,50,35,25")
     return values
+
+
+def _fractions(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError as exc:
+        raise ConfigError(f"--compile-budgets takes fractions like 1,0.5,0, got {text!r}") from exc
 
 
 def _anchors(text: str | None, *, device: str, no_compile: bool) -> tuple[str, ...]:
@@ -113,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         batch_size=args.batch or (2 if quick else _DEFAULT_BATCH[(args.model, args.device)]),
         budgets=_budgets(args.budgets),
+        compile_budgets=_fractions(args.compile_budgets),
         image_size=64 if quick else args.image_size or (224 if cuda else 112),
         block_size=64 if quick else args.block_size or (1024 if "gpt2" in args.model else 256),
         steps=1 if quick else args.steps or (20 if cuda else 3),
