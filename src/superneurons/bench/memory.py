@@ -233,10 +233,10 @@ def _ours(
             continue
         factory = work.make_optimizer if plan.optimizer_in_backward else None
         handle = apply_plan(work.model, plan, optimizer_factory=factory)
-        cap = (
-            limit_workspace(cap_bytes=budget, device=work.device) if config.cap_workspace else None
-        )
+        cap = None
         try:
+            if config.cap_workspace:  # convolution workspaces get what the plan leaves
+                cap = limit_workspace(cap_bytes=budget, device=work.device)
             if plan.optimizer_in_backward:
                 work.live_optimizers = list(handle.optimizers.values())
             row.update(work.measure(config.steps, host=handle.pool.host_buffers).as_record())
