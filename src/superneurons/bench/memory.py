@@ -357,6 +357,8 @@ def run_memory_bench(config: MemoryBenchConfig) -> list[dict[str, Any]]:
             record["peak_fraction"] = record["peak_bytes"] / eager_peak
         if record.get("step_s") is not None:
             record["step_ratio_vs_eager"] = record["step_s"] / eager["step_s"]
+        if record.get("step_cpu_s") is not None and eager.get("step_cpu_s"):
+            record["cpu_ratio_vs_eager"] = record["step_cpu_s"] / eager["step_cpu_s"]
     return records
 
 
