@@ -91,29 +91,34 @@ def kv_cache_off(model: nn.Module) -> list[Any]:
     Used by the runtime and by ``profile_step``, so the profile sees the step the plan runs.
     Returns the hook handles (``.remove()`` each to undo).
     """
-    return [
-        module.register_forward_pre_hook(_no_cache(fqn), with_kwargs=True)
-        for fqn, module in model.named_modules()
-        if _caches_by_default(module)
-    ]
+    handles = []
+    for fqn, module in model.named_modules():
+        position = _use_cache_position(module)
+        if position is not None:
+            hook = _no_cache(fqn, position)
+            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    return handles
 
 
 # --- the HF key/value cache --------------------------------------------------------------------
-def _caches_by_default(module: nn.Module) -> bool:
-    config = getattr(module, "config", None)
-    if not getattr(config, "use_cache", False):
-        return False
+def _use_cache_position(module: nn.Module) -> int | None:
+    """Position of ``use_cache`` among the forward's arguments when ``config.use_cache`` is on."""
+    if not getattr(getattr(module, "config", None), "use_cache", False):
+        return None
     try:
-        return "use_cache" in inspect.signature(module.forward).parameters
+        names = list(inspect.signature(module.forward).parameters)
     except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
-        return False
+        return None
+    return names.index("use_cache") if "use_cache" in names else None
 
 
-def _no_cache(fqn: str) -> Any:
+def _no_cache(fqn: str, position: int) -> Any:
     warned = [False]
 
     def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
         if not (module.training and torch.is_grad_enabled()) or kwargs.get("use_cache") is False:
+            return None
+        if len(args) > position:  # passed positionally: left to the unit-level refusal
             return None
         if not warned[0]:
             warned[0] = True
