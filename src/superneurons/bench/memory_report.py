@@ -43,9 +43,12 @@ _MIB = 1024.0**2
 
 def table_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One display row per record (MiB, ms, a compact plan, a note)."""
+    eager_cpu_s = next((r.get("step_cpu_s") for r in records if r["method"] == "eager"), None)
     rows = []
     for record in records:
         row = dict(record)
+        if record.get("step_cpu_s") is not None and eager_cpu_s:
+            row["cpu_ratio_vs_eager"] = record["step_cpu_s"] / eager_cpu_s
         if record.get("peak_bytes") is not None:
             row["peak_mib"] = record["peak_bytes"] / _MIB
         if record.get("predicted_peak_bytes"):

@@ -74,6 +74,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "what the plan leaves; an over-budget tensor then fails with out-of-memory)",
     )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 step, no compile")
+    parser.add_argument(
+        "--render-only",
+        action="store_true",
+        help="measure nothing: rewrite DIR/memory.md and memory.png from DIR/memory.json",
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/memory"))
 
 
@@ -116,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
     from superneurons.bench.memory import MemoryBenchConfig, bench_context, run_memory_bench
     from superneurons.bench.memory_report import plot, report_markdown, table_rows, verdicts
 
+    if args.render_only:
+        return _render(args.out)
     torch.set_num_threads(1)
     cuda = args.device == "cuda"
     anchors = _anchors(args.anchors, device=args.device, no_compile=args.no_compile or args.quick)
@@ -152,10 +159,35 @@ def run(args: argparse.Namespace) -> int:
     print(markdown_table(table_rows(records), COLUMNS))
     found = verdicts(records)
     args.out.mkdir(parents=True, exist_ok=True)
-    write_json(args.out / "memory.json", records, verdicts=found, **bench_context(config))
+    write_json(
+        args.out / "memory.json", records, verdicts=found, load=_load(), **bench_context(config)
+    )
     body = report_markdown(records, device=args.device, load=_load())
     write_markdown(args.out / "memory.md", f"Memory benchmark: {args.model} ({args.device})", body)
     plot(records, args.out / "memory.png", device=args.device)
+    return 0
+
+
+def _render(out: Path) -> int:
+    """Rewrite the Markdown and the plot of an earlier run from its JSON (same measurements)."""
+    import json
+
+    from superneurons.bench.artifacts import write_markdown
+    from superneurons.bench.memory_report import plot, report_markdown
+
+    path = out / "memory.json"
+    if not path.exists():
+        raise ConfigError(f"--render-only: {path} does not exist; run the benchmark first")
+    body = json.loads(path.read_text(encoding="utf-8"))
+    records, device = body["records"], body["config"]["device"]
+    env = body["environment"]
+    measured = (
+        f"Measured by `{env['command']}` at {env['time_utc']} (records in memory.json); this "
+        "page was rendered from them.\n\n"
+    )
+    text = measured + report_markdown(records, device=device, load=body.get("load", "unknown"))
+    write_markdown(out / "memory.md", f"Memory benchmark: {records[0]['model']} ({device})", text)
+    plot(records, out / "memory.png", device=device)
     return 0
 
 
