@@ -105,6 +105,11 @@ def test_command_writes_json_markdown_png(tmp_path: Path) -> None:
     assert {"eager", "ours", "checkpoint", "compile"} <= methods  # compile: a 'not run' record
     assert (tmp_path / "memory.png").stat().st_size > 0
     assert "Verdicts" in (tmp_path / "memory.md").read_text()
+    rerender = parser.parse_args(["--render-only", "--out", str(tmp_path)])
+    assert bench_memory.run(rerender) == 0  # same records, page rewritten from the JSON
+    assert "Measured by" in (tmp_path / "memory.md").read_text()
+    with pytest.raises(ConfigError, match="does not exist"):
+        bench_memory.run(parser.parse_args(["--render-only", "--out", str(tmp_path / "none")]))
 
 
 def test_bad_anchor_and_budget_are_config_errors() -> None:
