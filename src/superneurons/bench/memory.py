@@ -129,8 +129,8 @@ class _Workload:
         loss.backward()
         # NOTE: the output lives through backward, as in train/loop.py and profile_step. A step
         # that drops it first holds B*T*V*4 bytes of logits less: for GPT-2 124M at B=8, T=1024
-        # that is 1.53 GiB, the gap between CONTEXT §5's profile (11.89 GiB) and the eager peak
-        # it was compared with (10.39 GiB), which made a feasible 50% budget look infeasible.
+        # that is 1.53 GiB, close to the 1.50 GiB gap between CONTEXT §5's profile (11.89 GiB)
+        # and the eager peak it was compared with (10.39 GiB), which made 50% look infeasible.
         del output, loss
         if self.optimizer in self.live_optimizers:
             self.optimizer.step()
