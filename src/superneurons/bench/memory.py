@@ -216,7 +216,7 @@ def _ours(
     profile: Any,
     workspace_bytes: int,
 ) -> list[dict[str, Any]]:
-    from superneurons.memory.plan import InfeasibleBudgetError, make_plan
+    from superneurons.memory.plan import ACTIONS, InfeasibleBudgetError, make_plan
 
     bandwidth = copy_bandwidth_bytes_per_s(work.device)
     rows: list[dict[str, Any]] = []
@@ -259,7 +259,7 @@ def _ours(
             predicted_peak_bytes=predicted,
             predicted_tensor_bytes=plan.predicted_peak_bytes,
             workspace_bytes=workspace_bytes,
-            actions={a: plan.count(a) for a in sorted({u.action for u in plan.units})},
+            actions={a: plan.count(a) for a in ACTIONS},
             optimizer_in_backward=plan.optimizer_in_backward,
         )
         rows.append(row)

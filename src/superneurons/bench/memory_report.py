@@ -58,7 +58,7 @@ def table_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if record.get("step_cpu_s") is not None:
             row["step_cpu_ms"] = record["step_cpu_s"] * 1e3
         if "actions" in record:
-            row["plan"] = "/".join(f"{a[0]}{n}" for a, n in record["actions"].items()) + (
+            row["plan"] = "/".join(f"{a[0]}{n}" for a, n in record["actions"].items() if n) + (
                 "+opt" if record.get("optimizer_in_backward") else ""
             )
         if record.get("compile_budget") is not None:
