@@ -41,6 +41,7 @@ from superneurons.memory.profile_types import (
     default_units,
 )
 from superneurons.memory.recompute import running_stat_bytes
+from superneurons.memory.stateful import kv_cache_off
 from superneurons.memory.tracker import LiveStorageTracker
 
 __all__ = ["CATEGORIES", "Profile", "SavedTensor", "UnitProfile", "profile_step"]
@@ -319,6 +320,7 @@ def _run(
     for fqn, module in model.named_modules():
         handles.append(module.register_forward_pre_hook(lambda _m, a, f=fqn: rec.pre(f, a)))
         handles.append(module.register_forward_hook(lambda _m, _a, out, f=fqn: rec.post(f, out)))
+    handles += kv_cache_off(model)  # HF use_cache=False in training, as under a plan
     params = [*model.parameters(), *model.buffers()]
     state_tensors = _optimizer_tensors(optimizer)
     leaves = [t for t in tree_flatten((inputs, targets))[0] if isinstance(t, torch.Tensor)]

@@ -36,6 +36,7 @@ from superneurons.errors import ConfigError
 from superneurons.memory.plan import OFFLOADING, Plan
 from superneurons.memory.pool import PoolConfig, PoolStats, TensorPool
 from superneurons.memory.recompute import RecomputeStats, checkpointed_forward
+from superneurons.memory.stateful import guard_stateful_forwards
 
 __all__ = ["PlanHandle", "apply_plan"]
 
@@ -182,6 +183,7 @@ def apply_plan(
             _wrap_segment(handle, members)
         if plan.optimizer_in_backward:
             _optimizer_in_backward(handle, model, optimizer_factory)
+        handle._hooks += guard_stateful_forwards(model, plan)  # HF cache, state in forward
     except BaseException:
         handle.remove()
         raise
