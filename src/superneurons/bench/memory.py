@@ -183,7 +183,7 @@ def _checkpointed(forward: Callable, context_fn: Callable | None = None) -> Call
 
 def _selective_context() -> Any:
     """Save conv / matmul / attention outputs, recompute everything else."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    from superneurons.compat import selective_checkpoint_contexts
 
     aten = torch.ops.aten
     heavy = {aten.convolution.default, aten.mm.default, aten.addmm.default, aten.bmm.default}
@@ -194,10 +194,7 @@ def _selective_context() -> Any:
         if hasattr(aten, name):
             heavy.add(getattr(aten, name).default)
 
-    def policy(_ctx: Any, op: Any, *_args: Any, **_kwargs: Any) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_SAVE if op in heavy else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
+    return selective_checkpoint_contexts(lambda op: op in heavy)
 
 
 @contextlib.contextmanager
