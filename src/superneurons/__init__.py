@@ -34,8 +34,7 @@ from superneurons.memory import (
     make_plan,
     profile_step,
 )
-
-__version__ = "0.1.0"
+from superneurons.version import __version__
 
 logging.getLogger("superneurons").addHandler(logging.NullHandler())
 

@@ -51,7 +51,7 @@ def environment() -> dict[str, Any]:
 
 
 def _own_version() -> str:
-    from superneurons import __version__
+    from superneurons.version import __version__
 
     return __version__
 

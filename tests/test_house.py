@@ -1,0 +1,151 @@
+"""The house rules the code keeps (../shared/STYLE.md): modules stay small, imports flow one way,
+no import cycles, no printing inside the library.
+
+Read from the source with ``ast``; nothing is imported, so this runs in well under a second.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "superneurons"
+MAX_LINES = 400
+
+# Layers, lowest first. A module may import its own layer or any lower one, never a higher one:
+# commands -> demo -> bench -> train/integrations -> memory/compress/strategy -> models/data
+# -> errors and the other leaf modules.
+LAYERS: dict[str, int] = {
+    "errors": 0,
+    "bytesize": 0,
+    "compat": 0,
+    "device": 0,
+    "version": 0,
+    "models": 1,
+    "data": 1,
+    "memory": 2,
+    "compress": 2,
+    "strategy": 2,
+    "train": 3,
+    "integrations": 3,
+    "bench": 4,
+    "demo": 5,
+    "commands": 6,
+    "cli": 6,
+    "__main__": 6,
+    "__init__": 7,  # the package's re-exports sit above everything they re-export
+}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(SRC.rglob("*.py")):
+        parts = path.relative_to(SRC.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return LAYERS["__init__"]
+    top = parts[1]
+    if top not in LAYERS:
+        raise AssertionError(
+            f"{module}: its top-level name {top!r} has no layer; add it to LAYERS in tests/test_house.py"
+        )
+    return LAYERS[top]
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    """Every superneurons module ``module`` imports, at module level or inside functions."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("superneurons"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            if not target.startswith("superneurons"):
+                continue
+            for alias in node.names:  # `from pkg import submodule` depends on the submodule
+                candidate = f"{target}.{alias.name}"
+                found.add(candidate if candidate in MODULES else target)
+    found.discard(module)
+    return {name for name in found if name in MODULES}
+
+
+GRAPH = {module: _imports(module, path) for module, path in MODULES.items()}
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_module_stays_within_the_line_budget(module: str) -> None:
+    lines = len(MODULES[module].read_text(encoding="utf-8").splitlines())
+    assert lines <= MAX_LINES, f"{module} has {lines} lines (> {MAX_LINES}): split it by concept"
+
+
+def test_imports_flow_one_way() -> None:
+    upward = [
+        f"{module} (layer {_layer(module)}) imports {target} (layer {_layer(target)})"
+        for module, targets in GRAPH.items()
+        for target in sorted(targets)
+        if _layer(target) > _layer(module)
+    ]
+    assert not upward, "imports against the layer order:\n" + "\n".join(upward)
+
+
+def test_no_import_cycles() -> None:
+    # Package __init__ files re-export their submodules; a submodule importing a sibling through
+    # its package is not a cycle of concepts, so packages are left out of the walk.
+    graph = {
+        m: {t for t in ts if not _is_package(t)} for m, ts in GRAPH.items() if not _is_package(m)
+    }
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        stack.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == 1:
+                cycles.append([*stack[stack.index(target) :], target])
+            elif target not in state:
+                visit(target, stack)
+        stack.pop()
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [])
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _is_package(module: str) -> bool:
+    return MODULES[module].name == "__init__.py"
+
+
+def test_library_never_prints() -> None:
+    printing = []
+    for module, path in MODULES.items():
+        if _layer(module) >= LAYERS["commands"] and module != "superneurons":
+            continue  # the CLI is the one place that prints
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "print"
+            ):
+                printing.append(f"{module}:{node.lineno}")
+    assert not printing, "print() inside the library (log instead): " + ", ".join(printing)
