@@ -15,6 +15,8 @@ bf16, powersgd:rank=R) or a PyTorch anchor (dense, torch-fp16, torch-powersgd:ra
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from pathlib import Path
 
 from superneurons.bytesize import parse_bytes
@@ -58,7 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     comm.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size")
     comm.add_argument(
-        "--backend", default="auto", help="auto (nccl on CUDA, else gloo), gloo, nccl"
+        "--backend",
+        default="auto",
+        help="auto: nccl with one GPU per rank, else every rank on CPU with gloo (said in one "
+        "line); nccl: one GPU per rank, stops before launching if there are fewer; gloo: CPU",
     )
     launch = parser.add_argument_group("launch (torchrun)")
     launch.add_argument("--nproc", type=int, default=1, help="processes on this node")
@@ -71,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from superneurons.compress.torch_hooks import resolve_spec
-    from superneurons.train.launch import Launch, run_torchrun, under_torchrun
+    from superneurons.train.launch import Launch, check_launch, run_torchrun, under_torchrun
     from superneurons.train.task import check_task
 
     config = TrainConfig(
@@ -112,8 +117,12 @@ def run(args: argparse.Namespace) -> int:
     if under_torchrun():  # started by the user's own torchrun: be a rank, launch nothing
         from superneurons.train.loop import train
 
+        local = Launch(nproc=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        _say(check_launch(local, config.backend).note, first=os.environ["LOCAL_RANK"] == "0")
+
         train(config)
         return 0
+    _say(check_launch(launch, config.backend).note, first=True)  # before any rank starts
     config_path = config.save(Path(config.out_dir) / "config.json")
     status = run_torchrun(launch, config_path)
     if status != 0:
@@ -122,6 +131,11 @@ def run(args: argparse.Namespace) -> int:
     if summary_path.exists():
         print(summary_path.read_text(encoding="utf-8").strip())
     return 0
+
+
+def _say(note: str | None, *, first: bool) -> None:
+    if note is not None and first:
+        print(f"superneurons: {note}", file=sys.stderr, flush=True)
 
 
 def _check_data(config: TrainConfig) -> None:
