@@ -155,6 +155,9 @@ def run_training(config: TrainConfig, placement: Placement | torch.device) -> di
             final_test_accuracy=test["test_accuracy"],
             final_test_loss=test["test_loss"],
             parameters=sum(p.numel() for p in model.parameters()),
+            device=str(placement.device),
+            backend=dist.get_backend(),
+            torch_version=torch.__version__,
         )
     if plan_handle is not None:
         plan_handle.remove()
