@@ -66,7 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "line); nccl: one GPU per rank, stops before launching if there are fewer; gloo: CPU",
     )
     launch = parser.add_argument_group("launch (torchrun)")
-    launch.add_argument("--nproc", type=int, default=1, help="processes on this node")
+    launch.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="ranks on this node (one GPU each under NCCL; see --backend for fewer GPUs)",
+    )
     launch.add_argument("--nnodes", type=int, default=1)
     launch.add_argument("--node-rank", type=int, default=0)
     launch.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the c10d rendezvous")
