@@ -17,6 +17,12 @@ if [ ! -x "$VENV/bin/python" ]; then
   if "$PYTHON" -c "$SUPPORTED" 2>/dev/null; then
     log "reusing torch $("$PYTHON" -c 'import torch; print(torch.__version__)') of $PYTHON: venv $VENV with --system-site-packages"
     "$PYTHON" -m venv --system-site-packages "$VENV"
+    if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+      # $PYTHON is itself a venv: --system-site-packages reaches its base interpreter, not it.
+      # A .pth file puts the site directory holding its torch on the new venv's path instead.
+      site="$("$PYTHON" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')"
+      "$VENV/bin/python" -c 'import sys, sysconfig; open(sysconfig.get_paths()["purelib"] + "/superneurons-torch.pth", "w").write(sys.argv[1] + "\n")' "$site"
+    fi
   else
     if "$PYTHON" -c "import torch" 2>/dev/null; then
       log "torch $("$PYTHON" -c 'import torch; print(torch.__version__)') of $PYTHON is older than 2.4 (unsupported): not reusing it"
