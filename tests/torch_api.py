@@ -140,6 +140,7 @@ class SourceTree:
     def __init__(self, root: Path) -> None:
         self.root = root  # the folder that holds torch/
         self._names: dict[str, set[str]] = {}
+        self._trees: dict[str, ast.Module | None] = {}
 
     def module_file(self, dotted: str) -> Path | None:
         base = self.root.joinpath(*dotted.split("."))
@@ -154,11 +155,16 @@ class SourceTree:
         return None
 
     def _tree(self, dotted: str) -> ast.Module | None:
+        if dotted not in self._trees:
+            self._trees[dotted] = self._parse(dotted)
+        return self._trees[dotted]
+
+    def _parse(self, dotted: str) -> ast.Module | None:
         path = self.module_file(dotted)
         if path is None:
             return None
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        stub = path.with_suffix(".pyi")  # e.g. torch/_C/__init__.pyi beside nothing; keep both
+        stub = path.with_suffix(".pyi")  # a module with a stub beside it: read both
         if path.suffix == ".py" and stub.is_file():
             tree.body += ast.parse(stub.read_text(encoding="utf-8")).body
         return tree
