@@ -108,6 +108,11 @@ class Placement:
 
     device: torch.device = torch.device("cpu")
 
+    @classmethod
+    def of(cls, where: Placement | torch.device | str) -> Placement:
+        """``where`` itself if it is a placement, else a placement on that device."""
+        return where if isinstance(where, Placement) else cls(torch.device(where))
+
     @property
     def pin_memory(self) -> bool:
         """Whether a DataLoader feeding this device should pin its batches."""

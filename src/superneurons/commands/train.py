@@ -79,9 +79,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     launch.add_argument("--master-port", type=int, default=29500)
 
 
+def _say_backend(nproc: int, backend: str, *, first: bool) -> None:
+    """The GPU policy for ``nproc`` ranks on this node, before any starts: ``nccl`` without a
+    GPU per rank is a ConfigError saying what to pass; ``auto`` with too few GPUs is one line
+    (every rank on CPU with gloo)."""
+    from superneurons.train.launch import Launch, check_launch
+
+    note = check_launch(Launch(nproc=nproc), backend).note
+    if note is not None and first:
+        print(f"superneurons: {note}", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     from superneurons.compress.torch_hooks import resolve_spec
-    from superneurons.train.launch import Launch, check_launch, run_torchrun, under_torchrun
+    from superneurons.train.launch import Launch, run_torchrun, under_torchrun
     from superneurons.train.task import check_task
 
     config = TrainConfig(
@@ -122,12 +133,12 @@ def run(args: argparse.Namespace) -> int:
     if under_torchrun():  # started by the user's own torchrun: be a rank, launch nothing
         from superneurons.train.loop import train
 
-        local = Launch(nproc=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        _say(check_launch(local, config.backend).note, first=os.environ["LOCAL_RANK"] == "0")
+        nproc = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        _say_backend(nproc, config.backend, first=os.environ["LOCAL_RANK"] == "0")
 
         train(config)
         return 0
-    _say(check_launch(launch, config.backend).note, first=True)  # before any rank starts
+    _say_backend(launch.nproc, config.backend, first=True)  # before any rank starts
     config_path = config.save(Path(config.out_dir) / "config.json")
     status = run_torchrun(launch, config_path)
     if status != 0:
@@ -136,11 +147,6 @@ def run(args: argparse.Namespace) -> int:
     if summary_path.exists():
         print(summary_path.read_text(encoding="utf-8").strip())
     return 0
-
-
-def _say(note: str | None, *, first: bool) -> None:
-    if note is not None and first:
-        print(f"superneurons: {note}", file=sys.stderr, flush=True)
 
 
 def _check_data(config: TrainConfig) -> None:

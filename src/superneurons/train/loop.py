@@ -44,14 +44,13 @@ def train(config: TrainConfig) -> dict[str, Any]:
         dist.destroy_process_group()
 
 
-def run_training(config: TrainConfig, placement: Placement | torch.device) -> dict[str, Any]:
+def run_training(config: TrainConfig, device: Placement | torch.device) -> dict[str, Any]:
     """The loop itself, in an already initialised process group (tests call it directly).
 
-    Every model, batch and target reaches the rank's device through ``placement`` (a bare
-    device means ``Placement(device)``).
+    Every model, batch and target reaches the rank's device through one
+    :class:`~superneurons.device.Placement` (a bare device means ``Placement(device)``).
     """
-    if not isinstance(placement, Placement):
-        placement = Placement(torch.device(placement))
+    placement = Placement.of(device)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(config.seed)  # same initial weights on every rank
     task = build_task(
@@ -131,7 +130,7 @@ def run_training(config: TrainConfig, placement: Placement | torch.device) -> di
                     progress.set_postfix(loss=f"{loss_value:.3f}")
             if progress is not None:
                 progress.close()
-            test = _evaluate(ddp.module, task, config, placement)
+            test = _evaluate(ddp.module, task, config, device)
             log.write("epoch", epoch=epoch, wall_s=time.perf_counter() - start_s, **test)
             save_checkpoint(
                 config.out_dir,
@@ -181,9 +180,10 @@ def _accuracy(output: torch.Tensor, targets: torch.Tensor) -> float:
 
 @torch.no_grad()
 def _evaluate(
-    model: nn.Module, task: Task, config: TrainConfig, placement: Placement
+    model: nn.Module, task: Task, config: TrainConfig, device: Placement | torch.device
 ) -> dict[str, float]:
     """Loss and accuracy on the test split, each rank a shard, summed by all-reduce."""
+    placement = Placement.of(device)
     model.eval()
     sampler: DistributedSampler[Any] = DistributedSampler(task.test_set, shuffle=False)
     loader = DataLoader(
