@@ -1,17 +1,18 @@
-"""FFT-compressed gradients in PyTorch Lightning, through DDPStrategy's comm-hook arguments.
+"""FFT-compressed gradients in PyTorch Lightning, through ``CompressedDDPStrategy``.
 
     python examples/lightning_ddp.py --devices 2 --max-steps 50
+    python examples/lightning_ddp.py --compress torch-fp16      # PyTorch's own hook, counted
 
-Lightning registers the hook itself, after the process group exists;
-``DeferredCompression`` validates the codec now and binds at the first backward. On CUDA a
-plain ``DDPStrategy(ddp_comm_state=compression, ddp_comm_hook=deferred_compression_hook)``
-works; ``CompressedDDPStrategy`` is that same strategy, also registering the hook on CPU, where
-Lightning itself skips it.
+The spec is validated when the strategy is built; the hook is registered once DDP wraps the
+model, on every device (Lightning's ``DDPStrategy`` registers ``ddp_comm_hook`` only on CUDA
+and silently skips it on CPU). Each rank writes ``rank<R>.json`` with a digest of its
+parameters; rank 0 also writes ``result.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 from pathlib import Path
 
@@ -19,7 +20,6 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Subset
 
-from superneurons.compress.deferred import DeferredCompression
 from superneurons.data import build_dataset
 from superneurons.integrations.lightning import CompressedDDPStrategy
 from superneurons.models import build_model
@@ -51,8 +51,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = Classifier()
-    compression = DeferredCompression(model, args.compress)  # validated here, bound later
-    strategy = CompressedDDPStrategy(compression, process_group_backend="gloo")
+    strategy = CompressedDDPStrategy(args.compress, process_group_backend="gloo")
     train = Subset(build_dataset("fashion-mnist", "train"), range(64 * args.max_steps))
     trainer = L.Trainer(
         accelerator="cpu",
@@ -64,11 +63,16 @@ def main() -> None:
         enable_model_summary=False,
     )
     trainer.fit(model, DataLoader(train, batch_size=32, shuffle=True))
-    state = compression.bind()
-    if state.bytes_sent_total == 0:
+    state = strategy.compression_state
+    if state is None or state.bytes_sent_total == 0:
         raise RuntimeError("the compression hook never ran")
+    args.out.mkdir(parents=True, exist_ok=True)
+    sha = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        sha.update(name.encode() + tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    rank = {"rank": trainer.global_rank, "params_sha256": sha.hexdigest(), "steps": state.step}
+    (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(rank) + "\n")
     if trainer.is_global_zero:
-        args.out.mkdir(parents=True, exist_ok=True)
         result = {
             "codec": state.codec.spec,
             "final_loss": float(trainer.callback_metrics["loss"]),

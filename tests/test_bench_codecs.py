@@ -62,7 +62,8 @@ def test_quick_path_writes_records_that_match_payload_bytes(tmp_path: Path) -> N
     assert paths["markdown"].read_text().count("|") > 10 and paths["png"].stat().st_size > 0
     assert body["records"] and all(set(r) >= REQUIRED for r in body["records"])
     families = {r["codec"] for r in body["records"] if r["budget_bits"] == 1.0}
-    assert {"fft", "topk", "signsgd"} <= families
+    assert {"fft", "ctopk", "adaptive", "topk", "signsgd"} <= families
+    assert body["verdicts"] and "adaptive/ctopk_ef" in body["summary"]
 
     bounds = bucket_bounds(capture.numels, config.bucket_bytes)
     assert len(bounds) > 1 and all(r["n_buckets"] == len(bounds) for r in records)
@@ -88,3 +89,35 @@ def test_error_feedback_helps_a_biased_sparsifier() -> None:
     topk = next(r for r in records if r["codec"] == "topk")
     # Top-k drops the same small coordinates every step; error feedback sends them later.
     assert topk["ef_rel_error"] < topk["noef_rel_error"]
+
+
+def test_speed_records_every_codec_on_the_cpu(tmp_path: Path) -> None:
+    from superneurons.bench.codec_speed import (
+        SpeedConfig,
+        measure_codec_speed,
+        write_speed_artifacts,
+    )
+
+    config = SpeedConfig(sizes_mib=(0.01,), repeats=1, specs=("fft", "adaptive", "qsgd"))
+    records = measure_codec_speed(config)
+    assert [r["codec"] for r in records] == ["fft", "adaptive", "qsgd"]
+    for record in records:
+        codec = parse_spec(record["spec"])
+        assert record["payload_device"] == record["device"] == "cpu"
+        assert (
+            record["bits_per_element"]
+            == 8 * codec.payload_bytes(record["numel"]) / (record["numel"])
+        )
+        assert record["encode_gbps"] > 0 and record["decode_gbps"] > 0
+    paths = write_speed_artifacts(records, tmp_path)
+    assert json.loads(paths["json"].read_text())["records"] == records
+
+
+def test_speed_rejects_cuda_without_a_gpu_and_bad_specs() -> None:
+    from superneurons.bench.codec_speed import SpeedConfig
+    from superneurons.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown codec"):
+        SpeedConfig(specs=("nope",))
+    with pytest.raises(ConfigError, match="device"):
+        SpeedConfig(device="mps")

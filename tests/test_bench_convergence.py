@@ -15,8 +15,8 @@ from superneurons.bench.convergence import (
     ConvergenceConfig,
     add_deltas,
     run_convergence_bench,
-    write_artifacts,
 )
+from superneurons.bench.convergence_report import write_artifacts
 from superneurons.errors import ConfigError
 
 FMNIST_ROOT = Path(ConvergenceConfig().fashion_mnist_root)
@@ -84,3 +84,40 @@ def test_config_needs_dense_reference_and_known_codecs() -> None:
         ConvergenceConfig(codecs=("fft",))
     with pytest.raises(ConfigError):
         ConvergenceConfig(codecs=("dense", "no-such-codec"))
+
+
+def test_codec_labels_are_checked_before_any_rank_starts() -> None:
+    ConvergenceConfig(
+        codecs=(
+            "dense",
+            "auto",
+            "adam-update[warmup=10]:signsgd",
+            "adam-momentum[warmup=20,wire=fp16]:signsgd",
+            "fft|diminishing:start=0.999,floor=0.9,drops=1,until=0.5",
+        )
+    )
+    with pytest.raises(ConfigError, match="diminishing"):
+        ConvergenceConfig(codecs=("dense", "fft|cosine:start=0.9"))
+    with pytest.raises(ConfigError, match="unknown codec"):
+        ConvergenceConfig(codecs=("dense", "adam-update:nope"))
+    with pytest.raises(ConfigError, match="until"):
+        ConvergenceConfig(codecs=("dense", "fft|diminishing:until=2"))
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.skipif(not any(SHAKESPEARE_ROOT.glob("*.txt")), reason="needs the Shakespeare texts")
+def test_update_compression_counts_bytes_with_warmup() -> None:
+    config = ConvergenceConfig(
+        codecs=("dense", "adam-update[warmup=1]:signsgd"),
+        tasks=(replace(SHAKESPEARE, steps=3, batch_size=4, eval_points=1, eval_limit=8),),
+        shakespeare_root=str(SHAKESPEARE_ROOT),
+    )
+    dense, update = run_convergence_bench(config, progress=lambda _m: None)
+    assert dense["ratio_vs_dense"] == 1.0 and math.isfinite(update["final_metric"])
+    # 1 dense step (fp32) + 2 one-bit steps: a ratio just under 3
+    per_step = update["dense_bytes_per_step"]
+    assert per_step * 3 / update["ratio_vs_dense"] == pytest.approx(
+        update["bytes_sent_per_step"] * 3
+    )
+    assert 2.5 < update["ratio_vs_dense"] < 3.0

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from superneurons.errors import ConfigError
-from superneurons.memory.profile import profile_step
+from superneurons.memory.profile import Profile, profile_step
 from superneurons.memory.tracker import LiveStorageTracker
 
 
@@ -99,13 +99,20 @@ def test_profile_leaves_model_and_optimizer_unchanged() -> None:
     )
 
 
+def profile_fwd(profile: Profile, fqn: str) -> int:
+    return next(u.fwd_start_event for u in profile.units if u.fqn == fqn)
+
+
 def test_saved_tensors_keys_units_and_dedup() -> None:
     model, opt, x, y = _setup()
     profile = profile_step(model, x, y, nn.functional.cross_entropy, opt, fake=True)
     keys = [s.key for s in profile.saved]
     assert len(keys) == len(set(keys))
     assert any(k.startswith("shared.conv#1:") for k in keys)  # second call of the shared module
-    assert [u.fqn for u in profile.units] == ["blocks.0", "blocks.1"]
+    # the blocks, and the rest of the step's path to them (stem, shared block, side, head)
+    units = ["stem", "blocks.0", "blocks.1", "shared", "side", "head"]
+    assert sorted(u.fqn for u in profile.units) == sorted(units)
+    assert [u.fqn for u in profile.units] == sorted(units, key=lambda f: profile_fwd(profile, f))
     by_storage: dict[int, int] = {}
     for s in profile.saved:
         by_storage[s.storage] = by_storage.get(s.storage, 0) + s.nbytes
@@ -113,6 +120,8 @@ def test_saved_tensors_keys_units_and_dedup() -> None:
     for unit in profile.units:
         assert unit.fwd_start_event <= unit.fwd_end_event < profile.forward_end_event
         assert unit.bwd_start_event > profile.forward_end_event
+        if not unit.fqn.startswith("blocks."):
+            continue
         assert unit.flops == 2 * (8 * 8 * 9) * (4 * 16 * 16)  # one 3x3 conv: 2 FLOPs per MAC
 
 

@@ -101,6 +101,9 @@ MIXES = [
     ("offload",) * 4,
     ("offload", "recompute", "keep", "offload"),
     ("recompute", "offload", "recompute", "keep"),
+    ("recompute+offload",) * 4,
+    ("recompute+offload", "offload", "keep", "recompute+offload"),
+    ("recompute", "recompute+offload", "offload", "recompute+offload"),
 ]
 
 
@@ -113,7 +116,7 @@ def test_dropout_bn_inplace_residual_equal_eager(actions: tuple[str, ...]) -> No
     stats = handle.stats()
     for fqn, counts in stats["recompute"].items():
         assert counts["forward_calls"] == 3 and counts["recompute_calls"] == 3, fqn
-    if "offload" in actions:
+    if {"offload", "recompute+offload"} & set(actions):
         assert stats["pool"]["d2h_bytes"] > 0
         # every byte that came back went out first (some come back as the still-live original)
         assert 0 < stats["pool"]["h2d_bytes"] <= stats["pool"]["d2h_bytes"]
@@ -163,7 +166,11 @@ def test_zoo_models_equal_eager(name: str, kwargs: dict, image_size: int) -> Non
         units = ["layer1.0", "layer2.0", "layer3.0", "layer4.0"]
     else:
         units = [f"transformer.h.{i}" for i in range(3)] + ["lm_head"]
-    for actions in (("offload", "recompute", "offload", "keep"), ("recompute",) * 3 + ("offload",)):
+    for actions in (
+        ("offload", "recompute", "offload", "keep"),
+        ("recompute",) * 3 + ("offload",),
+        ("recompute+offload",) * 3 + ("recompute+offload",),
+    ):
         _assert_same_training(model, units, actions, batches, default_loss(name))
 
 
@@ -292,7 +299,7 @@ def test_measured_peak_under_offload_and_recompute_bounds() -> None:
 
 
 def test_measured_peak_within_planner_budget_and_prediction() -> None:
-    from superneurons.memory.plan import make_plan
+    from superneurons.memory.planner import make_plan
     from superneurons.memory.profile import profile_step
 
     model, x = Chain(blocks=6), torch.randn(1024, 128)
@@ -319,7 +326,9 @@ def test_measured_peak_within_planner_budget_and_prediction() -> None:
 def test_many_mixes_leave_pool_empty() -> None:
     model, x = Chain(width=32, blocks=3), torch.randn(8, 32)
     units = ["blocks.0", "blocks.1", "blocks.2"]
-    for actions in itertools.product(("keep", "offload", "recompute"), repeat=3):
+    for actions in itertools.product(
+        ("keep", "offload", "recompute", "recompute+offload"), repeat=3
+    ):
         with apply_plan(model, _plan(units, actions), pool_config=ALL_BYTES) as handle:
             model(x).backward()
             stats = handle.pool.stats()

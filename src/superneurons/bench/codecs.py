@@ -1,27 +1,30 @@
-"""Codec benchmark on real gradients: bits per element on the wire, approximation error, speed
-and error feedback, with every codec family put at equal bit budgets.
+"""Codec benchmark on real gradients with equal coding on every sparsifier: bits per element on
+the wire, approximation error one-shot and after K steps of error feedback, and speed.
 
-The question it answers is the central claim of Wang et al., HPDC'20 (arXiv 1811.08596): FFT
-sparsification with range-based floats approximates gradients with *less error than Top-k, QSGD
-and TernGrad* for the same communication. A fair test needs equal bytes, so each family's knob
-is set from ``codec.payload_bytes`` (counting every byte the codec sends: values, indices,
-headers, scales) to land at or just under budgets of ~0.5, 1, 2 and 4 bits per element:
+The question: does HPDC'20's FFT sparsification (Wang et al., arXiv 1811.08596) approximate
+gradients with less error than Top-k at equal communication, and does our transform-adaptive
+codec beat both? Bits per element decide nothing unless both sides pay the same coding
+(CONTEXT.md section 6), so every sparsifier here sends its kept coefficients the same way
+(:mod:`superneurons.compress.sparsecode`: 8-bit range-float values, bitmap or Elias-Fano index,
+whichever is smaller) and only the basis differs:
 
-* ``fft`` (512-element chunks with 8-bit range-float values, and one transform per bucket with
-  8- or 4-bit values): the largest kept share (smallest ``theta``) that fits, with whichever
-  fixed-size index code (bitmap or Elias-Fano gap) keeps more bins;
-* ``topk``: the largest ``ratio`` that fits (fp32 value + int32 index, 64 bits per kept element);
-* ``qsgd`` (512-element buckets), ``terngrad``, ``signsgd``, dense ``rangefloat``: fixed-width
-  codes, so they appear only at the budgets their width reaches (QSGD's smallest code is 2 bits,
-  without the paper's variable-length Elias coding which a fixed-size all-gather cannot use).
+* ``ctopk``: compactly coded Top-k (spatial basis);
+* ``fft``: 512-element chunks, rFFT bins (HPDC'20's transform);
+* ``adaptive``: per 512-element chunk the most compact of spatial / Fourier / DCT.
+
+Each family's kept share is set from ``codec.payload_bytes`` (every byte counted: values,
+indices, headers, basis codes) to land at or just under ~0.5, 1, 2 and 4 bits per element.
+References at the same budgets: Top-k with the usual fp32 value + int32 index (64 bits per kept
+element), and the fixed-width QSGD (512-element buckets), TernGrad, signSGD and range-float,
+which appear only at the budgets their width reaches.
 
 Each gradient is cut into DDP-style buckets (:func:`~superneurons.bench.gradients.bucket_bounds`)
-and every bucket is encoded on its own, as a DDP comm hook would. Metrics per (model, codec):
-``bits_per_element`` (sum of ``payload.nbytes * 8`` over buckets / numel), ``rel_error``
-``||g_hat - g|| / ||g||`` and cosine (mean over capture points), encode/decode GB/s (fp32 input
-bytes per second, one thread, median of repeats on the model's first bucket), and the relative
-error of the update accumulated over a window of K consecutive real gradients with error
-feedback (:func:`~superneurons.compress.feedback.feedback_step`) and without it.
+and every bucket is encoded on its own, as a DDP comm hook would. Metrics per (model, setting):
+``bits_per_element``, ``rel_error`` ``||g_hat - g|| / ||g||`` and cosine (mean over capture
+points), the relative error of the K-step sum of sent updates with error feedback
+(``ef_rel_error``: residual carried across K consecutive real gradients, so it equals the final
+residual's norm over the sum's) and without it (``noef_rel_error``), and encode/decode GB/s
+(fp32 input bytes per second, one thread, median of repeats on the model's first bucket).
 """
 
 from __future__ import annotations
@@ -56,14 +59,17 @@ __all__ = [
 logger = logging.getLogger("superneurons.bench")
 
 BUDGETS_BITS: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)
-_PAPER_BASELINES = ("topk", "qsgd", "terngrad")
 _BISECT_STEPS = 40
-# (chunk, range-float bits) of the FFT families: the literal reading of the paper (one rFFT
-# over the whole bucket) with 8- and 4-bit values, and the codec's default 512-element chunks.
-# NOTE: in a pre-run on step-200 ResNet/AlexNet gradients, chunks of 64..4096 with 8-bit values
-# all beat the whole-bucket transform; 4-bit values lose badly with chunks (one exponent window
-# per message cannot cover every chunk's range), so that combination is left out.
-_FFT_VARIANTS: tuple[tuple[int, int], ...] = ((512, 8), (0, 8), (0, 4))
+# The equally coded sparsifiers: family label -> spec template with the kept share as {theta}.
+# NOTE: the whole-bucket rFFT (the paper's literal reading) lost to 512-element chunks at every
+# budget on all four zoo models in the previous run of this benchmark (ANSWER.md history) and
+# is 10-40x slower on DDP's non-smooth bucket lengths, so it is left out of the K=20 run.
+SPARSE_FAMILIES: dict[str, str] = {
+    "ctopk": "ctopk:theta={theta},bits=8,select=sampled,index=auto",
+    "fft": "fft:theta={theta},bits=8,chunk=512,select=sampled,index=auto",
+    "adaptive": "adaptive:theta={theta},bits=8,chunk=512,select=sampled,index=auto",
+}
+_REFERENCE = "ctopk"  # the fair baseline every verdict ratio divides by
 
 
 @dataclass(frozen=True)
@@ -124,29 +130,20 @@ def bench_settings(sizes: Sequence[int], budgets_bits: Sequence[float]) -> list[
     """Codec settings at each budget for buckets of ``sizes`` elements, plus references."""
     settings: list[Setting] = []
     for budget in budgets_bits:
-        for chunk, value_bits in _FFT_VARIANTS:
-            best: Codec | None = None
-            for index in ("bitmap", "gap"):
+        for family, template in SPARSE_FAMILIES.items():
 
-                def fft(keep: float, index: str = index, chunk: int = chunk,
-                        bits: int = value_bits) -> Codec:  # fmt: skip
-                    theta = min(0.999999, max(0.0, 1.0 - _round_kept(keep)))
-                    return parse_spec(
-                        f"fft:theta={theta!r},bits={bits},chunk={chunk},index={index},"
-                        "select=sampled"
-                    )
+            def sparse(keep: float, template: str = template) -> Codec:
+                theta = min(0.999999, max(0.0, 1.0 - _round_kept(keep)))
+                return parse_spec(template.format(theta=repr(theta)))
 
-                codec = _fit(fft, sizes, budget)
-                if codec is not None and (best is None or codec.theta < best.theta):  # type: ignore[attr-defined]
-                    best = codec
-            if best is not None:
-                where = f"chunk {chunk}" if chunk else "whole bucket"
-                settings.append(Setting(f"fft ({where}, {value_bits}-bit)", best.spec, budget))
+            codec = _fit(sparse, sizes, budget)
+            if codec is not None:
+                settings.append(Setting(family, codec.spec, budget))
         topk = _fit(
             lambda r: parse_spec(f"topk:ratio={_round_kept(r)!r},select=sampled"), sizes, budget
         )
         if topk is not None:
-            settings.append(Setting("topk", topk.spec, budget))
+            settings.append(Setting("topk (fp32+int32)", topk.spec, budget))
         fixed = [f"qsgd:levels={levels}" for levels in (1, 3, 7, 15)]
         fixed += ["terngrad", "signsgd", "rangefloat:bits=4"]
         for spec in fixed:
@@ -283,29 +280,47 @@ def _measure(capture: GradientCapture, setting: Setting, steps: list[int], numel
 
 
 def _verdicts(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per model, budget and FFT variant: its error vs each paper baseline's at the same
-    budget (ratio < 1: FFT wins). Every FFT variant gets its own row, no best-of pick."""
+    """Per model and budget: each equally coded sparsifier's error (one-shot and after error
+    feedback) and its ratio to compactly coded Top-k's (< 1: lower error than ``ctopk``)."""
     rows = []
-    for fft in (r for r in records if r["codec"] == "fft"):
-        here = [
-            r
+    cells = dict.fromkeys(
+        (r["model"], r["budget_bits"]) for r in records if r["codec"] == _REFERENCE
+    )
+    for model, budget in cells:
+        here = {
+            r["family"]: r
             for r in records
-            if r["model"] == fft["model"] and r["budget_bits"] == fft["budget_bits"]
-        ]
-        row: dict[str, Any] = {
-            "model": fft["model"],
-            "budget_bits": fft["budget_bits"],
-            "fft": fft["family"],
-            "fft_bits": fft["bits_per_element"],
-            "fft_error": fft["rel_error"],
+            if r["model"] == model and r["budget_bits"] == budget and r["family"] in SPARSE_FAMILIES
         }
-        for name in _PAPER_BASELINES:
-            base = [r for r in here if r["codec"] == name]
-            if base:
-                row[f"{name}_error"] = base[0]["rel_error"]
-                row[f"fft/{name}"] = fft["rel_error"] / base[0]["rel_error"]
+        ref = here[_REFERENCE]
+        row: dict[str, Any] = {"model": model, "budget_bits": budget}
+        for family, record in here.items():
+            row[f"{family}_error"] = record["rel_error"]
+            row[f"{family}_ef_error"] = record["ef_rel_error"]
+            if family != _REFERENCE:
+                row[f"{family}/ctopk"] = record["rel_error"] / ref["rel_error"]
+                row[f"{family}/ctopk_ef"] = record["ef_rel_error"] / ref["ef_rel_error"]
         rows.append(row)
     return rows
+
+
+def verdict_summary(verdicts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per family: geometric mean of its error ratio to ``ctopk`` (one-shot and after error
+    feedback) over every model x budget cell, and in how many cells it is lower."""
+    summary: dict[str, Any] = {}
+    for family in SPARSE_FAMILIES:
+        if family == _REFERENCE:
+            continue
+        for key in (f"{family}/ctopk", f"{family}/ctopk_ef"):
+            ratios = [row[key] for row in verdicts if key in row and row[key] > 0]
+            if ratios:
+                summary[key] = {
+                    "geomean": math.exp(statistics.fmean(math.log(x) for x in ratios)),
+                    "lower_in": sum(x < 1 for x in ratios),
+                    "cells": len(ratios),
+                    "max": max(ratios),
+                }
+    return summary
 
 
 def write_codec_artifacts(
@@ -314,20 +329,30 @@ def write_codec_artifacts(
     """``codecs.json`` (records + verdicts), ``codecs.md`` (tables) and ``codecs.png``."""
     out_dir = Path(out_dir)
     verdicts = _verdicts(records)
-    json_path = write_json(out_dir / "codecs.json", records, verdicts=verdicts, **extra)
+    summary = verdict_summary(verdicts)
+    json_path = write_json(
+        out_dir / "codecs.json", records, verdicts=verdicts, summary=summary, **extra
+    )
     columns = ["model", "budget_bits", "spec", "bits_per_element", "rel_error", "cosine",
                "ef_rel_error", "noef_rel_error", "encode_gbps", "decode_gbps"]  # fmt: skip
-    verdict_columns = ["model", "budget_bits", "fft", "fft_bits", "fft_error"]
-    for name in _PAPER_BASELINES:
-        verdict_columns += [f"{name}_error", f"fft/{name}"]
+    verdict_columns = ["model", "budget_bits"]
+    for family in SPARSE_FAMILIES:
+        verdict_columns += [f"{family}_error", f"{family}_ef_error"]
+    for family in SPARSE_FAMILIES:
+        if family != _REFERENCE:
+            verdict_columns += [f"{family}/ctopk", f"{family}/ctopk_ef"]
+    summary_rows = [{"ratio": key, **value} for key, value in summary.items()]
     body = (
         "Relative error ||g_hat - g|| / ||g|| on real gradients (mean over capture points), "
         "bits per element counting every payload byte, 4 MiB DDP-style buckets. "
         "`ef_rel_error` / `noef_rel_error`: error of the update accumulated over K consecutive "
         "gradients with / without error feedback. GB/s: fp32 input bytes per second, one "
         "thread, median; timings taken on a shared, contended machine.\n\n"
-        "## FFT vs the paper's baselines at equal bits (ratio < 1: FFT has lower error)\n\n"
+        "## Equal coding: each sparsifier's error over compactly coded Top-k's "
+        "(ratio < 1: lower error than ctopk)\n\n"
         + markdown_table(verdicts, verdict_columns)
+        + "\n## Geometric means over every model x budget cell\n\n"
+        + markdown_table(summary_rows, ["ratio", "geomean", "lower_in", "cells", "max"])
         + "\n## All settings\n\n"
         + markdown_table(records, columns)
     )

@@ -11,7 +11,17 @@ defaults (error feedback on). Two tasks:
 
 Wang et al. (HPDC'20) report FFT compression at the accuracy of uncompressed training; our
 target is the default FFT codec within 0.5 points of dense on Fashion-MNIST. Each record
-holds the final metric, its delta to dense, and the curve (metric vs step) for the plot.
+holds the final metric, its delta to dense, the bytes sent vs dense, and the curve (metric
+vs step) for the plot.
+
+Codec labels: ``dense``; any hook spec (``fft``, ``powersgd:rank=4``, ``torch-fp16``, and
+``auto`` once the hook implements it); ``adam-momentum[warmup=N,wire=W]:SPEC`` and
+``adam-update[...]:SPEC`` train with :class:`~superneurons.compress.adam.CompressedAdamW`
+(1-bit-Adam momentum, or local updates, averaged through SPEC with error feedback; DDP
+leaves gradients local); a suffix ``|diminishing:start=S,floor=F,drops=D,
+until=U`` gives the hook a :class:`~superneurons.compress.schedule.DiminishingTheta` that
+reaches ``floor`` at the fraction ``U`` of the run (HPDC'20's two θ claims: diminishing θ
+converges; lowering θ after a failure recovers, ``drops=1``).
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -36,7 +46,13 @@ from torch.nn.parallel import DistributedDataParallel
 from superneurons.errors import ConfigError
 from superneurons.train.launch import free_port
 
-__all__ = ["CONVERGENCE_CODECS", "ConvergenceConfig", "TaskConfig", "run_convergence_bench"]
+__all__ = [
+    "CONVERGENCE_CODECS",
+    "ConvergenceConfig",
+    "TaskConfig",
+    "add_deltas",
+    "run_convergence_bench",
+]
 
 log = logging.getLogger("superneurons.bench.convergence")
 
@@ -49,6 +65,7 @@ CONVERGENCE_CODECS: tuple[str, ...] = (
     "signsgd",
     "powersgd:rank=4",
     "torch-powersgd:rank=4",
+    "adam-momentum[warmup=20,wire=fp16]:signsgd",
 )
 Progress = Callable[[str], None]
 
@@ -64,7 +81,7 @@ class TaskConfig:
     epochs: int = 1
     batch_size: int = 64  # per rank
     lr: float = 0.05
-    optimizer: str = "sgd"  # "sgd" (momentum 0.9) or "adam"
+    optimizer: str = "sgd"  # "sgd" (momentum 0.9), "adam" or "adamw" (weight decay 0.01)
     train_limit: int = 0  # 0: the whole training set; else its first N samples
     eval_points: int = 8  # metric evaluations along the run (the curve), last = final
     eval_limit: int = 0  # 0: the whole test/val set for the final point
@@ -72,8 +89,8 @@ class TaskConfig:
     def __post_init__(self) -> None:
         if self.task not in ("fashion-mnist", "shakespeare"):
             raise ConfigError(f"task must be fashion-mnist or shakespeare, got {self.task!r}")
-        if self.optimizer not in ("sgd", "adam"):
-            raise ConfigError(f"optimizer must be sgd or adam, got {self.optimizer!r}")
+        if self.optimizer not in ("sgd", "adam", "adamw"):
+            raise ConfigError(f"optimizer must be sgd, adam or adamw, got {self.optimizer!r}")
         if self.steps < 0 or self.epochs < 1 or self.batch_size < 1 or self.eval_points < 1:
             raise ConfigError("steps >= 0, epochs >= 1, batch_size >= 1, eval_points >= 1")
 
@@ -86,7 +103,7 @@ SHAKESPEARE = TaskConfig(
     steps=200,
     batch_size=16,
     lr=3e-3,
-    optimizer="adam",
+    optimizer="adamw",
     eval_points=5,
     eval_limit=256,
 )
@@ -109,10 +126,8 @@ class ConvergenceConfig:
             raise ConfigError("the convergence benchmark needs 'dense' as its reference codec")
         if self.nproc < 1:
             raise ConfigError(f"nproc must be >= 1, got {self.nproc}")
-        from superneurons.bench.network import check_codec
-
         for codec in self.codecs:
-            check_codec(codec)  # fail before any rank starts
+            _check_label(codec)  # fail before any rank starts
 
     @staticmethod
     def quick() -> ConvergenceConfig:
@@ -180,20 +195,11 @@ def _train_one(
     torch.manual_seed(seed)
     model = build_model(task.model, **task.model_kwargs)
     ddp = DistributedDataParallel(model)
-    state = None
-    if codec != "dense":
-        from superneurons.compress.hook import register_compression
-
-        state = register_compression(ddp, codec, seed=seed)
-    opt: torch.optim.Optimizer
-    if task.optimizer == "adam":
-        opt = torch.optim.Adam(ddp.parameters(), lr=task.lr)
-    else:
-        opt = torch.optim.SGD(ddp.parameters(), lr=task.lr, momentum=0.9)
-    loss_fn = default_loss(task.model)
     shard = x_train.shape[0] // world
     steps_per_epoch = shard // task.batch_size
     total = task.steps or steps_per_epoch * task.epochs
+    state, opt = _setup(ddp, task, codec, total, seed)
+    loss_fn = default_loss(task.model)
     evals = {round(total * (i + 1) / task.eval_points) for i in range(task.eval_points)}
     quick_eval = slice(0, 2000)
     full_eval = slice(0, task.eval_limit or x_test.shape[0])
@@ -214,6 +220,8 @@ def _train_one(
             part = full_eval if step == total else quick_eval
             curve.append([step, _evaluate(model, x_test[part], y_test[part], task.task)])
     wall_s = time.perf_counter() - start_s
+    dense_bytes = sum(4 * p.numel() for p in model.parameters() if p.requires_grad)
+    sent = getattr(state, "bytes_sent_total", 0)
     return {
         "task": task.task,
         "model": task.model,
@@ -224,10 +232,89 @@ def _train_one(
         "final_train_loss": float(loss.item()),
         "curve": curve,
         "wall_s": wall_s,
-        "bytes_sent_per_step": (
-            getattr(state, "bytes_sent_total", 0) / total if state is not None else None
-        ),
+        "bytes_sent_per_step": sent / total if sent else None,
+        "dense_bytes_per_step": dense_bytes,
+        "ratio_vs_dense": dense_bytes * total / sent if sent else 1.0,
     }
+
+
+def _split_label(label: str) -> tuple[str, dict[str, float] | None]:
+    """``"SPEC|diminishing:k=v,..."`` -> (SPEC, schedule options) ; no suffix -> None."""
+    spec, bar, schedule = label.partition("|")
+    if not bar:
+        return spec, None
+    name, _, rest = schedule.partition(":")
+    if name != "diminishing":
+        raise ConfigError(f"{label!r}: the schedule after '|' must be 'diminishing:...'")
+    options: dict[str, float] = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in ("start", "floor", "drops", "until"):
+            raise ConfigError(f"{label!r}: options are start, floor, drops, until; got {item!r}")
+        options[key] = float(value)
+    return spec, options
+
+
+def _check_label(label: str) -> None:
+    from superneurons.compress.adam import parse_optimizer_spec
+
+    spec, schedule = _split_label(label)
+    if spec in ("dense", "auto") or parse_optimizer_spec(spec) is not None:
+        return  # "auto" is resolved by register_compression (the hook branch)
+    from superneurons.bench.network import check_codec
+
+    check_codec(spec)
+    if schedule is not None:
+        _theta_schedule(schedule, 1)
+
+
+def _applies(task: TaskConfig, label: str) -> bool:
+    """Optimizer-side labels (``adam-*``) replace Adam/AdamW: not run on SGD tasks."""
+    return task.optimizer != "sgd" or not label.startswith("adam-")
+
+
+def _theta_schedule(options: dict[str, float], total: int) -> Any:
+    from superneurons.compress.schedule import DiminishingTheta
+
+    until = options.get("until", 1.0)
+    if not 0.0 < until <= 1.0:
+        raise ConfigError(f"diminishing: until is a fraction of the run in (0, 1], got {until}")
+    return DiminishingTheta(
+        start=options.get("start", 0.99),
+        floor=options.get("floor", 0.9),
+        steps=max(1, round(until * total)),
+        drops=int(options.get("drops", 4)),
+    )
+
+
+def _setup(
+    ddp: DistributedDataParallel, task: TaskConfig, label: str, total: int, seed: int
+) -> tuple[Any, torch.optim.Optimizer]:
+    """The compression state (or None) and the optimizer for one codec label."""
+    from superneurons.compress.adam import CompressedAdamW, parse_optimizer_spec
+
+    spec, schedule = _split_label(label)
+    decay = 0.01 if task.optimizer == "adamw" else 0.0
+    update = parse_optimizer_spec(spec)
+    if update is not None:
+        if task.optimizer == "sgd":
+            raise ConfigError(f"{label!r} replaces Adam/AdamW; task {task.task} uses SGD")
+        from superneurons.compress.adam import register_local_gradients
+
+        register_local_gradients(ddp)
+        opt = CompressedAdamW(
+            ddp.parameters(), lr=task.lr, weight_decay=decay, seed=seed, **update.kwargs()
+        )
+        return opt, opt
+    state = None
+    if spec != "dense":
+        from superneurons.compress.hook import register_compression
+
+        theta = _theta_schedule(schedule, total) if schedule is not None else None
+        state = register_compression(ddp, spec, seed=seed, theta_schedule=theta)
+    if task.optimizer == "sgd":
+        return state, torch.optim.SGD(ddp.parameters(), lr=task.lr, momentum=0.9)
+    return state, torch.optim.AdamW(ddp.parameters(), lr=task.lr, weight_decay=decay)
 
 
 def _rank_main(rank: int, config: ConvergenceConfig, port: int, out: str) -> None:
@@ -243,7 +330,7 @@ def _rank_main(rank: int, config: ConvergenceConfig, port: int, out: str) -> Non
     try:
         for task in config.tasks:
             data = _datasets(task, config)
-            for codec in config.codecs:
+            for codec in (c for c in config.codecs if _applies(task, c)):
                 record = _train_one(task, codec, data, rank, config.nproc, config.seed)
                 if rank == 0:
                     with open(out, "a", encoding="utf-8") as handle:
@@ -268,7 +355,7 @@ def run_convergence_bench(
             join=False,
             start_method="spawn",
         )
-        expected = len(config.tasks) * len(config.codecs)
+        expected = sum(_applies(t, c) for t in config.tasks for c in config.codecs)
         seen = 0
         while not ctx.join(timeout=1.0):
             lines = out.read_text().splitlines() if out.exists() else []
@@ -297,71 +384,3 @@ def add_deltas(records: Sequence[dict[str, Any]]) -> None:
     for record in records:
         base = dense.get(record["task"])
         record["delta_vs_dense"] = None if base is None else record["final_metric"] - base
-
-
-def config_dict(config: ConvergenceConfig) -> dict[str, Any]:
-    return asdict(config)
-
-
-_COLUMNS = ("task", "model", "codec", "steps", "metric", "final_metric", "delta_vs_dense", "wall_s")
-
-
-def summary_lines(records: Sequence[dict[str, Any]]) -> list[str]:
-    """The target (default FFT within 0.5 points of dense on Fashion-MNIST) vs the measurement."""
-    lines = []
-    for record in records:
-        if record["task"] == "fashion-mnist" and record["codec"] == "fft":
-            delta = record.get("delta_vs_dense")
-            if delta is not None:
-                verdict = "met" if delta >= -0.5 else "NOT met"
-                lines.append(
-                    f"- fashion-mnist: fft {record['final_metric']:.2f}% vs dense "
-                    f"{record['final_metric'] - delta:.2f}% ({delta:+.2f} points; target >= "
-                    f"-0.5: {verdict})"
-                )
-    return lines
-
-
-def write_artifacts(
-    records: Sequence[dict[str, Any]], out_dir: Path, config: ConvergenceConfig
-) -> list[Path]:
-    """DIR/convergence.json, DIR/convergence.md (table + target) and DIR/convergence.png."""
-    from superneurons.bench.artifacts import markdown_table, pyplot, write_json, write_markdown
-
-    paths = [write_json(out_dir / "convergence.json", records, config=config_dict(config))]
-    tasks = "; ".join(
-        f"{t.task}: {t.model} {t.model_kwargs or ''}, "
-        + (f"{t.steps} steps" if t.steps else f"{t.epochs} epoch(s)")
-        + f", batch {t.batch_size}/rank, {t.optimizer} lr {t.lr}"
-        + (f", first {t.train_limit} training samples" if t.train_limit else "")
-        for t in config.tasks
-    )
-    body = (
-        f"{config.nproc} gloo ranks on loopback, one thread each; every codec through "
-        "`register_compression` with its defaults (error feedback on), same initial weights "
-        f"and data order. {tasks}. `final_metric`: test accuracy in % (Fashion-MNIST, full "
-        "test set) or validation cross-entropy in nats/char (Shakespeare, lower is better); "
-        "`delta_vs_dense`: final_metric minus dense's.\n\n"
-        + markdown_table(records, _COLUMNS)
-        + "\n## Target\n\n"
-        + ("\n".join(summary_lines(records)) or "(fft on fashion-mnist not measured)")
-        + "\n"
-    )
-    paths.append(write_markdown(out_dir / "convergence.md", "Convergence benchmark", body))
-    plt = pyplot()
-    tasks_seen = list(dict.fromkeys(r["task"] for r in records))
-    fig, axes = plt.subplots(1, len(tasks_seen), figsize=(6 * len(tasks_seen), 4.5), squeeze=False)
-    for ax, task in zip(axes[0], tasks_seen, strict=True):
-        for record in (r for r in records if r["task"] == task):
-            steps = [point[0] for point in record["curve"]]
-            values = [point[1] for point in record["curve"]]
-            ax.plot(steps, values, marker="o", ms=3, label=record["codec"])
-        ax.set_title(task)
-        ax.set_xlabel("step")
-        ax.set_ylabel("test accuracy (%)" if task == "fashion-mnist" else "val loss (nats/char)")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_dir / "convergence.png", dpi=120)
-    plt.close(fig)
-    paths.append(out_dir / "convergence.png")
-    return paths

@@ -3,7 +3,7 @@
 Deepest bottleneck ResNet ``[6, 32, n, 6]`` (batch 16, 224x224, fp32, SGD with momentum) whose
 predicted step peak fits ``0.95 x 12 GiB`` per strategy, and the largest batch of ResNet-50/101/152
 in 12 GiB. All on fake tensors (no memory used). Depth and batch come from the affine fit of
-:func:`superneurons.memory.simulate.max_fitting`; one direct profile at the eager answer's depth
+:func:`superneurons.bench.search.max_fitting`; one direct profile at the eager answer's depth
 validates the extrapolation. The anchors of CONTEXT.md §1 (measured on this machine with fake
 tensors) are compared in the same run as ratios.
 """
@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from superneurons.bench.artifacts import markdown_table, pyplot, write_json, write_markdown
+from superneurons.bench.search import max_fitting, zoo_peaks
 from superneurons.memory.planner import min_peak_bytes
-from superneurons.memory.simulate import max_fitting, profile_zoo, zoo_peaks
 from superneurons.models.resnet import n_to_depth
 
 __all__ = ["ANCHOR_DEPTHS", "PAPER_DEPTHS", "run_deeper"]
@@ -88,7 +88,7 @@ def run_deeper(
     if validate:
         n = fits["eager"].size
         t0 = time.perf_counter()
-        direct = min_peak_bytes(profile_zoo("resnet", batch_size=16, layers=(6, 32, n, 6)))
+        direct = peaks(n)  # the same per-strategy profiles (block and split) as the fit
         for strategy, fit in fits.items():
             predicted = fit.intercept_bytes + fit.slope_bytes * n
             validation[strategy] = (predicted - direct[strategy]) / direct[strategy]
@@ -124,7 +124,7 @@ def _validate_plans(say: Any, n: int = 8) -> dict[str, dict[str, float]]:
     """Execute each strategy's smallest-peak plan on fakes at ``[6, 32, n, 6]`` and compare."""
     import torch
 
-    from superneurons.memory.plan import make_plan
+    from superneurons.memory.planner import make_plan
     from superneurons.memory.profile import profile_step
     from superneurons.memory.simulate import simulate_plan
     from superneurons.models.zoo import build_model, default_loss, model_input

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from superneurons.bench.hf_models import build_hf_model
 from superneurons.data import fashion_mnist, shakespeare
 from superneurons.errors import ConfigError
 from superneurons.models import build_model, default_loss
@@ -57,6 +58,7 @@ class _Recipe:
     optimizer: str  # "sgd" (momentum 0.9) | "adamw"
     lr: float
     batch_size: int
+    source: str = "zoo"  # "zoo" (superneurons.models) | "hf" (bench.hf_models, transformers)
 
 
 # NOTE: sized so 200 steps of all four take a few minutes on 2 contended CPU cores, while the
@@ -87,6 +89,15 @@ CAPTURE_MODELS: dict[str, _Recipe] = {
         "shakespeare",
         {"block_size": 64, "n_embd": 64, "hidden_size": 512, "num_layers": 2},
         "adamw", 2e-3, 16,
+    ),
+    # Architectures we did not write or tune (transformers' reference GPT-2 and ResNet-18).
+    "hf-gpt2": _Recipe(
+        "gpt2", "shakespeare", {"block_size": 64, "n_layer": 4, "n_head": 4, "n_embd": 192},
+        "adamw", 1e-3, 16, source="hf",
+    ),
+    "hf-resnet": _Recipe(
+        "resnet", "fashion-mnist", {"in_channels": 1, "num_classes": 10},
+        "sgd", 0.05, 32, source="hf",
     ),
 }  # fmt: skip
 
@@ -231,9 +242,13 @@ def capture_gradients(
         kwargs["vocab_size"] = len(text.vocab)
         dataset = text
     kwargs.update(config.model_overrides.get(model_name, {}))
-    model = build_model(recipe.model, **kwargs)
+    if recipe.source == "hf":
+        model = build_hf_model(recipe.model, **kwargs)
+        loss_fn = default_loss("gpt" if recipe.dataset == "shakespeare" else "resnet")
+    else:
+        model = build_model(recipe.model, **kwargs)
+        loss_fn = default_loss(recipe.model)
     model.train()
-    loss_fn = default_loss(recipe.model)
     optimizer = _optimizer(recipe, model)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad][::-1]
     batches = _batches(dataset, config.batch_size or recipe.batch_size, config.seed)

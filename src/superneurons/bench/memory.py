@@ -234,7 +234,8 @@ def copy_bandwidth_bytes_per_s(nbytes: int = 64 << 20) -> float:
 def _ours(
     work: _Workload, config: MemoryBenchConfig, eager_peak: int, *, strategy: str, profile: Any
 ) -> list[dict]:
-    from superneurons.memory.plan import InfeasibleBudgetError, make_plan
+    from superneurons.memory.plan import InfeasibleBudgetError
+    from superneurons.memory.planner import make_plan
 
     bandwidth = copy_bandwidth_bytes_per_s()
     rows = []

@@ -19,11 +19,15 @@ import json
 import sys
 from typing import Any
 
+from superneurons.bench.search import max_fitting, profile_for_strategy, zoo_peaks
 from superneurons.bytesize import format_bytes, parse_bytes
 from superneurons.errors import ConfigError
+from superneurons.memory.bounds import largest_unit_bytes, resident_bytes
+from superneurons.memory.cost import DEVICE_PRESETS, CostModel, cost_model
 from superneurons.memory.plan import STRATEGIES, InfeasibleBudgetError
-from superneurons.memory.planner import CostModel, make_plan
-from superneurons.memory.simulate import OPTIMIZERS, max_fitting, profile_zoo, zoo_peaks
+from superneurons.memory.planner import make_plan, min_peak_bytes
+from superneurons.memory.profile_types import GRANULARITIES
+from superneurons.memory.simulate import OPTIMIZERS, profile_zoo
 
 HELP = "plan keep/offload/recompute per block under a memory budget (fake tensors)"
 SEARCH_STRATEGIES = ("eager", "checkpoint", "recompute", "offload", "offload+opt-in-backward")
@@ -42,7 +46,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image-size", type=int, default=None, help="image side (default 224)")
     parser.add_argument("--optimizer", default="sgd", choices=tuple(OPTIMIZERS))
     parser.add_argument("--preset", default=None, help="gpt preset (default gpt2)")
-    parser.add_argument("--bandwidth", default="25GB", help="host<->device bytes/s (PCIe 4 x16)")
+    parser.add_argument(
+        "--device-preset",
+        default="a100",
+        choices=tuple(DEVICE_PRESETS),
+        help="device speeds of the cost model (memory.cost.DEVICE_PRESETS; default a100)",
+    )
+    parser.add_argument(
+        "--bandwidth", default=None, help="host<->device bytes/s (default: the preset's)"
+    )
+    parser.add_argument(
+        "--granularity",
+        default="auto",
+        choices=GRANULARITIES,
+        help="units: blocks plus the rest of the step, every layer, or auto (default: blocks "
+        "or the largest blocks split into layers, whichever gives the strategy a lower floor)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     search = parser.add_mutually_exclusive_group()
     search.add_argument("--max-depth", action="store_true", help="largest resnet depth that fits")
@@ -70,15 +89,36 @@ def run(args: argparse.Namespace) -> int:
     budget_bytes = parse_bytes(args.budget)
     if args.batch < 1:
         raise ConfigError(f"--batch must be >= 1, got {args.batch}")
-    cost = CostModel(bandwidth_bytes_per_s=float(parse_bytes(args.bandwidth)))
+    cost: CostModel = cost_model(args.device_preset)
+    if args.bandwidth is not None:
+        rate = float(parse_bytes(args.bandwidth))
+        cost = cost_model(args.device_preset, bandwidth_bytes_per_s=rate, h2d_bytes_per_s=rate)
     kwargs = _model_kwargs(args)
     strategies = SEARCH_STRATEGIES if args.strategy == "auto" else (args.strategy,)
     if args.max_depth or args.max_batch:
         return _search(args, kwargs, strategies, budget_bytes, cost)
     _progress(f"profiling {args.model} batch {args.batch} on fake tensors")
-    profile = profile_zoo(args.model, batch_size=args.batch, optimizer=args.optimizer, **kwargs)
+    options = dict(batch_size=args.batch, optimizer=args.optimizer, **kwargs)
+    if args.granularity == "auto":  # blocks, or the largest blocks split: the lower floor
+        profile, granularity = profile_for_strategy(args.model, args.strategy, cost=cost, **options)
+    else:
+        profile = profile_zoo(args.model, granularity=args.granularity, **options)
+        granularity = args.granularity
     record: dict[str, Any] = {"model": args.model, **kwargs, "batch": args.batch}
+    record["granularity"] = granularity
     record["eager_peak_bytes"] = profile.predicted_peak_bytes()
+    record["device_preset"] = args.device_preset
+    # the largest-layer bound (SuperNeurons' claim): resident state + the largest working set
+    # of one unit's forward + backward, next to the floor of the requested strategy
+    minima = min_peak_bytes(profile, cost=cost)
+    floor = minima[args.strategy] if args.strategy in minima else min(minima.values())
+    record["resident_bytes"] = resident_bytes(profile)
+    record["largest_unit_bytes"] = largest_unit_bytes(profile)
+    record["floor_bytes"] = floor
+    record["floor_over_largest_layer"] = floor / (
+        record["resident_bytes"] + record["largest_unit_bytes"]
+    )
+    record["floor_over_eager"] = floor / record["eager_peak_bytes"]
     try:
         plan = make_plan(profile, budget_bytes=budget_bytes, strategy=args.strategy, cost=cost)
     except InfeasibleBudgetError as exc:
@@ -102,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         extra_compute_s=plan.extra_compute_s,
         transfer_s=plan.transfer_s,
         optimizer_in_backward=plan.optimizer_in_backward,
-        units={a: plan.count(a) for a in ("keep", "offload", "recompute")},
+        units={a: plan.count(a) for a in ("keep", "offload", "recompute", "recompute+offload")},
         segments=len({u.segment for u in plan.units if u.segment >= 0}),
     )
     if args.json:
@@ -115,6 +155,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"  eager peak        {format_bytes(record['eager_peak_bytes'])}")
     print(f"  predicted peak    {format_bytes(plan.predicted_peak_bytes)}")
     print(f"  minimum budget    {format_bytes(plan.min_budget_bytes)}")
+    print(
+        f"  largest layer     {format_bytes(record['resident_bytes'])} resident + "
+        f"{format_bytes(record['largest_unit_bytes'])} largest unit; floor / bound "
+        f"{record['floor_over_largest_layer']:.3f}"
+    )
     print(f"  host bytes        {format_bytes(plan.host_bytes)}")
     print(f"  extra compute     {plan.extra_compute_s * 1e3:.2f} ms/step (cost model)")
     print(f"  transfers         {plan.transfer_s * 1e3:.2f} ms/step")

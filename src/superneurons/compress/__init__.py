@@ -8,8 +8,10 @@ the rest are the baselines it is compared against. Importing this package starts
 
 from __future__ import annotations
 
+from superneurons.compress.adaptive import AdaptiveCodec
 from superneurons.compress.cast import Bf16Codec, Fp16Codec, IdentityCodec
 from superneurons.compress.codec import Codec, Payload, check_gradient, sum_of_decodes
+from superneurons.compress.compacttopk import CompactTopKCodec
 from superneurons.compress.deferred import DeferredCompression, deferred_compression_hook
 from superneurons.compress.feedback import ErrorFeedback, feedback_step, join_flat, split_flat
 from superneurons.compress.fft import FFTCodec
@@ -39,6 +41,9 @@ __all__ = [
     # codecs: the paper's (HPDC'20) ...
     "FFTCodec",
     "RangeFloatCodec",
+    # ... ours: the transform-adaptive codec and the equally coded Top-k baseline
+    "AdaptiveCodec",
+    "CompactTopKCodec",
     # ... and the baselines
     "Bf16Codec",
     "Fp16Codec",

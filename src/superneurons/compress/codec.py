@@ -15,6 +15,7 @@ object. The wire contract that makes codecs usable inside a DDP comm hook:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -23,7 +24,16 @@ import torch
 
 from superneurons.errors import ConfigError
 
-__all__ = ["Codec", "Payload", "all_finite", "check_gradient", "check_payload", "sum_of_decodes"]
+__all__ = [
+    "Codec",
+    "Payload",
+    "all_finite",
+    "check_gradient",
+    "check_payload",
+    "finite_flag",
+    "nan_unless",
+    "sum_of_decodes",
+]
 
 
 @dataclass(frozen=True)
@@ -112,6 +122,18 @@ def all_finite(tensor: torch.Tensor) -> bool:
     if tensor.numel() == 0:
         return True
     return bool(torch.isfinite(torch.stack(torch.aminmax(tensor.reshape(-1)))).all())
+
+
+def finite_flag(tensor: torch.Tensor) -> torch.Tensor:
+    """0-d bool tensor on ``tensor``'s device: no element is NaN or ±inf (no host round trip;
+    one min/max reduction, as :func:`all_finite`)."""
+    return torch.isfinite(torch.stack(torch.aminmax(tensor.reshape(-1)))).all()
+
+
+def nan_unless(finite: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` where the 0-d bool ``finite`` holds, else all-NaN (the project's NaN policy),
+    branch-free: one multiply by 1 or NaN (exact for finite values)."""
+    return out * torch.where(finite, 1.0, math.nan)
 
 
 def check_payload(payload: Payload, *, nbytes: int, codec_name: str) -> torch.Tensor:

@@ -56,7 +56,7 @@ def encode_bitmap(mask: torch.Tensor) -> torch.Tensor:
     nbytes = bitmap_bytes(universe)
     flat = mask.reshape(-1).view(torch.uint8)
     if universe % 8:
-        padded = torch.zeros(nbytes * 8, dtype=torch.uint8)
+        padded = torch.zeros(nbytes * 8, dtype=torch.uint8, device=mask.device)
         padded[:universe] = flat
         flat = padded
     return _pack_bytes(flat, nbytes)
@@ -105,18 +105,40 @@ def encode_gap(indices: torch.Tensor, universe: int) -> torch.Tensor:
     parts = []
     if low:
         parts.append(pack_bits(indices & ((1 << low) - 1), low))
-    upper = torch.zeros(_upper_bits(universe, count, low), dtype=torch.bool)
-    upper[(indices >> low) + torch.arange(count)] = True  # unary gaps of the high parts
+    device = indices.device
+    upper = torch.zeros(_upper_bits(universe, count, low), dtype=torch.bool, device=device)
+    # unary gaps of the high parts
+    upper.index_fill_(0, (indices >> low) + torch.arange(count, device=device), True)
     parts.append(encode_bitmap(upper))
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def decode_gap(data: torch.Tensor, universe: int, count: int) -> torch.Tensor:
-    """Inverse of :func:`encode_gap`: sorted int64 indices."""
+def decode_gap(
+    data: torch.Tensor, universe: int, count: int, *, sync_free: bool | None = None
+) -> torch.Tensor:
+    """Inverse of :func:`encode_gap`: sorted int64 indices.
+
+    The i-th set bit of the upper vector, at position p, holds high part ``p - i``. It is
+    scattered to slot i (the rank of p) instead of listed by ``nonzero``, whose data-dependent
+    output size would need a host round trip on a GPU; unset positions go to a spare slot.
+    ``sync_free``: force that path (None: everywhere but the CPU, where nonzero is faster and
+    has nothing to wait for).
+    """
     low = gap_low_bits(universe, count)
     low_bytes = packed_bytes(count, low) if low else 0
-    upper = decode_bitmap(data[low_bytes:], _upper_bits(universe, count, low))
-    high = upper.nonzero().reshape(-1) - torch.arange(count)
+    upper = decode_bitmap(data[low_bytes:], _upper_bits(universe, count, low))  # (U,)
+    if sync_free is None:
+        sync_free = upper.device.type != "cpu"
+    if not sync_free:
+        high = upper.nonzero().reshape(-1) - torch.arange(count)
+    else:
+        # NOTE: cumsum of bools accumulates in int64 ~20x slower (CPU) than in int32.
+        rank = torch.cumsum(upper, 0, dtype=torch.int32).sub_(1).to(torch.int64)  # (U,)
+        position = torch.arange(upper.numel(), device=data.device)  # (U,)
+        slot = torch.where(upper, rank, count)  # (U,): unset bits -> the spare slot `count`
+        high = torch.zeros(count + 1, dtype=torch.int64, device=data.device)
+        high.index_add_(0, slot, torch.where(upper, position - rank, 0))  # one add per slot
+        high = high[:count]
     if not low:
         return high
     return (high << low) | unpack_bits(data[:low_bytes], low, count)

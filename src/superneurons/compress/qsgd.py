@@ -29,9 +29,9 @@ import torch
 from superneurons.compress.bitpack import pack_bits, packed_bytes, unpack_bits
 from superneurons.compress.codec import (
     Payload,
-    all_finite,
     check_gradient,
     check_payload,
+    finite_flag,
     sum_of_decodes,
 )
 from superneurons.errors import ConfigError
@@ -102,15 +102,14 @@ class QSGDCodec:
         rows = padded.view(buckets, self.bucket)  # (nb, bucket)
         norms = torch.linalg.vector_norm(rows, dim=1)  # (nb,)
         safe = torch.where(norms > 0, norms, torch.ones_like(norms))
-        scaled = (rows.abs() / safe.unsqueeze(1) * self.levels).nan_to_num(0.0, 0.0, 0.0)
-        lower = scaled.floor()
+        scaled = rows.abs().mul_((self.levels / safe).unsqueeze(1))  # (nb, bucket), in [0, s]
+        scaled.nan_to_num_(0.0, 0.0, 0.0)
         noise = torch.rand(rows.shape, generator=generator, device=rows.device)
-        level = (lower + (noise < scaled - lower).to(torch.float32)).clamp_(0, self.levels)
-        sign = (rows < 0).to(torch.int64)
-        codes = level.to(torch.int64) | (sign << (self.bits - 1))
-        if not all_finite(flat):
-            norms = torch.full_like(norms, math.nan)
-        data = torch.cat([norms.view(torch.uint8), pack_bits(codes.reshape(-1)[:numel], self.bits)])
+        # level = floor(x) + [u < frac(x)] = floor(x + 1 - u) for u in [0, 1) (up to u == frac)
+        level = scaled.add_(1.0).sub_(noise).floor_().clamp_(0, self.levels).to(torch.int32)
+        codes = level | ((rows < 0).to(torch.int32) << (self.bits - 1))
+        norms = norms * torch.where(finite_flag(flat), 1.0, math.nan)
+        data = torch.cat([norms.view(torch.uint8), pack_bits(codes.view(-1)[:numel], self.bits)])
         return Payload(data, numel)
 
     def decode(self, payload: Payload) -> torch.Tensor:

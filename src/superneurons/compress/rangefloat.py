@@ -34,7 +34,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Self
 
 import torch
 
@@ -59,26 +59,56 @@ logger = logging.getLogger("superneurons.compress")
 SUPPORTED_BITS: tuple[int, ...] = (4, 8, 16, 32)
 HEADER_BYTES = 8  # float32 max, uint8 exponent bits, 3 reserved bytes
 _MIN_NORMAL_EXP = -126  # float32's smallest normal binade
+_NAN_BITS = 0x7FC00000  # float32 quiet NaN: the header's "non-finite input" flag
+_INF_BITS = 0x7F800000  # magnitudes with bits >= this are inf or NaN
+
+
+def _pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """``2.0 ** exponent`` as float32 for integer tensors in the normal range [-126, 127]
+    (built from the bit pattern: exact, no host round trip)."""
+    return ((exponent.to(torch.int32) + 127) << 23).view(torch.float32)
 
 
 @dataclass(frozen=True)
 class RangeFloatHeader:
-    """Per-message range: the largest magnitude (NaN flags non-finite input) and the split of
-    the ``bits - 1`` magnitude bits into exponent and mantissa."""
+    """Per-message range, as 0-d int32 tensors on the message's device (no host round trip):
+    ``max_bits`` is the float32 bit pattern of the largest magnitude (a NaN pattern flags
+    non-finite input) and ``exp_bits`` the exponent share of the ``bits - 1`` magnitude bits.
+    """
 
-    max_abs: float
-    exp_bits: int
-
-    def to_bytes(self) -> torch.Tensor:
-        out = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
-        out[:4] = torch.tensor([self.max_abs], dtype=torch.float32).view(torch.uint8)
-        out[4] = self.exp_bits
-        return out
+    max_bits: torch.Tensor
+    exp_bits: torch.Tensor
 
     @classmethod
-    def from_bytes(cls, data: torch.Tensor) -> RangeFloatHeader:
-        max_abs = float(data[:4].clone().view(torch.float32)[0])
-        return cls(max_abs=max_abs, exp_bits=int(data[4]))
+    def of(cls, max_abs: float, exp_bits: int, *, device: torch.device | str = "cpu") -> Self:
+        """A header from Python numbers (tests, hand-made grids)."""
+        bits = torch.tensor([max_abs], dtype=torch.float32, device=device).view(torch.int32)
+        return cls(bits[0], torch.tensor(exp_bits, dtype=torch.int32, device=device))
+
+    @property
+    def max_abs(self) -> torch.Tensor:
+        """The largest magnitude as a 0-d float32 tensor (NaN: non-finite input)."""
+        return self.max_bits.reshape(1).view(torch.float32)[0]
+
+    @property
+    def finite(self) -> torch.Tensor:
+        """0-d bool: the message came from finite input."""
+        return self.max_bits < _INF_BITS
+
+    def to_bytes(self) -> torch.Tensor:
+        """``HEADER_BYTES`` uint8 on the header's device."""
+        word = self.max_bits.reshape(1).to(torch.int64)  # (1,)
+        shifts = torch.arange(0, 32, 8, dtype=torch.int64, device=word.device)  # (4,)
+        low = ((word >> shifts) & 0xFF).to(torch.uint8)  # (4,) little-endian
+        exp = self.exp_bits.reshape(1).to(torch.uint8)
+        return torch.cat([low, exp, torch.zeros(3, dtype=torch.uint8, device=word.device)])
+
+    @classmethod
+    def from_bytes(cls, data: torch.Tensor) -> Self:
+        """Inverse of :meth:`to_bytes` (any byte offset: no aligned view needed)."""
+        shifts = torch.arange(0, 32, 8, dtype=torch.int64, device=data.device)  # (4,)
+        word = (data[:4].to(torch.int64) << shifts).sum()  # < 2**31: sign bit is never set
+        return cls(word.to(torch.int32), data[4].to(torch.int32))
 
 
 def check_bits(bits: int, *, owner: str) -> None:
@@ -102,7 +132,7 @@ def _floor_log2(value: float) -> int:
 
 def exponent_bits_for_range(max_abs: float, threshold: float, bits: int) -> int:
     """The paper's rule ``ceil(log2(log2(max/threshold) + 1))``, on whole binades, capped so
-    mantissa bits remain; at least 1."""
+    mantissa bits remain; at least 1. (Python reference of :func:`_range_exp_bits`.)"""
     if not (threshold > 0.0 and max_abs > 0.0):
         return 1
     binades = _floor_log2(max_abs) - _floor_log2(threshold) + 1  # binades the range touches
@@ -110,71 +140,95 @@ def exponent_bits_for_range(max_abs: float, threshold: float, bits: int) -> int:
     return min(exp_bits, _max_exp_bits(bits))
 
 
-def _window_base(top: int, exp_bits: int) -> int:
+def _binade(mag_bits: torch.Tensor) -> torch.Tensor:
+    """``floor(log2(v))`` from float32 bit patterns (normals; subnormals and zero -> -127)."""
+    return (mag_bits >> 23) - 127
+
+
+def _range_exp_bits(top: torch.Tensor, threshold: torch.Tensor, bits: int) -> torch.Tensor:
+    """:func:`exponent_bits_for_range` on device: the smallest ``e`` with ``2**e - 1`` normal
+    codes covering the binades from ``threshold`` (float32, >= 0) up to ``top``, capped."""
+    floor = _binade(threshold.to(torch.float32).reshape(1).view(torch.int32)[0] & 0x7FFFFFFF)
+    binades = top - floor + 1
+    exp_bits = torch.ones_like(top)
+    for exp in range(1, _max_exp_bits(bits)):
+        exp_bits += (binades > 2**exp - 1).to(torch.int32)  # e too small for the range
+    return exp_bits
+
+
+def _window_base(top: torch.Tensor, exp_bits: torch.Tensor) -> torch.Tensor:
     """``lo``: exponent code ``E >= 1`` means binade ``lo + E``; code 0 holds subnormals.
 
     Kept >= -126 so that binade ``lo`` is a normal float32 (the branch-free codecs need it)."""
-    return max(top - 2**exp_bits + 1, _MIN_NORMAL_EXP)
+    return torch.clamp(top - (1 << exp_bits) + 1, min=_MIN_NORMAL_EXP)
 
 
-def _best_exponent_bits(mag_bits: torch.Tensor, top: int, bits: int) -> int:
+def _best_exponent_bits(mag_bits: torch.Tensor, top: torch.Tensor, bits: int) -> torch.Tensor:
     """Exponent bits minimising the estimated squared error, from a histogram of binades.
 
     ``mag_bits``: float32 bit patterns of the magnitudes. A value in binade ``k`` inside the
     window costs ~``(2**(k-m))**2/12``; below it ``min(value**2, step**2 / 12)`` with the
     subnormal step ``2**(lo + 1 - m)``. The histogram is taken on a strided sample of at most
-    ~64k values (an estimate suffices; the max is exact).
+    ~64k values (an estimate suffices; the max is exact). Everything stays on the device: the
+    histogram is a ``scatter_add`` (``bincount`` sizes its output from the data) and the choice
+    an ``argmin`` over the candidate widths.
     """
     stride = max(1, mag_bits.numel() // 65536)
-    biased = mag_bits[::stride] >> 23  # (s,) float32 biased exponents; zero -> 0
-    offset = (top + 127 - biased).clamp_(0, 63)  # binade top - offset; zeros land in 63
-    counts = torch.bincount(offset, minlength=64).to(torch.float64)  # (64,)
-    j = torch.arange(64, dtype=torch.float64)
-    energy = counts * torch.exp2(-2.0 * j) * (7.0 / 3.0)  # E[v**2] within a binade, / 4**top
-    best, best_err = 1, math.inf
+    sample = mag_bits[::stride]
+    offset = (top - _binade(sample)).clamp_(0, 63).to(torch.int64)  # binade top - offset
+    ones = torch.ones_like(offset, dtype=torch.float32)
+    counts = torch.zeros(64, dtype=torch.float32, device=mag_bits.device)
+    counts.scatter_add_(0, offset, ones)  # (64,): zeros land in 63
+    j = torch.arange(64, dtype=torch.float32, device=mag_bits.device)
+    scale = torch.exp2(-2.0 * j)  # (64,) relative to 4**top
+    energy = counts * scale * (7.0 / 3.0)  # E[v**2] within a binade
+    errors = []
     for exp_bits in range(1, _max_exp_bits(bits) + 1):
         mant = bits - 1 - exp_bits
         window = 2**exp_bits - 1
-        inside = counts[:window] * torch.exp2(-2.0 * (j[:window] + mant)) / 12.0
-        sub_step = 2.0 ** (-(window - 1) - mant)
-        below = torch.minimum(energy[window:], counts[window:] * sub_step**2 / 12.0)
-        err = float(inside.sum() + below.sum())
-        if err < best_err:
-            best, best_err = exp_bits, err
-    return best
+        inside = (counts[:window] * scale[:window]).sum() * (4.0**-mant / 12.0)
+        sub_step_sq = 4.0 ** (-(window - 1) - mant)
+        below = torch.minimum(energy[window:], counts[window:] * (sub_step_sq / 12.0)).sum()
+        errors.append(inside + below)
+    return torch.stack(errors).argmin().to(torch.int32) + 1
 
 
 def quantize(
-    values: torch.Tensor, bits: int, *, threshold: float | None = None
+    values: torch.Tensor,
+    bits: int,
+    *,
+    threshold: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, RangeFloatHeader]:
     """Quantize float ``values`` to ``bits``-bit range-float codes (int32, sign in the top bit).
 
-    ``threshold``: smallest magnitude the window must cover (the paper's rule); ``None`` picks
-    the exponent bits that minimise the estimated squared error. Non-finite input gives a NaN
-    header (decodes to all-NaN).
+    ``threshold``: smallest magnitude the window must cover (the paper's rule; a float or a 0-d
+    tensor on the values' device); ``None`` picks the exponent bits that minimise the estimated
+    squared error. Non-finite input gives a NaN header (decodes to all-NaN). Runs on the
+    values' device with no host round trip: the header is made of 0-d tensors.
     """
     check_bits(bits, owner="rangefloat")
     if bits == 32:
         raise ConfigError("rangefloat: bits=32 is the lossless float32 path; no codes to make")
     v_bits = values.reshape(-1).to(torch.float32).contiguous().view(torch.int32)  # (n,)
     mag_bits = v_bits & 0x7FFFFFFF  # (n,) |v| as float32 bits: integer order == float order
-    max_bits = int(mag_bits.max()) if v_bits.numel() else 0
-    if max_bits >= 0x7F800000:  # inf or NaN somewhere
-        return torch.zeros(v_bits.numel(), dtype=torch.int32), RangeFloatHeader(math.nan, 1)
-    if max_bits == 0:
-        return torch.zeros(v_bits.numel(), dtype=torch.int32), RangeFloatHeader(0.0, 1)
-    max_abs = float(torch.tensor([max_bits], dtype=torch.int32).view(torch.float32))
-    top = _floor_log2(max_abs)
+    max_bits = mag_bits.max()  # 0-d
+    finite = max_bits < _INF_BITS
+    safe_max = torch.where(finite, max_bits, torch.zeros_like(max_bits))
+    top = _binade(safe_max)
     if threshold is None:
         exp_bits = _best_exponent_bits(mag_bits, top, bits)
     else:
-        exp_bits = exponent_bits_for_range(max_abs, threshold, bits)
-    mant_bits = bits - 1 - exp_bits
-    lo = _window_base(top, exp_bits)
-    # Subnormal codes: round(|v| / step) with the fixed step 2**(lo + 1 - m) (inf/garbage for
-    # large |v| is harmless: it is clamped to 2**m and loses the maximum below).
-    sub = (mag_bits.view(torch.float32) * 2.0 ** (mant_bits - lo - 1)).round_().to(torch.int32)
-    sub.clamp_(max=1 << mant_bits)
+        if not isinstance(threshold, torch.Tensor):
+            threshold = torch.tensor(float(threshold), device=values.device)
+        exp_bits = _range_exp_bits(top, threshold, bits)
+    mant_bits = bits - 1 - exp_bits  # 0-d
+    lo = _window_base(top, exp_bits)  # 0-d
+    # Subnormal codes: round(|v| / step) with the fixed step 2**(lo + 1 - m), as two exact
+    # power-of-two scalings (one alone may overflow float32 for tiny windows). Overflow to inf
+    # for large |v| is harmless: the conversion gives INT_MIN (CPU) or saturates (CUDA), the
+    # clamp caps it at 2**m and the maximum below picks the normal code, which is >= 2**m there.
+    sub = mag_bits.view(torch.float32).mul(_pow2(-(lo + 1))).mul_(_pow2(mant_bits))
+    sub = sub.round_().to(torch.int32).clamp_(max=1 << mant_bits)
     # Normal codes straight from the float32 bit pattern: round the mantissa to m bits (half
     # up), the carry rolls into the exponent, the exponent is rebased to lo (in place).
     shift = 23 - mant_bits
@@ -186,30 +240,30 @@ def quantize(
     torch.maximum(code, sub, out=code)
     code.clamp_(max=(1 << (bits - 1)) - 1)  # saturate above the top code
     code |= (v_bits >> 31) & (1 << (bits - 1))  # sign bit
-    return code, RangeFloatHeader(max_abs=max_abs, exp_bits=exp_bits)
+    header_bits = torch.where(finite, max_bits, torch.full_like(max_bits, _NAN_BITS))
+    return code, RangeFloatHeader(max_bits=header_bits, exp_bits=exp_bits)
 
 
 def dequantize(codes: torch.Tensor, header: RangeFloatHeader, bits: int) -> torch.Tensor:
-    """Inverse of :func:`quantize`: float32 values (all-NaN for a NaN header)."""
-    n = codes.numel()
-    if math.isnan(header.max_abs):
-        return torch.full((n,), math.nan, dtype=torch.float32)
-    if header.max_abs == 0.0:
-        return torch.zeros(n, dtype=torch.float32)
-    exp_bits = header.exp_bits
+    """Inverse of :func:`quantize`: float32 values (all-NaN for a NaN header), on the codes'
+    device, branch-free (zero codes decode to zero, so an all-zero message needs no case)."""
+    finite = header.finite
+    top = _binade(torch.where(finite, header.max_bits, torch.zeros_like(header.max_bits)))
+    exp_bits = header.exp_bits.to(torch.int32)
     mant_bits = bits - 1 - exp_bits
-    lo = _window_base(_floor_log2(header.max_abs), exp_bits)
+    lo = _window_base(top, exp_bits)
     codes = codes.to(torch.int32)
     # Read every code as a normal float f = 2**(lo + E) * (1 + mant / 2**m); for E = 0 that is
     # 2**lo + mant * 2**(lo - m), while the subnormal value is 2 * f - 2**(lo + 1) (exact by
     # Sterbenz). min(f, 2f - 2**(lo + 1)) picks the right one for every E, branch-free.
     mag_bits = (codes & ((1 << (bits - 1)) - 1)).add_((lo + 127) << mant_bits)
     normal = mag_bits.bitwise_left_shift_(23 - mant_bits).view(torch.float32)  # (n,)
-    subnormal = (normal * 2.0).sub_(2.0 ** (lo + 1))
+    subnormal = (normal * 2.0).sub_(_pow2(lo + 1))
     torch.minimum(normal, subnormal, out=subnormal)
     out_bits = subnormal.view(torch.int32)
     out_bits |= (codes << (32 - bits)) & -(2**31)  # sign bit to bit 31
-    return subnormal
+    # NaN header: every element NaN (NaN * 0 is NaN; finite * 1 is exact).
+    return subnormal * torch.where(finite, 1.0, math.nan)
 
 
 def write_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -258,8 +312,8 @@ class RangeFloatCodec:
         del generator  # deterministic round-to-nearest
         flat = check_gradient(grad, codec_name=self.NAME).detach().to(torch.float32)
         if self.bits == 32:
-            return Payload(flat.contiguous().cpu().view(torch.uint8).clone(), flat.numel())
-        codes, header = quantize(flat.cpu(), self.bits)
+            return Payload(flat.contiguous().view(torch.uint8).clone(), flat.numel())
+        codes, header = quantize(flat, self.bits)
         data = torch.cat([header.to_bytes(), write_codes(codes, self.bits)])
         return Payload(data, flat.numel())
 

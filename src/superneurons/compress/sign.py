@@ -25,9 +25,9 @@ import torch
 from superneurons.compress.bitpack import pack_bits, packed_bytes, unpack_bits
 from superneurons.compress.codec import (
     Payload,
-    all_finite,
     check_gradient,
     check_payload,
+    finite_flag,
     sum_of_decodes,
 )
 from superneurons.errors import ConfigError
@@ -57,8 +57,7 @@ class SignSGDCodec:
     def encode(self, grad: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         flat = check_gradient(grad, codec_name=self.NAME).to(torch.float32)
         scale = flat.abs().mean()
-        if not all_finite(flat):
-            scale = torch.full_like(scale, math.nan)
+        scale = scale * torch.where(finite_flag(flat), 1.0, math.nan)
         negative = (flat < 0).to(torch.int64)
         data = torch.cat([scale.reshape(1).view(torch.uint8), pack_bits(negative, 1)])
         return Payload(data, flat.numel())

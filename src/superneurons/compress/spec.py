@@ -16,8 +16,10 @@ import types
 import typing
 from typing import Any, Literal, Union
 
+from superneurons.compress.adaptive import AdaptiveCodec
 from superneurons.compress.cast import Bf16Codec, Fp16Codec, IdentityCodec
 from superneurons.compress.codec import Codec
+from superneurons.compress.compacttopk import CompactTopKCodec
 from superneurons.compress.fft import FFTCodec
 from superneurons.compress.qsgd import QSGDCodec
 from superneurons.compress.rangefloat import RangeFloatCodec
@@ -38,6 +40,8 @@ CODECS: dict[str, type[Codec]] = {
     "qsgd": QSGDCodec,
     "terngrad": TernGradCodec,
     "signsgd": SignSGDCodec,
+    "ctopk": CompactTopKCodec,
+    "adaptive": AdaptiveCodec,
 }
 
 GRAMMAR = "NAME or NAME:KEY=VALUE[,KEY=VALUE...] (e.g. 'fft:theta=0.9,bits=8', 'topk:ratio=0.01')"

@@ -32,9 +32,9 @@ import torch
 from superneurons.compress.bitpack import pack_bits, packed_bytes, unpack_bits
 from superneurons.compress.codec import (
     Payload,
-    all_finite,
     check_gradient,
     check_payload,
+    finite_flag,
     sum_of_decodes,
 )
 from superneurons.errors import ConfigError
@@ -84,20 +84,19 @@ class TernGradCodec:
         flat = check_gradient(grad, codec_name=self.NAME).to(torch.float32)
         rms = torch.linalg.vector_norm(flat) / math.sqrt(flat.numel())
         bound = rms * self.clip if math.isfinite(self.clip) else torch.full_like(rms, math.inf)
-        return torch.minimum(torch.maximum(flat, -bound), bound)
+        return flat.clamp(-bound, bound)
 
     def encode(self, grad: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         flat = check_gradient(grad, codec_name=self.NAME)
         clipped = self.clipped(flat)
-        magnitude = clipped.abs()
-        scale = magnitude.max()
+        prob = clipped.abs()  # (n,), becomes |g| / s in place
+        scale = prob.max()
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        prob = (magnitude / safe).nan_to_num(0.0, 0.0, 0.0)
+        prob.div_(safe).nan_to_num_(0.0, 0.0, 0.0)
         noise = torch.rand(prob.shape, generator=generator, device=prob.device)
-        keep = (noise < prob).to(torch.int64)
-        codes = keep * (1 + (clipped < 0).to(torch.int64))
-        if not all_finite(flat):
-            scale = torch.full_like(scale, math.nan)
+        keep = (noise < prob).to(torch.uint8)
+        codes = keep << (clipped < 0).to(torch.uint8)  # 0 -> 0, +1 -> 1, -1 -> 2
+        scale = scale * torch.where(finite_flag(flat), 1.0, math.nan)
         data = torch.cat([scale.reshape(1).view(torch.uint8), pack_bits(codes, _BITS)])
         return Payload(data, flat.numel())
 

@@ -30,7 +30,13 @@ from typing import ClassVar
 
 import torch
 
-from superneurons.compress.codec import Payload, all_finite, check_gradient, check_payload
+from superneurons.compress.codec import (
+    Payload,
+    check_gradient,
+    check_payload,
+    finite_flag,
+    nan_unless,
+)
 from superneurons.errors import ConfigError
 
 __all__ = ["TopKCodec"]
@@ -97,13 +103,13 @@ class TopKCodec:
         numel = flat.numel()
         k = self.kept(numel)
         magnitude = flat.abs()
-        if self.select == "sampled":
+        if self.select == "sampled" and flat.device.type == "cpu":
+            # NOTE: the sampled threshold sizes tensors from data (free on the CPU, a sync on a
+            # GPU, where torch.topk is fast anyway: 115-127 GB/s on an H100, CONTEXT.md 5).
             indices = _sampled_topk(magnitude, k, generator)
         else:
             indices = torch.topk(magnitude, k, sorted=False).indices
-        values = flat[indices]
-        if not all_finite(flat):
-            values = torch.full_like(values, math.nan)
+        values = nan_unless(finite_flag(flat), flat[indices])
         data = torch.cat([values.view(torch.uint8), indices.to(torch.int32).view(torch.uint8)])
         return Payload(data, numel)
 

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from superneurons.memory.plan import InfeasibleBudgetError, Plan, make_plan
+from superneurons.memory.plan import ACTIONS, InfeasibleBudgetError, Plan
+from superneurons.memory.planner import make_plan
 from superneurons.memory.profile import profile_step
 from superneurons.memory.runtime import apply_plan
 from superneurons.memory.tracker import LiveStorageTracker
@@ -45,7 +46,7 @@ class MemoryComparison:
             "budget_bytes": self.budget_bytes,
             "host_bytes": self.plan.host_bytes,
             "strategy": self.plan.strategy,
-            "actions": {a: self.plan.count(a) for a in ("keep", "offload", "recompute")},
+            "actions": {a: self.plan.count(a) for a in ACTIONS},
             "eager_timeline_bytes": _downsample(self.eager_timeline_bytes, max_points),
             "planned_timeline_bytes": _downsample(self.planned_timeline_bytes, max_points),
         }
@@ -65,7 +66,7 @@ def _measure(
     inputs: Any,
     targets: Any,
     loss_fn: LossFn,
-    host: Sequence[torch.Tensor] = (),
+    host: Callable[[], Sequence[torch.Tensor]] = tuple,
 ) -> tuple[list[int], int]:
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -76,7 +77,7 @@ def _measure(
     resident = [*model.parameters(), *model.buffers()]
     resident += [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
     tracker = LiveStorageTracker(record_timeline=True)
-    host_bytes = tracker.register(host)
+    host_bytes = tracker.register(host())  # after the warm-up: the pool's slab has its size
     tracker.register(resident)
     with tracker:
         step()
@@ -119,7 +120,7 @@ def compare_memory(
         plan = make_plan(profile, budget_bytes=budget_bytes, allow_optimizer_in_backward=False)
     with apply_plan(planned_model, plan) as handle:
         planned, planned_peak = _measure(
-            planned_model, optimizer, inputs, targets, loss_fn, host=handle.pool.host_buffers()
+            planned_model, optimizer, inputs, targets, loss_fn, host=handle.pool.host_buffers
         )
     return MemoryComparison(
         eager_timeline_bytes=tuple(eager),

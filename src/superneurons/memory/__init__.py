@@ -6,6 +6,8 @@ recomputation, in eager PyTorch. The verbs: ``profile_step`` -> ``make_plan`` ->
 
 from __future__ import annotations
 
+from superneurons.memory.bounds import largest_unit_bytes, resident_bytes, working_sets
+from superneurons.memory.cost import DEVICE_PRESETS, CostModel, cost_model, measure_copy_bandwidth
 from superneurons.memory.plan import (
     ACTIONS,
     PLAN_VERSION,
@@ -14,9 +16,8 @@ from superneurons.memory.plan import (
     Plan,
     TensorDecision,
     UnitDecision,
-    make_plan,
 )
-from superneurons.memory.planner import CostModel, min_peak_bytes
+from superneurons.memory.planner import make_plan, min_peak_bytes
 from superneurons.memory.pool import PoolConfig, PoolStats, TensorPool
 from superneurons.memory.profile import profile_step
 from superneurons.memory.profile_types import Profile, SavedTensor, UnitProfile, default_units
@@ -34,6 +35,13 @@ __all__ = [
     "profile_step",
     "profile_zoo",
     "simulate_plan",
+    # bounds and the device cost model
+    "DEVICE_PRESETS",
+    "cost_model",
+    "largest_unit_bytes",
+    "measure_copy_bandwidth",
+    "resident_bytes",
+    "working_sets",
     # planning
     "ACTIONS",
     "PLAN_VERSION",

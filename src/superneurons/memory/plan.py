@@ -1,15 +1,18 @@
 """A memory Plan: per unit keep / offload / recompute, with its predicted cost.
 
-A *unit* is a module (e.g. a residual block) whose saved activations are treated together
-(docs/CONTRACTS.md). ``keep`` leaves them on the device (eager PyTorch); ``offload`` sends every
-saved non-parameter tensor packed during the unit's forward to the host pool and prefetches it
-for backward (SuperNeurons' Unified Tensor Pool, Wang et al., PPoPP'18 §3.2); ``recompute`` runs
-the unit under non-reentrant checkpoint so only its inputs stay saved (cost-aware recomputation,
-ibid. §3.3; Chen et al. 2016).
+A *unit* is a module (e.g. a residual block, a stem layer, the LM head) whose saved activations
+are treated together (docs/CONTRACTS.md). ``keep`` leaves them on the device (eager PyTorch);
+``offload`` sends every saved non-parameter tensor packed during the unit's forward to the host
+pool and prefetches it for backward (SuperNeurons' Unified Tensor Pool, Wang et al., PPoPP'18
+§3.2); ``recompute`` runs the unit under non-reentrant checkpoint so only its inputs stay saved
+(cost-aware recomputation, ibid. §3.3; Chen et al. 2016); ``recompute+offload`` does both, as
+SuperNeurons does: the unit is recomputed in backward and its *checkpoint* (the input the
+checkpoint saves) lives in the host pool between forward and a prefetch one unit ahead, so
+nothing of the unit stays on the device.
 
 A Plan is frozen data with a ``version`` and a JSON round trip, so the runtime (another
-process, another machine) can execute a plan made here. :func:`make_plan` lives in
-:mod:`superneurons.memory.planner` and is re-exported here.
+process, another machine) can execute a plan made here. It is made by
+:func:`superneurons.memory.planner.make_plan` (this module imports nothing from the planner).
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ __all__ = [
     "Plan",
     "TensorDecision",
     "UnitDecision",
-    "make_plan",
 ]
 
-PLAN_VERSION = 1
-ACTIONS: tuple[str, ...] = ("keep", "offload", "recompute")
+PLAN_VERSION = 2  # 2: the ``recompute+offload`` action, resident/largest-unit bounds
+_READABLE_VERSIONS = (1, 2)
+ACTIONS: tuple[str, ...] = ("keep", "offload", "recompute", "recompute+offload")
+RECOMPUTING: frozenset[str] = frozenset({"recompute", "recompute+offload"})
+OFFLOADING: frozenset[str] = frozenset({"offload", "recompute+offload"})
 STRATEGIES: tuple[str, ...] = (
     "eager",
     "checkpoint",
@@ -63,7 +68,7 @@ class UnitDecision:
 
     Attributes:
         fqn: fully qualified module name of the unit (``model.get_submodule(fqn)``).
-        action: ``"keep"``, ``"offload"`` or ``"recompute"``.
+        action: one of :data:`ACTIONS`.
         saved_bytes: bytes of saved activations the unit holds under ``keep`` (storage-deduped).
         segment: -1, or the id of a *segment*: consecutive children of one ``nn.Sequential``, all
             ``recompute``, that also run together under one outer non-reentrant checkpoint
@@ -112,7 +117,8 @@ class Plan:
 
     Attributes:
         units: one decision per unit, in forward order.
-        strategy: the strategy that produced it (one of :data:`STRATEGIES`).
+        strategy: the strategy that produced it (one of :data:`STRATEGIES`; ``auto`` is resolved
+            to the strategy it chose).
         budget_bytes: the device byte budget it was made for.
         optimizer_in_backward: step each parameter as soon as its gradient is accumulated and
             free the gradient (``Tensor.register_post_accumulate_grad_hook``).
@@ -123,6 +129,9 @@ class Plan:
         transfer_s: predicted host<->device copy time per step (both directions).
         feasible: ``predicted_peak_bytes <= budget_bytes``.
         tensors: the implied action of every saved tensor.
+        resident_bytes: parameters + gradients + optimizer state of the step (steady state).
+        largest_unit_bytes: the largest working set of one unit's (or the loss's) forward +
+            backward; ``resident_bytes + largest_unit_bytes`` is the largest-layer bound.
         version: format version of this record.
     """
 
@@ -137,6 +146,8 @@ class Plan:
     transfer_s: float = 0.0
     feasible: bool = True
     tensors: tuple[TensorDecision, ...] = field(default=())
+    resident_bytes: int = 0
+    largest_unit_bytes: int = 0
     version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:
@@ -146,7 +157,7 @@ class Plan:
             )
         if self.budget_bytes <= 0:
             raise ConfigError(f"budget_bytes must be positive, got {self.budget_bytes}")
-        if self.version != PLAN_VERSION:
+        if self.version not in _READABLE_VERSIONS:
             raise ConfigError(
                 f"plan version {self.version} is not supported (this build reads "
                 f"version {PLAN_VERSION}): re-create the plan with `superneurons plan`"
@@ -193,13 +204,3 @@ class Plan:
         if not isinstance(body, dict):
             raise ConfigError("plan JSON must be an object: write one with Plan.to_json")
         return cls.from_dict(body)
-
-
-def make_plan(profile: Any, *, budget_bytes: int, strategy: str = "auto", **options: Any) -> Plan:
-    """Decide keep / offload / recompute per unit under ``budget_bytes`` (pure).
-
-    See :func:`superneurons.memory.planner.make_plan` for the options and the cost model.
-    """
-    from superneurons.memory.planner import make_plan as _make_plan
-
-    return _make_plan(profile, budget_bytes=budget_bytes, strategy=strategy, **options)

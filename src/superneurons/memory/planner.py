@@ -7,13 +7,17 @@ Rules (SuperNeurons, Wang et al., PPoPP'18 §3.2-3.3), then a greedy improvement
   prefetches one unit ahead), so the exposed cost is ``max(0, copy_s - compute_s)``;
 * **recompute** cheap units (BN, activations, pooling): cost is their forward time, from FLOPs and
   bytes written under a roofline (or measured, for real profiles);
+* when the budget demands more, **recompute+offload**: the unit is recomputed *and* its checkpoint
+  (the input the checkpoint saves) goes to the host pool, prefetched one unit ahead in backward,
+  so nothing of the unit stays on the device between its forward and its backward; this is what
+  brings the peak down to the largest unit's working set (``memory.bounds``);
 * candidates are taken in ascending *cost per byte saved* (the DTR heuristic of Kirisame et al.,
   ICLR'21, applied offline) until the predicted peak fits the budget. The chosen plan is the shortest
   prefix that fits, so the predicted peak never rises when the budget falls.
 
 The peak under a plan is predicted from the profile's measured live intervals: a storage saved only
 by non-keep units is absent between the end of its units' forward and their backward (recompute)
-or the prefetch one unit ahead (offload); checkpoint inputs stay; recompute adds its transient
+or the prefetch one unit ahead (offload, recompute+offload); plain checkpoint inputs stay; recompute adds its transient
 forward bytes at the unit's backward start. ``optimizer_in_backward`` frees each gradient as soon as
 it is applied (``register_post_accumulate_grad_hook``), so the gradient row of the timeline and the
 step phase drop to the largest single gradient.
@@ -22,10 +26,12 @@ step phase drop to the largest single gradient.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from superneurons.bytesize import format_bytes
 from superneurons.errors import ConfigError
+from superneurons.memory.bounds import largest_unit_bytes, resident_bytes
+from superneurons.memory.cost import CostModel
 from superneurons.memory.plan import (
     STRATEGIES,
     InfeasibleBudgetError,
@@ -33,7 +39,7 @@ from superneurons.memory.plan import (
     TensorDecision,
     UnitDecision,
 )
-from superneurons.memory.predict import CostModel, _Outcome, evaluate, segment_runs
+from superneurons.memory.predict import _Outcome, evaluate, segment_runs
 from superneurons.memory.profile_types import Profile
 
 __all__ = ["CostModel", "evaluate", "make_plan", "min_peak_bytes"]
@@ -44,25 +50,31 @@ logger = logging.getLogger("superneurons.memory")
 def _candidates(
     profile: Profile, allowed: tuple[str, ...], cost: CostModel
 ) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """(fqn, action) steps in ascending cost per byte saved, then the recompute->offload
-    upgrades (offload-capable strategies) that give the smallest peak."""
+    """(fqn, action) steps in ascending cost per byte saved (recompute, or offload where compute
+    hides the copy), then the upgrades to ``recompute+offload`` (offload-capable strategies) in
+    ascending cost per checkpoint byte: the planner offloads beyond what compute hides only
+    when the budget demands it."""
     steps: list[tuple[float, str, str]] = []
     upgrades: list[tuple[float, str, str]] = []
     for unit in profile.units:
         if unit.saved_bytes == 0 or not allowed:
             continue
         compute_s = cost.compute_s(unit, fake=profile.fake)
-        copy_s = cost.copy_s(unit.saved_bytes)
+        copy_s, fetch_s = cost.copy_s(unit.saved_bytes), cost.fetch_s(unit.saved_bytes)
         options = {}
-        if "recompute" in allowed:
+        if "recompute" in allowed and not unit.inplace:
             options["recompute"] = compute_s
         if "offload" in allowed:
-            options["offload"] = max(0.0, copy_s - compute_s) + max(0.0, copy_s - 2 * compute_s)
+            options["offload"] = max(0.0, copy_s - compute_s) + max(0.0, fetch_s - 2 * compute_s)
             options["offload"] += 1e-3 * copy_s  # NOTE: tie-break: host bandwidth is not free
+        if not options:
+            continue
         action = min(options, key=lambda a: options[a])
         steps.append((options[action] / unit.saved_bytes, unit.fqn, action))
-        if action == "recompute" and "offload" in options:
-            upgrades.append((options["offload"] / unit.saved_bytes, unit.fqn, "offload"))
+        if "offload" in allowed and not unit.inplace and unit.input_bytes > 0:
+            in_s = cost.copy_s(unit.input_bytes) + cost.fetch_s(unit.input_bytes)
+            joint_s = compute_s + max(0.0, in_s - compute_s) + 1e-3 * in_s
+            upgrades.append((joint_s / unit.input_bytes, unit.fqn, "recompute+offload"))
     return [(f, a) for _, f, a in sorted(steps)], [(f, a) for _, f, a in sorted(upgrades)]
 
 
@@ -79,6 +91,7 @@ _SEGMENT: tuple[str, str] = ("", "segment")  # the step that turns on memory-cen
 
 @dataclass
 class _Choice:
+    strategy: str
     actions: dict[str, str]
     segments: dict[str, int]
     optimizer_in_backward: bool
@@ -89,12 +102,14 @@ def _search(profile: Profile, strategy: str, budget_bytes: int | None, cost: Cos
     """Shortest candidate prefix that fits ``budget_bytes`` (None: the prefix with least peak)."""
     opt_in = strategy == "offload+opt-in-backward"
     if strategy == "checkpoint":
-        actions = {u.fqn: "recompute" for u in profile.units}
-        return _Choice(actions, {}, False, evaluate(profile, actions, cost=cost))
+        actions = {u.fqn: "keep" if u.inplace else "recompute" for u in profile.units}
+        return _Choice(strategy, actions, {}, False, evaluate(profile, actions, cost=cost))
     actions = {u.fqn: "keep" for u in profile.units}
     first, upgrades = _candidates(profile, _ALLOWED[strategy], cost)
     segment: list[tuple[str, str]] = [_SEGMENT] if "recompute" in _ALLOWED[strategy] else []
-    steps = first + segment + upgrades
+    # NOTE: with a host pool, checkpoints go to the host (hidden behind recompute) before
+    # memory-centric segments, which recompute twice and still hold the segment inputs
+    steps = first + upgrades + segment
     segmented = False
 
     def outcome_of() -> _Outcome:
@@ -105,7 +120,7 @@ def _search(profile: Profile, strategy: str, budget_bytes: int | None, cost: Cos
 
     def choice(outcome: _Outcome) -> _Choice:
         segments = segment_runs(profile, actions) if segmented else {}
-        return _Choice(dict(actions), segments, opt_in, outcome)
+        return _Choice(strategy, dict(actions), segments, opt_in, outcome)
 
     outcome = outcome_of()
     best = choice(outcome)
@@ -161,7 +176,11 @@ def make_plan(
         raise ConfigError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
         raise ConfigError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
-    cost = cost or CostModel(bandwidth_bytes_per_s=bandwidth_bytes_per_s)
+    if cost is None and min(profile.copy_bytes_per_s) > 0:
+        d2h, h2d = profile.copy_bytes_per_s  # measured with a real CUDA profile
+        cost = replace(CostModel(), bandwidth_bytes_per_s=d2h, h2d_bytes_per_s=h2d, name="measured")
+    if cost is None:
+        cost = CostModel(bandwidth_bytes_per_s=bandwidth_bytes_per_s)
     minima = min_peak_bytes(profile, cost=cost)
     if not allow_optimizer_in_backward:
         if optimizer_in_backward or strategy == "offload+opt-in-backward":
@@ -220,7 +239,7 @@ def make_plan(
             UnitDecision(f, a, unit_bytes[f], segment=chosen.segments.get(f, -1))
             for f, a in actions.items()
         ),
-        strategy=strategy,
+        strategy=chosen.strategy,
         budget_bytes=budget_bytes,
         optimizer_in_backward=chosen.optimizer_in_backward,
         predicted_peak_bytes=outcome.peak_bytes,
@@ -230,4 +249,6 @@ def make_plan(
         transfer_s=outcome.transfer_s,
         feasible=True,
         tensors=tensors,
+        resident_bytes=resident_bytes(profile),
+        largest_unit_bytes=largest_unit_bytes(profile),
     )

@@ -32,14 +32,13 @@ from typing import Any
 
 import torch
 
-from superneurons.bytesize import format_bytes
 from superneurons.errors import ConfigError
+from superneurons.memory.slab import HostSlab
 
 __all__ = ["PoolConfig", "PoolStats", "TensorPool"]
 
 logger = logging.getLogger("superneurons.memory")
 
-_ALIGN_BYTES = 512  # slot alignment in the slab: keeps every dtype view aligned for DMA
 _COUNTERS = ["d2h_bytes", "h2d_bytes", "d2h_count", "h2d_count", "cache_hits", "prefetch_hits"]
 _COUNTERS += ["demand_fetches", "kept_small", "still_resident"]
 
@@ -54,14 +53,22 @@ class PoolConfig:
         cache_bytes: device bytes packed tensors may keep before LRU eviction (0: evict at once,
             as the planner predicts for ``offload``).
         prefetch: prefetch one offload unit ahead of backward (else fetch on demand).
+        host_device: where host copies live: ``"cpu"`` (pinned when the device is CUDA), or
+            ``"meta"`` to simulate the pool on fake tensors (copies keep only metadata, so a
+            live-storage count sees exactly the device bytes; ``memory.simulate``).
     """
 
     min_offload_bytes: int = 16 * 1024
     host_bytes: int = 0
     cache_bytes: int = 0
     prefetch: bool = True
+    host_device: str = "cpu"
 
     def __post_init__(self) -> None:
+        if self.host_device not in ("cpu", "meta"):
+            raise ConfigError(
+                f"PoolConfig.host_device must be 'cpu' or 'meta', got {self.host_device!r}"
+            )
         for name in ("min_offload_bytes", "host_bytes", "cache_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"PoolConfig.{name} must be >= 0, got {getattr(self, name)}")
@@ -118,56 +125,6 @@ class _Handle:
         self.pending = 1  # unpacks still expected in the current backward
 
 
-class _HostSlab:
-    """A bump allocator over one preallocated (pinned on CUDA) byte buffer, reset when empty."""
-
-    def __init__(self, capacity_bytes: int, *, pinned: bool) -> None:
-        self.pinned = pinned
-        self.buffer = self._allocate(capacity_bytes)
-        self.offset = 0
-        self.live_bytes = 0
-        self.live_slots = 0
-        self.peak_aligned_bytes = 0  # most aligned bytes live at once, over all buffers
-        self._aligned_live = 0
-
-    def _allocate(self, capacity_bytes: int) -> torch.Tensor:
-        return torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=self.pinned)
-
-    @property
-    def capacity_bytes(self) -> int:
-        return int(self.buffer.numel())
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        need = _aligned(nbytes)
-        if self.live_slots == 0:
-            self.offset = 0
-        if self.offset + need > self.capacity_bytes:
-            grown = max(2 * self.capacity_bytes, self.offset + need, 1 << 20)
-            sizes = format_bytes(self.capacity_bytes), format_bytes(grown)
-            logger.info("host pool slab too small (%s): growing to %s", *sizes)
-            # NOTE: slots already handed out keep the old buffer alive through their views;
-            # it is freed once they are released.
-            self.buffer = self._allocate(grown)
-            self.offset = 0
-        view = self.buffer[self.offset : self.offset + nbytes]
-        self.offset += need
-        self.live_bytes += nbytes
-        self.live_slots += 1
-        self._aligned_live += need
-        self.peak_aligned_bytes = max(self.peak_aligned_bytes, self._aligned_live)
-        return view
-
-    def give_back(self, nbytes: int) -> None:
-        self.live_bytes -= nbytes
-        self.live_slots -= 1
-        self._aligned_live -= _aligned(nbytes)
-        if self.live_slots == 0 and self.capacity_bytes < self.peak_aligned_bytes:
-            # The step that just ended spread over several buffers after growing: take one
-            # buffer that holds it all now, between steps, so the next step allocates nothing.
-            self.buffer = self._allocate(self.peak_aligned_bytes)
-            self.offset = 0
-
-
 class TensorPool:
     """Host pool + device cache for the saved tensors of ``offload`` units (see module doc)."""
 
@@ -184,7 +141,7 @@ class TensorPool:
         self._cuda = device.type == "cuda"
         self._d2h_stream = torch.cuda.Stream(device) if self._cuda else None
         self._h2d_stream = torch.cuda.Stream(device) if self._cuda else None
-        self._slab = _HostSlab(config.host_bytes, pinned=self._cuda)
+        self._slab = HostSlab(config.host_bytes, pinned=self._cuda, device=config.host_device)
         self._cache: collections.OrderedDict[int, _Slot] = collections.OrderedDict()
         self._groups: dict[int, list[weakref.ref[_Handle]]] = {}
         self._next_group = 0
@@ -204,26 +161,26 @@ class TensorPool:
         self._next_group += 1
         self._groups[group] = []
         self._active_group = group
-        self._excluded_ptrs = {t.untyped_storage().data_ptr() for t in self._excluded()}
+        self._excluded_ptrs = {_storage_key(t) for t in self._excluded()}
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield group
         finally:
             self._active_group = None
-            self._dedupe.clear()
-            if not self._groups[group]:
-                del self._groups[group]
+            self._dedupe.clear()  # may drop the last reference to a handle: released
+            if not self._groups.get(group):
+                self._groups.pop(group, None)
 
     def _offloadable(self, tensor: torch.Tensor) -> bool:
         return (
-            type(tensor) is torch.Tensor
+            (type(tensor) is torch.Tensor or self.config.host_device == "meta")
             and tensor.layout == torch.strided
             and tensor.device.type == self.device.type  # not meta/fake, not a stray CPU tensor
             and tensor.numel() * tensor.element_size() >= max(self.config.min_offload_bytes, 1)
             and all(
                 st != 0 for sz, st in zip(tensor.size(), tensor.stride(), strict=True) if sz > 1
             )
-            and tensor.untyped_storage().data_ptr() not in self._excluded_ptrs
+            and _storage_key(tensor) not in self._excluded_ptrs
         )
 
     def _pack(self, tensor: torch.Tensor) -> Any:
@@ -372,8 +329,9 @@ class TensorPool:
         self._peak_host_bytes = int(state["peak_host_bytes"])
 
 
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES  # round up
+def _storage_key(tensor: torch.Tensor) -> int:
+    """The identity of a tensor's storage (works for fake tensors, unlike ``data_ptr``)."""
+    return int(tensor.untyped_storage()._cdata)
 
 
 def _on(stream: Any) -> contextlib.AbstractContextManager[Any]:

@@ -1,9 +1,10 @@
 """Predict a plan's device peak and cost from a Profile (pure; no tensors are touched).
 
-Given per-unit actions (keep / offload / recompute), :func:`evaluate` replays the profile's
-measured live intervals: a storage saved only by non-keep units is absent between the end of its
-units' forward and their backward (recompute) or the prefetch one unit ahead (offload);
-checkpoint inputs stay; recompute adds its transient forward bytes at the unit's backward start.
+Given per-unit actions (keep / offload / recompute / recompute+offload), :func:`evaluate`
+replays the profile's measured live intervals: a storage saved only by non-keep units is absent
+between the end of its units' forward and their backward (recompute) or the prefetch one unit
+ahead (offload, and the checkpoint of recompute+offload); a plain checkpoint's input stays;
+recompute adds its transient forward bytes at the unit's backward start.
 ``optimizer_in_backward`` frees each gradient as soon as it is applied, so the gradient row of
 the timeline and the step phase drop to the largest single gradient. :class:`CostModel` turns
 FLOPs, bytes and copies into seconds; :func:`segment_runs` groups consecutive recompute units
@@ -17,38 +18,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from superneurons.errors import ConfigError
-from superneurons.memory.profile_types import CATEGORIES, Profile, UnitProfile
+from superneurons.memory.cost import CostModel
+from superneurons.memory.plan import OFFLOADING, RECOMPUTING
+from superneurons.memory.profile_types import CATEGORIES, Profile
 
 __all__ = ["CostModel", "evaluate", "segment_runs"]
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Device speeds the planner converts work into seconds with.
-
-    Defaults: PCIe 4.0 x16 at ~25 GB/s effective host<->device; an A100's datasheet fp32 rate
-    (19.5 TFLOP/s) and HBM bandwidth (1.55 TB/s) for recompute. Pass the target's figures.
-    """
-
-    bandwidth_bytes_per_s: float = 25e9
-    flops_per_s: float = 19.5e12
-    memory_bandwidth_bytes_per_s: float = 1.55e12
-
-    def __post_init__(self) -> None:
-        for name in ("bandwidth_bytes_per_s", "flops_per_s", "memory_bandwidth_bytes_per_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-
-    def compute_s(self, unit: UnitProfile, *, fake: bool) -> float:
-        """Forward time of ``unit``: measured for real profiles, a roofline for fake ones."""
-        roofline_s = max(
-            unit.flops / self.flops_per_s, unit.bytes_written / self.memory_bandwidth_bytes_per_s
-        )
-        return roofline_s if fake else max(unit.fwd_time_s, roofline_s)
-
-    def copy_s(self, nbytes: int) -> float:
-        return nbytes / self.bandwidth_bytes_per_s
 
 
 @dataclass(frozen=True)
@@ -58,6 +32,7 @@ class _Outcome:
     extra_compute_s: float
     transfer_s: float
     exposed_s: float
+    peak_event: int = -1
 
 
 def evaluate(
@@ -95,67 +70,121 @@ def evaluate(
     for fqn in order:
         if fqn in segments:
             members.setdefault(segments[fqn], []).append(fqn)
+
+    def prefetched(fqn: str) -> int:
+        # the runtime prefetches a unit's pool group when backward enters the next unit if that
+        # one is offloaded too (autograd pre-hook on its outputs; for a recompute+offload unit
+        # on the nodes after its output node, once its recompute is over), else when backward
+        # enters the unit itself
+        bwd = units[fqn].bwd_start_event
+        nxt = next_unit.get(fqn, "")
+        if actions.get(nxt, "") in OFFLOADING:
+            ahead = units[nxt].bwd_start_event
+            if actions[nxt] == "recompute+offload" and ahead >= 0:
+                ahead += 1  # after the next unit's recompute (its spike at ahead + 1)
+            bwd = ahead if 0 <= ahead < bwd else bwd
+        return bwd
+
     host_bytes = 0
     internal: dict[str, int] = {}  # saved bytes born inside each unit (its recompute re-creates)
+    inputs: dict[str, int] = {}  # saved bytes born before the unit (its checkpoint)
     for life in profile.storages:
         for f in life.units:
             if f and life.birth >= units[f].fwd_start_event:
                 internal[f] = internal.get(f, 0) + life.nbytes
+            elif f:
+                inputs[f] = inputs.get(f, 0) + life.nbytes
     for life in profile.storages:
         packers = life.units
         if "" in packers or any(actions.get(f, "keep") == "keep" for f in packers):
             continue
         if life.birth == 0 or life.death >= profile.num_events - 1:
             continue  # the caller holds it (an input, an output): moving it frees nothing
-        releases, restores, held = [], [], False
+        # where it lives again after its release: (start, end) event windows. A prefetched
+        # checkpoint lives until its unit's backward is over; what a recompute re-creates is
+        # a new storage that lives until the eager death, as does what a prefetch brings back.
+        releases, windows, held, copies = [], [], False, 0
+        death = life.death + 1
         for f in packers:
-            unit = units[f]
-            if actions[f] == "recompute" and life.birth < unit.fwd_start_event:
+            unit, action = units[f], actions[f]
+            if action in RECOMPUTING and life.birth < unit.fwd_start_event:
                 group = members.get(segments.get(f, -1), [f])
-                if group[0] == f:
+                if group[0] != f:  # an inner input of a segment: the segment recomputes it
+                    releases.append(units[group[-1]].fwd_end_event)
+                    windows.append((units[group[-1]].bwd_start_event + 1, death))
+                    continue
+                if action == "recompute":
                     held = True  # a checkpoint's input stays saved
                     break
-                releases.append(units[group[-1]].fwd_end_event)
-                restores.append(units[group[-1]].bwd_start_event)
+                releases.append(unit.fwd_end_event)  # the checkpoint goes to the host pool
+                end = max(unit.bwd_end_event, unit.bwd_start_event) + 2
+                windows.append((prefetched(f) + 1, end))
+                copies += 1
                 continue
             releases.append(unit.fwd_end_event)
-            bwd = unit.bwd_start_event
-            # the runtime prefetches a unit when backward enters the next one if that one is
-            # offloaded too (its autograd pre-hook), else when backward enters the unit itself
-            if actions[f] == "offload" and actions.get(next_unit.get(f, ""), "") == "offload":
-                ahead = units[next_unit[f]].bwd_start_event
-                bwd = ahead if 0 <= ahead < bwd else bwd
-            restores.append(bwd)
+            if action == "offload":
+                windows.append((prefetched(f) + 1, death))
+                copies += 1  # each unit's pool group copies what it saved
+            else:
+                windows.append((unit.bwd_start_event + 1, death))  # recomputed
         if held:
             continue
-        release = max(releases) + 1
         # NOTE: an unpack at event e happens after op e, when the storages that died at e are
         # already gone: what it brings back is live from op e + 1 on.
-        restore = min(min(restores) + 1, life.death + 1)
-        if restore <= release:
+        release = max(releases) + 1
+        if release >= death:
             continue
         change[release] -= life.nbytes
-        change[restore] += life.nbytes
-        if any(actions[f] == "offload" for f in packers):
-            host_bytes += life.nbytes
+        change[death] += life.nbytes
+        live_until = release
+        for start, end in sorted((max(s, release), min(e, death)) for s, e in windows):
+            start = max(start, live_until)
+            if start < end:
+                change[start] += life.nbytes
+                change[end] -= life.nbytes
+                live_until = end
+        host_bytes += copies * life.nbytes
+    for fqn, action in actions.items():
+        unit = units[fqn]
+        if action not in RECOMPUTING or not unit.unsaved_input_bytes or unit.bwd_start_event < 0:
+            continue
+        if members.get(segments.get(fqn, -1), [fqn])[0] != fqn:
+            continue  # inside a segment: the segment's recompute brings it back
+        # a checkpoint keeps an input eager autograd would have freed in forward
+        end = min(max(unit.bwd_end_event, unit.bwd_start_event) + 1, profile.num_events)
+        start = unit.fwd_end_event + 1
+        if action == "recompute+offload":
+            start = prefetched(fqn) + 1
+            host_bytes += unit.unsaved_input_bytes
+        if start < end:
+            change[start] += unit.unsaved_input_bytes
+            change[end] -= unit.unsaved_input_bytes
     total = total + np.cumsum(change[:-1])
     extra_s = transfer_s = exposed_s = 0.0
     for fqn, action in actions.items():
         unit = units[fqn]
         compute_s = cost.compute_s(unit, fake=profile.fake)
-        if action == "recompute":
+        if action in RECOMPUTING:
             # a unit inside a segment runs forward twice more: outer and inner recompute
             extra_s += compute_s * (2 if fqn in segments else 1)
             spike = max(unit.temp_peak_bytes - internal.get(fqn, 0) - unit.output_bytes, 0)
+            # the recompute snapshots running statistics (once more for a segment's outer pass)
+            spike += unit.norm_state_bytes * (2 if fqn in segments else 1)
             if 0 <= unit.bwd_start_event < profile.num_events - 1:
                 total[unit.bwd_start_event + 1] += spike
-        elif action == "offload":
-            copy_s = cost.copy_s(unit.saved_bytes)
-            transfer_s += 2 * copy_s
-            exposed_s += max(0.0, copy_s - compute_s) + max(0.0, copy_s - 2 * compute_s)
+        moved = {"offload": unit.saved_bytes, "recompute+offload": inputs.get(fqn, 0)}
+        if action in moved:
+            # the copy out overlaps this unit's forward, the prefetch the backward of the next
+            # one (two units of backward ~ 2x forward): only the excess is exposed
+            out_s, in_s = cost.copy_s(moved[action]), cost.fetch_s(moved[action])
+            transfer_s += out_s + in_s
+            exposed_s += max(0.0, out_s - compute_s) + max(0.0, in_s - 2 * compute_s)
     # NOTE: a segment's outer recompute holds the inner inputs plus one inner unit's internals
     # at a time, less than what the last unit's own recompute holds right after it: no spike.
-    return _Outcome(int(total.max(initial=0)), host_bytes, extra_s, transfer_s, exposed_s)
+    peak_event = int(total.argmax()) if total.size else -1
+    return _Outcome(
+        int(total.max(initial=0)), host_bytes, extra_s, transfer_s, exposed_s, peak_event
+    )
 
 
 def segment_runs(profile: Profile, actions: dict[str, str]) -> dict[str, int]:
@@ -169,7 +198,7 @@ def segment_runs(profile: Profile, actions: dict[str, str]) -> dict[str, int]:
     for unit in profile.units:
         parent, _, name = unit.fqn.rpartition(".")
         key = (parent, int(name)) if name.isdigit() else None
-        if actions.get(unit.fqn) != "recompute" or key is None:
+        if actions.get(unit.fqn) != "recompute" or key is None or not unit.in_sequential:
             previous = None
             continue
         if previous is not None and previous[0] == parent and previous[1] + 1 == key[1]:

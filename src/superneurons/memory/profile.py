@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from superneurons.errors import ConfigError
+from superneurons.memory.cost import EventTimer, measure_copy_bandwidth
 from superneurons.memory.profile_types import (
     CATEGORIES,
     Profile,
@@ -39,6 +40,7 @@ from superneurons.memory.profile_types import (
     UnitProfile,
     default_units,
 )
+from superneurons.memory.recompute import running_stat_bytes
 from superneurons.memory.tracker import LiveStorageTracker
 
 __all__ = ["CATEGORIES", "Profile", "SavedTensor", "UnitProfile", "profile_step"]
@@ -64,9 +66,10 @@ class _Recorder:
         self.op_of_storage: dict[int, str] = {}
         self.saved_by_unit: dict[str, set[int]] = {}
         self.phase = "forward"
+        self.timer: EventTimer | None = None  # CUDA events per unit forward (real CUDA runs)
 
     # module hooks --------------------------------------------------------------------------
-    def pre(self, fqn: str) -> None:
+    def pre(self, fqn: str, args: Any = ()) -> None:
         call = self.calls.get(fqn, 0)
         self.calls[fqn] = call + 1
         self.stack.append((fqn, call))
@@ -86,6 +89,14 @@ class _Recorder:
                 ),
             )
             row["t0"] = time.perf_counter()
+            row["in_sids"] = {
+                self.tracker.serial_of(t)
+                for t in tree_flatten(args)[0]
+                if isinstance(t, torch.Tensor)
+            } - {None}
+            row.setdefault("first_in_sids", row["in_sids"])
+            if self.timer is not None:
+                row["events"] = self.timer.start()
 
     def post(self, fqn: str, output: Any) -> None:
         if self.stack and self.stack[-1][0] == fqn:
@@ -99,8 +110,17 @@ class _Recorder:
                 for t in tree_flatten(output)[0]
                 if isinstance(t, torch.Tensor) and self.tracker.serial_of(t) not in saved_here
             )
+            out_sids = {
+                self.tracker.serial_of(t)
+                for t in tree_flatten(output)[0]
+                if isinstance(t, torch.Tensor)
+            }
+            row["inplace"] = row.get("inplace", False) or bool(out_sids & row["in_sids"])
             row["fwd_end"] = self.tracker.event
-            row["time_s"] += time.perf_counter() - row["t0"]
+            if self.timer is not None:
+                self.timer.stop(fqn, row.pop("events"))
+            else:
+                row["time_s"] += time.perf_counter() - row["t0"]
 
     def current_unit(self) -> str:
         for fqn, _ in reversed(self.stack):
@@ -168,6 +188,8 @@ class _Recorder:
             unit = row["unit"]
             if unit and self.unit_rows[unit]["bwd_start"] < 0:
                 self.unit_rows[unit]["bwd_start"] = self.tracker.event
+            if unit:
+                self.unit_rows[unit]["bwd_end"] = self.tracker.event
         return tensor
 
 
@@ -181,6 +203,7 @@ def profile_step(
     fake: bool = False,
     units: Sequence[str] | None = None,
     fake_mode: Any = None,
+    keep_output: bool = True,
 ) -> Profile:
     """Profile one training step (forward, ``loss_fn(output, targets)``, backward, optimizer step).
 
@@ -194,6 +217,10 @@ def profile_step(
             non-container children of ``nn.Sequential``/``nn.ModuleList`` containers, e.g.
             residual blocks and transformer blocks).
         fake_mode: an existing ``FakeTensorMode`` when model and inputs are already fake.
+        keep_output: the step holds the model's output through backward, as a loop that
+            keeps ``output = model(x)`` in scope does (``train/loop.py``, ``bench memory``);
+            ``False`` for ``loss_fn(model(x), y).backward()``, which frees whatever autograd
+            did not save (for GPT-2 124M at B=8, T=1024: 1.53 GiB of logits).
 
     Raises:
         ConfigError: the step fails under fake tensors (data-dependent ops such as ``nonzero`` or
@@ -227,8 +254,26 @@ def profile_step(
     try:
         if mode is not None:
             with mode:
-                return _run(model_c, opt_c, inputs, targets, loss_fn, unit_fqns, fake=True)
-        return _run(model_c, opt_c, inputs, targets, loss_fn, unit_fqns, fake=False)
+                return _run(
+                    model_c,
+                    opt_c,
+                    inputs,
+                    targets,
+                    loss_fn,
+                    unit_fqns,
+                    fake=True,
+                    keep_output=keep_output,
+                )
+        return _run(
+            model_c,
+            opt_c,
+            inputs,
+            targets,
+            loss_fn,
+            unit_fqns,
+            fake=False,
+            keep_output=keep_output,
+        )
     except (RuntimeError, NotImplementedError) as exc:
         if mode is None:
             raise
@@ -261,13 +306,18 @@ def _run(
     unit_fqns: set[str],
     *,
     fake: bool,
+    keep_output: bool = True,
 ) -> Profile:
     tracker = LiveStorageTracker(record_timeline=False)
     rec = _Recorder(tracker, unit_fqns)
     tracker._on_op = rec.on_op  # type: ignore[assignment]
+    first = next(iter(model.parameters()), None)
+    on_cuda = not fake and first is not None and first.device.type == "cuda"
+    if on_cuda:
+        rec.timer = EventTimer()
     handles = []
     for fqn, module in model.named_modules():
-        handles.append(module.register_forward_pre_hook(lambda *_, f=fqn: rec.pre(f)))
+        handles.append(module.register_forward_pre_hook(lambda _m, a, f=fqn: rec.pre(f, a)))
         handles.append(module.register_forward_hook(lambda _m, _a, out, f=fqn: rec.post(f, out)))
     params = [*model.parameters(), *model.buffers()]
     state_tensors = _optimizer_tensors(optimizer)
@@ -281,11 +331,15 @@ def _run(
     try:
         with tracker, torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack):
             output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+            events["model_end"] = tracker.event
             loss = loss_fn(output, targets)
+            if not keep_output:  # ``loss_fn(model(x), y).backward()``: only what autograd saved
+                del output
             events["forward_end"] = tracker.event
             rec.phase = "backward"
             loss.backward()
-            del output, loss
+            del loss
+            output = None  # the step's output is released with the loss
             events["backward_end"] = tracker.event
             rec.phase = "step"
             if optimizer is not None:
@@ -295,13 +349,25 @@ def _run(
         for handle in handles:
             handle.remove()
     step_s = time.perf_counter() - start_s
+    for fqn, row in rec.unit_rows.items():
+        row["norm_state_bytes"] = running_stat_bytes(model.get_submodule(fqn))
+        parent = model.get_submodule(fqn.rpartition(".")[0]) if fqn else None
+        row["in_sequential"] = isinstance(parent, nn.Sequential)
+    bandwidth = (0.0, 0.0)
+    if rec.timer is not None:
+        for fqn, seconds in rec.timer.seconds().items():
+            if fqn in rec.unit_rows:
+                rec.unit_rows[fqn]["time_s"] = seconds
+        assert first is not None
+        bandwidth = measure_copy_bandwidth(first.device)
     grads = {tracker.serial_of(p.grad) for p in model.parameters() if p.grad is not None} - {None}
     opt_state = {tracker.serial_of(t) for t in _optimizer_tensors(optimizer)} - {None}
     return Profile.from_recording(
         tracker=tracker,
         saved_rows=rec.saved,
         unit_rows=rec.unit_rows,
-        unit_order=[f for f in dict(model.named_modules()) if f in rec.unit_rows],
+        # forward order (the runtime's one-ahead prefetch and the planner rely on it)
+        unit_order=sorted(rec.unit_rows, key=lambda f: rec.unit_rows[f]["fwd_start"]),
         param_storages=rec.param_storages,
         grad_storages=grads,  # type: ignore[arg-type]
         opt_storages=opt_state,  # type: ignore[arg-type]
@@ -309,6 +375,7 @@ def _run(
         events=events,
         fake=fake,
         step_s=step_s,
+        copy_bytes_per_s=bandwidth,
     )
 
 

@@ -15,17 +15,33 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-__all__ = ["CATEGORIES", "Profile", "SavedTensor", "StorageLife", "UnitProfile", "default_units"]
+__all__ = [
+    "CATEGORIES",
+    "GRANULARITIES",
+    "Profile",
+    "SavedTensor",
+    "StorageLife",
+    "UnitProfile",
+    "default_units",
+    "layer_units",
+]
+
+GRANULARITIES: tuple[str, ...] = ("block", "layer", "auto")
 
 CATEGORIES: tuple[str, ...] = ("params", "grads", "optimizer", "saved", "temporaries")
 
 
 def default_units(model: nn.Module) -> list[str]:
-    """The outermost non-leaf children of ``nn.Sequential``/``nn.ModuleList`` containers,
-    descending through containers of blocks (stages).
+    """The blocks of the model, plus every other part of the step's path to them.
 
-    For the zoo's ResNets these are the residual blocks, for GPT the transformer blocks. A model
-    with none (e.g. a flat ``nn.Sequential`` of layers) gets its leaf layers as units.
+    Blocks: the outermost non-leaf children of ``nn.Sequential``/``nn.ModuleList`` containers,
+    descending through containers of blocks (stages): the zoo ResNets' residual blocks, GPT's
+    transformer blocks. Then, so that a plan covers the whole step (the stem, the final norm, the
+    head), every child of the root or of an ancestor of a block that neither is nor contains a
+    block becomes a unit too (e.g. a ResNet's ``conv1``, ``bn1``, ``relu``, ``maxpool``, ``fc``;
+    GPT's ``transformer.wte``, ``transformer.ln_f``, ``lm_head``). A model with no blocks (e.g.
+    a flat ``nn.Sequential`` of layers) gets its leaf layers as units. Units come in
+    ``named_modules`` order.
     """
     containers = (nn.Sequential, nn.ModuleList)
     found: list[str] = []
@@ -41,9 +57,28 @@ def default_units(model: nn.Module) -> list[str]:
                 continue  # a stage of blocks: its blocks are the units
             if not any(child_fqn.startswith(f + ".") for f in found):
                 found.append(child_fqn)
-    if not found and isinstance(model, nn.Sequential):
-        found = [name for name, _ in model.named_children()]
-    return found
+    if not found:
+        if isinstance(model, nn.Sequential):
+            return [name for name, _ in model.named_children()]
+        return []
+    ancestors = {""} | {f.rsplit(".", i)[0] for f in found for i in range(1, f.count(".") + 1)}
+    blocks = set(found)
+    for fqn, module in model.named_modules():
+        if fqn not in ancestors:
+            continue
+        for name, _ in module.named_children():
+            child_fqn = f"{fqn}.{name}" if fqn else name
+            if child_fqn not in ancestors and child_fqn not in blocks:
+                found.append(child_fqn)
+    position = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}
+    return sorted(found, key=position.__getitem__)
+
+
+def layer_units(model: nn.Module) -> list[str]:
+    """Every leaf module (layer) as a unit: SuperNeurons' own granularity (Wang et al.,
+    PPoPP'18 §3: the peak falls toward one *layer's* working set). Many more units than
+    :func:`default_units` (ResNet-50: 126 instead of 22), so planning takes longer."""
+    return [fqn for fqn, m in model.named_modules() if fqn and not any(m.children())]
 
 
 @dataclass(frozen=True)
@@ -96,6 +131,14 @@ class UnitProfile:
         saved_bytes: storage-deduped bytes of the saved tensors packed in it.
         output_bytes: bytes of its forward's output storages (a recompute with early stop,
             as non-reentrant checkpoint does, never re-creates them).
+        input_bytes: storage bytes of its saved tensors born before its forward (what a
+            checkpoint of the unit saves, and ``recompute+offload`` sends to the host).
+        bwd_end_event: last unpack of one of its saved tensors in backward (-1: none).
+        inplace: its forward returned a tensor sharing storage with an input (an in-place
+            layer such as ``ReLU(inplace=True)``): it cannot be recomputed from its input.
+        norm_state_bytes: BatchNorm running statistics a recompute of it snapshots.
+        unsaved_input_bytes: bytes of its inputs that eager autograd does not save (e.g. a
+            dropout's input), made during the step: a checkpoint of the unit would keep them.
     """
 
     fqn: str
@@ -108,6 +151,12 @@ class UnitProfile:
     temp_peak_bytes: int
     saved_bytes: int
     output_bytes: int = 0
+    input_bytes: int = 0
+    bwd_end_event: int = -1
+    inplace: bool = False
+    norm_state_bytes: int = 0  # running statistics a recompute snapshots (memory.recompute)
+    unsaved_input_bytes: int = 0
+    in_sequential: bool = False  # a child of an ``nn.Sequential`` (segments need one)
 
 
 @dataclass(frozen=True)
@@ -135,6 +184,10 @@ class Profile:
     optimizer_births: tuple[tuple[int, int], ...]  # (birth event, bytes) of state made by step
     largest_param_bytes: int = 0
     grad_births: tuple[tuple[int, int], ...] = ()  # (birth event, bytes) of each gradient
+    model_end_event: int = -1  # last op of the model's forward (the loss follows)
+    # pinned (device -> host, host -> device) bytes/s measured with the profile (real CUDA
+    # profiles; 0: not measured, use a device preset)
+    copy_bytes_per_s: tuple[float, float] = (0.0, 0.0)
 
     @property
     def saved_bytes(self) -> int:
@@ -177,6 +230,7 @@ class Profile:
         events: Mapping[str, int],
         fake: bool,
         step_s: float,
+        copy_bytes_per_s: tuple[float, float] = (0.0, 0.0),
     ) -> Profile:
         num_events = max(tracker.event + 1, 1)
         last = num_events - 1
@@ -257,6 +311,22 @@ class Profile:
                     temp_peak_bytes=u["temp_peak"],
                     saved_bytes=sum(s.nbytes for s in storages if fqn in s.units),
                     output_bytes=int(u.get("out_bytes", 0)),
+                    input_bytes=sum(
+                        s.nbytes
+                        for s in storages
+                        if fqn in s.units and 0 < s.birth < u["fwd_start"]
+                    ),
+                    bwd_end_event=int(u.get("bwd_end", -1)),
+                    inplace=bool(u.get("inplace", False)),
+                    norm_state_bytes=int(u.get("norm_state_bytes", 0)),
+                    in_sequential=bool(u.get("in_sequential", False)),
+                    unsaved_input_bytes=sum(
+                        tracker.nbytes[sid]
+                        for sid in u.get("first_in_sids", ())
+                        if sid not in saved_sids
+                        and sid not in param_storages
+                        and tracker.births.get(sid, -1) >= 0
+                    ),
                 )
             )
         return cls(
@@ -264,6 +334,8 @@ class Profile:
             num_events=num_events,
             forward_end_event=events.get("forward_end", last),
             backward_end_event=events.get("backward_end", last),
+            model_end_event=events.get("model_end", -1),
+            copy_bytes_per_s=copy_bytes_per_s,
             step_s=step_s,
             param_bytes=totals["params"],
             grad_bytes=totals["grads"],

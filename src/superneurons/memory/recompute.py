@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-__all__ = ["RecomputeStats", "checkpointed_forward", "norm_layers"]
+__all__ = ["RecomputeStats", "checkpointed_forward", "norm_layers", "running_stat_bytes"]
 
 
 class RecomputeStats:
@@ -53,6 +53,12 @@ class RecomputeStats:
 def norm_layers(module: nn.Module) -> list[_NormBase]:
     """BatchNorm/SyncBatchNorm/InstanceNorm layers inside ``module`` that keep running stats."""
     return [m for m in module.modules() if isinstance(m, _NormBase) and m.track_running_stats]
+
+
+def running_stat_bytes(module: nn.Module) -> int:
+    """Bytes the recompute pass snapshots for ``module``'s training-mode norm layers."""
+    touched = [m for m in norm_layers(module) if m.training]
+    return sum(b.untyped_storage().nbytes() for m in touched for b in _running_buffers(m))
 
 
 @contextlib.contextmanager

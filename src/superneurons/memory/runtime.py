@@ -5,7 +5,9 @@
 non-reentrant checkpoint with BatchNorm statistics updated once
 (:mod:`superneurons.memory.recompute`, SuperNeurons §3.3); ``offload`` packs its saved
 tensors into the Unified Tensor Pool (:mod:`superneurons.memory.pool`, §3.2), which brings
-them back one unit ahead of backward. With ``plan.optimizer_in_backward`` each parameter is
+them back one unit ahead of backward; ``recompute+offload`` runs the checkpointed forward
+inside the pool, so the one tensor the checkpoint saves (its input) goes to the host and is
+prefetched one unit ahead, and the layers between checkpoints are recomputed. With ``plan.optimizer_in_backward`` each parameter is
 stepped as soon as its gradient is accumulated and the gradient is freed at once
 (``Tensor.register_post_accumulate_grad_hook``).
 
@@ -31,7 +33,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from superneurons.errors import ConfigError
-from superneurons.memory.plan import Plan
+from superneurons.memory.plan import OFFLOADING, Plan
 from superneurons.memory.pool import PoolConfig, PoolStats, TensorPool
 from superneurons.memory.recompute import RecomputeStats, checkpointed_forward
 
@@ -152,6 +154,7 @@ def apply_plan(
     units = _resolve_units(model, plan)
     order = [u.fqn for u in plan.units]  # forward order, keep units included
     previous = {b: plan.action_of(a) for a, b in zip(order, order[1:], strict=False)}
+    chained = {fqn: previous.get(fqn) in OFFLOADING for fqn in order}
     if any(getattr(m.forward, _MARK, False) for _, _, m in units):
         raise ConfigError("this model already runs a plan: remove() the first handle")
 
@@ -167,8 +170,14 @@ def apply_plan(
                 stats = handle.recompute_stats.setdefault(fqn, RecomputeStats())
                 handle._wrap(module, checkpointed_forward(module, module.forward, stats))
             elif action == "offload":
-                chained = previous.get(fqn) == "offload"
-                handle._wrap(module, _offloaded_forward(pool, module.forward, chained))
+                handle._wrap(module, _offloaded_forward(pool, module.forward, chained[fqn]))
+            elif action == "recompute+offload":
+                # the checkpoint's input goes to the pool; the previous checkpoint is
+                # prefetched once this unit's recompute has finished
+                stats = handle.recompute_stats.setdefault(fqn, RecomputeStats())
+                inner = checkpointed_forward(module, module.forward, stats)
+                forward = _offloaded_forward(pool, inner, chained[fqn], after_first_node=True)
+                handle._wrap(module, forward)
         for members in _segments(model, plan):
             _wrap_segment(handle, members)
         if plan.optimizer_in_backward:
@@ -177,10 +186,12 @@ def apply_plan(
         handle.remove()
         raise
     logger.info(
-        "plan applied: %d keep, %d offload, %d recompute units, optimizer_in_backward=%s",
+        "plan applied: %d keep, %d offload, %d recompute, %d recompute+offload units, "
+        "optimizer_in_backward=%s",
         plan.count("keep"),
         plan.count("offload"),
         plan.count("recompute"),
+        plan.count("recompute+offload"),
         plan.optimizer_in_backward,
     )
     return handle
@@ -259,10 +270,16 @@ def _passthrough(x: Any) -> Any:
 
 
 def _offloaded_forward(
-    pool: TensorPool, forward: Callable[..., Any], chained: bool
+    pool: TensorPool, forward: Callable[..., Any], chained: bool, *, after_first_node: bool = False
 ) -> Callable[..., Any]:
     """Run ``forward`` with its saved tensors packed into ``pool``; arm the prefetch (of the
-    previous unit too when it is offloaded as well: ``chained``)."""
+    previous unit too when it is offloaded as well: ``chained``).
+
+    ``after_first_node`` (recompute+offload): the previous unit's group is prefetched when
+    backward leaves this unit's output node, i.e. once the recompute that node's unpack
+    triggered is over and its transient buffers are gone, so the copy is not live during the
+    recompute's peak and still overlaps the rest of this unit's backward.
+    """
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -279,8 +296,17 @@ def _offloaded_forward(
         }
         for node in nodes:
             node.register_prehook(
-                lambda _grads, g=group: pool.backward_entered(g, previous=chained)
+                lambda _grads, g=group: pool.backward_entered(
+                    g, previous=chained and not after_first_node
+                )
             )
+            if not (chained and after_first_node):
+                continue
+            for child, _ in node.next_functions:
+                if child is not None and child not in nodes:
+                    child.register_prehook(
+                        lambda _grads, g=group: pool.backward_entered(g - 1, previous=False)
+                    )
         return out
 
     return wrapped

@@ -227,7 +227,7 @@ def _apply_budget(model: nn.Module, batch: Any, budget_bytes: int, *, loss_fn: A
     handle (kept alive for the whole run).
     """
     try:
-        from superneurons.memory.plan import make_plan
+        from superneurons.memory.planner import make_plan
         from superneurons.memory.profile import profile_step
         from superneurons.memory.runtime import apply_plan
     except ImportError as exc:

@@ -1,0 +1,113 @@
+"""Artifacts of the convergence benchmark: JSON records, a Markdown table with the targets
+checked, and the curves as a PNG (see :mod:`superneurons.bench.convergence`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from superneurons.bench.convergence import ConvergenceConfig
+
+__all__ = ["config_dict", "summary_lines", "write_artifacts"]
+
+# Targets (issue 11): a language model within 0.05 nats of dense sending >= 8x fewer bytes;
+# Fashion-MNIST: the default fft within 0.5 points of dense.
+LM_MAX_DELTA_NATS = 0.05
+LM_MIN_RATIO = 8.0
+FMNIST_MAX_LOSS_POINTS = 0.5
+
+
+def config_dict(config: ConvergenceConfig) -> dict[str, Any]:
+    return asdict(config)
+
+
+_COLUMNS = (
+    "task",
+    "model",
+    "codec",
+    "steps",
+    "metric",
+    "final_metric",
+    "delta_vs_dense",
+    "ratio_vs_dense",
+    "wall_s",
+)
+
+
+def summary_lines(records: Sequence[dict[str, Any]]) -> list[str]:
+    """Each target vs the measurement: fft on Fashion-MNIST within 0.5 points of dense; on the
+    language model, every scheme's gap to dense and its byte ratio (target: <= 0.05 nats at
+    >= 8x fewer bytes)."""
+    lines = []
+    for record in records:
+        delta = record.get("delta_vs_dense")
+        if delta is None or record["codec"] == "dense":
+            continue
+        if record["task"] == "fashion-mnist" and record["codec"] == "fft":
+            verdict = "met" if delta >= -FMNIST_MAX_LOSS_POINTS else "NOT met"
+            lines.append(
+                f"- fashion-mnist: fft {record['final_metric']:.2f}% vs dense "
+                f"{record['final_metric'] - delta:.2f}% ({delta:+.2f} points; target >= "
+                f"-{FMNIST_MAX_LOSS_POINTS}: {verdict})"
+            )
+        if record["task"] == "shakespeare":
+            ratio = record.get("ratio_vs_dense") or 0.0
+            ok = delta <= LM_MAX_DELTA_NATS and ratio >= LM_MIN_RATIO
+            lines.append(
+                f"- shakespeare: {record['codec']} {record['final_metric']:.3f} nats "
+                f"({delta:+.3f} vs dense) at {ratio:.1f}x fewer bytes; target <= "
+                f"+{LM_MAX_DELTA_NATS} at >= {LM_MIN_RATIO:.0f}x: {'met' if ok else 'NOT met'}"
+            )
+    return lines
+
+
+def write_artifacts(
+    records: Sequence[dict[str, Any]], out_dir: Path, config: ConvergenceConfig
+) -> list[Path]:
+    """DIR/convergence.json, DIR/convergence.md (table + target) and DIR/convergence.png."""
+    from superneurons.bench.artifacts import markdown_table, pyplot, write_json, write_markdown
+
+    paths = [write_json(out_dir / "convergence.json", records, config=config_dict(config))]
+    tasks = "; ".join(
+        f"{t.task}: {t.model} {t.model_kwargs or ''}, "
+        + (f"{t.steps} steps" if t.steps else f"{t.epochs} epoch(s)")
+        + f", batch {t.batch_size}/rank, {t.optimizer} lr {t.lr}"
+        + (f", first {t.train_limit} training samples" if t.train_limit else "")
+        for t in config.tasks
+    )
+    body = (
+        f"{config.nproc} gloo ranks on loopback, one thread each; every codec through "
+        "`register_compression` with its defaults (error feedback on); `adam-momentum[...]:C` "
+        "and `adam-update[...]:C` through `CompressedAdamW` (1-bit-Adam momentum after a "
+        "warm-up, or local AdamW updates, averaged by codec C with error feedback); same "
+        "initial weights and data order. "
+        f"{tasks}. `final_metric`: test accuracy in % (Fashion-MNIST, full "
+        "test set) or validation cross-entropy in nats/char (Shakespeare, lower is better); "
+        "`delta_vs_dense`: final_metric minus dense's; `ratio_vs_dense`: dense fp32 bytes / "
+        "bytes this rank sent, over the whole run (warm-up included).\n\n"
+        + markdown_table(records, _COLUMNS)
+        + "\n## Target\n\n"
+        + ("\n".join(summary_lines(records)) or "(fft on fashion-mnist not measured)")
+        + "\n"
+    )
+    paths.append(write_markdown(out_dir / "convergence.md", "Convergence benchmark", body))
+    plt = pyplot()
+    tasks_seen = list(dict.fromkeys(r["task"] for r in records))
+    fig, axes = plt.subplots(1, len(tasks_seen), figsize=(6 * len(tasks_seen), 4.5), squeeze=False)
+    for ax, task in zip(axes[0], tasks_seen, strict=True):
+        for record in (r for r in records if r["task"] == task):
+            steps = [point[0] for point in record["curve"]]
+            values = [point[1] for point in record["curve"]]
+            ax.plot(steps, values, marker="o", ms=3, label=record["codec"])
+        ax.set_title(task)
+        ax.set_xlabel("step")
+        ax.set_ylabel("test accuracy (%)" if task == "fashion-mnist" else "val loss (nats/char)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "convergence.png", dpi=120)
+    plt.close(fig)
+    paths.append(out_dir / "convergence.png")
+    return paths

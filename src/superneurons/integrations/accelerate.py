@@ -1,0 +1,197 @@
+"""Hugging Face Accelerate: both halves after ``accelerator.prepare``.
+
+::
+
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    setup = prepare_superneurons(
+        accelerator, model, compression="fft:theta=0.9,bits=8",
+        sample_batch=next(iter(loader)), budget_fraction=0.6, optimizer=optimizer,
+    )
+    ...  # the ordinary loop: accelerator.backward(model(**batch).loss), optimizer.step()
+    setup.remove()
+
+``prepare`` wraps the model in ``DistributedDataParallel`` (multi-process CPU or GPU). Before
+the first backward, :func:`prepare_superneurons`
+
+1. plans memory (:func:`~superneurons.integrations.hf.plan_for_batch`: one profiled step of
+   ``model(**batch).loss`` on a copy, SuperNeurons' keep / offload / recompute per block, Wang
+   et al. PPoPP'18) on rank 0 and broadcasts the plan, so every rank runs the same one
+   (measured step times differ across ranks, and so could cost-aware choices), then applies it
+   to the unwrapped model with ``use_cache`` off;
+2. registers gradient compression on the DDP model
+   (:func:`~superneurons.compress.register_compression`, Wang et al. HPDC'20 and the baselines;
+   a collective that checks every rank is configured alike).
+
+Accelerate's own ``DistributedDataParallelKwargs(comm_hook=...)`` registers a PyTorch hook at
+``prepare``; a DDP model takes one hook only, so combining both is refused. FSDP and DeepSpeed
+do their own gradient reduction: compression is refused there too.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from contextlib import ExitStack
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from superneurons.compress import CompressionState, register_compression
+from superneurons.errors import ConfigError
+from superneurons.integrations.hf import plan_for_batch, training_without_kv_cache
+from superneurons.memory import Plan, PlanHandle, apply_plan
+
+__all__ = ["SuperNeuronsSetup", "prepare_superneurons"]
+
+logger = logging.getLogger("superneurons.integrations")
+
+
+class SuperNeuronsSetup:
+    """What :func:`prepare_superneurons` installed; :meth:`remove` undoes the memory plan.
+
+    Attributes:
+        compression: the comm hook's state (counters such as ``bytes_sent_total`` and
+            ``dense_bytes_step``, ``state_dict()`` for checkpoints), or None.
+        plan: the memory plan every rank runs (fqns relative to the unwrapped model), or None.
+        plan_handle: the applied plan (pool and recompute statistics), or None.
+    """
+
+    def __init__(self) -> None:
+        self.compression: CompressionState | None = None
+        self.plan: Plan | None = None
+        self.plan_handle: PlanHandle | None = None
+        self._undo = ExitStack()
+
+    def remove(self) -> None:
+        """Restore the model's forwards and ``use_cache`` (the comm hook stays: DDP has no way
+        to unregister one). Idempotent."""
+        self._undo.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The compression state (error-feedback residuals, step) and the plan, for checkpoints."""
+        return {
+            "compression": self.compression.state_dict() if self.compression else None,
+            "plan": self.plan.to_dict() if self.plan else None,
+        }
+
+
+def prepare_superneurons(
+    accelerator: Any,
+    model: nn.Module,
+    *,
+    compression: Any = None,
+    sample_batch: Mapping[str, Any] | None = None,
+    budget_bytes: int | None = None,
+    budget_fraction: float | None = None,
+    optimizer: Any = None,
+    strategy: str = "auto",
+    **compression_options: Any,
+) -> SuperNeuronsSetup:
+    """Apply a memory plan and gradient compression to a model ``accelerator.prepare`` returned.
+
+    Collective when the run has several processes: every rank calls it, before the first
+    backward.
+
+    Args:
+        accelerator: the ``accelerate.Accelerator`` that prepared ``model``.
+        model: the prepared model (``DistributedDataParallel`` with several processes).
+        compression: a codec spec (``"fft:theta=0.9,bits=8"``, ``"topk:ratio=0.01"``,
+            ``"torch-fp16"``) or codec object; None: no compression.
+        sample_batch: one real training batch (with labels) to profile; with a budget.
+        budget_bytes, budget_fraction: the device-memory budget (see
+            :func:`~superneurons.integrations.hf.plan_for_batch`); neither: no memory plan.
+        optimizer: the (prepared) optimizer, so its state counts in the profiled peak.
+        strategy: the planner's strategy (``auto`` by default).
+        compression_options: ``register_compression`` options (``error_feedback``,
+            ``warmup_steps``, ``theta_schedule``, ``seed``).
+
+    Raises:
+        ConfigError: compression without DDP (FSDP, DeepSpeed) or besides accelerate's own
+            comm hook; a budget without ``sample_batch``; and the errors of the two verbs.
+    """
+    budget_given = budget_bytes is not None or budget_fraction is not None
+    if budget_given and sample_batch is None:
+        raise ConfigError("a memory budget needs sample_batch=: one real batch to profile")
+    ddp = _find_ddp(model)
+    if compression is not None:
+        _check_can_compress(accelerator, ddp)
+    setup = SuperNeuronsSetup()
+    inner = _uncompiled(ddp.module if ddp is not None else model)
+    if budget_given:
+        batch: Mapping[str, Any] = sample_batch or {}
+        setup.plan = _planned_on_rank_zero(
+            lambda: plan_for_batch(
+                inner,
+                batch,
+                budget_bytes=budget_bytes,
+                budget_fraction=budget_fraction,
+                optimizer=optimizer,
+                strategy=strategy,
+            )
+        )
+        setup._undo.enter_context(training_without_kv_cache(inner))
+        setup.plan_handle = setup._undo.enter_context(apply_plan(inner, setup.plan))
+    if compression is not None and ddp is not None:
+        setup.compression = register_compression(ddp, compression, **compression_options)
+    return setup
+
+
+def _find_ddp(model: nn.Module) -> DistributedDataParallel | None:
+    """The DDP module inside ``model`` (it may sit under ``torch.compile``'s wrapper)."""
+    model = _uncompiled(model)
+    return model if isinstance(model, DistributedDataParallel) else None
+
+
+def _uncompiled(model: nn.Module) -> nn.Module:
+    """``model`` without ``torch.compile``'s ``OptimizedModule`` wrappers (``_orig_mod``)."""
+    while isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        model = model._orig_mod  # type: ignore[assignment]
+    return model
+
+
+def _check_can_compress(accelerator: Any, ddp: DistributedDataParallel | None) -> None:
+    kind = str(getattr(accelerator, "distributed_type", "")).rsplit(".", 1)[-1].upper()
+    if kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA"):
+        raise ConfigError(
+            f"gradient compression hooks into DDP; accelerate is running {kind}, which reduces "
+            "gradients itself: use multi-process DDP (the default of `accelerate launch`)"
+        )
+    if ddp is None:
+        if getattr(accelerator, "num_processes", 1) > 1:
+            raise ConfigError(
+                "the model is not DistributedDataParallel: pass the model accelerator.prepare "
+                "returned"
+            )
+        logger.info("one process: no gradients to average, compression is not installed")
+        return
+    handler = getattr(accelerator, "ddp_handler", None)
+    hook = getattr(handler, "comm_hook", None)
+    if hook is not None and str(getattr(hook, "value", hook)).lower() != "no":
+        raise ConfigError(
+            f"accelerate already registered DDP comm hook {hook}; a DDP model takes one hook: "
+            "drop comm_hook from DistributedDataParallelKwargs, or pass compression='torch-fp16'"
+        )
+
+
+def _planned_on_rank_zero(make: Callable[[], Plan]) -> Plan:
+    """``make()`` on rank 0, its plan (or its error) on every rank; local without a group."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return make()
+    box: list[Any] = [None]
+    error: BaseException | None = None
+    if dist.get_rank() == 0:
+        try:
+            box = [make().to_json()]
+        except Exception as exc:  # tell the other ranks instead of leaving them waiting
+            error, box = exc, [f"error: {exc}"]
+    # NOTE: broadcast_object_list sends a pickled byte tensor, on the device the backend wants.
+    dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
+    text = box[0]
+    assert isinstance(text, str)
+    if text.startswith("error: "):
+        raise ConfigError(f"rank 0 could not plan: {text[len('error: ') :]}")
+    return Plan.from_json(text)

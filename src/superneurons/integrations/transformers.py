@@ -1,0 +1,181 @@
+"""Hugging Face ``transformers.Trainer``: a memory plan and gradient compression as a callback.
+
+::
+
+    trainer = Trainer(model=model, args=TrainingArguments(..., ddp_backend="gloo"), ...)
+    callback = SuperNeuronsCallback(trainer, compression="fft:theta=0.9,bits=8",
+                                    budget_fraction=0.6)
+    trainer.add_callback(callback)
+    trainer.train()
+    callback.setup.compression.bytes_sent_total  # what the hook put on the wire
+
+Where the seam is (read from transformers 5.x ``Trainer._inner_training_loop``): the model is
+wrapped in ``DistributedDataParallel`` by ``accelerator.prepare`` inside ``train()``, kept as
+``trainer.model_wrapped``, and only then ``on_train_begin`` runs, before the first forward.
+Callbacks are not handed the wrapped model, so this one holds the trainer. At
+``on_train_begin`` it calls :func:`~superneurons.integrations.accelerate.prepare_superneurons`
+on ``trainer.accelerator`` and ``trainer.model_wrapped``: the plan is profiled on one real
+batch (``sample_batch``, by default the first ``per_device_train_batch_size`` examples of the
+train set through the trainer's collator) and the comm hook is registered before the first
+backward. ``on_train_end`` restores the model's forwards and ``use_cache``. ``on_save`` writes
+each rank's compression state (error-feedback residuals, step) into the checkpoint folder;
+resuming from ``<output_dir>/checkpoint-N`` loads it back.
+
+The profile runs forward and backward on a copy of the model; the random-number state is
+restored afterwards, so dropout masks and the data order of training are the same as
+without the callback. HF's own ``gradient_checkpointing=True`` checkpoints every block
+already; do not combine it with a memory plan (the callback refuses), the plan decides
+per block.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from superneurons.errors import ConfigError
+from superneurons.integrations.accelerate import SuperNeuronsSetup, prepare_superneurons
+
+__all__ = ["SuperNeuronsCallback"]
+
+logger = logging.getLogger("superneurons.integrations")
+
+
+class SuperNeuronsCallback(TrainerCallback):  # type: ignore[misc]
+    """A ``TrainerCallback`` applying a memory plan and DDP gradient compression.
+
+    Args:
+        trainer: the ``transformers.Trainer`` it is added to.
+        compression: a codec spec (``"fft:theta=0.9,bits=8"``, ``"torch-fp16"``, ...) or None.
+        budget_bytes, budget_fraction: device-memory budget of a training step (bytes, or a
+            fraction of the profiled eager peak); neither: no memory plan.
+        sample_batch: the batch to profile (a dict of model inputs with labels); default: the
+            first examples of ``trainer.train_dataset`` through ``trainer.data_collator``.
+        strategy: the planner's strategy (``auto``).
+        compression_options: ``register_compression`` options (``error_feedback``, ...).
+
+    Attributes:
+        setup: the :class:`~superneurons.integrations.accelerate.SuperNeuronsSetup` installed at
+            ``on_train_begin`` (compression counters, the plan), or None before.
+    """
+
+    def __init__(
+        self,
+        trainer: Any,
+        *,
+        compression: Any = None,
+        budget_bytes: int | None = None,
+        budget_fraction: float | None = None,
+        sample_batch: Mapping[str, Any] | None = None,
+        strategy: str = "auto",
+        **compression_options: Any,
+    ) -> None:
+        if getattr(trainer, "accelerator", None) is None:
+            raise ConfigError(
+                "SuperNeuronsCallback needs a transformers.Trainer (with .accelerator)"
+            )
+        self.trainer = trainer
+        self.compression = compression
+        self.budget_bytes = budget_bytes
+        self.budget_fraction = budget_fraction
+        self.sample_batch = sample_batch
+        self.strategy = strategy
+        self.compression_options = compression_options
+        self.setup: SuperNeuronsSetup | None = None
+        self._hooked_model: Any = None
+        if self._wants_plan and getattr(trainer.args, "gradient_checkpointing", False):
+            raise ConfigError(
+                "gradient_checkpointing=True already recomputes every block; a memory plan "
+                "decides per block: set gradient_checkpointing=False or drop the budget"
+            )
+
+    @property
+    def _wants_plan(self) -> bool:
+        return self.budget_bytes is not None or self.budget_fraction is not None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self.trainer
+        batch = None
+        device = torch.device(args.device)
+        previous = self.setup
+        # A second train() keeps the DDP model, which takes one comm hook: keep the first.
+        hooked = previous is not None and previous.compression is not None
+        hooked = hooked and trainer.model_wrapped is self._hooked_model
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            if self._wants_plan:
+                batch = _to_device(self.sample_batch or _first_batch(trainer), device)
+            self.setup = prepare_superneurons(
+                trainer.accelerator,
+                trainer.model_wrapped,
+                compression=None if hooked else self.compression,
+                sample_batch=batch,
+                budget_bytes=self.budget_bytes,
+                budget_fraction=self.budget_fraction,
+                optimizer=trainer.optimizer,
+                strategy=self.strategy,
+                **self.compression_options,
+            )
+        if hooked:
+            assert previous is not None
+            self.setup.compression = previous.compression
+        elif self.setup.compression is not None and state.global_step > 0:
+            self._resume(args, state)
+        self._hooked_model = trainer.model_wrapped
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Write this rank's compression state (error-feedback residuals, step, counters) into
+        the checkpoint Trainer just wrote, next to its per-rank RNG state."""
+        if self.setup is None or self.setup.compression is None:
+            return
+        path = _state_path(args, state.global_step)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(self.setup.compression.state_dict(), path)
+
+    def _resume(self, args: Any, state: Any) -> None:
+        """Trainer resumed at ``state.global_step``: load what :meth:`on_save` wrote there."""
+        assert self.setup is not None and self.setup.compression is not None
+        path = _state_path(args, state.global_step)
+        if not path.is_file():
+            logger.warning(
+                "resumed at step %d but %s does not exist: compression restarts its state "
+                "(error-feedback residuals at zero)",
+                state.global_step,
+                path,
+            )
+            return
+        self.setup.compression.load_state_dict(torch.load(path, weights_only=False))
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.setup is not None:
+            self.setup.remove()
+
+
+def _state_path(args: Any, global_step: int) -> Path:
+    """Where the compression state of this rank lives in Trainer's checkpoint folder."""
+    folder = Path(args.output_dir) / f"checkpoint-{global_step}"
+    return folder / f"superneurons-compression-rank{args.process_index}.pt"
+
+
+def _first_batch(trainer: Any) -> Mapping[str, Any]:
+    """The first ``per_device_train_batch_size`` training examples, collated as Trainer does."""
+    dataset = trainer.train_dataset
+    size = int(trainer.args.per_device_train_batch_size)
+    try:
+        examples = [dataset[i] for i in range(min(size, len(dataset)))]
+    except TypeError:
+        raise ConfigError(
+            "the train dataset has no len()/indexing (an IterableDataset?): pass sample_batch="
+        ) from None
+    batch = trainer.data_collator(examples)
+    if not isinstance(batch, Mapping):
+        raise ConfigError("the data collator does not return a dict: pass sample_batch=")
+    return batch
+
+
+def _to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

@@ -1,0 +1,76 @@
+"""The host side of the Unified Tensor Pool: one preallocated byte buffer and a bump allocator.
+
+SuperNeurons (Wang et al., PPoPP'18 §3.2) preallocates the pool so no step pays for malloc/free;
+on CUDA the buffer is pinned, so copies run asynchronously on a side stream.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from superneurons.bytesize import format_bytes
+
+__all__ = ["HostSlab"]
+
+logger = logging.getLogger("superneurons.memory")
+
+_ALIGN_BYTES = 512  # slot alignment in the slab: keeps every dtype view aligned for DMA
+
+
+class HostSlab:
+    """A bump allocator over one preallocated (pinned on CUDA) byte buffer, reset when empty."""
+
+    def __init__(self, capacity_bytes: int, *, pinned: bool, device: str = "cpu") -> None:
+        self.pinned = pinned
+        self.device = device  # "meta" under simulation: no bytes behind the buffer
+        self.buffer = self._allocate(capacity_bytes)
+        self.offset = 0
+        self.live_bytes = 0
+        self.live_slots = 0
+        self.peak_aligned_bytes = 0  # most aligned bytes live at once, over all buffers
+        self._aligned_live = 0
+
+    def _allocate(self, capacity_bytes: int) -> torch.Tensor:
+        if self.device == "meta":
+            return torch.empty(capacity_bytes, dtype=torch.uint8, device="meta")
+        return torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return int(self.buffer.numel())
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        need = _aligned(nbytes)
+        if self.live_slots == 0:
+            self.offset = 0
+        if self.offset + need > self.capacity_bytes:
+            grown = max(2 * self.capacity_bytes, self.offset + need, 1 << 20)
+            sizes = format_bytes(self.capacity_bytes), format_bytes(grown)
+            logger.info("host pool slab too small (%s): growing to %s", *sizes)
+            # NOTE: slots already handed out keep the old buffer alive through their views;
+            # it is freed once they are released.
+            self.buffer = self._allocate(grown)
+            self.offset = 0
+        view = self.buffer[self.offset : self.offset + nbytes]
+        self.offset += need
+        self.live_bytes += nbytes
+        self.live_slots += 1
+        self._aligned_live += need
+        self.peak_aligned_bytes = max(self.peak_aligned_bytes, self._aligned_live)
+        return view
+
+    def give_back(self, nbytes: int) -> None:
+        self.live_bytes -= nbytes
+        self.live_slots -= 1
+        self._aligned_live -= _aligned(nbytes)
+        if self.live_slots == 0 and self.capacity_bytes < self.peak_aligned_bytes:
+            # The step that just ended spread over several buffers after growing: take one
+            # buffer that holds it all now, between steps, so the next step allocates nothing.
+            self.buffer = self._allocate(self.peak_aligned_bytes)
+            self.offset = 0
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES  # round up

@@ -1,0 +1,238 @@
+"""What each candidate codec costs on this device: seconds per byte, bits per element, error.
+
+The selection (:mod:`.select`) needs, per candidate, the compute it adds (encode before the
+collective, decode after it), the bytes it puts on the wire, and how much it distorts the
+gradient. Espresso (Z. Wang, H. Lin, Y. Zhu, T. S. E. Ng, "Hi-Speed DNN Training with
+Espresso: Unleashing the Full Potential of Gradient Compression with Near-Optimal Usage
+Strategies", EuroSys'23) shows these must be measured on the deployment's device: the same
+codec is compute-bound on one machine and free on another.
+
+Candidates are spec strings (``"dense"``, ``"fp16"``, ``"powersgd:rank=4"``,
+``"topk:ratio=0.01"``, ...), parsed at the edge by :func:`candidate_codecs` through the one
+spec grammar, so codecs added to ``compress.spec.CODECS`` (e.g. ``adaptive``) plug in.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from superneurons.compress.codec import Codec
+from superneurons.compress.powersgd import PowerSGD, orthogonalize_, parse_powersgd
+from superneurons.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_CANDIDATES",
+    "DENSE",
+    "CodecCost",
+    "candidate_codecs",
+    "measure_codecs",
+]
+
+logger = logging.getLogger("superneurons.strategy")
+
+# NOTE: a few densities per family, not a sweep: the selection is per bucket, and each
+# candidate costs one encode/decode measurement at registration.
+DEFAULT_CANDIDATES: tuple[str, ...] = (
+    "dense",
+    "fp16",
+    "bf16",
+    "powersgd:rank=1",
+    "powersgd:rank=4",
+    "topk:ratio=0.1",
+    "topk:ratio=0.01",
+    "qsgd",
+)
+
+# PowerSGD's error on its first step (random Q) is far above its steady state, where Q is
+# warm-started from the previous step (Vogels et al. 2019, §3): a few power iterations on the
+# sample stand in for that warm start.
+_POWERSGD_WARM_ITERS = 3
+
+
+@dataclass(frozen=True)
+class CodecCost:
+    """One candidate codec measured on this device (see :func:`measure_codecs`).
+
+    ``collectives`` is the number of collective calls per bucket (PowerSGD: 2 all-reduces),
+    each paying the link's latency α.
+    """
+
+    spec: str
+    summable: bool
+    encode_s_per_byte: float
+    decode_s_per_byte: float
+    bits_per_element: float
+    rel_error: float
+    collectives: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("encode_s_per_byte", "decode_s_per_byte", "bits_per_element", "rel_error"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not value >= 0.0 or math.isinf(value):
+                raise ConfigError(f"CodecCost.{name} must be a finite number >= 0, got {value!r}")
+        if self.collectives < 1:
+            raise ConfigError(f"CodecCost.collectives must be >= 1, got {self.collectives}")
+
+    def payload_bytes(self, numel: int) -> int:
+        """Bytes one rank sends for a bucket of ``numel`` fp32 elements."""
+        return math.ceil(self.bits_per_element * numel / 8)
+
+
+# Plain fp32 all-reduce: nothing to encode, 32 bits, exact.
+DENSE = CodecCost("dense", True, 0.0, 0.0, 32.0, 0.0)
+
+
+def candidate_codecs(specs: Sequence[str]) -> list[Codec | PowerSGD]:
+    """Spec strings -> codec objects (``"dense"`` is left out: it is :data:`DENSE`).
+
+    Raises:
+        ConfigError: an unknown name or a bad option (the spec grammar's own message).
+    """
+    from superneurons.compress.spec import parse_spec
+
+    out: list[Codec | PowerSGD] = []
+    for spec in specs:
+        if spec.strip().lower() == "dense":
+            continue
+        low_rank = parse_powersgd(spec)
+        out.append(low_rank if low_rank is not None else parse_spec(spec))
+    return out
+
+
+def _timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    """Median seconds of ``fn`` after one warm-up call. CUDA work is timed by events on the
+    current stream (waiting on the end event only, never a device-wide synchronize)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(float(start.elapsed_time(end)) / 1e3)
+        else:
+            begin = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - begin)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _rel_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    norm = float(exact.norm())
+    return float((approx - exact).norm()) / norm if norm > 0 else 0.0
+
+
+def _as_matrix(sample: torch.Tensor) -> torch.Tensor:
+    """A 2-D view of the sample for PowerSGD: as given if 2-D, else a near-square matrix of
+    its first ``n·m`` elements (a flat sample carries no layer shape)."""
+    if sample.dim() >= 2:
+        return sample.reshape(sample.shape[0], -1)
+    n = max(1, math.isqrt(sample.numel()))
+    return sample[: n * (sample.numel() // n)].reshape(n, -1)
+
+
+def _measure_powersgd(config: PowerSGD, sample: torch.Tensor, repeats: int) -> CodecCost:
+    matrix = _as_matrix(sample.float())  # (n, m)
+    n, m = matrix.shape
+    input_bytes = matrix.numel() * 4
+    r = min(config.rank, n, m)
+    gen = torch.Generator().manual_seed(0)
+    q0 = torch.randn(m, r, generator=gen).to(matrix.device)
+
+    def encode() -> torch.Tensor:  # P = M Q, orthogonalise, Q = Mᵀ P̂ (both local products)
+        p_hat = orthogonalize_(matrix @ q0)
+        return matrix.t() @ p_hat
+
+    def decode() -> torch.Tensor:
+        return orthogonalize_(matrix @ q0) @ q0.t()  # P̂ Qᵀ: the same shapes as the decode
+
+    q = q0
+    for _ in range(_POWERSGD_WARM_ITERS):
+        p_hat = orthogonalize_(matrix @ q)
+        q = matrix.t() @ p_hat
+    approx = p_hat @ q.t()
+    compressed = config.matrix_shape((n, m)) is not None
+    return CodecCost(
+        spec=config.spec,
+        summable=True,
+        encode_s_per_byte=_timed(encode, matrix.device, repeats) / input_bytes,
+        decode_s_per_byte=_timed(decode, matrix.device, repeats) / input_bytes,
+        bits_per_element=(r * (n + m) * 32 / (n * m)) if compressed else 32.0,
+        rel_error=_rel_error(approx, matrix) if compressed else 0.0,
+        collectives=2,
+    )
+
+
+def _measure_codec(codec: Codec, flat: torch.Tensor, repeats: int, world_size: int) -> CodecCost:
+    gen = torch.Generator(device=flat.device).manual_seed(0)
+    payload = codec.encode(flat, generator=gen)
+    receive = [payload] if codec.summable else [payload] * world_size
+
+    def encode() -> object:
+        return codec.encode(flat, generator=gen)
+
+    def decode() -> object:
+        return codec.decode_sum(receive)
+
+    input_bytes = flat.numel() * 4
+    return CodecCost(
+        spec=codec.spec,
+        summable=codec.summable,
+        encode_s_per_byte=_timed(encode, flat.device, repeats) / input_bytes,
+        decode_s_per_byte=_timed(decode, flat.device, repeats) / (input_bytes * len(receive)),
+        bits_per_element=codec.payload_bytes(flat.numel()) * 8 / flat.numel(),
+        rel_error=_rel_error(codec.decode(payload), flat),
+    )
+
+
+def measure_codecs(
+    codecs: Sequence[Codec | PowerSGD],
+    sample: torch.Tensor,
+    *,
+    repeats: int = 3,
+    world_size: int = 2,
+) -> list[CodecCost]:
+    """Measure every codec on ``sample`` (a real gradient, on the device training runs on).
+
+    * ``encode_s_per_byte``: median encode time / the sample's fp32 bytes;
+    * ``decode_s_per_byte``: median ``decode_sum`` time of ``world_size`` payloads / (bytes ·
+      ``world_size``) for gathered codecs (the receiver decodes one payload per rank),
+      ``decode`` time / bytes for summable ones;
+    * ``bits_per_element``: ``payload_bytes(numel) · 8 / numel`` at the sample's size;
+    * ``rel_error``: ``‖decode(encode(g)) − g‖ / ‖g‖`` once (no error feedback).
+
+    A codec that raises on this device is logged and left out.
+
+    :data:`DENSE` is always first in the result. The measurement is local; to make ranks
+    agree, measure on rank 0 and broadcast, or agree by an all-reduce MAX of the times.
+    """
+    if not isinstance(sample, torch.Tensor) or not sample.is_floating_point():
+        raise ConfigError("measure_codecs needs a floating-point sample gradient")
+    if sample.numel() < 16:
+        raise ConfigError(f"the sample gradient is too small to time ({sample.numel()} elements)")
+    if repeats < 1 or world_size < 1:
+        raise ConfigError("measure_codecs: repeats >= 1 and world_size >= 1")
+    flat = sample.detach().reshape(-1).float()
+    costs = [DENSE]
+    for codec in codecs:
+        try:
+            if isinstance(codec, PowerSGD):
+                costs.append(_measure_powersgd(codec, sample.detach(), repeats))
+            else:
+                costs.append(_measure_codec(codec, flat, repeats, world_size))
+        except (RuntimeError, ConfigError) as exc:
+            # NOTE: a codec that cannot run here (e.g. a CPU-only decode on CUDA, CONTEXT §5)
+            # is not a candidate; the others still are.
+            logger.warning("strategy: candidate %s skipped: %s", codec.spec, exc)
+    return costs

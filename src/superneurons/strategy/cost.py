@@ -1,0 +1,110 @@
+"""Predicted step time of a per-bucket codec choice: how much communication backward hides.
+
+Data-parallel backward produces gradient buckets one after another; each bucket's collective
+can run while backward computes the rest (wait-free backpropagation, Poseidon: Zhang et al.,
+ATC'17). What costs time is only the communication still running when backward ends: the
+*exposed* part. Compressing a bucket whose all-reduce is already hidden buys nothing and
+costs its encode; compressing the bucket that is ready last pays most (Espresso, EuroSys'23).
+
+The timeline (pure arithmetic over measured numbers, see :func:`predicted_step_s`):
+
+* one compute resource runs backward and the hook's encodes/decodes in turn: the hook runs
+  inside backward (CPU) or on the backward stream (CUDA), so an encode delays every bucket
+  ready after it and backward's end by its own duration;
+* one link carries the buckets' collectives in the order they are encoded; a bucket's
+  collective starts at ``max(ready + encode delays, link free)`` and takes the network
+  model's time for its payload (all-reduce when summable, all-gather otherwise), plus one
+  latency α per extra collective (PowerSGD: two);
+* decodes run on the compute resource after backward, in the order the collectives end;
+* the step ends when backward, the last collective and the last decode are all done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from superneurons.errors import ConfigError
+from superneurons.strategy.codecs import CodecCost
+from superneurons.strategy.netmodel import NetworkModel
+
+__all__ = ["BucketTiming", "bucket_key", "predicted_step_s"]
+
+
+def bucket_key(params: Sequence[str]) -> str:
+    """Stable bucket signature: the sorted parameter names joined by ``","``.
+
+    NOTE: not DDP's bucket index, which changes when DDP rebuilds its buckets after the first
+    step and again after a resume.
+    """
+    return ",".join(sorted(params))
+
+
+@dataclass(frozen=True)
+class BucketTiming:
+    """One gradient bucket as measured during dense steps.
+
+    ``ready_s``: seconds after backward started when the bucket was handed to the hook.
+    """
+
+    key: str
+    params: tuple[str, ...]
+    numel: int
+    ready_s: float
+
+    def __post_init__(self) -> None:
+        if self.numel < 1:
+            raise ConfigError(f"bucket {self.key!r}: numel must be >= 1, got {self.numel}")
+        if not self.ready_s >= 0.0:
+            raise ConfigError(f"bucket {self.key!r}: ready_s must be >= 0, got {self.ready_s}")
+        object.__setattr__(self, "params", tuple(self.params))
+
+
+def _comm_s(cost: CodecCost, numel: int, network: NetworkModel) -> float:
+    """Wire seconds of one bucket under ``cost`` (summable: all-reduce; else all-gather)."""
+    link = network.all_reduce if cost.summable else network.all_gather
+    return link.time_s(cost.payload_bytes(numel)) + (cost.collectives - 1) * link.alpha_s
+
+
+def _decode_s(cost: CodecCost, numel: int, world_size: int) -> float:
+    """Decode seconds: gathered codecs decode one payload per rank."""
+    payloads = 1 if cost.summable else world_size
+    return cost.decode_s_per_byte * 4 * numel * payloads
+
+
+def predicted_step_s(
+    buckets: Sequence[BucketTiming],
+    choices: Mapping[str, CodecCost],
+    *,
+    backward_s: float,
+    network: NetworkModel,
+) -> float:
+    """Seconds from backward's start until every bucket is averaged (see the module docstring).
+
+    Args:
+        buckets: the buckets with their measured ready times (any order).
+        choices: bucket key -> the chosen candidate's measured cost.
+        backward_s: seconds backward computes (measured with dense, hook overhead excluded).
+        network: the fitted all-reduce/all-gather lines.
+
+    Raises:
+        ConfigError: a bucket without a choice, or a negative ``backward_s``.
+    """
+    if not backward_s >= 0.0:
+        raise ConfigError(f"backward_s must be >= 0, got {backward_s}")
+    missing = [b.key for b in buckets if b.key not in choices]
+    if missing:
+        raise ConfigError(f"no codec chosen for bucket(s) {missing}")
+    delay_s = 0.0  # encode time inserted into backward so far
+    link_free_s = 0.0
+    comm_ends: list[tuple[float, float]] = []  # (collective end, decode seconds)
+    for bucket in sorted(buckets, key=lambda b: (b.ready_s, b.key)):
+        cost = choices[bucket.key]
+        delay_s += cost.encode_s_per_byte * 4 * bucket.numel
+        start_s = max(bucket.ready_s + delay_s, link_free_s)
+        link_free_s = start_s + _comm_s(cost, bucket.numel, network)
+        comm_ends.append((link_free_s, _decode_s(cost, bucket.numel, network.world_size)))
+    compute_free_s = backward_s + delay_s
+    for end_s, decode_s in sorted(comm_ends):
+        compute_free_s = max(compute_free_s, end_s) + decode_s
+    return max(compute_free_s, link_free_s)

@@ -1,0 +1,212 @@
+"""The network as two α-β lines: how long one all-reduce / all-gather of ``nbytes`` takes.
+
+Hockney's model (R. W. Hockney, "The communication challenge for MPP: Intel Paragon and Meiko
+CS-2", Parallel Computing 20, 1994): one message of ``n`` bytes costs ``T(n) = α + β·n``, a
+fixed latency plus a per-byte time. Collectives keep that form per call for a fixed world
+size P (Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication Operations in
+MPICH", IJHPCA 2005): a ring all-reduce of ``S`` bytes per rank moves ``2(P−1)/P·S`` bytes per
+rank, an all-gather of ``S`` bytes per rank moves ``(P−1)·S``. So compression that must be
+all-gathered (its payloads differ in support per rank) pays only when its ratio ``CR > P/2``.
+
+We do not trust those constants: :func:`measure_network` times both collectives on the real
+process group at a few sizes and :func:`fit_link` fits α and β by least squares.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from superneurons.errors import ConfigError
+
+__all__ = ["LinkModel", "NetworkModel", "fit_link", "measure_network", "ring_network"]
+
+NETWORK_MODEL_VERSION = 1
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """``T(nbytes) = alpha_s + beta_s_per_byte * nbytes`` (Hockney α-β), per collective call."""
+
+    alpha_s: float
+    beta_s_per_byte: float
+
+    def __post_init__(self) -> None:
+        for name in ("alpha_s", "beta_s_per_byte"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not value >= 0.0 or value == float("inf"):
+                raise ConfigError(f"LinkModel.{name} must be a finite number >= 0, got {value!r}")
+
+    def time_s(self, nbytes: int) -> float:
+        """Seconds one call with ``nbytes`` (per rank) takes; 0 bytes cost nothing (no call)."""
+        if nbytes < 0:
+            raise ConfigError(f"nbytes must be >= 0, got {nbytes}")
+        return 0.0 if nbytes == 0 else self.alpha_s + self.beta_s_per_byte * nbytes
+
+
+@dataclass(frozen=True)
+class NetworkModel:
+    """The two collectives the DDP hook issues, fitted on one process group of ``world_size``.
+
+    ``all_reduce.time_s(n)``: one all-reduce of ``n`` bytes of input per rank;
+    ``all_gather.time_s(n)``: one all-gather where every rank sends ``n`` bytes.
+    """
+
+    world_size: int
+    all_reduce: LinkModel
+    all_gather: LinkModel
+
+    def __post_init__(self) -> None:
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int):
+            raise ConfigError(f"world_size must be an integer, got {self.world_size!r}")
+        if self.world_size < 1:
+            raise ConfigError(f"world_size must be >= 1, got {self.world_size}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": NETWORK_MODEL_VERSION,
+            "world_size": self.world_size,
+            "all_reduce": {
+                "alpha_s": self.all_reduce.alpha_s,
+                "beta_s_per_byte": self.all_reduce.beta_s_per_byte,
+            },
+            "all_gather": {
+                "alpha_s": self.all_gather.alpha_s,
+                "beta_s_per_byte": self.all_gather.beta_s_per_byte,
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> NetworkModel:
+        version = d.get("version", NETWORK_MODEL_VERSION)
+        if version != NETWORK_MODEL_VERSION:
+            raise ConfigError(
+                f"NetworkModel version {version!r} is not supported (expected "
+                f"{NETWORK_MODEL_VERSION}); measure the network again"
+            )
+        try:
+            return cls(
+                world_size=int(d["world_size"]),
+                all_reduce=LinkModel(**d["all_reduce"]),
+                all_gather=LinkModel(**d["all_gather"]),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ConfigError(f"malformed NetworkModel dict: {exc}") from None
+
+
+def ring_network(world_size: int, *, alpha_s: float, bandwidth_bytes_per_s: float) -> NetworkModel:
+    """The textbook ring model (Thakur et al. 2005) of a link of ``bandwidth_bytes_per_s``:
+    all-reduce moves ``2(P−1)/P`` bytes per input byte, all-gather ``P−1`` per sent byte.
+    For planning without measurements and for hand-checkable tests."""
+    if bandwidth_bytes_per_s <= 0:
+        raise ConfigError(f"bandwidth_bytes_per_s must be > 0, got {bandwidth_bytes_per_s}")
+    p = world_size
+    per_byte = 1.0 / bandwidth_bytes_per_s
+    return NetworkModel(
+        world_size=p,
+        all_reduce=LinkModel(alpha_s, 2.0 * (p - 1) / p * per_byte),
+        all_gather=LinkModel(alpha_s, (p - 1) * per_byte),
+    )
+
+
+def fit_link(sizes_bytes: Sequence[int], times_s: Sequence[float]) -> LinkModel:
+    """Least-squares ``T = α + β·n`` through the points, with α, β ≥ 0.
+
+    When the unconstrained fit gives a negative coefficient (noise on tiny sizes), the best
+    fit with that coefficient at 0 is used instead (the constrained optimum lies on that edge).
+    """
+    if len(sizes_bytes) != len(times_s) or not sizes_bytes:
+        raise ConfigError("fit_link needs as many times as sizes, at least one of each")
+    xs = [float(x) for x in sizes_bytes]
+    ys = [float(y) for y in times_s]
+    if any(x < 0 for x in xs) or any(not y >= 0 for y in ys):
+        raise ConfigError("fit_link: sizes and times must be >= 0")
+    n = len(xs)
+    mean_x, mean_y = sum(xs) / n, sum(ys) / n
+    var_x = sum((x - mean_x) ** 2 for x in xs)
+    if var_x == 0.0:  # one distinct size: no slope can be told from latency
+        return LinkModel(0.0, mean_y / mean_x) if mean_x > 0 else LinkModel(mean_y, 0.0)
+    beta = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / var_x
+    alpha = mean_y - beta * mean_x
+    if beta < 0.0:
+        return LinkModel(mean_y, 0.0)
+    if alpha < 0.0:
+        sxx = sum(x * x for x in xs)
+        return LinkModel(0.0, sum(x * y for x, y in zip(xs, ys, strict=True)) / sxx)
+    return LinkModel(alpha, beta)
+
+
+def _time_call(fn: Callable[[], None], device: torch.device) -> float:
+    """Seconds one blocking collective takes. On CUDA the collective is enqueued on the
+    current stream, so it is timed by events (waiting on the end event, never a device-wide
+    synchronize); elsewhere by the wall clock around the blocking call."""
+    if device.type == "cuda":
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return float(start.elapsed_time(end)) / 1e3
+    begin = time.perf_counter()
+    fn()
+    return time.perf_counter() - begin
+
+
+def _collective(
+    kind: str, nbytes: int, world: int, device: torch.device, group: dist.ProcessGroup | None
+) -> Callable[[], None]:
+    """One blocking call of ``kind`` with ``nbytes`` of input per rank."""
+    if kind == "all_reduce":
+        buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+
+        def all_reduce() -> None:
+            dist.all_reduce(buf, group=group)
+
+        return all_reduce
+    send = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    recv = torch.empty(nbytes * world, dtype=torch.uint8, device=device)
+
+    def all_gather() -> None:
+        dist.all_gather_into_tensor(recv, send, group=group)
+
+    return all_gather
+
+
+def measure_network(
+    group: dist.ProcessGroup | None = None,
+    *,
+    device: torch.device,
+    sizes_bytes: Sequence[int] = (2**12, 2**18, 2**22),
+    repeats: int = 3,
+) -> NetworkModel:
+    """Fit α-β lines for all-reduce and all-gather on ``group`` (collective: every rank calls it).
+
+    Each size is run once to warm up, then ``repeats`` times; the median per size enters the
+    fit. Every rank's medians are agreed by an all-reduce MAX (a collective ends when its
+    slowest rank does), so every rank returns the same model.
+    """
+    if repeats < 1 or not sizes_bytes or any(s < 4 for s in sizes_bytes):
+        raise ConfigError("measure_network: repeats >= 1 and every size >= 4 bytes")
+    world = dist.get_world_size(group)
+    medians: list[float] = []
+    for kind in ("all_reduce", "all_gather"):
+        for nbytes in sizes_bytes:
+            call = _collective(kind, nbytes, world, device, group)
+            call()  # warm-up: connection set-up and allocator growth are not the link
+            medians.append(statistics.median(_time_call(call, device) for _ in range(repeats)))
+    agreed = torch.tensor(medians, dtype=torch.float64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    times = [float(t) for t in agreed.cpu()]
+    k = len(sizes_bytes)
+    return NetworkModel(
+        world_size=world,
+        all_reduce=fit_link(sizes_bytes, times[:k]),
+        all_gather=fit_link(sizes_bytes, times[k:]),
+    )

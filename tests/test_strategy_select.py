@@ -1,0 +1,113 @@
+"""Per-bucket selection: hand-computed cases (fast link, slow link, last bucket first)."""
+
+from __future__ import annotations
+
+import pytest
+
+from superneurons.errors import ConfigError
+from superneurons.strategy import (
+    DENSE,
+    Assignment,
+    BucketTiming,
+    CodecCost,
+    predicted_step_s,
+    ring_network,
+    select,
+)
+
+# 10M-element buckets (40 MB fp32); codec times in seconds per input fp32 byte.
+# fp16: 0.5 ms encode and decode per bucket; top-k 1%: 20 ms encode, 8 ms decode (2 payloads).
+NUMEL = 10_000_000
+FP16 = CodecCost("fp16", True, 1.25e-11, 1.25e-11, 16.0, 1e-3)
+TOPK = CodecCost("topk:ratio=0.01", False, 5e-10, 1e-10, 0.64, 0.3)
+NOISY = CodecCost("noisy", False, 1e-11, 1e-11, 0.1, 0.9)
+CANDIDATES = [DENSE, FP16, TOPK, NOISY]
+
+
+def _buckets() -> list[BucketTiming]:
+    return [
+        BucketTiming("late", ("head.weight",), NUMEL, ready_s=0.5),
+        BucketTiming("early", ("body.weight", "body.bias"), NUMEL, ready_s=0.1),
+    ]
+
+
+def test_fast_link_picks_dense() -> None:
+    # 100 GB/s: 40 MB all-reduce ~0.4 ms, hidden under backward, so compressing only costs.
+    net = ring_network(2, alpha_s=1e-5, bandwidth_bytes_per_s=1e11)
+    result = select(_buckets(), CANDIDATES, backward_s=0.5, network=net)
+    assert set(result.choices.values()) == {"dense"}
+    assert result.predicted_step_s == result.dense_step_s
+    assert result.reason.startswith("dense")
+
+
+def test_slow_link_picks_compression() -> None:
+    # 100 Mbit/s: a 40 MB all-reduce takes 3.2 s; top-k moves 0.8 MB per rank in 64 ms.
+    net = ring_network(2, alpha_s=1e-4, bandwidth_bytes_per_s=1.25e7)
+    result = select(_buckets(), CANDIDATES, backward_s=0.5, network=net)
+    assert set(result.choices.values()) == {TOPK.spec}
+    assert result.predicted_step_s < 0.2 * result.dense_step_s
+    assert result.params == {
+        "head.weight": TOPK.spec,
+        "body.weight": TOPK.spec,
+        "body.bias": TOPK.spec,
+    }
+
+
+def test_bucket_ready_last_is_compressed_first() -> None:
+    # 10 GB/s: each dense all-reduce takes 4 ms. The early bucket's hides under the 0.4 s of
+    # backward left after it; the late one's is exposed, so only it is worth fp16.
+    net = ring_network(2, alpha_s=0.0, bandwidth_bytes_per_s=1e10)
+    result = select(_buckets(), CANDIDATES, backward_s=0.5, network=net, min_gain=0.001)
+    assert result.choices == {"late": "fp16", "early": "dense"}
+    dense_s = predicted_step_s(
+        _buckets(), {"late": DENSE, "early": DENSE}, backward_s=0.5, network=net
+    )
+    assert dense_s == pytest.approx(0.504)
+    # late: encoded 0.5005, sent 0.5005-0.5025, decoded 0.5025-0.503
+    assert result.predicted_step_s == pytest.approx(0.503)
+
+
+def test_error_budget_is_respected() -> None:
+    # A slow link where the 1-bit codec would be fastest; it is over the budget.
+    net = ring_network(2, alpha_s=1e-4, bandwidth_bytes_per_s=1.25e6)
+    result = select(_buckets(), CANDIDATES, backward_s=0.5, network=net, max_rel_error=0.5)
+    assert NOISY.spec not in result.choices.values()
+    loose = select(_buckets(), CANDIDATES, backward_s=0.5, network=net, max_rel_error=1.0)
+    assert NOISY.spec in loose.choices.values()
+    only_dense = select(_buckets(), CANDIDATES, backward_s=0.5, network=net, max_rel_error=0.0)
+    assert set(only_dense.choices.values()) == {"dense"}
+
+
+def test_never_predicts_slower_than_dense() -> None:
+    for bandwidth in (1e6, 1e7, 1e8, 1e9, 1e10, 1e11):
+        net = ring_network(2, alpha_s=1e-4, bandwidth_bytes_per_s=bandwidth)
+        result = select(_buckets(), CANDIDATES, backward_s=0.3, network=net)
+        assert result.predicted_step_s <= result.dense_step_s
+
+
+def test_dense_is_added_when_missing_and_select_is_deterministic() -> None:
+    net = ring_network(2, alpha_s=1e-4, bandwidth_bytes_per_s=1.25e7)
+    first = select(_buckets(), [TOPK], backward_s=0.5, network=net)
+    again = select(list(reversed(_buckets())), [TOPK], backward_s=0.5, network=net)
+    assert first.choices == again.choices and first.predicted_step_s == again.predicted_step_s
+
+
+def test_assignment_json_round_trip() -> None:
+    net = ring_network(2, alpha_s=1e-4, bandwidth_bytes_per_s=1.25e7)
+    result = select(_buckets(), CANDIDATES, backward_s=0.5, network=net)
+    back = Assignment.from_json(result.to_json())
+    assert back == result
+    assert back.to_json() == result.to_json()
+    with pytest.raises(ConfigError, match="version"):
+        Assignment.from_json(result.to_json().replace('"version": 1', '"version": 2'))
+    with pytest.raises(ConfigError, match="malformed"):
+        Assignment.from_json("{}")
+
+
+def test_bad_inputs_are_config_errors() -> None:
+    net = ring_network(2, alpha_s=0.0, bandwidth_bytes_per_s=1e9)
+    with pytest.raises(ConfigError, match="at least one bucket"):
+        select([], CANDIDATES, backward_s=0.1, network=net)
+    twice = [BucketTiming("k", ("a",), 10, 0.0), BucketTiming("k", ("b",), 10, 0.0)]
+    with pytest.raises(ConfigError, match="unique"):
+        select(twice, CANDIDATES, backward_s=0.1, network=net)
