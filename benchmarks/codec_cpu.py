@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from superneurons.compress.torch_hooks import resolve_spec
+from superneurons.compress.spec import parse_spec
 from superneurons.models import build_model, default_loss, model_input
 
 BUCKET_ELEMENTS = 25 * 2**20 // 4  # DDP's default bucket_cap_mb=25, fp32
@@ -38,7 +38,7 @@ def main() -> None:
     print(f"params {numel} compute step cpu {compute_s:.3f}s")
     sizes = [min(BUCKET_ELEMENTS, numel - s) for s in range(0, numel, BUCKET_ELEMENTS)]
     for spec in ("fft", "topk", "qsgd", "terngrad", "signsgd"):
-        codec = resolve_spec(spec)
+        codec = parse_spec(spec)
         encode_s = decode_s = 0.0
         for size in sizes:
             grad = torch.randn(size) * 1e-3

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from superneurons.compress.hook import register_compression
+from superneurons.compress import ErrorFeedback, Warmup, parse_spec, register_compression
 from superneurons.train.rank import init_distributed
 
 
@@ -36,7 +36,8 @@ def main() -> None:
     torch.manual_seed(0)  # identical initial weights on every rank
     model = placement.module(nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 10)))
     ddp = DistributedDataParallel(model)
-    state = register_compression(ddp, args.compress, warmup_steps=5)  # the one extra line
+    # the one extra line: the codec with 5 dense warm-up steps and error feedback
+    state = register_compression(ddp, ErrorFeedback(Warmup(parse_spec(args.compress), steps=5)))
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
 
     data = torch.Generator().manual_seed(rank)  # each rank sees its own data

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from superneurons.compress import (
-    ErrorFeedback,
     FFTCodec,
     Fp16Codec,
     QSGDCodec,
+    Residuals,
     SignSGDCodec,
     TopKCodec,
     feedback_step,
@@ -78,7 +78,7 @@ def test_non_finite_step_keeps_the_old_residual() -> None:
 def test_residual_size_mismatch_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="reset"):
         feedback_step(TopKCodec(), torch.randn(10), torch.zeros(11))
-    ef = ErrorFeedback(TopKCodec(ratio=0.5))
+    ef = Residuals(TopKCodec(ratio=0.5))
     ef.step("w", torch.randn(10))
     with pytest.raises(ConfigError, match="reset"):
         ef.step_flat(["w", "b"], [11, 2], torch.randn(13))
@@ -100,7 +100,7 @@ def test_step_flat_keys_residuals_by_name_across_bucket_rebuilds() -> None:
     whatever the grouping; a bucket-level step equals the per-bucket pure step."""
     codec = TopKCodec(ratio=0.2)
     grads = {"a": torch.randn(30), "b": torch.randn(50), "c": torch.randn(20)}
-    ef = ErrorFeedback(codec)
+    ef = Residuals(codec)
     flat = join_flat([grads["a"], grads["b"], grads["c"]])
     payload = ef.step_flat(["a", "b", "c"], [30, 50, 20], flat)
     reference_payload, reference_residual = feedback_step(codec, flat, None)
@@ -120,7 +120,7 @@ def test_step_flat_keys_residuals_by_name_across_bucket_rebuilds() -> None:
 def test_state_dict_round_trip_gives_an_identical_continuation() -> None:
     codec = QSGDCodec(levels=2, bucket=16)
     grads = [torch.randn(64) for _ in range(6)]
-    original = ErrorFeedback(codec)
+    original = Residuals(codec)
     gen = torch.Generator().manual_seed(0)
     for grad in grads[:3]:
         original.step("layer.weight", grad, generator=gen)
@@ -129,7 +129,7 @@ def test_state_dict_round_trip_gives_an_identical_continuation() -> None:
     buffer = io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
-    resumed = ErrorFeedback(codec)
+    resumed = Residuals(codec)
     resumed.load_state_dict(torch.load(buffer))
     gen_state = gen.get_state()
     gen_resumed = torch.Generator()
@@ -149,11 +149,11 @@ def test_state_dict_round_trip_gives_an_identical_continuation() -> None:
 )
 def test_load_state_dict_rejects_garbage(bad: dict[object, object]) -> None:
     with pytest.raises(ConfigError, match="load_state_dict"):
-        ErrorFeedback(TopKCodec()).load_state_dict(bad)  # type: ignore[arg-type]
+        Residuals(TopKCodec()).load_state_dict(bad)  # type: ignore[arg-type]
 
 
 def test_codec_may_change_between_steps() -> None:
-    ef = ErrorFeedback(TopKCodec(ratio=0.1))
+    ef = Residuals(TopKCodec(ratio=0.1))
     ef.step("w", torch.randn(100))
     before = ef.residual("w").clone()  # type: ignore[union-attr]
     ef.step("w", torch.zeros(100), codec=TopKCodec(ratio=1.0))  # lossless: flushes the residual

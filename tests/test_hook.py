@@ -77,7 +77,7 @@ def _identity_vs_plain(rank: int, world_size: int) -> tuple[list[torch.Tensor], 
     assert state.step == 4 and state.bytes_sent_step == state.dense_bytes_step
     # dense warm-up: the first steps of a lossy codec are plain averaging
     plain_short, warm = _ddp(_TINY_BUCKET_MB), _ddp(_TINY_BUCKET_MB)
-    warm_state = register_compression(warm, "fft:theta=0.9,bits=8", warmup_steps=2)
+    warm_state = register_compression(warm, "warmup(steps=2,fft:theta=0.9,bits=8)")
     _train(plain_short, rank, 2)
     _train(warm, rank, 2)
     assert warm_state.step == 2 and not warm_state.residuals
@@ -105,17 +105,18 @@ _LOSSY: list[Any] = [
 
 
 def _lossy_runs(rank: int, world_size: int) -> list[tuple[str, list[torch.Tensor], int, int]]:
+    from superneurons.compress import Warmup, parse_spec
+    from superneurons.compress.compose import with_defaults
     from superneurons.compress.hook import register_compression
 
     out = []
     for codec in _LOSSY:
         model = _ddp(_TINY_BUCKET_MB)
-        state = register_compression(model, codec, warmup_steps=1)
+        base = parse_spec(codec) if isinstance(codec, str) else codec
+        state = register_compression(model, with_defaults(Warmup(base, steps=1)))
         for _ in range(2):  # repeated runs over many buckets: no collective mismatch
             _train(model, rank, 3, start=state.step)
-        out.append(
-            (state.options.spec, _params(model), state.bytes_sent_step, state.dense_bytes_step)
-        )
+        out.append((state.spec, _params(model), state.bytes_sent_step, state.dense_bytes_step))
     return out
 
 
@@ -227,9 +228,7 @@ def _nan_policy(rank: int, world_size: int) -> list[tuple[str, bool, bool, bool,
             bool(torch.isfinite(q).all()) for q in state.powersgd.q_by_name.values()
         )
         params_finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
-        out.append(
-            (state.options.spec, nonfinite_everywhere, residuals_finite, q_finite, params_finite)
-        )
+        out.append((state.spec, nonfinite_everywhere, residuals_finite, q_finite, params_finite))
     return out
 
 
@@ -241,13 +240,15 @@ def test_nan_gradient_is_nonfinite_on_all_ranks_and_state_stays_clean(ranks: Ran
 
 
 def _theta_runs(rank: int, world_size: int) -> list[tuple[list[torch.Tensor], float | None]]:
+    from superneurons.compress import ErrorFeedback, Scheduled, parse_spec
     from superneurons.compress.hook import register_compression
     from superneurons.compress.schedule import DiminishingTheta, ErrorBudgetTheta
 
     out = []
     for schedule in [DiminishingTheta(start=0.99, floor=0.9, steps=4), ErrorBudgetTheta(0.3)]:
         model = _ddp(_TINY_BUCKET_MB)
-        state = register_compression(model, "fft:theta=0.9,bits=8", theta_schedule=schedule)
+        fft = parse_spec("fft:theta=0.9,bits=8")
+        state = register_compression(model, ErrorFeedback(Scheduled(fft, schedule)))
         _train(model, rank, 5)
         out.append((_params(model), state.last_theta))
     return out
@@ -266,12 +267,13 @@ def test_theta_schedules_agree_across_ranks(ranks: Ranks) -> None:
 
 
 def _bad_schedule(rank: int, world_size: int) -> str:
+    from superneurons.compress import QSGDCodec, Scheduled
     from superneurons.compress.hook import register_compression
     from superneurons.compress.schedule import ConstantTheta
     from superneurons.errors import ConfigError
 
     try:
-        register_compression(_ddp(), "qsgd", theta_schedule=ConstantTheta(0.9))
+        register_compression(_ddp(), Scheduled(QSGDCodec(), ConstantTheta(0.9)))
     except ConfigError as exc:
         return str(exc)
     return ""

@@ -8,14 +8,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from superneurons.compress.anchors import TorchDense, TorchPowerSGD
 from superneurons.compress.powersgd import (
     PowerSGD,
     PowerSGDState,
     orthogonalize_,
-    parse_powersgd,
     powersgd_reduce,
 )
-from superneurons.compress.torch_hooks import TorchAnchor, parse_anchor, resolve_spec
+from superneurons.compress.spec import parse_spec
 from superneurons.errors import ConfigError
 
 
@@ -41,14 +41,13 @@ def test_which_tensors_are_compressed() -> None:
 
 
 def test_spec_parsing_and_errors() -> None:
-    assert parse_powersgd("powersgd:rank=2") == PowerSGD(rank=2)
-    assert parse_powersgd("fft:theta=0.9") is None
-    assert parse_anchor("torch-powersgd:rank=8") == TorchAnchor("torch-powersgd", 8)
-    assert isinstance(resolve_spec("dense"), TorchAnchor)
-    assert resolve_spec("powersgd").spec == "powersgd:rank=4"
+    assert parse_spec("powersgd:rank=2") == PowerSGD(rank=2)
+    assert parse_spec("torch-powersgd:rank=8") == TorchPowerSGD(rank=8)
+    assert isinstance(parse_spec("dense"), TorchDense)
+    assert str(parse_spec("powersgd")) == "powersgd:rank=4"
     for bad in ["powersgd:rank=0", "powersgd:r=2", "powersgd:rank=x", "torch-fp16:rank=2", " "]:
         with pytest.raises(ConfigError):
-            resolve_spec(bad)
+            parse_spec(bad)
 
 
 def _reduce(

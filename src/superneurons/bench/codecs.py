@@ -44,7 +44,7 @@ from superneurons.bench.artifacts import markdown_table, pyplot, write_json, wri
 from superneurons.bench.gradients import DDP_BUCKET_BYTES, GradientCapture, bucket_bounds
 from superneurons.compress.codec import Codec
 from superneurons.compress.feedback import feedback_step
-from superneurons.compress.spec import parse_spec
+from superneurons.compress.spec import parse_codec as parse_spec
 from superneurons.errors import ConfigError
 
 __all__ = [

@@ -308,10 +308,16 @@ def _setup(
         return opt, opt
     state = None
     if spec != "dense":
+        from superneurons.compress import Scheduled, parse_spec
+        from superneurons.compress.compose import with_defaults
         from superneurons.compress.hook import register_compression
 
-        theta = _theta_schedule(schedule, total) if schedule is not None else None
-        state = register_compression(ddp, spec, seed=seed, theta_schedule=theta)
+        compression = with_defaults(parse_spec(spec))
+        if schedule is not None:
+            compression = with_defaults(
+                Scheduled(parse_spec(spec), _theta_schedule(schedule, total))
+            )
+        state = register_compression(ddp, compression, seed=seed)
     if task.optimizer == "sgd":
         return state, torch.optim.SGD(ddp.parameters(), lr=task.lr, momentum=0.9)
     return state, torch.optim.AdamW(ddp.parameters(), lr=task.lr, weight_decay=decay)

@@ -13,8 +13,12 @@ Why compression may not pay (Wang et al., HPDC'20 report 2.26x for FFT over Infi
 ``2 (P-1)/P S`` for a ring all-reduce, so gathering wins only when ``CR > P/2``; and on one
 CPU core per rank the encode/decode time can exceed the wire time it saves at 1 Gbit/s.
 
-``shaping=False`` runs the ranks on loopback in the host namespace (no root needed): the
-numbers then measure codec cost, not a network.
+A bandwidth of ``None`` (``--bandwidth loopback``) runs the ranks on loopback in the host
+namespace, unshaped, next to the shaped links of the same run; ``shaping=False`` runs every
+setting that way (no root needed): the numbers then measure codec cost, not a network.
+
+``auto`` (:mod:`superneurons.compress.auto`) is one more codec here; its worker extends the
+untimed warm-up until its first decision is made, so the timed steps measure the decision.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ ALL_CODECS: tuple[str, ...] = (
     "terngrad",
     "signsgd",
     "powersgd:rank=4",
+    "auto",
 )
 # FC-heavy: 30.0M parameters, 97% in the FC head (a big gradient, a cheap step); the conv model
 # is a narrow ResNet-18 for 28x28x1 inputs, where convolutions dominate compute.
@@ -95,8 +100,6 @@ class NetworkBenchConfig:
             raise ConfigError(f"--nproc must be >= 2 (a network needs two ranks), got {self.nproc}")
         if not self.bandwidths_bit_s:
             raise ConfigError("give at least one bandwidth, e.g. --bandwidth 100mbit")
-        if self.shaping and None in self.bandwidths_bit_s:
-            raise ConfigError("every shaped bandwidth needs a rate (e.g. 100mbit)")
         if not self.codecs or not self.models:
             raise ConfigError("give at least one codec and one model")
         if self.steps < 1 or self.warmup_steps < 0 or self.compute_steps < 0:
@@ -113,14 +116,14 @@ _TORCH_ONLY = ("dense", "torch-fp16", "torch-powersgd")
 def check_codec(codec: str) -> None:
     """Fail before starting any rank if ``codec`` is not a spec the hook understands."""
     try:
-        from superneurons.compress.torch_hooks import resolve_spec
+        from superneurons.compress.spec import parse_spec
     except ImportError:  # no compression subsystem: the worker uses torch's hooks directly
         if codec.partition(":")[0] not in _TORCH_ONLY:
             raise ConfigError(
                 f"codec {codec!r} needs superneurons.compress; available: {_TORCH_ONLY}"
             ) from None
         return
-    resolve_spec(codec)
+    parse_spec(codec)
 
 
 @dataclass(frozen=True)
@@ -142,7 +145,7 @@ class _Link:
 
 @contextmanager
 def _link(config: NetworkBenchConfig, rate_bit_s: int | None, say: Progress) -> Iterator[_Link]:
-    if not config.shaping:
+    if not config.shaping or rate_bit_s is None:  # loopback, unshaped
         yield _Link(None, None)
         return
     with network_namespaces(config.nproc, rate_bit_s=rate_bit_s) as topology:

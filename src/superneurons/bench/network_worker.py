@@ -265,7 +265,12 @@ def _run_codec(
         x, y = next(batches)
         first_loss = float(loss_fn(model(x), y).item())
     no_sync: Callable[[], None] = lambda: None  # noqa: E731
-    _timed_steps(ddp, optimizer, batches, config.warmup_steps, loss_fn=loss_fn, sync=no_sync)
+    auto = getattr(state, "auto", None)
+    # NOTE: auto observes dense steps, then decides: time it once it has decided.
+    warmup = (
+        max(config.warmup_steps, auto.decide_step + 1) if auto is not None else config.warmup_steps
+    )
+    _timed_steps(ddp, optimizer, batches, warmup, loss_fn=loss_fn, sync=no_sync)
     before = _bytes_counter(state)
     step_s, cpu_s, last_loss = _timed_steps(
         ddp, optimizer, batches, config.steps, loss_fn=loss_fn, sync=dist.barrier
@@ -280,7 +285,7 @@ def _run_codec(
         "model": config.model,
         "codec": codec,
         "batch_size": config.batch_size,
-        "warmup_steps": config.warmup_steps,
+        "warmup_steps": warmup,
         "steps": config.steps,
         "mean_step_s": step_s,
         "cpu_step_s": cpu_s,
@@ -289,6 +294,7 @@ def _run_codec(
         "ddp_bucket_cap_mb": bucket_cap_mb or 25,
         "first_loss": first_loss,
         "last_loss": last_loss,
+        **({"sync_assignment": state.summary()["sync_assignment"]} if auto is not None else {}),
     }
 
 

@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--bandwidth",
         default="100mbit,1gbit",
-        help="comma-separated link rates (tc syntax: 10mbit, 100mbit, 1gbit); default %(default)s",
+        help="comma-separated link rates (tc syntax: 10mbit, 100mbit, 1gbit) or 'loopback' "
+        "(unshaped, host namespace); default %(default)s",
     )
     parser.add_argument("--nproc", type=int, default=2, help="ranks, one namespace each")
     parser.add_argument(
@@ -88,7 +89,11 @@ def _config(args: argparse.Namespace) -> NetworkBenchConfig:
     if args.no_shaping:
         bandwidths: tuple[int | None, ...] = (None,)
     else:
-        bandwidths = tuple(parse_rate(text) for text in args.bandwidth.split(",") if text.strip())
+        bandwidths = tuple(
+            None if text.strip().lower() == "loopback" else parse_rate(text.strip())
+            for text in args.bandwidth.split(",")
+            if text.strip()
+        )
     steps = args.steps if args.steps is not None else (3 if args.quick else 5)
     return NetworkBenchConfig(
         bandwidths_bit_s=bandwidths,

@@ -91,7 +91,7 @@ def _say_backend(nproc: int, backend: str, *, first: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from superneurons.compress.torch_hooks import resolve_spec
+    from superneurons.compress.compose import compose
     from superneurons.train.launch import Launch, run_torchrun, under_torchrun
     from superneurons.train.task import check_task
 
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     )
     # Validate here, before any rank starts: bad input is one line, never a rank traceback.
     check_task(config.model, config.data)
-    resolve_spec(config.compress)
+    compose(config.compress, error_feedback=config.error_feedback, warmup_steps=config.warmup_steps)
     _check_data(config)
     if config.resume and not (Path(config.out_dir) / "checkpoint" / "rank0.pt").exists():
         raise ConfigError(f"--resume: no checkpoint in {config.out_dir}/checkpoint")

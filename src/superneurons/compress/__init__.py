@@ -9,26 +9,38 @@ the rest are the baselines it is compared against. Importing this package starts
 from __future__ import annotations
 
 from superneurons.compress.adaptive import AdaptiveCodec
+from superneurons.compress.anchors import TorchDense, TorchFp16, TorchPowerSGD
+from superneurons.compress.auto import Auto
 from superneurons.compress.cast import Bf16Codec, Fp16Codec, IdentityCodec
 from superneurons.compress.codec import Codec, Payload, check_gradient, sum_of_decodes
 from superneurons.compress.compacttopk import CompactTopKCodec
+from superneurons.compress.compose import Compression, compose
 from superneurons.compress.deferred import DeferredCompression, deferred_compression_hook
-from superneurons.compress.feedback import ErrorFeedback, feedback_step, join_flat, split_flat
+from superneurons.compress.feedback import (
+    ErrorFeedback,
+    Residuals,
+    feedback_step,
+    join_flat,
+    split_flat,
+)
 from superneurons.compress.fft import FFTCodec
 from superneurons.compress.hook import CompressionState, register_compression
 from superneurons.compress.powersgd import PowerSGD
 from superneurons.compress.qsgd import QSGDCodec
 from superneurons.compress.rangefloat import RangeFloatCodec
+from superneurons.compress.rowsparse import RowSparse
 from superneurons.compress.schedule import (
     ConstantTheta,
     DiminishingTheta,
     ErrorBudgetTheta,
+    Scheduled,
     ScheduleState,
+    Warmup,
     sparsification_error,
     with_theta,
 )
 from superneurons.compress.sign import SignSGDCodec
-from superneurons.compress.spec import CODECS, describe_codecs, parse_spec
+from superneurons.compress.spec import CODECS, SPECS, describe_codecs, parse_spec
 from superneurons.compress.terngrad import TernGradCodec
 from superneurons.compress.topk import TopKCodec
 
@@ -53,12 +65,25 @@ __all__ = [
     "SignSGDCodec",
     "TernGradCodec",
     "TopKCodec",
-    # spec strings
+    # PyTorch's own reductions (anchors) and the per-bucket choice
+    "Auto",
+    "TorchDense",
+    "TorchFp16",
+    "TorchPowerSGD",
+    # spec strings: one grammar, one table
     "CODECS",
+    "SPECS",
     "describe_codecs",
     "parse_spec",
-    # error feedback
+    # wrappers the hook consumes, and the CLI flags as one object
+    "Compression",
     "ErrorFeedback",
+    "RowSparse",
+    "Scheduled",
+    "Warmup",
+    "compose",
+    # error feedback state
+    "Residuals",
     "feedback_step",
     "join_flat",
     "split_flat",

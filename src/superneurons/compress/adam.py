@@ -94,7 +94,7 @@ def parse_optimizer_spec(text: str) -> OptimizerSpec | None:
     match = _OPTIMIZER_SPEC.match(text.strip())
     if match is None:
         return None
-    from superneurons.compress.spec import parse_spec
+    from superneurons.compress.spec import parse_codec as parse_spec
 
     mode, options, codec = match.groups()
     warmup, wire, clip = 0, None, None

@@ -107,6 +107,9 @@ class AdaptiveCodec:
         if self.scope not in SCOPES:
             raise ConfigError(f"{self.NAME}: scope={self.scope!r} is unknown; use {list(SCOPES)}")
 
+    def __str__(self) -> str:  # the spec string, so str(parse_spec(s)) round-trips
+        return self.spec
+
     @property
     def spec(self) -> str:
         return (

@@ -59,6 +59,9 @@ class _CastCodec:
     NAME: ClassVar[str]
     WIRE_DTYPE: ClassVar[torch.dtype]
 
+    def __str__(self) -> str:  # the spec string, so str(parse_spec(s)) round-trips
+        return self.spec
+
     @property
     def spec(self) -> str:
         return self.NAME

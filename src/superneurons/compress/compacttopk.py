@@ -84,6 +84,9 @@ class CompactTopKCodec:
         check_bits(self.bits, owner=self.NAME)
         check_select_index(self.select, self.index, owner=self.NAME)
 
+    def __str__(self) -> str:  # the spec string, so str(parse_spec(s)) round-trips
+        return self.spec
+
     @property
     def spec(self) -> str:
         return (

@@ -19,14 +19,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from superneurons.compress.anchors import TorchDense, TorchFp16, TorchPowerSGD
+from superneurons.compress.compose import Compression, unwrap
 from superneurons.compress.hook import (
-    _check_config_across_ranks,
-    _compression_hook,
     build_state,
-    resolve_codec,
+    check_config_across_ranks,
+    compression_hook,
+    resolve,
 )
 from superneurons.compress.hookstate import CompressionState
-from superneurons.compress.torch_hooks import TorchAnchor, as_comm_hook
+from superneurons.compress.torch_hooks import as_comm_hook
 from superneurons.errors import ConfigError
 
 __all__ = ["DeferredCompression", "deferred_compression_hook"]
@@ -37,34 +39,22 @@ class DeferredCompression:
 
     Args:
         module: the model DDP will wrap (parameter names key the error-feedback state).
-        codec_or_spec, error_feedback, warmup_steps, theta_schedule, seed: as for
-            :func:`~superneurons.compress.hook.register_compression`.
+        compression, seed: as for :func:`~superneurons.compress.hook.register_compression`.
     """
 
     def __init__(
-        self,
-        module: torch.nn.Module,
-        codec_or_spec: Any,
-        *,
-        error_feedback: bool = True,
-        warmup_steps: int = 0,
-        theta_schedule: Any = None,
-        seed: int = 0,
+        self, module: torch.nn.Module, compression: Compression | str, *, seed: int = 0
     ) -> None:
-        codec = resolve_codec(codec_or_spec, theta_schedule=theta_schedule)
-        if isinstance(codec, TorchAnchor):
+        compression = resolve(compression)
+        base = unwrap(compression).base
+        if isinstance(base, (TorchDense, TorchFp16, TorchPowerSGD)):
             raise ConfigError(
-                f"{codec.spec} is one of PyTorch's own hooks: pass it to DDP directly, "
+                f"{base.spec} is one of PyTorch's own hooks: pass it to DDP directly, "
                 "DeferredCompression is for superneurons codecs"
             )
         self.module = module
-        self._options = {
-            "error_feedback": error_feedback,
-            "warmup_steps": warmup_steps,
-            "theta_schedule": theta_schedule,
-            "seed": seed,
-        }
-        self._codec = codec
+        self._compression = compression
+        self._seed = seed
         self._pending: dict[str, Any] | None = None
         self.state: CompressionState | None = None
 
@@ -73,8 +63,10 @@ class DeferredCompression:
         if self.state is None:
             if not dist.is_initialized():
                 raise ConfigError("torch.distributed is not initialised: DDP must wrap the model")
-            state = build_state(self.module, self._codec, **self._options)
-            _check_config_across_ranks(self.module, state.options, state.world_size, None)
+            state = build_state(self.module, self._compression, seed=self._seed)
+            if state.auto is not None:
+                raise ConfigError("auto needs register_compression (it measures at registration)")
+            check_config_across_ranks(self.module, state)
             if self._pending is not None:
                 state.load_state_dict(self._pending)
                 self._pending = None
@@ -100,4 +92,4 @@ def deferred_compression_hook(
     state: DeferredCompression, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook over a :class:`DeferredCompression` (see the module docs)."""
-    return _compression_hook(state.bind(), bucket)
+    return compression_hook(state.bind(), bucket)

@@ -11,11 +11,16 @@ dropped mass, so nothing is lost, only delayed::
 
 Over K steps: sum(sent_k) + residual_K == sum(grad_k) (up to float32 rounding).
 
-The pure step is :func:`feedback_step`; :class:`ErrorFeedback` keeps residuals keyed by a
-stable string (a parameter name, never a DDP bucket index: DDP rebuilds buckets after the first
-step) with ``state_dict()``/``load_state_dict()`` so resuming from a checkpoint does not lose
-them. A DDP bucket is a flat concatenation of parameters: :meth:`ErrorFeedback.step_flat`
-splits and joins it by parameter sizes (see :func:`split_flat`, :func:`join_flat`).
+Three pieces, optax-style (configuration, pure update, explicit state):
+
+* :class:`ErrorFeedback` is the frozen *wrapper* a user composes, e.g.
+  ``ErrorFeedback(Warmup(TopKCodec(ratio=0.01), steps=100))``; the DDP hook consumes it;
+* :func:`feedback_step` is the pure step;
+* :class:`Residuals` keeps residuals keyed by a stable string (a parameter name, never a DDP
+  bucket index: DDP rebuilds buckets after the first step) with ``state_dict()``/
+  ``load_state_dict()`` so resuming from a checkpoint does not lose them. A DDP bucket is a
+  flat concatenation of parameters: :meth:`Residuals.step_flat` splits and joins it by
+  parameter sizes (see :func:`split_flat`, :func:`join_flat`).
 
 Non-finite policy: if the corrected gradient or its decode is not finite (a NaN/Inf gradient,
 an fp16 overflow), the payload is still produced (it decodes to non-finite values, so the step
@@ -28,14 +33,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
 from superneurons.compress.codec import Codec, Payload, all_finite, check_gradient
+from superneurons.compress.specced import Specced
 from superneurons.errors import ConfigError
 
-__all__ = ["ErrorFeedback", "feedback_step", "join_flat", "split_flat"]
+__all__ = ["ErrorFeedback", "Residuals", "feedback_step", "join_flat", "split_flat"]
 
 logger = logging.getLogger("superneurons.compress")
 
@@ -61,7 +68,7 @@ def feedback_step(
         if residual.numel() != flat.numel():
             raise ConfigError(
                 f"error feedback: residual has {residual.numel()} elements but the gradient "
-                f"has {flat.numel()}; the model changed shape, call ErrorFeedback.reset()"
+                f"has {flat.numel()}; the model changed shape, call Residuals.reset()"
             )
         previous = residual.reshape(-1).to(device=flat.device, dtype=torch.float32)
     corrected = flat + previous
@@ -88,7 +95,27 @@ def join_flat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([p.reshape(-1) for p in parts])
 
 
+@dataclass(frozen=True)
 class ErrorFeedback:
+    """Error feedback around ``inner`` (a codec, PowerSGD, a PyTorch anchor or another wrapper).
+
+    Spec form ``ef(INNER)``, e.g. ``ef(topk:ratio=0.01)``. The hook keeps one residual per
+    parameter name (:class:`Residuals`, in ``CompressionState``) and adds it to the next
+    gradient; for ``torch-powersgd`` it sets torch's ``use_error_feedback``.
+    """
+
+    inner: Specced
+    NAME: ClassVar[str] = "ef"
+
+    @property
+    def spec(self) -> str:
+        return f"{self.NAME}({self.inner.spec})"
+
+    def __str__(self) -> str:
+        return self.spec
+
+
+class Residuals:
     """Residuals of error feedback around ``codec``, keyed by a stable string.
 
     ``codec`` may be swapped between steps (a θ schedule does this via
@@ -101,7 +128,7 @@ class ErrorFeedback:
         self._residuals: dict[str, torch.Tensor] = {}
 
     def __repr__(self) -> str:
-        return f"ErrorFeedback({self.codec.spec}, keys={len(self._residuals)})"
+        return f"Residuals({self.codec.spec}, keys={len(self._residuals)})"
 
     def keys(self) -> list[str]:
         return list(self._residuals)
@@ -153,7 +180,7 @@ class ErrorFeedback:
             if stored is not None and stored.numel() != part.numel():
                 raise ConfigError(
                     f"error feedback: residual {key!r} has {stored.numel()} elements, the "
-                    f"parameter has {part.numel()}; call ErrorFeedback.reset()"
+                    f"parameter has {part.numel()}; call Residuals.reset()"
                 )
             previous.append(
                 stored
@@ -182,14 +209,14 @@ class ErrorFeedback:
         """
         if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
             raise ConfigError(
-                f"ErrorFeedback.load_state_dict: expected a state_dict with version "
+                f"Residuals.load_state_dict: expected a state_dict with version "
                 f"{_STATE_VERSION}, got {state.get('version') if isinstance(state, Mapping) else state!r}"
             )
         residuals = state.get("residuals")
         if not isinstance(residuals, Mapping) or not all(
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in residuals.items()
         ):
-            raise ConfigError("ErrorFeedback.load_state_dict: 'residuals' must map str -> Tensor")
+            raise ConfigError("Residuals.load_state_dict: 'residuals' must map str -> Tensor")
         if state.get("codec") != self.codec.spec:
             logger.info(
                 "error feedback: loading residuals saved with codec %s into %s",

@@ -158,6 +158,9 @@ class FFTCodec:
         """The index code used for a bucket of ``numel`` elements ("bitmap" or "gap")."""
         return self._layout(numel).index_kind
 
+    def __str__(self) -> str:  # the spec string, so str(parse_spec(s)) round-trips
+        return self.spec
+
     @property
     def spec(self) -> str:
         return (

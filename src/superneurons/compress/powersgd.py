@@ -22,6 +22,7 @@ import math
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from superneurons.compress.codec import all_finite
 from superneurons.errors import ConfigError
 
-__all__ = ["PowerSGD", "PowerSGDState", "orthogonalize_", "parse_powersgd", "powersgd_reduce"]
+__all__ = ["PowerSGD", "PowerSGDState", "orthogonalize_", "powersgd_reduce"]
 
 # NOTE: guards the Gram-Schmidt division when a column is all zeros (a dead layer); the
 # same role as torch's ``orthogonalization_epsilon``.
@@ -41,6 +42,7 @@ class PowerSGD:
     """Hyper-parameters of PowerSGD: the approximation ``rank`` (r in the paper)."""
 
     rank: int = 4
+    NAME: ClassVar[str] = "powersgd"
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
@@ -49,6 +51,9 @@ class PowerSGD:
     @property
     def spec(self) -> str:
         return f"powersgd:rank={self.rank}"
+
+    def __str__(self) -> str:
+        return self.spec
 
     @property
     def summable(self) -> bool:
@@ -73,23 +78,6 @@ class PowerSGD:
                 n, m = matrix
                 total += min(self.rank, n, m) * (n + m)
         return total * element_bytes
-
-
-def parse_powersgd(text: str) -> PowerSGD | None:
-    """``"powersgd"`` or ``"powersgd:rank=4"`` → :class:`PowerSGD`; other names → None."""
-    name, _, rest = text.strip().partition(":")
-    if name.strip().lower() != "powersgd":
-        return None
-    options: dict[str, int] = {}
-    for item in filter(None, (part.strip() for part in rest.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or key.strip() != "rank":
-            raise ConfigError(f"powersgd: unknown option {item!r}; write e.g. powersgd:rank=4")
-        try:
-            options["rank"] = int(value)
-        except ValueError:
-            raise ConfigError(f"powersgd: rank must be an integer, got {value!r}") from None
-    return PowerSGD(**options)
 
 
 @dataclass

@@ -72,6 +72,9 @@ class QSGDCodec:
                 f"qsgd: bucket (elements per norm) must be an integer >= 1, got {self.bucket!r}"
             )
 
+    def __str__(self) -> str:  # the spec string, so str(parse_spec(s)) round-trips
+        return self.spec
+
     @property
     def spec(self) -> str:
         return f"{self.NAME}:levels={self.levels},bucket={self.bucket}"

@@ -293,6 +293,9 @@ class RangeFloatCodec:
     def __post_init__(self) -> None:
         check_bits(self.bits, owner=self.NAME)
 
+    def __str__(self) -> str:  # the spec string, so str(parse_spec(s)) round-trips
+        return self.spec
+
     @property
     def spec(self) -> str:
         return f"{self.NAME}:bits={self.bits}"

@@ -20,6 +20,11 @@ aggressive θ keeps every rank within its budget).
 
 :func:`with_theta` applies a θ to a codec (``theta`` field for fft; ``ratio = 1 - θ`` for
 top-k). :class:`ScheduleState` is the step counter with ``state_dict``.
+
+Two wrappers the DDP hook consumes (compose them, e.g. ``ErrorFeedback(Warmup(fft, steps=100))``):
+:class:`Warmup` averages densely (plain fp32 all-reduce) for the first ``steps`` steps — the
+dense warm-up of DGC (Lin et al., ICLR'18) — and :class:`Scheduled` drives ``inner``'s θ by a
+schedule.
 """
 
 from __future__ import annotations
@@ -28,12 +33,13 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from superneurons.compress.codec import Codec, check_gradient
 from superneurons.compress.fft import FFTCodec, kept_count, spectrum_layout
+from superneurons.compress.specced import Specced
 from superneurons.compress.topk import TopKCodec
 from superneurons.errors import ConfigError
 
@@ -42,6 +48,9 @@ __all__ = [
     "DiminishingTheta",
     "ErrorBudgetTheta",
     "ScheduleState",
+    "Scheduled",
+    "ThetaSchedule",
+    "Warmup",
     "sparsification_error",
     "with_theta",
 ]
@@ -243,3 +252,58 @@ class ScheduleState:
                 f"ScheduleState.load_state_dict: need {{'step': int >= 0}}, got {state!r}"
             )
         self.step = step
+
+
+ThetaSchedule = ConstantTheta | DiminishingTheta | ErrorBudgetTheta
+
+
+@dataclass(frozen=True)
+class Warmup:
+    """Plain fp32 averaging for the first ``steps`` steps, then ``inner``.
+
+    Spec form ``warmup(steps=N,INNER)``, e.g. ``warmup(steps=100,topk:ratio=0.01)`` (the
+    wrapper's own options come first, the wrapped spec last).
+    """
+
+    inner: Specced
+    steps: int = 0
+    NAME: ClassVar[str] = "warmup"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
+            raise ConfigError(f"warmup: steps must be an integer >= 0, got {self.steps!r}")
+
+    @property
+    def spec(self) -> str:
+        return f"{self.NAME}(steps={self.steps},{self.inner.spec})"
+
+    def __str__(self) -> str:
+        return self.spec
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """``inner`` (fft or topk, possibly wrapped) with its θ set per step by ``schedule``.
+
+    ``ConstantTheta``/``DiminishingTheta`` give ``theta(step)``; ``ErrorBudgetTheta`` chooses
+    per gradient and the hook agrees the choice across ranks (all-reduce MIN). Not part of
+    the CLI's spec grammar: its string form names the schedule by ``repr``.
+    """
+
+    inner: Specced
+    schedule: ThetaSchedule
+    NAME: ClassVar[str] = "scheduled"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.schedule, (ConstantTheta, DiminishingTheta, ErrorBudgetTheta)):
+            raise ConfigError(
+                f"Scheduled: schedule must be ConstantTheta, DiminishingTheta or "
+                f"ErrorBudgetTheta, got {self.schedule!r}"
+            )
+
+    @property
+    def spec(self) -> str:
+        return f"{self.NAME}({self.inner.spec},{self.schedule!r})"
+
+    def __str__(self) -> str:
+        return self.spec

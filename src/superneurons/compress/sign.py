@@ -41,6 +41,9 @@ class SignSGDCodec:
 
     NAME: ClassVar[str] = "signsgd"
 
+    def __str__(self) -> str:  # the spec string, so str(parse_spec(s)) round-trips
+        return self.spec
+
     @property
     def spec(self) -> str:
         return self.NAME

@@ -1,34 +1,61 @@
-"""Codec spec strings: ``"name"`` or ``"name:key=value,key=value"`` -> a codec instance.
+"""The one spec grammar and the one name table for everything ``--compress`` accepts.
 
-The CLI, the DDP hook and benchmark records name codecs by spec string; ``codec.spec`` is the
-canonical form (every field, in declaration order) and round-trips:
-``parse_spec(codec.spec) == codec``. Values are converted by the codec dataclass's field types
-(``int``, ``float``, ``str``, ``bool``, ``X | None``, ``Literal[...]``); the codec's own
-``__post_init__`` then validates ranges (e.g. ``theta`` in [0, 1), supported ``bits``).
+Grammar (parsed once, at the edge, into an object that is passed on as that object)::
 
-``CODECS`` is a literal dict, not a registry: adding a codec is one line here.
+    SPEC    := NAME [":" OPTION ("," OPTION)*]           e.g. fft:theta=0.9,bits=8
+             | WRAPPER "(" (OPTION ",")* SPEC ")"          e.g. ef(warmup(steps=100,topk))
+    OPTION  := KEY "=" VALUE
+
+NAMEs are codecs (``CODECS``), ``powersgd``, PyTorch's anchors (``dense``, ``torch-allreduce``
+= ``dense``, ``torch-fp16``, ``torch-powersgd``) and ``auto``; WRAPPERs are ``ef`` (error
+feedback), ``warmup`` (dense first steps) and ``rowsparse`` (embeddings as rows + indices). A
+wrapper's own options come first and the wrapped spec last, so the wrapped spec's commas never
+clash with them. ``str(obj)`` (``obj.spec`` for codecs) is the canonical form, every field in
+declaration order, and parses back to an equal object. Values are converted by the dataclass
+field types (``int``, ``float``, ``str``, ``bool``, ``X | None``, ``Literal[...]``); the
+class's own ``__post_init__`` then validates ranges.
+
+``CODECS`` and ``SPECS`` are literal dicts, not registries: adding a codec is one line in
+``CODECS``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from typing import Any, Literal, Union
 
 from superneurons.compress.adaptive import AdaptiveCodec
+from superneurons.compress.anchors import TorchDense, TorchFp16, TorchPowerSGD
+from superneurons.compress.auto import Auto
 from superneurons.compress.cast import Bf16Codec, Fp16Codec, IdentityCodec
 from superneurons.compress.codec import Codec
 from superneurons.compress.compacttopk import CompactTopKCodec
+from superneurons.compress.feedback import ErrorFeedback
 from superneurons.compress.fft import FFTCodec
+from superneurons.compress.powersgd import PowerSGD
 from superneurons.compress.qsgd import QSGDCodec
 from superneurons.compress.rangefloat import RangeFloatCodec
+from superneurons.compress.rowsparse import RowSparse
+from superneurons.compress.schedule import Scheduled, Warmup
 from superneurons.compress.sign import SignSGDCodec
 from superneurons.compress.terngrad import TernGradCodec
 from superneurons.compress.topk import TopKCodec
 from superneurons.errors import ConfigError
 
-__all__ = ["CODECS", "GRAMMAR", "describe_codecs", "parse_spec"]
+__all__ = [
+    "Base",
+    "Compression",
+    "CODECS",
+    "GRAMMAR",
+    "SPECS",
+    "WRAPPERS",
+    "describe_codecs",
+    "parse_codec",
+    "parse_spec",
+]
 
 CODECS: dict[str, type[Codec]] = {
     "identity": IdentityCodec,
@@ -44,16 +71,42 @@ CODECS: dict[str, type[Codec]] = {
     "adaptive": AdaptiveCodec,
 }
 
-GRAMMAR = "NAME or NAME:KEY=VALUE[,KEY=VALUE...] (e.g. 'fft:theta=0.9,bits=8', 'topk:ratio=0.01')"
+# Every NAME the grammar accepts: the codecs, then the reductions that are not codecs.
+SPECS: dict[str, type] = {
+    **CODECS,
+    "powersgd": PowerSGD,
+    "dense": TorchDense,
+    "torch-allreduce": TorchDense,  # an alias: str() gives "dense"
+    "torch-fp16": TorchFp16,
+    "torch-powersgd": TorchPowerSGD,
+    "auto": Auto,
+}
+
+# What a spec names: a base reduction, or wrappers around one (``Scheduled`` has no spec name).
+Base = Codec | PowerSGD | TorchDense | TorchFp16 | TorchPowerSGD | Auto
+Compression = Base | ErrorFeedback | Warmup | Scheduled | RowSparse
+
+WRAPPERS: dict[str, type] = {
+    "ef": ErrorFeedback,
+    "warmup": Warmup,
+    "rowsparse": RowSparse,
+}
+
+GRAMMAR = (
+    "NAME[:KEY=VALUE,...] or WRAPPER([KEY=VALUE,...,]SPEC) (e.g. 'fft:theta=0.9,bits=8', "
+    "'topk:ratio=0.01', 'ef(warmup(steps=100,topk))')"
+)
+_OPTION = re.compile(r"^\s*[A-Za-z_]\w*\s*=")
 
 _TRUE = frozenset({"true", "1", "yes", "on"})
 _FALSE = frozenset({"false", "0", "no", "off"})
 
 
 def _fields(cls: type) -> dict[str, Any]:
-    """Init fields of a codec dataclass -> resolved type annotation."""
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+    """Init fields of a spec dataclass -> resolved type annotation (a wrapper's ``inner`` is
+    not an option)."""
+    hints = typing.get_type_hints(cls, localns={"Compression": object})
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init and f.name != "inner"}
 
 
 def _defaults(cls: Any) -> dict[str, Any]:
@@ -117,57 +170,116 @@ def _convert(text: str, tp: Any) -> Any:
     raise ValueError(f"unsupported field type {tp!r}")
 
 
-def parse_spec(text: str) -> Codec:
-    """Build a codec from ``"name"`` or ``"name:key=value,..."`` (see :data:`GRAMMAR`).
+def _valid_names() -> str:
+    return ", ".join([*SPECS, *(f"{name}(...)" for name in WRAPPERS)])
 
-    Raises:
-        ConfigError: unknown codec (lists the names), unknown key (lists the fields), a value
-            of the wrong type (says the expected type), a malformed string (shows the grammar),
-            or a value the codec rejects (the codec's own message).
-    """
-    if not isinstance(text, str):
-        raise ConfigError(f"codec spec must be a string ({GRAMMAR}), got {type(text).__name__}")
-    name, sep, rest = text.strip().partition(":")
-    name = name.strip().lower()
-    if not name:
-        raise ConfigError(f"codec spec {text!r} has no codec name; expected {GRAMMAR}")
-    if name not in CODECS:
-        raise ConfigError(f"unknown codec {name!r}; valid codecs: {', '.join(CODECS)}")
-    cls = CODECS[name]
+
+def _options(name: str, cls: type, items: list[str], text: str) -> dict[str, Any]:
+    """``KEY=VALUE`` items -> typed keyword arguments of ``cls``."""
     fields = _fields(cls)
     kwargs: dict[str, Any] = {}
-    if sep and not rest.strip():
-        raise ConfigError(f"malformed codec spec {text!r}: nothing after ':'; expected {GRAMMAR}")
-    for item in rest.split(",") if rest.strip() else []:
+    for item in items:
         key, eq, value = (part.strip() for part in item.partition("="))
         if not eq or not key or not value:
             raise ConfigError(
-                f"malformed codec spec {text!r}: {item.strip()!r} is not KEY=VALUE; "
-                f"expected {GRAMMAR}"
+                f"malformed spec {text!r}: {item.strip()!r} is not KEY=VALUE; expected {GRAMMAR}"
             )
         if key not in fields:
             valid = ", ".join(fields) if fields else "none (it takes no parameters)"
-            raise ConfigError(f"codec {name!r} has no parameter {key!r}; valid: {valid}")
+            raise ConfigError(f"{name!r} has no parameter {key!r}; valid: {valid}")
         if key in kwargs:
-            raise ConfigError(f"codec spec {text!r} sets {key!r} twice")
+            raise ConfigError(f"spec {text!r} sets {key!r} twice")
         try:
             kwargs[key] = _convert(value, fields[key])
         except ValueError:
             raise ConfigError(
-                f"codec {name!r}: {key}={value!r} must be {_type_name(fields[key])}"
+                f"{name!r}: {key}={value!r} must be {_type_name(fields[key])}"
             ) from None
-    codec: Codec = cls(**kwargs)
+    return kwargs
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split at commas outside parentheses."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += (char == "(") - (char == ")")
+        if char == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
+
+
+def _parse(text: str, whole: str) -> Any:
+    stripped = text.strip()
+    head, paren, body = stripped.partition("(")
+    if paren and ":" not in head:
+        name = head.strip().lower()
+        if name not in WRAPPERS:
+            raise ConfigError(f"unknown wrapper {name!r}; valid names: {_valid_names()}")
+        if not body.endswith(")"):
+            raise ConfigError(
+                f"malformed spec {whole!r}: {name}( is not closed; expected {GRAMMAR}"
+            )
+        items = _split_top_level(body[:-1])
+        first_inner = next((i for i, item in enumerate(items) if not _OPTION.match(item)), None)
+        if first_inner is None:
+            raise ConfigError(
+                f"malformed spec {whole!r}: {name}(...) wraps no spec; expected {GRAMMAR}"
+            )
+        cls = WRAPPERS[name]
+        kwargs = _options(name, cls, items[:first_inner], whole)
+        return cls(_parse(",".join(items[first_inner:]), whole), **kwargs)
+    name, sep, rest = stripped.partition(":")
+    name = name.strip().lower()
+    if not name:
+        raise ConfigError(f"spec {whole!r} has no name; expected {GRAMMAR}")
+    if name not in SPECS:
+        raise ConfigError(f"unknown codec {name!r}; valid names: {_valid_names()}")
+    if sep and not rest.strip():
+        raise ConfigError(f"malformed spec {whole!r}: nothing after ':'; expected {GRAMMAR}")
+    items = rest.split(",") if rest.strip() else []
+    return SPECS[name](**_options(name, SPECS[name], items, whole))
+
+
+def parse_spec(text: str) -> Compression:
+    """Build the object ``text`` names (see :data:`GRAMMAR`): a codec, ``PowerSGD``, a PyTorch
+    anchor, ``Auto``, or wrappers around one of them.
+
+    Raises:
+        ConfigError: unknown name (one line listing the valid names), unknown key (lists the
+            fields), a value of the wrong type (says the expected type), a malformed string
+            (shows the grammar), or a value the class rejects (its own message).
+    """
+    if not isinstance(text, str):
+        raise ConfigError(f"codec spec must be a string ({GRAMMAR}), got {type(text).__name__}")
+    if not text.strip():
+        raise ConfigError(f"empty spec; expected {GRAMMAR}")
+    parsed: Compression = _parse(text, text)
+    return parsed
+
+
+def parse_codec(text: str) -> Codec:
+    """:func:`parse_spec` for callers that need a codec (encode/decode), not a reduction.
+
+    Raises:
+        ConfigError: as :func:`parse_spec`, or the name is not a codec (lists the codecs).
+    """
+    parsed = parse_spec(text)
+    if type(parsed) not in CODECS.values():
+        raise ConfigError(f"{text!r} is not a codec; codecs: {', '.join(CODECS)}")
+    codec: Codec = parsed  # type: ignore[assignment]
     return codec
 
 
 def describe_codecs() -> str:
-    """Each codec's name, one-sentence summary and defaults, for ``--help`` texts."""
+    """Each name's one-sentence summary and defaults, for ``--help`` texts."""
     lines = [f"codec spec: {GRAMMAR}"]
-    for name, cls in CODECS.items():
+    for name, cls in {**SPECS, **WRAPPERS}.items():
         paragraph = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
         summary = paragraph.replace("``", "").split(". ")[0].rstrip(".")
         defaults = ",".join(f"{key}={value}" for key, value in _defaults(cls).items())
         lines.append(f"  {name:<10} {summary}")
-        if defaults:
+        if defaults and name in SPECS:
             lines.append(f"  {'':<10} default: {name}:{defaults}")
     return "\n".join(lines)

@@ -66,6 +66,9 @@ class TernGradCodec:
             )
         object.__setattr__(self, "clip", float(self.clip))
 
+    def __str__(self) -> str:  # the spec string, so str(parse_spec(s)) round-trips
+        return self.spec
+
     @property
     def spec(self) -> str:
         return f"{self.NAME}:clip={self.clip!r}"

@@ -78,6 +78,9 @@ class TopKCodec:
         if self.select not in SELECTS:
             raise ConfigError(f"topk: select must be one of {SELECTS}, got {self.select!r}")
 
+    def __str__(self) -> str:  # the spec string, so str(parse_spec(s)) round-trips
+        return self.spec
+
     @property
     def spec(self) -> str:
         return f"{self.NAME}:ratio={self.ratio!r},select={self.select}"

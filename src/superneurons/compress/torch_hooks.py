@@ -9,89 +9,27 @@ Benchmarks compare our codecs against what a PyTorch user already has:
   and crashed with more than one bucket on gloo in 2 of 3 runs (CONTEXT §4); use a large
   ``bucket_cap_mb`` with it on gloo, or our ``powersgd`` which is multi-bucket safe.
 
-Spec resolution for the whole hook: names handled here (and ``powersgd``) come first, every
-other name goes to :func:`superneurons.compress.spec.parse_spec`.
+Their names are in the one spec table (:mod:`superneurons.compress.spec`); ``torch-allreduce``
+is an alias of ``dense``.
 """
 
 from __future__ import annotations
 
 import logging
 import typing
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from superneurons.compress.anchors import TorchDense, TorchFp16, TorchPowerSGD
 from superneurons.compress.hookstate import CompressionState
-from superneurons.compress.powersgd import PowerSGD, parse_powersgd
-from superneurons.errors import ConfigError
+from superneurons.compress.powersgd import PowerSGD
 
-__all__ = ["TorchAnchor", "as_comm_hook", "parse_anchor", "register_anchor", "resolve_spec"]
+__all__ = ["as_comm_hook", "register_anchor"]
 
 logger = logging.getLogger("superneurons.compress")
-
-_ANCHORS = ("dense", "torch-allreduce", "torch-fp16", "torch-powersgd")
-
-
-@dataclass(frozen=True)
-class TorchAnchor:
-    """One of PyTorch's built-in reductions; ``rank`` only matters for torch-powersgd."""
-
-    name: str
-    rank: int = 4
-
-    def __post_init__(self) -> None:
-        if self.name not in _ANCHORS:
-            raise ConfigError(f"unknown torch anchor {self.name!r}; choose one of {_ANCHORS}")
-        if self.rank < 1:
-            raise ConfigError(f"torch-powersgd: rank must be >= 1, got {self.rank}")
-
-    @property
-    def spec(self) -> str:
-        return f"torch-powersgd:rank={self.rank}" if self.name == "torch-powersgd" else self.name
-
-    @property
-    def summable(self) -> bool:
-        return True
-
-
-def parse_anchor(text: str) -> TorchAnchor | None:
-    """``dense``, ``torch-allreduce``, ``torch-fp16``, ``torch-powersgd[:rank=R]``; else None."""
-    name, _, rest = text.strip().partition(":")
-    name = name.strip().lower()
-    if name not in _ANCHORS:
-        return None
-    rank = 4
-    for item in filter(None, (part.strip() for part in rest.split(","))):
-        key, sep, value = item.partition("=")
-        if name != "torch-powersgd" or not sep or key.strip() != "rank":
-            raise ConfigError(f"{name}: unknown option {item!r} (only torch-powersgd:rank=R)")
-        try:
-            rank = int(value)
-        except ValueError:
-            raise ConfigError(f"{name}: rank must be an integer, got {value!r}") from None
-    return TorchAnchor(name, rank)
-
-
-def resolve_spec(text: str) -> Any:
-    """A spec string → a :class:`TorchAnchor`, a :class:`PowerSGD` or a codec from parse_spec."""
-    if not isinstance(text, str) or not text.strip():
-        raise ConfigError("empty compression spec; write e.g. fft:theta=0.9,bits=8 or dense")
-    found: TorchAnchor | PowerSGD | None = parse_anchor(text) or parse_powersgd(text)
-    if found is not None:
-        return found
-    from superneurons.compress.spec import CODECS, parse_spec
-
-    name = text.split(":", 1)[0].strip()
-    if name not in CODECS:
-        raise ConfigError(
-            f"unknown codec {name!r}; valid: {', '.join(CODECS)}, powersgd (e.g. "
-            "powersgd:rank=4), and PyTorch's own hooks dense, torch-allreduce, torch-fp16, "
-            "torch-powersgd:rank=4"
-        )
-    return parse_spec(text)
 
 
 def as_comm_hook(hook: Any) -> Any:
@@ -107,12 +45,15 @@ def _dense_bytes(bucket: dist.GradBucket) -> int:
 
 
 def register_anchor(ddp_model: DistributedDataParallel, state: CompressionState) -> None:
-    """Install the anchor ``state.codec`` on ``ddp_model`` (no hook for dense)."""
-    anchor = state.codec
-    assert isinstance(anchor, TorchAnchor)
+    """Install the anchor ``state.pipeline.base`` on ``ddp_model`` (no hook for dense).
+
+    The wrappers map onto torch's own options: ``Warmup(steps=N)`` is ``start_powerSGD_iter``
+    (at least 2, torch's minimum) and ``ErrorFeedback`` is ``use_error_feedback``.
+    """
+    anchor = state.pipeline.base
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-    if anchor.name in ("dense", "torch-allreduce"):
+    if isinstance(anchor, TorchDense):
         # NOTE: no hook at all, the honest anchor; bytes are known without looking.
         params = [p for p in ddp_model.parameters() if p.requires_grad]
         dense = sum(p.numel() * p.element_size() for p in params)
@@ -120,7 +61,7 @@ def register_anchor(ddp_model: DistributedDataParallel, state: CompressionState)
         state.torch_state = None
         _count_steps_without_hook(ddp_model, state, dense)
         return
-    if anchor.name == "torch-fp16":
+    if isinstance(anchor, TorchFp16):
 
         def fp16_hook(
             st: CompressionState, bucket: dist.GradBucket
@@ -136,13 +77,15 @@ def register_anchor(ddp_model: DistributedDataParallel, state: CompressionState)
 
         ddp_model.register_comm_hook(state, as_comm_hook(fp16_hook))
         return
+    if not isinstance(anchor, TorchPowerSGD):
+        raise TypeError(f"not one of PyTorch's hooks: {anchor!r}")
     torch_state = powerSGD_hook.PowerSGDState(
         process_group=state.process_group,
         matrix_approximation_rank=anchor.rank,
-        start_powerSGD_iter=max(2, state.options.warmup_steps),
-        use_error_feedback=state.options.error_feedback,
+        start_powerSGD_iter=max(2, state.pipeline.warmup_steps),
+        use_error_feedback=state.pipeline.error_feedback,
         warm_start=True,
-        random_seed=state.options.seed,
+        random_seed=state.seed,
     )
     state.torch_state = torch_state
     estimate = PowerSGD(rank=anchor.rank)

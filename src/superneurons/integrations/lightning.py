@@ -112,7 +112,5 @@ def _validate(compression: Any) -> None:
     """Parse/validate ``compression`` with the hook's own resolver (no process group needed)."""
     from superneurons.compress import hook
 
-    # NOTE: `resolve` since register_compression takes one composed object; `resolve_codec`
-    # before. Either accepts a spec string or an object and raises ConfigError.
-    resolver = getattr(hook, "resolve", None) or hook.resolve_codec
-    resolver(compression)
+    # NOTE: `resolve` accepts a spec string or a composed object and raises ConfigError.
+    hook.resolve(compression)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from superneurons.compress.codec import Codec
-from superneurons.compress.powersgd import PowerSGD, orthogonalize_, parse_powersgd
+from superneurons.compress.powersgd import PowerSGD, orthogonalize_
 from superneurons.errors import ConfigError
 
 __all__ = [
@@ -95,14 +95,17 @@ def candidate_codecs(specs: Sequence[str]) -> list[Codec | PowerSGD]:
     Raises:
         ConfigError: an unknown name or a bad option (the spec grammar's own message).
     """
-    from superneurons.compress.spec import parse_spec
+    from superneurons.compress.spec import parse_codec, parse_spec
 
     out: list[Codec | PowerSGD] = []
     for spec in specs:
         if spec.strip().lower() == "dense":
             continue
-        low_rank = parse_powersgd(spec)
-        out.append(low_rank if low_rank is not None else parse_spec(spec))
+        parsed = parse_spec(spec)
+        if isinstance(parsed, PowerSGD):
+            out.append(parsed)
+            continue
+        out.append(parse_codec(spec))
     return out
 
 

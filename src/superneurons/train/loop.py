@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
+from superneurons.compress.compose import compose
 from superneurons.compress.hook import register_compression
 from superneurons.device import Placement
 from superneurons.errors import ConfigError
@@ -74,13 +75,10 @@ def run_training(config: TrainConfig, device: Placement | torch.device) -> dict[
         plan_handle = _apply_budget(model, batch, config.budget_bytes, loss_fn=task.loss_fn)
     ddp = DistributedDataParallel(model, bucket_cap_mb=config.bucket_cap_mb)
     optimizer = _optimizer(config, model)
-    compression = register_compression(
-        ddp,
-        config.compress,
-        error_feedback=config.error_feedback,
-        warmup_steps=config.warmup_steps,
-        seed=config.seed,
+    composed = compose(
+        config.compress, error_feedback=config.error_feedback, warmup_steps=config.warmup_steps
     )
+    compression = register_compression(ddp, composed, seed=config.seed)
     start_epoch = step = 0
     if config.resume:
         saved = load_checkpoint(config.out_dir, rank, config=asdict(config), world_size=world_size)
@@ -147,7 +145,8 @@ def run_training(config: TrainConfig, device: Placement | torch.device) -> dict[
             log,
             model=config.model,
             data=config.data,
-            codec=compression.options.spec,
+            codec=compression.pipeline.base.spec,
+            **compression.summary(),
             world_size=world_size,
             epochs=config.epochs,
             wall_s=time.perf_counter() - start_s,

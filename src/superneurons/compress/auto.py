@@ -1,0 +1,63 @@
+"""``auto``: choose each bucket's codec from a measured network and backward timeline.
+
+Model-aware synchronisation (Poseidon ATC'17, Parallax EuroSys'19; Espresso EuroSys'23 for the
+per-tensor choice): fit the collectives' cost ``T = α + β·bytes`` on the real process group,
+measure each candidate codec's encode/decode time on this device, observe when each bucket
+becomes ready in backward during ``observe_steps`` dense steps, then choose per bucket the codec
+with the least predicted *exposed* step time (pure functions in :mod:`superneurons.strategy`).
+This module is the hook's side: :class:`Auto` is the frozen config (spec ``auto:...``) and
+:class:`AutoController` carries the decision out (see :mod:`superneurons.compress.autorun`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from superneurons.errors import ConfigError
+
+__all__ = ["Auto"]
+
+
+@dataclass(frozen=True)
+class Auto:
+    """Per-bucket choice among dense and the candidate codecs, re-decided on drift.
+
+    Args:
+        observe_steps: dense steps that time the buckets before the first decision (the
+            first step is not timed: DDP rebuilds its buckets after it).
+        max_rel_error: candidates whose one-shot ``‖ĝ−g‖/‖g‖`` exceeds this are not chosen.
+        drift: re-decide when the measured step time differs from the prediction by more than
+            this fraction ...
+        drift_steps: ... for this many consecutive steps.
+    """
+
+    observe_steps: int = 3
+    max_rel_error: float = 0.5
+    drift: float = 0.5
+    drift_steps: int = 5
+    NAME: ClassVar[str] = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("observe_steps", "drift_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"auto: {name} must be an integer >= 1, got {value!r}")
+        if not 0 < self.max_rel_error <= 1:
+            raise ConfigError(f"auto: max_rel_error must be in (0, 1], got {self.max_rel_error}")
+        if not self.drift > 0:
+            raise ConfigError(f"auto: drift must be > 0, got {self.drift}")
+
+    @property
+    def spec(self) -> str:
+        return (
+            f"{self.NAME}:observe_steps={self.observe_steps},max_rel_error="
+            f"{self.max_rel_error!r},drift={self.drift!r},drift_steps={self.drift_steps}"
+        )
+
+    @property
+    def summable(self) -> bool:
+        return False
+
+    def __str__(self) -> str:
+        return self.spec
