@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader
 
 from superneurons.bytesize import format_bytes, parse_bytes
 from superneurons.data.fashion_mnist import fashion_mnist
-from superneurons.memory.plan import InfeasibleBudgetError, make_plan
+from superneurons.device import Placement
+from superneurons.memory import InfeasibleBudgetError, make_plan
 from superneurons.memory.profile import profile_step
 from superneurons.memory.runtime import apply_plan
 from superneurons.models.zoo import build_model
@@ -39,6 +40,8 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
 
+    # The first GPU when there is one (activations offload to pinned host memory), else the CPU.
+    placement = Placement(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     model = build_model(
         "resnet",
         layers=(2, 2, 2, 2),
@@ -48,9 +51,15 @@ def main() -> None:
         in_channels=1,
         small_input=True,
     )
+    model = placement.module(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    loader = DataLoader(fashion_mnist(split="train"), batch_size=args.batch, shuffle=True)
-    images, labels = next(iter(loader))
+    loader = DataLoader(
+        fashion_mnist(split="train"),
+        batch_size=args.batch,
+        shuffle=True,
+        pin_memory=placement.pin_memory,
+    )
+    images, labels = placement.batch(next(iter(loader)))
 
     profile = profile_step(model, images, labels, F.cross_entropy, optimizer)
     eager_peak = profile.predicted_peak_bytes()
@@ -76,7 +85,8 @@ def main() -> None:
 
     factory = sgd if plan.optimizer_in_backward else None
     with apply_plan(model, plan, optimizer_factory=factory) as handle:
-        for step, (images, labels) in zip(range(args.steps), loader, strict=False):
+        for step, batch in zip(range(args.steps), loader, strict=False):
+            images, labels = placement.batch(batch)
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(images), labels)
             loss.backward()

@@ -1,6 +1,6 @@
 """DDP with compressed gradients in your own training loop: one extra line.
 
-Run on 2 CPU processes (gloo)::
+Run on 2 processes (NCCL with a GPU per process, else gloo on CPU)::
 
     torchrun --nproc-per-node 2 examples/ddp_compression.py --compress fft:theta=0.9,bits=8
 
@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from superneurons.compress import ErrorFeedback, Warmup, parse_spec, register_compression
+from superneurons.train.rank import init_distributed
 
 
 def main() -> None:
@@ -29,10 +30,11 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")  # "nccl" on GPUs
+    # NCCL and cuda:LOCAL_RANK when every rank has a GPU, else gloo on CPU
+    placement = init_distributed("auto")
     rank = dist.get_rank()
     torch.manual_seed(0)  # identical initial weights on every rank
-    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 10))
+    model = placement.module(nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 10)))
     ddp = DistributedDataParallel(model)
     # the one extra line: the codec with 5 dense warm-up steps and error feedback
     state = register_compression(ddp, ErrorFeedback(Warmup(parse_spec(args.compress), steps=5)))
@@ -44,6 +46,7 @@ def main() -> None:
     for step in range(args.steps):
         inputs = torch.randn(64, 32, generator=data)
         labels = (inputs @ target_weights).argmax(dim=1)
+        inputs, labels = placement.batch((inputs, labels))
         optimizer.zero_grad()
         loss = nn.functional.cross_entropy(ddp(inputs), labels)
         loss.backward()

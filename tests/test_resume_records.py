@@ -234,7 +234,7 @@ def _rank_pid(launcher: subprocess.Popen[bytes], rank: int, deadline_s: float) -
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 continue
-            if f"\0RANK={rank}\0".encode() in environ and b"superneurons.train.launch" in cmdline:
+            if f"\0RANK={rank}\0".encode() in environ and b"superneurons.commands.rank" in cmdline:
                 return pid
         time.sleep(0.05)
     raise AssertionError(f"rank {rank} never started")

@@ -151,7 +151,7 @@ def test_torchrun_command_passes_multi_node_flags_through(tmp_path: Path) -> Non
     single = torchrun_command(Launch(nproc=2), tmp_path / "config.json")
     assert single[single.index("--nproc-per-node") + 1] == "2"
     assert single[single.index("--rdzv-backend") + 1] == "c10d"
-    assert single[-3:] == ["-m", "superneurons.train.launch", str(tmp_path / "config.json")]
+    assert single[-3:] == ["-m", "superneurons.commands.rank", str(tmp_path / "config.json")]
     multi = torchrun_command(
         Launch(nproc=4, nnodes=2, node_rank=1, rdzv_endpoint="head:29400"), tmp_path / "c.json"
     )

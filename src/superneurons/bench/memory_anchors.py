@@ -1,7 +1,7 @@
 """The anchors of the memory benchmark: what PyTorch itself offers to trade time for memory.
 
 * ``checkpoint``: non-reentrant ``torch.utils.checkpoint`` around every unit (Chen et al. 2016);
-* ``selective``: per unit, ``create_selective_checkpoint_contexts`` with a policy that saves
+* ``selective``: per unit, selective checkpoint contexts (``superneurons.compat``) with a policy that saves
   convolution, matmul and attention outputs and recomputes the rest (Megatron-style selective
   recompute, Korthikanti et al. 2022);
 * ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` on CUDA: every saved
@@ -77,15 +77,11 @@ def _checkpointed(forward: Callable[..., Any], context_fn: Callable[..., Any] | 
 
 def selective_policy_context() -> Any:
     """SAC contexts: save conv / matmul / attention outputs, recompute everything else."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    from superneurons.compat import selective_checkpoint_contexts
 
     aten = torch.ops.aten
     heavy = {getattr(aten, name).default for name in _SAVED_OPS if hasattr(aten, name)}
-
-    def policy(_ctx: Any, op: Any, *_args: Any, **_kwargs: Any) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_SAVE if op in heavy else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
+    return selective_checkpoint_contexts(lambda op: op in heavy)
 
 
 @contextlib.contextmanager

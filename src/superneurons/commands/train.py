@@ -67,15 +67,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     comm.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size")
     comm.add_argument(
-        "--backend", default="auto", help="auto (nccl on CUDA, else gloo), gloo, nccl"
+        "--backend",
+        default="auto",
+        help="auto: nccl with one GPU per rank, else every rank on CPU with gloo (said in one "
+        "line); nccl: one GPU per rank, stops before launching if there are fewer; gloo: CPU",
     )
     launch = parser.add_argument_group("launch (torchrun)")
-    launch.add_argument("--nproc", type=int, default=1, help="processes on this node")
+    launch.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="ranks on this node (one GPU each under NCCL; see --backend for fewer GPUs)",
+    )
     launch.add_argument("--nnodes", type=int, default=1)
     launch.add_argument("--node-rank", type=int, default=0)
     launch.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the c10d rendezvous")
     launch.add_argument("--master-addr", default=None, help="static rendezvous address instead")
     launch.add_argument("--master-port", type=int, default=29500)
+
+
+def _say_backend(nproc: int, backend: str, *, first: bool) -> None:
+    """The GPU policy for ``nproc`` ranks on this node, before any starts: ``nccl`` without a
+    GPU per rank is a ConfigError saying what to pass; ``auto`` with too few GPUs is one line
+    (every rank on CPU with gloo)."""
+    from superneurons.train.launch import Launch, check_launch
+
+    note = check_launch(Launch(nproc=nproc), backend).note
+    if note is not None and first:
+        print(f"superneurons: {note}", file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -132,8 +151,12 @@ def run(args: argparse.Namespace) -> int:
     if under_torchrun():  # started by the user's own torchrun: be a rank, launch nothing
         from superneurons.train.loop import train
 
+        nproc = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        _say_backend(nproc, config.backend, first=os.environ["LOCAL_RANK"] == "0")
+
         train(config)
         return 0
+    _say_backend(launch.nproc, config.backend, first=True)  # before any rank starts
     config_path = config.save(Path(config.out_dir) / "config.json")
     status = run_torchrun(launch, config_path)
     if status != 0:

@@ -40,7 +40,9 @@ _LOW_WIDTHS: tuple[int, ...] = (0, 1, 2, 4, 8, 16)
 # tests: eight 0/1 bytes in an int64 times _GATHER put bit i of the result in bit 56 + i.
 _GATHER = 0x0102040810204080
 _SPREAD = 0x0101010101010101
-_SELECT = 0x8040201008040201
+# The same 64 bits as a signed int64 (0x8040201008040201 - 2**64): torch 2.4 refuses Python
+# ints >= 2**63 in int64 arithmetic ("cannot be converted to type int64_t without overflow").
+_SELECT = 0x8040201008040201 - (1 << 64)
 
 
 def bitmap_bytes(universe: int) -> int:

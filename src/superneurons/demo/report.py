@@ -93,7 +93,12 @@ def _plot_memory(memory: Mapping[str, Any], path: Path) -> None:
 
 
 def write_report(
-    out_dir: Path, *, runs: Mapping[str, Path], memory: Mapping[str, Any], wall_s: float
+    out_dir: Path,
+    *,
+    runs: Mapping[str, Path],
+    memory: Mapping[str, Any],
+    wall_s: float,
+    device: str | None = None,
 ) -> Path:
     """Write ``out_dir/report.md`` and its plots; return the report's path."""
     data = {name: read_run(path) for name, path in runs.items()}
@@ -123,6 +128,7 @@ def write_report(
         f"{dense['epochs']} epoch(s), {dense['steps']} steps per run. "
         f"Machine: {env['machine']['cpu']} ({env['machine']['cpu_count']} cores), torch "
         f"{env['versions']['torch']}. Total demo time {wall_s:.0f} s.\n",
+        f"Ran on: {device}.\n" if device else "",
         "## Result\n",
         markdown_table(rows, list(rows[0])),
         f"\nCompression sent **{dense['bytes_per_step'] / ours['bytes_per_step']:.1f}x fewer "

@@ -1,8 +1,9 @@
-"""Starting ranks: re-launch through torchrun, and the rank entry point.
+"""Starting ranks: re-launch through torchrun.
 
-``superneurons train`` (the launcher) validates its flags, writes ``OUT/config.json`` and runs
-``python -m torch.distributed.run ... -m superneurons.train.launch OUT/config.json``; each rank
-then joins the process group (gloo on CPU, NCCL on CUDA) and calls
+``superneurons train`` (the launcher) validates its flags, checks the backend against this
+node's GPUs (:func:`check_launch`), writes ``OUT/config.json`` and runs
+``python -m torch.distributed.run ... -m superneurons.commands.rank OUT/config.json``; each rank
+then joins the process group (:func:`superneurons.train.rank.init_distributed`) and calls
 :func:`superneurons.train.loop.train`. Single node by default (c10d rendezvous on a free
 localhost port); ``--nnodes/--node-rank/--rdzv-endpoint`` or ``--master-addr/--master-port``
 pass through for several machines.
@@ -10,25 +11,22 @@ pass through for several machines.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
+from superneurons.device import BackendChoice, choose_backend
 from superneurons.errors import ConfigError
 
 __all__ = [
+    "RANK_ENTRY",
     "Launch",
-    "init_distributed",
-    "main",
+    "check_launch",
+    "free_port",
     "run_torchrun",
     "torchrun_command",
     "under_torchrun",
@@ -36,8 +34,8 @@ __all__ = [
 
 logger = logging.getLogger("superneurons.train")
 
-# NOTE: a rank that waits longer than this on a collective fails instead of hanging forever.
-COLLECTIVE_TIMEOUT_S = 300
+# The module torchrun runs in every rank (``python -m RANK_ENTRY OUT/config.json``).
+RANK_ENTRY = "superneurons.commands.rank"
 
 
 @dataclass(frozen=True)
@@ -74,6 +72,13 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def check_launch(launch: Launch, backend: str) -> BackendChoice:
+    """The backend this node's ranks will use, decided before any starts (the ranks decide
+    again with the same function and the same inputs). Raises ConfigError for ``nccl`` without
+    a GPU per rank; ``auto`` with too few GPUs gives gloo and a one-line note to show."""
+    return choose_backend(backend, local_world_size=launch.nproc)
+
+
 def torchrun_command(launch: Launch, config_path: Path) -> list[str]:
     """The torchrun command line that runs every rank of this node on ``config_path``."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(launch.nproc)]
@@ -83,7 +88,7 @@ def torchrun_command(launch: Launch, config_path: Path) -> list[str]:
     else:
         endpoint = launch.rdzv_endpoint or f"localhost:{free_port()}"
         command += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
-    return [*command, "-m", "superneurons.train.launch", str(config_path)]
+    return [*command, "-m", RANK_ENTRY, str(config_path)]
 
 
 def run_torchrun(launch: Launch, config_path: Path) -> int:
@@ -92,42 +97,3 @@ def run_torchrun(launch: Launch, config_path: Path) -> int:
     logger.info("launching: %s", " ".join(command))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run(command, env=env, check=False).returncode
-
-
-def init_distributed(backend: str) -> torch.device:
-    """Join the process group torchrun prepared; returns this rank's device.
-
-    ``backend="auto"``: NCCL when CUDA is available, else gloo.
-    """
-    use_cuda = torch.cuda.is_available() and backend in ("auto", "nccl")
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise ConfigError("--backend nccl needs CUDA devices; use --backend gloo on CPU")
-    chosen = "nccl" if use_cuda else "gloo"
-    device = torch.device("cpu")
-    if use_cuda:
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-    dist.init_process_group(chosen, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    return device
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Rank entry point: ``python -m superneurons.train.launch OUT/config.json``."""
-    from superneurons.train.config import TrainConfig
-    from superneurons.train.loop import train
-
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 1:
-        print("usage: python -m superneurons.train.launch OUT/config.json", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        train(TrainConfig.from_json(Path(args[0]).read_text(encoding="utf-8")))
-    except ConfigError as exc:
-        print(f"superneurons: error (rank {os.environ.get('RANK')}): {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from superneurons.compress.compose import compose
 from superneurons.compress.hook import register_compression
+from superneurons.device import Placement
 from superneurons.errors import ConfigError
 from superneurons.train.checkpoint import (
     Checkpoint,
@@ -33,8 +34,8 @@ from superneurons.train.checkpoint import (
     save_checkpoint,
 )
 from superneurons.train.config import TrainConfig
-from superneurons.train.launch import init_distributed
 from superneurons.train.metrics import MetricsLog, summarize, write_summary
+from superneurons.train.rank import init_distributed
 from superneurons.train.task import Task, build_task
 
 __all__ = ["run_training", "train"]
@@ -45,31 +46,41 @@ logger = logging.getLogger("superneurons.train")
 def train(config: TrainConfig) -> dict[str, Any]:
     """Run ``config`` on this rank (inside torchrun); returns the summary (rank 0 writes it)."""
     torch.set_num_threads(1)  # NOTE: ranks share the cores; more threads made small ops 30x slower
-    device = init_distributed(config.backend)
+    placement = init_distributed(config.backend)
     try:
-        return run_training(config, device)
+        return run_training(config, placement)
     finally:
         dist.destroy_process_group()
 
 
-def run_training(config: TrainConfig, device: torch.device) -> dict[str, Any]:
-    """The loop itself, in an already initialised process group (tests call it directly)."""
+def run_training(config: TrainConfig, device: Placement | torch.device) -> dict[str, Any]:
+    """The loop itself, in an already initialised process group (tests call it directly).
+
+    Every model, batch and target reaches the rank's device through one
+    :class:`~superneurons.device.Placement` (a bare device means ``Placement(device)``).
+    """
+    placement = Placement.of(device)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(config.seed)  # same initial weights on every rank
     random.seed(config.seed)  # NOTE: checkpointed too; unseeded it differs run to run
     task = build_task(
         config.model, config.data, data_dir=config.data_dir, block_size=config.block_size
     )
-    model = task.model.to(device)
+    model = placement.module(task.model)
     sampler: DistributedSampler[Any] = DistributedSampler(
         task.train_set, seed=config.seed, drop_last=True
     )
-    loader = DataLoader(task.train_set, batch_size=config.batch_size, sampler=sampler)
+    loader = DataLoader(
+        task.train_set,
+        batch_size=config.batch_size,
+        sampler=sampler,
+        pin_memory=placement.pin_memory,
+    )
     if len(loader) == 0:
         raise ConfigError(f"--batch-size {config.batch_size} leaves no batch per rank")
     plan_handle = None
     if config.budget_bytes is not None:
-        batch = next(iter(loader))
+        batch = placement.batch(next(iter(loader)))  # profiled where it will run
         plan_handle = _apply_budget(model, batch, config.budget_bytes, loss_fn=task.loss_fn)
     ddp = DistributedDataParallel(model, bucket_cap_mb=config.bucket_cap_mb)
     optimizer = _optimizer(config, model)
@@ -98,7 +109,7 @@ def run_training(config: TrainConfig, device: torch.device) -> dict[str, Any]:
             for index, (inputs, targets) in enumerate(loader):
                 if index >= steps_per_epoch:
                     break
-                inputs, targets = inputs.to(device), targets.to(device)
+                inputs, targets = placement.batch((inputs, targets))
                 step_start_s = time.perf_counter()
                 optimizer.zero_grad(set_to_none=True)
                 output = ddp(inputs)
@@ -154,6 +165,9 @@ def run_training(config: TrainConfig, device: torch.device) -> dict[str, Any]:
             final_test_accuracy=test["test_accuracy"],
             final_test_loss=test["test_loss"],
             parameters=sum(p.numel() for p in model.parameters()),
+            device=str(placement.device),
+            backend=dist.get_backend(),
+            torch_version=torch.__version__,
         )
     if plan_handle is not None:
         plan_handle.remove()
@@ -177,17 +191,24 @@ def _accuracy(output: torch.Tensor, targets: torch.Tensor) -> float:
 
 @torch.no_grad()
 def _evaluate(
-    model: nn.Module, task: Task, config: TrainConfig, device: torch.device
+    model: nn.Module, task: Task, config: TrainConfig, device: Placement | torch.device
 ) -> dict[str, float]:
     """Loss and accuracy on the test split, each rank a shard, summed by all-reduce."""
+    placement = Placement.of(device)
     model.eval()
     sampler: DistributedSampler[Any] = DistributedSampler(task.test_set, shuffle=False)
-    loader = DataLoader(task.test_set, batch_size=config.batch_size, sampler=sampler)
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
+    loader = DataLoader(
+        task.test_set,
+        batch_size=config.batch_size,
+        sampler=sampler,
+        pin_memory=placement.pin_memory,
+    )
+    # loss sum, correct, count (fp64 on the device: NCCL all-reduces device tensors)
+    totals = torch.zeros(3, dtype=torch.float64, device=placement.device)
     for index, (inputs, targets) in enumerate(loader):
         if config.limit_steps is not None and index >= config.limit_steps:
             break
-        inputs, targets = inputs.to(device), targets.to(device)
+        inputs, targets = placement.batch((inputs, targets))
         output = model(inputs)
         count = targets.numel()
         totals[0] += float(task.loss_fn(output, targets)) * count

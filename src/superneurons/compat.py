@@ -1,0 +1,43 @@
+"""The torch calls whose spelling differs across the supported range (torch >= 2.4): one place.
+
+Everything else in the package uses only APIs that torch 2.4 already has; ``tests/
+test_torch_range.py`` checks that against an inventory read from the torch 2.4.1 wheel, and
+exempts this module alone. Each function here prefers the current public API and falls back to
+the older spelling, so callers never test versions themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["selective_checkpoint_contexts"]
+
+
+def selective_checkpoint_contexts(must_save: Callable[[Any], bool]) -> Any:
+    """The ``context_fn`` pair of non-reentrant ``torch.utils.checkpoint`` that keeps the
+    outputs of the ops for which ``must_save(op)`` is true and recomputes all others
+    (selective activation checkpointing, as in Megatron-LM's selective recompute).
+
+    torch >= 2.5: ``create_selective_checkpoint_contexts`` with ``CheckpointPolicy``; torch 2.4:
+    the same dispatch-mode mechanism under its earlier private name, whose policy returns a
+    bool (True = save).
+    """
+    try:
+        from torch.utils.checkpoint import (  # type: ignore[attr-defined]
+            CheckpointPolicy,
+            create_selective_checkpoint_contexts,
+        )
+    except ImportError:  # torch 2.4
+        from torch.utils.checkpoint import (  # type: ignore[attr-defined]
+            _pt2_selective_checkpoint_context_fn_gen,
+        )
+
+        return _pt2_selective_checkpoint_context_fn_gen(
+            lambda _mode, op, *_args, **_kwargs: must_save(op)
+        )
+
+    def policy(_ctx: Any, op: Any, *_args: Any, **_kwargs: Any) -> Any:
+        return CheckpointPolicy.MUST_SAVE if must_save(op) else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
