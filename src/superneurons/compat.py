@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["selective_checkpoint_contexts"]
+__all__ = ["memory_fraction", "selective_checkpoint_contexts"]
 
 
 def selective_checkpoint_contexts(must_save: Callable[[Any], bool]) -> Any:
@@ -41,3 +41,18 @@ def selective_checkpoint_contexts(must_save: Callable[[Any], bool]) -> Any:
         return CheckpointPolicy.MUST_SAVE if must_save(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
+
+
+def memory_fraction(device: Any = None) -> float:
+    """The caching allocator's per-process memory fraction on ``device``.
+
+    torch >= 2.7 reads it back with ``torch.cuda.get_per_process_memory_fraction``; older torch
+    has only the setter, so the default (1.0, no cap) is returned there — the value unless
+    someone called ``set_per_process_memory_fraction`` outside superneurons.
+    """
+    import torch
+
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if getter is None:
+        return 1.0
+    return float(getter(device) if device is not None else getter())

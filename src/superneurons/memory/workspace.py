@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from superneurons.compat import memory_fraction
 from superneurons.errors import ConfigError
 from superneurons.memory.tracker import LiveStorageTracker
 
@@ -62,7 +63,7 @@ def cudnn_settings() -> dict[str, Any]:
     if torch.cuda.is_available():
         settings["cudnn_version"] = cudnn.version()
         settings["benchmark_limit"] = cudnn.benchmark_limit
-        settings["memory_fraction"] = torch.cuda.get_per_process_memory_fraction()
+        settings["memory_fraction"] = memory_fraction()
     return settings
 
 
@@ -118,7 +119,7 @@ class WorkspaceLimit:
         self.cap_bytes = cap_bytes
         self.fraction = cap_bytes / total
         self._previous = (
-            torch.cuda.get_per_process_memory_fraction(device),
+            memory_fraction(device),
             torch.backends.cudnn.benchmark,
         )
         # NOTE: benchmark mode times every candidate engine with its own workspace; without
