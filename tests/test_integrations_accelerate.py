@@ -90,7 +90,8 @@ def test_plan_and_compression_on_two_ranks(ranks: Ranks) -> None:
     for r in results:
         assert r["equal_to_unplanned"]  # the plan changes memory, not numbers
         assert r["steps"] == 3 and 0 < r["sent"] < r["dense"]
-        assert r["recompute"] == {"blocks.0": 3, "blocks.1": 3, "blocks.2": 3}
+        assert {"blocks.0", "blocks.1", "blocks.2"} <= set(r["recompute"])  # + stem and head
+        assert set(r["recompute"].values()) == {3}  # once per step
         assert r["use_cache"] is True  # restored by remove()
     for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
         assert torch.equal(a, b)

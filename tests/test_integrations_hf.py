@@ -32,9 +32,10 @@ def _grads(model: torch.nn.Module, data: dict[str, torch.Tensor]) -> list[torch.
 def test_plan_names_units_of_the_model_itself() -> None:
     model = TinyLM()
     plan = plan_for_batch(model, batch(0), budget_fraction=1.0)
-    assert [u.fqn for u in plan.units] == ["blocks.0", "blocks.1", "blocks.2"]
+    units = [u.fqn for u in plan.units]  # the whole step: embedding, blocks and head
+    assert units == ["embed", "blocks.0", "blocks.1", "blocks.2", "head"]
     assert plan.tensors and not any(t.key.startswith("model.") for t in plan.tensors)
-    assert {t.unit for t in plan.tensors} <= {"", "blocks.0", "blocks.1", "blocks.2"}
+    assert {t.unit for t in plan.tensors} <= {"", *units}
 
 
 def test_plan_fits_its_budget_and_keeps_gradients_exact() -> None:
@@ -45,7 +46,7 @@ def test_plan_fits_its_budget_and_keeps_gradients_exact() -> None:
     plan = plan_for_batch(
         model, data, budget_fraction=0.8, optimizer=optimizer, strategy="checkpoint"
     )
-    assert plan.count("recompute") == 3
+    assert plan.count("recompute") == len(plan.units)  # every unit, stem and head included
     assert plan.budget_bytes == int(0.8 * eager.predicted_peak_bytes)
     assert plan.predicted_peak_bytes <= plan.budget_bytes < eager.predicted_peak_bytes
     assert not optimizer.state  # the profile stepped a copy
@@ -165,7 +166,7 @@ def test_trainer_callback_plans_without_changing_the_numbers(tmp_path: Path) -> 
     got, hook = _trainer_params(tmp_path / "planned", callback=True)
     setup = hook.setup  # type: ignore[attr-defined]
     assert setup.compression is None  # one process: nothing to average
-    assert setup.plan.count("recompute") == 2
+    assert setup.plan.count("recompute") == len(setup.plan.units)  # "checkpoint": every unit
     assert all(s.recompute_calls == 2 for s in setup.plan_handle.recompute_stats.values())
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -215,8 +216,10 @@ def _hf_step_peak(*, use_cache: bool) -> tuple[int, int]:
 
 
 @needs_hf
-def test_hf_plan_peak_is_exact_without_kv_cache_and_exceeded_with_it() -> None:
+def test_hf_plan_peak_is_exact_with_and_without_kv_cache() -> None:
     predicted, measured = _hf_step_peak(use_cache=False)
     assert measured == predicted
+    # HF's default use_cache=True: under a plan the cache is off in training (as HF's own
+    # gradient checkpointing does), so recomputed blocks cannot append to it again
     predicted, measured = _hf_step_peak(use_cache=True)
-    assert measured > predicted  # recomputed blocks append their keys to the cache again
+    assert measured == predicted
