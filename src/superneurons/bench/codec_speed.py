@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from superneurons.bench.artifacts import markdown_table, write_json, write_markdown
-from superneurons.compress.spec import parse_spec
+from superneurons.compress.spec import parse_codec
 from superneurons.errors import ConfigError
 
 __all__ = ["SPEED_SPECS", "SpeedConfig", "measure_codec_speed", "write_speed_artifacts"]
@@ -63,7 +63,7 @@ class SpeedConfig:
         if kind not in ("cpu", "cuda"):
             raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
         for spec in self.specs:
-            parse_spec(spec)  # fail early on a bad name
+            parse_codec(spec)  # fail early on a bad name
 
 
 def _time_cpu(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
@@ -110,7 +110,7 @@ def measure_codec_speed(
             for spec in config.specs:
                 if progress is not None:
                     progress(f"{size_mib:g} MiB {spec}")
-                records.append(_measure(parse_spec(spec).spec, grad, generator, config))
+                records.append(_measure(parse_codec(spec).spec, grad, generator, config))
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
         return records
@@ -121,7 +121,7 @@ def measure_codec_speed(
 def _measure(
     spec: str, grad: torch.Tensor, generator: torch.Generator, config: SpeedConfig
 ) -> dict[str, Any]:
-    codec = parse_spec(spec)
+    codec = parse_codec(spec)
     payload = codec.encode(grad, generator=generator)
 
     def encode() -> object:

@@ -75,7 +75,8 @@ def _check_plan(config: TrainConfig, task: Task) -> None:
     on fake tensors and plan as the ranks do (``train.loop._apply_budget``)."""
     if config.budget_bytes is None:
         return
-    from superneurons.memory.plan import InfeasibleBudgetError, make_plan
+    from superneurons.memory.plan import InfeasibleBudgetError
+    from superneurons.memory.planner import make_plan
     from superneurons.memory.profile import profile_step
 
     count = min(config.batch_size, len(task.train_set))  # type: ignore[arg-type]
