@@ -11,8 +11,10 @@ Writes OUT/metrics.jsonl, OUT/summary.json, OUT/config.json and OUT/checkpoint/r
 from the newest step every rank can read). Without --resume a run starts over in OUT.
 Progress: a live bar when stderr is a terminal, a plain line every ~10 s otherwise.
 Started by your own torchrun (RANK/WORLD_SIZE/LOCAL_RANK set), it runs as that rank instead.
---compress takes a codec spec (fft, rangefloat, topk, qsgd, terngrad, signsgd, identity, fp16,
-bf16, powersgd:rank=R) or a PyTorch anchor (dense, torch-fp16, torch-powersgd:rank=R).
+--compress takes a codec spec (ctopk, adaptive, fft, rangefloat, topk, qsgd, terngrad, signsgd,
+identity, fp16, bf16, powersgd:rank=R), a wrapper around one (ef(...), warmup(steps=N,...),
+rowsparse(...)), a PyTorch anchor (dense, torch-fp16, torch-powersgd:rank=R) or auto (chosen
+per bucket from the measured network and backward timeline).
 """
 
 from __future__ import annotations
