@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["memory_fraction", "selective_checkpoint_contexts"]
+__all__ = ["all_gather_into_tensor", "memory_fraction", "selective_checkpoint_contexts"]
 
 
 def selective_checkpoint_contexts(must_save: Callable[[Any], bool]) -> Any:
@@ -56,3 +56,17 @@ def memory_fraction(device: Any = None) -> float:
     if getter is None:
         return 1.0
     return float(getter(device) if device is not None else getter())
+
+
+def all_gather_into_tensor(
+    output: Any, input: Any, *, group: Any = None, async_op: bool = False
+) -> Any:
+    """Gather every rank's ``input`` into ``output`` (rank-major, equal sizes), one collective.
+
+    torch >= 2.13 names it ``all_gather_single`` and warns on ``all_gather_into_tensor``;
+    torch 1.13 to 2.12 have only ``all_gather_into_tensor``. Same semantics either way.
+    """
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, group=group, async_op=async_op)

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from superneurons.compat import all_gather_into_tensor
 from superneurons.compress.codec import Codec, Payload
 from superneurons.compress.feedback import feedback_step
 from superneurons.compress.torch_hooks import as_comm_hook
@@ -389,7 +390,7 @@ class CompressedAdamW(torch.optim.Optimizer):
             gathered = message
             if world > 1:
                 gathered = message.new_empty(world * message.numel())
-                dist.all_gather_into_tensor(gathered, message, group=self.process_group)
+                all_gather_into_tensor(gathered, message, group=self.process_group)
             per_rank = [torch.split(chunk, sizes) for chunk in gathered.chunk(world)]
             summed = [
                 codec.decode_sum([Payload(parts[i].clone(), u.numel()) for parts in per_rank])

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from superneurons.compat import all_gather_into_tensor
 from superneurons.compress.anchors import TorchDense, TorchFp16, TorchPowerSGD
 from superneurons.compress.auto import Auto
 from superneurons.compress.bucket import Route, pieces_of
@@ -176,7 +177,7 @@ def check_config_across_ranks(module: torch.nn.Module, state: CompressionState) 
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
     gathered = torch.empty(world_size * mine.numel(), dtype=torch.uint8, device=device)
-    dist.all_gather_into_tensor(gathered, mine, group=group)
+    all_gather_into_tensor(gathered, mine, group=group)
     rows = gathered.view(world_size, -1).cpu()
     differing = [r for r in range(world_size) if not torch.equal(rows[r], rows[0])]
     if differing:

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from superneurons.compat import all_gather_into_tensor
 from superneurons.compress.bucket import Piece, Route, pieces_of
 from superneurons.compress.codec import Codec, Payload, all_finite
 from superneurons.compress.hookstate import CompressionState, WireBuffers
@@ -291,7 +292,7 @@ def _gathered_reduce(
         send[start : start + width].copy_(data)
     flag_at = offsets[-1]
     send[flag_at].fill_(0 if finite else 1)
-    work = dist.all_gather_into_tensor(received, send, group=state.process_group, async_op=True)
+    work = all_gather_into_tensor(received, send, group=state.process_group, async_op=True)
     state.count(sent_bytes=offsets[-1] + 1, dense_bytes=0)
     if state.pipeline.error_feedback and finite:  # computed while the all-gather is in flight
         for i in gathered:

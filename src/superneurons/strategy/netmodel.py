@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from superneurons.compat import all_gather_into_tensor
 from superneurons.errors import ConfigError
 
 __all__ = ["LinkModel", "NetworkModel", "fit_link", "measure_network", "ring_network"]
@@ -174,7 +175,7 @@ def _collective(
     recv = torch.empty(nbytes * world, dtype=torch.uint8, device=device)
 
     def all_gather() -> None:
-        dist.all_gather_into_tensor(recv, send, group=group)
+        all_gather_into_tensor(recv, send, group=group)
 
     return all_gather
 
