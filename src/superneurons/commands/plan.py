@@ -29,7 +29,7 @@ from superneurons.memory.planner import make_plan, min_peak_bytes
 from superneurons.memory.profile_types import GRANULARITIES
 from superneurons.memory.simulate import OPTIMIZERS, profile_zoo
 
-HELP = "plan keep/offload/recompute per block under a memory budget (fake tensors)"
+HELP = "plan keep/offload/recompute per unit under a memory budget (fake tensors)"
 SEARCH_STRATEGIES = ("eager", "checkpoint", "recompute", "offload", "offload+opt-in-backward")
 DEPTH_SAMPLES = (24, 48, 72)  # stage-3 blocks n; the peak sits in stage 3 from n ~ 20 on
 BATCH_SAMPLES = (4, 8, 16)
