@@ -26,7 +26,7 @@ def test_demo_end_to_end_tiny(tmp_path: Path) -> None:
     assert memory["planned_peak_bytes"] <= memory["budget_bytes"] < memory["eager_peak_bytes"]
     dense = json.loads((tmp_path / "dense" / "summary.json").read_text())
     ours = json.loads((tmp_path / "superneurons" / "summary.json").read_text())
-    assert dense["codec"] == "dense" and ours["codec"].startswith("ctopk:")
+    assert dense["codec"] == "dense" and ours["codec"].startswith("fft:")
     assert ours["bytes_per_step"] < dense["bytes_per_step"] / 10
     assert any(m.startswith("[4/4]") for m in messages)
 

@@ -1,5 +1,5 @@
 """Train a real model on local ranks twice — dense DDP, then superneurons (a memory budget plus
-compactly coded Top-k with error feedback) — and write DIR/report.md with plots.
+FFT gradient compression with error feedback) — and write DIR/report.md with plots.
 
 Ranks: one per GPU (at most 2, NCCL) on a GPU machine, else 2 on CPU (gloo); --nproc N
 chooses (more ranks than GPUs run on CPU, said in one line). The report names the device and
