@@ -1,5 +1,6 @@
 """``superneurons demo``: train a real model twice on local ranks — dense DDP, then
-superneurons (a device-memory budget plus FFT gradient compression with error feedback) — and write a report with plots.
+superneurons (a device-memory budget plus FFT gradient compression with error feedback) — and
+write a report with plots.
 
 The two runs are ordinary training runs launched through the trainer's API
 (:func:`superneurons.train.launch.run_torchrun` on a saved
