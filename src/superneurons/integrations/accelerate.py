@@ -104,8 +104,9 @@ def prepare_superneurons(
             :func:`~superneurons.integrations.hf.plan_for_batch`); neither: no memory plan.
         optimizer: the (prepared) optimizer, so its state counts in the profiled peak.
         strategy: the planner's strategy (``auto`` by default).
-        compression_options: ``register_compression`` options (``error_feedback``,
-            ``warmup_steps``, ``theta_schedule``, ``seed``).
+        compression_options: ``register_compression`` options (``seed``, ``process_group``);
+            error feedback, warm-up and θ schedules are wrappers in ``compression`` itself
+            (``"ef(warmup(steps=100,topk:ratio=0.01))"``).
 
     Raises:
         ConfigError: compression without DDP (FSDP, DeepSpeed) or besides accelerate's own

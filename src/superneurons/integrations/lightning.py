@@ -44,7 +44,8 @@ class CompressedDDPStrategy(DDPStrategy):
         compression: a spec string or codec, a :class:`DeferredCompression`, or None (then
             ``ddp_comm_hook=`` must name a PyTorch hook).
         compression_options: ``register_compression`` options for a spec string or codec
-            (``error_feedback``, ``warmup_steps``, ``theta_schedule``, ``seed``).
+            (``seed``, ``process_group``); error feedback, warm-up and θ schedules are wrappers
+            in ``compression`` itself (``"ef(warmup(steps=100,topk:ratio=0.01))"``).
         kwargs: ``DDPStrategy`` arguments (``process_group_backend="gloo"``, ...).
 
     The hook's :class:`CompressionState` (bytes sent, ``state_dict``) is

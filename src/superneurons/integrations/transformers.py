@@ -57,7 +57,8 @@ class SuperNeuronsCallback(TrainerCallback):  # type: ignore[misc]
         sample_batch: the batch to profile (a dict of model inputs with labels); default: the
             first examples of ``trainer.train_dataset`` through ``trainer.data_collator``.
         strategy: the planner's strategy (``auto``).
-        compression_options: ``register_compression`` options (``error_feedback``, ...).
+        compression_options: ``register_compression`` options (``seed``, ``process_group``);
+            error feedback and warm-up are wrappers in ``compression`` (``"ef(...)"``).
 
     Attributes:
         setup: the :class:`~superneurons.integrations.accelerate.SuperNeuronsSetup` installed at
