@@ -49,8 +49,9 @@ class DeferredCompression:
         base = unwrap(compression).base
         if isinstance(base, (TorchDense, TorchFp16, TorchPowerSGD)):
             raise ConfigError(
-                f"{base.spec} is one of PyTorch's own hooks: pass it to DDP directly, "
-                "DeferredCompression is for superneurons codecs"
+                f"{base.spec} is one of PyTorch's own hooks, and DeferredCompression is for "
+                "superneurons codecs: use register_compression(ddp, spec), or with Lightning "
+                f"CompressedDDPStrategy({base.spec!r}) (Lightning skips ddp_comm_hook off CUDA)"
             )
         self.module = module
         self._compression = compression
