@@ -8,6 +8,7 @@ the rest are the baselines it is compared against. Importing this package starts
 
 from __future__ import annotations
 
+from superneurons.compress.adam import CompressedAdamW, register_local_gradients
 from superneurons.compress.adaptive import AdaptiveCodec
 from superneurons.compress.anchors import TorchDense, TorchFp16, TorchPowerSGD
 from superneurons.compress.auto import Auto
@@ -45,6 +46,9 @@ from superneurons.compress.terngrad import TernGradCodec
 from superneurons.compress.topk import TopKCodec
 
 __all__ = [
+    # optimizer-side compression for AdamW (1-bit Adam style)
+    "CompressedAdamW",
+    "register_local_gradients",
     # the codec interface
     "Codec",
     "Payload",
