@@ -80,6 +80,33 @@ def test_round_trip_is_exact_with_strides(layout: str) -> None:
     assert stats.d2h_count == 1
 
 
+def test_views_of_one_storage_share_one_copy_each_way() -> None:
+    # x and x.view(-1, C) saved by two nodes of one unit (a LayerNorm and a Linear): the planner
+    # counts the storage once, so the pool copies it once out and once back (issue 9)
+    pool = _pool(min_offload_bytes=0)
+    base = torch.randn(2, 4, 3)
+    views = [base, base.view(-1, 3), base[1:, 1:]]
+    expected = [v.clone() for v in views]
+    seen: list[torch.Tensor] = []
+    x = torch.randn(3, requires_grad=True)
+    with pool.offloading():
+        y = x
+        for view in views:
+            y = _Probe.apply(y, view, seen.append)
+    assert pool.stats().host_bytes == base.numel() * base.element_size()
+    del base, views, view
+    y.sum().backward()
+    stats = pool.stats()
+    assert (stats.d2h_count, stats.h2d_count) == (1, 1)
+    assert len(seen) == 3
+    for back, want in zip(reversed(seen), expected, strict=True):
+        assert back.shape == want.shape and back.stride() == want.stride()
+        assert torch.equal(back, want)
+    assert len({t.untyped_storage().data_ptr() for t in seen}) == 1
+    del y, seen
+    assert (pool.stats().host_bytes, pool.stats().live_slots) == (0, 0)
+
+
 def test_parameters_buffers_and_small_tensors_stay_on_device() -> None:
     layer = nn.Linear(64, 64)
     pool = TensorPool(

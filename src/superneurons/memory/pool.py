@@ -10,7 +10,9 @@ only while an ``offload`` unit's forward runs (the runtime enters :meth:`TensorP
 * ``pack`` keeps the tensor in a device LRU cache of ``cache_bytes``; what does not fit is copied
   device→host into the slab on a side stream (CUDA events, never ``torch.cuda.synchronize()``)
   and its device reference dropped. Parameters, buffers, tensors below ``min_offload_bytes``
-  and non-dense layouts are kept.
+  and non-dense layouts are kept. Views of one storage saved by one unit (``x`` and
+  ``x.view(-1, C)``) share the slot that holds them: one copy each way, as the planner counts
+  saved bytes per storage.
 * when backward enters an offload unit (autograd-node pre-hook on its outputs) the pool
   prefetches, on another side stream, its tensors and the previous offload unit's: one ahead.
 * ``unpack`` returns the cached or prefetched tensor (waiting on its event) or fetches it; a
@@ -112,17 +114,30 @@ class _Slot:
         self.storage = weakref.ref(tensor.untyped_storage())
         self.host: torch.Tensor | None = None  # contiguous view into the slab
         self.event: Any = None  # CUDA event of the last copy touching ``device_tensor``/``host``
+        self.uses = 0  # saved variables sharing the slot (the tensor and views inside it)
+        self.pending = 0  # unpacks still expected in the current backward
+        self.handles = 0  # live handles (autograd drops each after its node's backward)
+
+    def covers(self, tensor: torch.Tensor) -> bool:
+        """True if ``tensor`` (same storage) lies in the memory this dense slot copies."""
+        extent = sum((n - 1) * st for n, st in zip(tensor.size(), tensor.stride(), strict=True))
+        first = tensor.storage_offset()
+        numel = self.nbytes // tensor.element_size()
+        return self.dense and self.offset <= first and first + extent < self.offset + numel
 
 
 class _Handle:
-    """What ``pack`` returns; autograd owns it and drops it after the node's backward."""
+    """What ``pack`` returns; autograd owns it and drops it after the node's backward.
 
-    __slots__ = ("slot", "uses", "pending", "__weakref__")
+    ``view`` is None for the tensor the slot was made from, else (size, stride, offset from the
+    slot's first element) of another view inside the slot's memory (``x`` and ``x.view(-1, C)``,
+    saved by two nodes: one copy each way, as the planner counts one storage)."""
 
-    def __init__(self, slot: _Slot) -> None:
+    __slots__ = ("slot", "view", "__weakref__")
+
+    def __init__(self, slot: _Slot, view: tuple[Any, Any, Any] | None = None) -> None:
         self.slot = slot
-        self.uses = 1  # how many saved variables share this handle (deduplicated packs)
-        self.pending = 1  # unpacks still expected in the current backward
+        self.view = view
 
 
 class TensorPool:
@@ -147,7 +162,7 @@ class TensorPool:
         self._next_group = 0
         self._active_group: int | None = None
         self._excluded_ptrs: set[int] = set()
-        self._dedupe: dict[int, tuple[weakref.ref[torch.Tensor], int, _Handle]] = {}
+        self._dedupe: dict[tuple[int, torch.dtype], list[tuple[Any, _Slot]]] = {}
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._device_bytes = 0
         self._peak_host_bytes = 0
@@ -167,7 +182,7 @@ class TensorPool:
                 yield group
         finally:
             self._active_group = None
-            self._dedupe.clear()  # may drop the last reference to a handle: released
+            self._dedupe.clear()
             if not self._groups.get(group):
                 self._groups.pop(group, None)
 
@@ -187,21 +202,35 @@ class TensorPool:
         if not self._offloadable(tensor):
             self._counters["kept_small"] += 1
             return tensor
-        # one activation saved by two nodes shares a slot (same object, same version)
-        seen = self._dedupe.get(id(tensor))
-        if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
-            seen[2].uses += 1
-            seen[2].pending += 1
-            return seen[2]
+        # views of one storage saved by this unit share a dense slot that holds them (same
+        # storage, same version): one copy out and one back, as the planner counts storages
+        key = (_storage_key(tensor), tensor.dtype)
+        view = None
+        for storage_ref, candidate in self._dedupe.get(key, ()):
+            if (
+                storage_ref() is not None
+                and candidate.version == tensor._version
+                and candidate.handles > 0
+                and candidate.covers(tensor)
+            ):
+                slot = candidate
+                view = (tensor.size(), tensor.stride(), int(tensor.storage_offset()) - slot.offset)
+                break
+        else:
+            slot = _Slot(tensor)
+            storage = weakref.ref(tensor.untyped_storage())
+            self._dedupe.setdefault(key, []).append((storage, slot))
+            self._device_bytes += slot.nbytes
+            self._cache[id(slot)] = slot
         assert self._active_group is not None
-        slot = _Slot(tensor)
-        handle = _Handle(slot)
-        self._dedupe[id(tensor)] = (weakref.ref(tensor), tensor._version, handle)
+        slot.uses += 1
+        slot.pending += 1
+        slot.handles += 1
+        handle = _Handle(slot, view)
         self._groups[self._active_group].append(weakref.ref(handle))
         weakref.finalize(handle, self._release, slot, self._active_group)
-        self._device_bytes += slot.nbytes
-        self._cache[id(slot)] = slot
-        self._evict_to(self.config.cache_bytes)
+        if view is None:
+            self._evict_to(self.config.cache_bytes)
         return handle
 
     def _evict_to(self, limit_bytes: int) -> None:
@@ -282,15 +311,22 @@ class TensorPool:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(slot.event)
             tensor.record_stream(current)
-        packed.pending -= 1
-        if slot.host is not None and packed.pending <= 0:
+        slot.pending -= 1
+        if slot.host is not None and slot.pending <= 0:
             # NOTE: fetched copy now autograd's; host copy kept (retain_graph may unpack again)
-            packed.pending = packed.uses
+            slot.pending = slot.uses
             slot.device_tensor = None
             self._device_bytes -= slot.nbytes
+        if packed.view is not None:
+            size, stride, offset = packed.view
+            return tensor.as_strided(size, stride, tensor.storage_offset() + offset)
         return tensor
 
     def _release(self, slot: _Slot, group: int) -> None:  # autograd dropped the handle
+        slot.handles -= 1
+        if slot.handles > 0:  # another saved view still needs the slot
+            self._forget_dead_handles(group)
+            return
         if self._cuda and slot.event is not None:
             # an unread prefetch may still read the slot: order its reuse after that copy
             torch.cuda.current_stream(self.device).wait_event(slot.event)
@@ -301,6 +337,9 @@ class TensorPool:
         if slot.host is not None:
             self._slab.give_back(slot.nbytes)
             slot.host = None
+        self._forget_dead_handles(group)
+
+    def _forget_dead_handles(self, group: int) -> None:
         refs = [r for r in self._groups.get(group, ()) if r() is not None]
         if refs or group == self._active_group:
             self._groups[group] = refs
