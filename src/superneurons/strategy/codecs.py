@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +25,7 @@ import torch
 from superneurons.compress.codec import Codec
 from superneurons.compress.powersgd import PowerSGD, orthogonalize_
 from superneurons.errors import ConfigError
+from superneurons.strategy.timing import time_call_s
 
 __all__ = [
     "DEFAULT_CANDIDATES",
@@ -110,24 +110,9 @@ def candidate_codecs(specs: Sequence[str]) -> list[Codec | PowerSGD]:
 
 
 def _timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
-    """Median seconds of ``fn`` after one warm-up call. CUDA work is timed by events on the
-    current stream (waiting on the end event only, never a device-wide synchronize)."""
+    """Median seconds of ``fn`` after one warm-up call (:func:`time_call_s` each)."""
     fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(float(start.elapsed_time(end)) / 1e3)
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - begin)
-    times.sort()
+    times = sorted(time_call_s(fn, device) for _ in range(repeats))
     return times[len(times) // 2]
 
 

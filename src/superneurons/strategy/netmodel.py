@@ -15,7 +15,6 @@ process group at a few sizes and :func:`fit_link` fits α and β by least square
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +24,7 @@ import torch.distributed as dist
 
 from superneurons.compat import all_gather_into_tensor
 from superneurons.errors import ConfigError
+from superneurons.strategy.timing import time_call_s
 
 __all__ = ["LinkModel", "NetworkModel", "fit_link", "measure_network", "ring_network"]
 
@@ -143,23 +143,6 @@ def fit_link(sizes_bytes: Sequence[int], times_s: Sequence[float]) -> LinkModel:
     return LinkModel(alpha, beta)
 
 
-def _time_call(fn: Callable[[], None], device: torch.device) -> float:
-    """Seconds one blocking collective takes. On CUDA the collective is enqueued on the
-    current stream, so it is timed by events (waiting on the end event, never a device-wide
-    synchronize); elsewhere by the wall clock around the blocking call."""
-    if device.type == "cuda":
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return float(start.elapsed_time(end)) / 1e3
-    begin = time.perf_counter()
-    fn()
-    return time.perf_counter() - begin
-
-
 def _collective(
     kind: str, nbytes: int, world: int, device: torch.device, group: dist.ProcessGroup | None
 ) -> Callable[[], None]:
@@ -201,7 +184,7 @@ def measure_network(
         for nbytes in sizes_bytes:
             call = _collective(kind, nbytes, world, device, group)
             call()  # warm-up: connection set-up and allocator growth are not the link
-            medians.append(statistics.median(_time_call(call, device) for _ in range(repeats)))
+            medians.append(statistics.median(time_call_s(call, device) for _ in range(repeats)))
     agreed = torch.tensor(medians, dtype=torch.float64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
     times = [float(t) for t in agreed.cpu()]
