@@ -20,6 +20,7 @@ convolutions abort on a CPU build, and bytes are device independent).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import time
@@ -253,28 +254,17 @@ def profile_step(
     for p in model_c.parameters():
         p.grad = None
     try:
-        if mode is not None:
-            with mode:
-                return _run(
-                    model_c,
-                    opt_c,
-                    inputs,
-                    targets,
-                    loss_fn,
-                    unit_fqns,
-                    fake=True,
-                    keep_output=keep_output,
-                )
-        return _run(
-            model_c,
-            opt_c,
-            inputs,
-            targets,
-            loss_fn,
-            unit_fqns,
-            fake=False,
-            keep_output=keep_output,
-        )
+        with mode if mode is not None else contextlib.nullcontext():
+            return _run(
+                model_c,
+                opt_c,
+                inputs,
+                targets,
+                loss_fn,
+                unit_fqns,
+                fake=mode is not None,
+                keep_output=keep_output,
+            )
     except (RuntimeError, NotImplementedError) as exc:
         if mode is None:
             raise
