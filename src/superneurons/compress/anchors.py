@@ -16,43 +16,39 @@ __all__ = ["TorchAnchor", "TorchDense", "TorchFp16", "TorchPowerSGD"]
 
 
 @dataclass(frozen=True)
-class TorchDense:
+class _Anchor:
+    """What every anchor shares: a spec name, summable (DDP all-reduces it), str() = spec."""
+
+    NAME: ClassVar[str]
+
+    @property
+    def spec(self) -> str:
+        return self.NAME
+
+    @property
+    def summable(self) -> bool:
+        return True
+
+    def __str__(self) -> str:
+        return self.spec
+
+
+@dataclass(frozen=True)
+class TorchDense(_Anchor):
     """DDP's own fp32 all-reduce, no hook at all: the honest anchor (``dense``)."""
 
     NAME: ClassVar[str] = "dense"
 
-    @property
-    def spec(self) -> str:
-        return self.NAME
-
-    @property
-    def summable(self) -> bool:
-        return True
-
-    def __str__(self) -> str:
-        return self.spec
-
 
 @dataclass(frozen=True)
-class TorchFp16:
+class TorchFp16(_Anchor):
     """``default_hooks.fp16_compress_hook`` (``torch-fp16``)."""
 
     NAME: ClassVar[str] = "torch-fp16"
 
-    @property
-    def spec(self) -> str:
-        return self.NAME
-
-    @property
-    def summable(self) -> bool:
-        return True
-
-    def __str__(self) -> str:
-        return self.spec
-
 
 @dataclass(frozen=True)
-class TorchPowerSGD:
+class TorchPowerSGD(_Anchor):
     """``powerSGD_hook.powerSGD_hook`` at approximation ``rank`` (``torch-powersgd:rank=4``)."""
 
     rank: int = 4
@@ -65,13 +61,6 @@ class TorchPowerSGD:
     @property
     def spec(self) -> str:
         return f"{self.NAME}:rank={self.rank}"
-
-    @property
-    def summable(self) -> bool:
-        return True
-
-    def __str__(self) -> str:
-        return self.spec
 
 
 TorchAnchor = TorchDense | TorchFp16 | TorchPowerSGD
