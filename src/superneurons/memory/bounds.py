@@ -49,8 +49,10 @@ def working_sets(profile: Profile) -> dict[str, int]:
     unit_saved = np.cumsum(change[:-1])  # bytes saved by any unit, live after each event
     sets: dict[str, int] = {}
     for unit in profile.units:
-        windows = [(unit.fwd_start_event, unit.fwd_end_event)]
-        windows.append((unit.bwd_start_event, max(unit.bwd_end_event, unit.bwd_start_event)))
+        windows = []
+        for call in range(max(len(unit.calls), 1)):  # each forward call, and its backward
+            fwd_start, fwd_end, bwd_start, bwd_end = unit.window(call)
+            windows += [(fwd_start, fwd_end), (bwd_start, max(bwd_end, bwd_start))]
         best = 0
         for start, end in windows:
             if start < 0 or end < start:

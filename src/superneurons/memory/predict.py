@@ -64,23 +64,26 @@ def evaluate(
     total = table.sum(axis=0)
     change = np.zeros(profile.num_events + 1, dtype=np.int64)
     units = {u.fqn: u for u in profile.units}
-    order = [u.fqn for u in profile.units]
-    next_unit = {a: b for a, b in zip(order, order[1:], strict=False)}
+    # one window per forward call of each unit, in forward order (a module called several
+    # times saves, releases and gets back each call's tensors separately: one pool group each)
+    calls = {(u.fqn, c): u.window(c) for u in profile.units for c in range(max(len(u.calls), 1))}
+    order = sorted(calls, key=lambda k: calls[k][0])
+    next_call = {a: b for a, b in zip(order, order[1:], strict=False)}
     members: dict[int, list[str]] = {}
-    for fqn in order:
+    for fqn in (u.fqn for u in profile.units):
         if fqn in segments:
             members.setdefault(segments[fqn], []).append(fqn)
 
-    def prefetched(fqn: str) -> int:
-        # the runtime prefetches a unit's pool group when backward enters the next unit if that
-        # one is offloaded too (autograd pre-hook on its outputs; for a recompute+offload unit
-        # on the nodes after its output node, once its recompute is over), else when backward
-        # enters the unit itself
-        bwd = units[fqn].bwd_start_event
-        nxt = next_unit.get(fqn, "")
-        if actions.get(nxt, "") in OFFLOADING:
-            ahead = units[nxt].bwd_start_event
-            if actions[nxt] == "recompute+offload" and ahead >= 0:
+    def prefetched(fqn: str, call: int = 0) -> int:
+        # the runtime prefetches a call's pool group when backward enters the next unit call
+        # in forward order if that one is offloaded too (autograd pre-hook on its outputs; for
+        # a recompute+offload unit on the nodes after its output node, once its recompute is
+        # over), else when backward enters the call itself
+        bwd = calls[(fqn, call)][2]
+        nxt = next_call.get((fqn, call))
+        if nxt is not None and actions.get(nxt[0], "") in OFFLOADING:
+            ahead = calls[nxt][2]
+            if actions[nxt[0]] == "recompute+offload" and ahead >= 0:
                 ahead += 1  # after the next unit's recompute (its spike at ahead + 1)
             bwd = ahead if 0 <= ahead < bwd else bwd
         return bwd
@@ -90,7 +93,7 @@ def evaluate(
     inputs: dict[str, int] = {}  # saved bytes born before the unit (its checkpoint)
     for life in profile.storages:
         for f in life.units:
-            if f and life.birth >= units[f].fwd_start_event:
+            if f and life.birth >= units[f].window(life.call_of(f))[0]:
                 internal[f] = internal.get(f, 0) + life.nbytes
             elif f:
                 inputs[f] = inputs.get(f, 0) + life.nbytes
@@ -106,8 +109,9 @@ def evaluate(
         releases, windows, held, copies = [], [], False, 0
         death = life.death + 1
         for f in packers:
-            unit, action = units[f], actions[f]
-            if action in RECOMPUTING and life.birth < unit.fwd_start_event:
+            action, call = actions[f], life.call_of(f)
+            fwd_start, fwd_end, bwd_start, bwd_end = units[f].window(call)
+            if action in RECOMPUTING and life.birth < fwd_start:
                 group = members.get(segments.get(f, -1), [f])
                 if group[0] != f:  # an inner input of a segment: the segment recomputes it
                     releases.append(units[group[-1]].fwd_end_event)
@@ -116,17 +120,16 @@ def evaluate(
                 if action == "recompute":
                     held = True  # a checkpoint's input stays saved
                     break
-                releases.append(unit.fwd_end_event)  # the checkpoint goes to the host pool
-                end = max(unit.bwd_end_event, unit.bwd_start_event) + 2
-                windows.append((prefetched(f) + 1, end))
+                releases.append(fwd_end)  # the checkpoint goes to the host pool
+                windows.append((prefetched(f, call) + 1, max(bwd_end, bwd_start) + 2))
                 copies += 1
                 continue
-            releases.append(unit.fwd_end_event)
+            releases.append(fwd_end)
             if action == "offload":
-                windows.append((prefetched(f) + 1, death))
+                windows.append((prefetched(f, call) + 1, death))
                 copies += 1  # each unit's pool group copies what it saved
             else:
-                windows.append((unit.bwd_start_event + 1, death))  # recomputed
+                windows.append((bwd_start + 1, death))  # recomputed
         if held:
             continue
         # NOTE: an unpack at event e happens after op e, when the storages that died at e are
@@ -146,13 +149,14 @@ def evaluate(
         host_bytes += copies * life.nbytes
     for fqn, action in actions.items():
         unit = units[fqn]
-        if action not in RECOMPUTING or not unit.unsaved_input_bytes or unit.bwd_start_event < 0:
+        _, fwd_end, bwd_start, bwd_end = unit.window(0)  # the first call's inputs
+        if action not in RECOMPUTING or not unit.unsaved_input_bytes or bwd_start < 0:
             continue
         if members.get(segments.get(fqn, -1), [fqn])[0] != fqn:
             continue  # inside a segment: the segment's recompute brings it back
         # a checkpoint keeps an input eager autograd would have freed in forward
-        end = min(max(unit.bwd_end_event, unit.bwd_start_event) + 1, profile.num_events)
-        start = unit.fwd_end_event + 1
+        end = min(max(bwd_end, bwd_start) + 1, profile.num_events)
+        start = fwd_end + 1
         if action == "recompute+offload":
             start = prefetched(fqn) + 1
             host_bytes += unit.unsaved_input_bytes
@@ -170,8 +174,10 @@ def evaluate(
             spike = max(unit.temp_peak_bytes - internal.get(fqn, 0) - unit.output_bytes, 0)
             # the recompute snapshots running statistics (once more for a segment's outer pass)
             spike += unit.norm_state_bytes * (2 if fqn in segments else 1)
-            if 0 <= unit.bwd_start_event < profile.num_events - 1:
-                total[unit.bwd_start_event + 1] += spike
+            for call in range(max(len(unit.calls), 1)):  # each call recomputes in its backward
+                bwd_start = unit.window(call)[2]
+                if 0 <= bwd_start < profile.num_events - 1:
+                    total[bwd_start + 1] += spike
         moved = {"offload": unit.saved_bytes, "recompute+offload": inputs.get(fqn, 0)}
         if action in moved:
             # the copy out overlaps this unit's forward, the prefetch the backward of the next

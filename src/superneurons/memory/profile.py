@@ -88,8 +88,12 @@ class _Recorder:
                     temp_peak=0,
                     time_s=0.0,
                     t0=0.0,
+                    calls=[],
                 ),
             )
+            # per call: [fwd_start, fwd_end, bwd_start, bwd_end] (a module called several
+            # times in one forward, e.g. a ResNet bottleneck's one ReLU, has several windows)
+            row["calls"].append([self.tracker.event + 1, -1, -1, -1])
             row["t0"] = time.perf_counter()
             row["in_sids"] = {
                 self.tracker.serial_of(t)
@@ -119,16 +123,21 @@ class _Recorder:
             }
             row["inplace"] = row.get("inplace", False) or bool(out_sids & row["in_sids"])
             row["fwd_end"] = self.tracker.event
+            row["calls"][-1][1] = self.tracker.event
             if self.timer is not None:
                 self.timer.stop(fqn, row.pop("events"))
             else:
                 row["time_s"] += time.perf_counter() - row["t0"]
 
     def current_unit(self) -> str:
+        return self.current_call()[0]
+
+    def current_call(self) -> tuple[str, int]:
+        """The innermost unit running and the index of its current call ("", 0: none)."""
         for fqn, _ in reversed(self.stack):
             if fqn in self.units:
-                return fqn
-        return ""
+                return fqn, len(self.unit_rows[fqn]["calls"]) - 1
+        return "", 0
 
     # dispatch callback ---------------------------------------------------------------------
     def on_op(self, event: int, func: Any, args: Any, kwargs: Any, out: Any) -> None:
@@ -167,14 +176,16 @@ class _Recorder:
         if first:
             self.first_key_of_storage[sid] = key
         index = len(self.saved)
-        self.saved_by_unit.setdefault(self.current_unit(), set()).add(sid)
+        unit, unit_call = self.current_call()
+        self.saved_by_unit.setdefault(unit, set()).add(sid)
         self.saved.append(
             dict(
                 key=key,
                 module=fqn,
                 sid=sid,
                 first=first,
-                unit=self.current_unit(),
+                unit=unit,
+                unit_call=unit_call,
                 pack_event=self.tracker.event,
                 last_use=-1,
                 nbytes=int(tensor.untyped_storage().nbytes()),
@@ -192,6 +203,10 @@ class _Recorder:
                 self.unit_rows[unit]["bwd_start"] = self.tracker.event
             if unit:
                 self.unit_rows[unit]["bwd_end"] = self.tracker.event
+                window = self.unit_rows[unit]["calls"][row["unit_call"]]
+                if window[2] < 0:
+                    window[2] = self.tracker.event
+                window[3] = max(window[3], self.tracker.event)
         return tensor
 
 

@@ -108,12 +108,21 @@ class SavedTensor:
 
 @dataclass(frozen=True)
 class StorageLife:
-    """A storage some saved tensor refers to: size, live interval and the units that saved it."""
+    """A storage some saved tensor refers to: size, live interval and the units that saved it.
+
+    ``calls[i]`` is the call of ``units[i]`` that first saved it (a unit called several times
+    in one forward saves different storages in each call; see :attr:`UnitProfile.calls`).
+    """
 
     nbytes: int
     birth: int
     death: int
     units: tuple[str, ...]
+    calls: tuple[int, ...] = ()
+
+    def call_of(self, unit: str) -> int:
+        """The call of ``unit`` that saved this storage (0 when not recorded)."""
+        return self.calls[self.units.index(unit)] if self.calls else 0
 
 
 @dataclass(frozen=True)
@@ -139,6 +148,10 @@ class UnitProfile:
         norm_state_bytes: BatchNorm running statistics a recompute of it snapshots.
         unsaved_input_bytes: bytes of its inputs that eager autograd does not save (e.g. a
             dropout's input), made during the step: a checkpoint of the unit would keep them.
+        calls: ``(fwd_start, fwd_end, bwd_start, bwd_end)`` events of each forward call (the
+            fields above span all of them). A module called several times in one forward (a
+            ResNet bottleneck's one ``ReLU``, three calls) saves, releases and gets back each
+            call's tensors in that call's own windows, as the runtime's pool groups do.
     """
 
     fqn: str
@@ -157,6 +170,14 @@ class UnitProfile:
     norm_state_bytes: int = 0  # running statistics a recompute snapshots (memory.recompute)
     unsaved_input_bytes: int = 0
     in_sequential: bool = False  # a child of an ``nn.Sequential`` (segments need one)
+    calls: tuple[tuple[int, int, int, int], ...] = ()
+
+    def window(self, call: int = 0) -> tuple[int, int, int, int]:
+        """``(fwd_start, fwd_end, bwd_start, bwd_end)`` of forward call ``call`` (the whole
+        span when calls were not recorded)."""
+        if self.calls:
+            return self.calls[call]
+        return (self.fwd_start_event, self.fwd_end_event, self.bwd_start_event, self.bwd_end_event)
 
 
 @dataclass(frozen=True)
@@ -276,11 +297,13 @@ class Profile:
                         birth=max(tracker.births.get(sid, 0), 0),
                         death=death,
                         units=[],
+                        calls=[],
                     )
                 )
             life = lives[index_of[sid]]
             if row["unit"] not in life["units"]:
                 life["units"].append(row["unit"])
+                life["calls"].append(int(row.get("unit_call", 0)))
             saved.append(
                 SavedTensor(
                     key=row["key"],
@@ -294,7 +317,8 @@ class Profile:
                 )
             )
         storages = tuple(
-            StorageLife(v["nbytes"], v["birth"], v["death"], tuple(v["units"])) for v in lives
+            StorageLife(v["nbytes"], v["birth"], v["death"], tuple(v["units"]), tuple(v["calls"]))
+            for v in lives
         )
         units = []
         for fqn in unit_order:
@@ -320,6 +344,9 @@ class Profile:
                     inplace=bool(u.get("inplace", False)),
                     norm_state_bytes=int(u.get("norm_state_bytes", 0)),
                     in_sequential=bool(u.get("in_sequential", False)),
+                    calls=tuple(
+                        (int(a), int(b), int(c), int(d)) for a, b, c, d in u.get("calls", ())
+                    ),
                     unsaved_input_bytes=sum(
                         tracker.nbytes[sid]
                         for sid in u.get("first_in_sids", ())

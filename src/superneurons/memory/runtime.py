@@ -153,9 +153,6 @@ def apply_plan(
     config = pool_config or PoolConfig(host_bytes=plan.host_bytes)
 
     units = _resolve_units(model, plan)
-    order = [u.fqn for u in plan.units]  # forward order, keep units included
-    previous = {b: plan.action_of(a) for a, b in zip(order, order[1:], strict=False)}
-    chained = {fqn: previous.get(fqn) in OFFLOADING for fqn in order}
     if any(getattr(m.forward, _MARK, False) for _, _, m in units):
         raise ConfigError("this model already runs a plan: remove() the first handle")
 
@@ -165,19 +162,25 @@ def apply_plan(
 
     pool = TensorPool(config, device=device, excluded=model_state)
     handle = PlanHandle(model, plan, pool)
+    trace = _CallTrace()
     try:
+        for unit in plan.units:  # every unit call, keep units included, in forward order
+            hook = model.get_submodule(unit.fqn).register_forward_pre_hook(
+                lambda _m, _a, a=unit.action: trace.enter(a)
+            )
+            handle._hooks.append(hook)
         for fqn, action, module in units:
             if action == "recompute":
                 stats = handle.recompute_stats.setdefault(fqn, RecomputeStats())
                 handle._wrap(module, checkpointed_forward(module, module.forward, stats))
             elif action == "offload":
-                handle._wrap(module, _offloaded_forward(pool, module.forward, chained[fqn]))
+                handle._wrap(module, _offloaded_forward(pool, module.forward, trace))
             elif action == "recompute+offload":
                 # the checkpoint's input goes to the pool; the previous checkpoint is
                 # prefetched once this unit's recompute has finished
                 stats = handle.recompute_stats.setdefault(fqn, RecomputeStats())
                 inner = checkpointed_forward(module, module.forward, stats)
-                forward = _offloaded_forward(pool, inner, chained[fqn], after_first_node=True)
+                forward = _offloaded_forward(pool, inner, trace, after_first_node=True)
                 handle._wrap(module, forward)
         for members in _segments(model, plan):
             _wrap_segment(handle, members)
@@ -271,11 +274,31 @@ def _passthrough(x: Any) -> Any:
     return x
 
 
+class _CallTrace:
+    """The actions of the last two plan-unit calls in forward order (keep units included).
+
+    A module called several times in one forward (a ResNet bottleneck's one ``ReLU``) is a
+    different neighbour at each call: whether the previous pool group is prefetched one ahead
+    depends on the unit *call* just before, as :func:`superneurons.memory.predict.evaluate`
+    assumes, not on the unit's place in the plan.
+    """
+
+    def __init__(self) -> None:
+        self.previous = self.current = "keep"
+
+    def enter(self, action: str) -> None:
+        self.previous, self.current = self.current, action
+
+
 def _offloaded_forward(
-    pool: TensorPool, forward: Callable[..., Any], chained: bool, *, after_first_node: bool = False
+    pool: TensorPool,
+    forward: Callable[..., Any],
+    trace: _CallTrace,
+    *,
+    after_first_node: bool = False,
 ) -> Callable[..., Any]:
     """Run ``forward`` with its saved tensors packed into ``pool``; arm the prefetch (of the
-    previous unit too when it is offloaded as well: ``chained``).
+    previous unit call's group too when that call is offloaded as well: ``chained``).
 
     ``after_first_node`` (recompute+offload): the previous unit's group is prefetched when
     backward leaves this unit's output node, i.e. once the recompute that node's unpack
@@ -286,6 +309,7 @@ def _offloaded_forward(
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
+        chained = trace.previous in OFFLOADING  # the unit call just before this one
         with pool.offloading() as group:
             out = forward(*args, **kwargs)
         # When backward reaches this unit's outputs, bring this unit's tensors and the
