@@ -70,7 +70,12 @@ def _measure(
 ) -> tuple[list[int], int]:
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        loss_fn(model(inputs), targets).backward()
+        # the output lives through backward, as in train/loop.py and profile_step (default
+        # keep_output=True): a step that drops it first has a lower eager peak than the profile
+        # the plan is made from (an LM's logits, B*T*V*4 bytes)
+        output = model(inputs)
+        loss_fn(output, targets).backward()
+        del output
         optimizer.step()
 
     step()  # steady state: optimizer state exists, DDP-free warm-up
