@@ -37,9 +37,13 @@ import torch
 from superneurons.errors import ConfigError
 from superneurons.memory.slab import HostSlab
 
-__all__ = ["PoolConfig", "PoolStats", "TensorPool"]
+__all__ = ["MIN_OFFLOAD_BYTES", "PoolConfig", "PoolStats", "TensorPool"]
 
 logger = logging.getLogger("superneurons.memory")
+
+# NOTE: below ~16 KiB a copy's fixed latency (~10 us per cudaMemcpyAsync) outweighs the bytes;
+# the predictor (memory.predict) keeps such tensors on the device too
+MIN_OFFLOAD_BYTES = 16 * 1024
 
 _COUNTERS = ["d2h_bytes", "h2d_bytes", "d2h_count", "h2d_count", "cache_hits", "prefetch_hits"]
 _COUNTERS += ["demand_fetches", "kept_small", "still_resident"]
@@ -60,7 +64,7 @@ class PoolConfig:
             live-storage count sees exactly the device bytes; ``memory.simulate``).
     """
 
-    min_offload_bytes: int = 16 * 1024
+    min_offload_bytes: int = MIN_OFFLOAD_BYTES
     host_bytes: int = 0
     cache_bytes: int = 0
     prefetch: bool = True

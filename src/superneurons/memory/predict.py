@@ -20,6 +20,7 @@ import numpy as np
 
 from superneurons.memory.cost import CostModel
 from superneurons.memory.plan import OFFLOADING, RECOMPUTING
+from superneurons.memory.pool import MIN_OFFLOAD_BYTES
 from superneurons.memory.profile_types import CATEGORIES, Profile
 
 __all__ = ["CostModel", "evaluate", "segment_runs"]
@@ -42,12 +43,15 @@ def evaluate(
     optimizer_in_backward: bool = False,
     cost: CostModel | None = None,
     segments: dict[str, int] | None = None,
+    min_offload_bytes: int = MIN_OFFLOAD_BYTES,
 ) -> _Outcome:
     """Predict peak bytes, host bytes and time overheads of per-unit ``actions`` (fqn -> action).
 
     ``segments`` (fqn -> segment id) groups consecutive recompute units under one outer
     checkpoint: only the first unit's input stays saved; the inner units' inputs come back when
-    the segment is recomputed at the backward start of its last unit.
+    the segment is recomputed at the backward start of its last unit. Storages smaller than
+    ``min_offload_bytes`` stay on the device, as the pool keeps them
+    (:attr:`~superneurons.memory.pool.PoolConfig.min_offload_bytes`).
     """
     cost = cost or CostModel()
     segments = segments or {}
@@ -108,6 +112,7 @@ def evaluate(
         # a new storage that lives until the eager death, as does what a prefetch brings back.
         releases, windows, held, copies = [], [], False, 0
         death = life.death + 1
+        small = life.nbytes < min_offload_bytes  # the pool keeps it where it is
         for f in packers:
             action, call = actions[f], life.call_of(f)
             fwd_start, fwd_end, bwd_start, bwd_end = units[f].window(call)
@@ -117,13 +122,16 @@ def evaluate(
                     releases.append(units[group[-1]].fwd_end_event)
                     windows.append((units[group[-1]].bwd_start_event + 1, death))
                     continue
-                if action == "recompute":
+                if action == "recompute" or small:
                     held = True  # a checkpoint's input stays saved
                     break
                 releases.append(fwd_end)  # the checkpoint goes to the host pool
                 windows.append((prefetched(f, call) + 1, max(bwd_end, bwd_start) + 2))
                 copies += 1
                 continue
+            if action == "offload" and small:
+                held = True
+                break
             releases.append(fwd_end)
             if action == "offload":
                 windows.append((prefetched(f, call) + 1, death))
@@ -157,7 +165,7 @@ def evaluate(
         # a checkpoint keeps an input eager autograd would have freed in forward
         end = min(max(bwd_end, bwd_start) + 1, profile.num_events)
         start = fwd_end + 1
-        if action == "recompute+offload":
+        if action == "recompute+offload" and unit.unsaved_input_bytes >= min_offload_bytes:
             start = prefetched(fqn) + 1
             host_bytes += unit.unsaved_input_bytes
         if start < end:
