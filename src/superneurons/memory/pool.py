@@ -10,9 +10,9 @@ only while an ``offload`` unit's forward runs (the runtime enters :meth:`TensorP
 * ``pack`` keeps the tensor in a device LRU cache of ``cache_bytes``; what does not fit is copied
   device→host into the slab on a side stream (CUDA events, never ``torch.cuda.synchronize()``)
   and its device reference dropped. Parameters, buffers, tensors below ``min_offload_bytes``
-  and non-dense layouts are kept. Views of one storage saved by one unit (``x`` and
-  ``x.view(-1, C)``) share the slot that holds them: one copy each way, as the planner counts
-  saved bytes per storage.
+  and non-dense layouts are kept. A slot holds a whole storage, so views of one storage saved
+  in one step (``x``, ``x.view(-1, C)``, ``x[1:]``, in any order, by one unit or by two) share
+  it: one copy each way, as the planner counts saved bytes per storage.
 * when backward enters an offload unit (autograd-node pre-hook on its outputs) the pool
   prefetches, on another side stream, its tensors and the previous offload unit's: one ahead.
 * ``unpack`` returns the cached or prefetched tensor (waiting on its event) or fetches it; a
@@ -35,7 +35,12 @@ from typing import Any
 import torch
 
 from superneurons.errors import ConfigError
-from superneurons.memory.slab import HostSlab
+from superneurons.memory.slab import (
+    HostSlab,
+    memory_order,
+    non_overlapping_and_dense,
+    whole_storage,
+)
 
 __all__ = ["MIN_OFFLOAD_BYTES", "PoolConfig", "PoolStats", "TensorPool"]
 
@@ -110,8 +115,8 @@ class _Slot:
         self.device = tensor.device
         self.nbytes = tensor.numel() * tensor.element_size()
         self.version = tensor._version
-        # dense: strides kept (memcpy in memory order); views (q, k, v of one qkv) compacted
-        self.dense = _non_overlapping_and_dense(tensor)
+        # dense: strides kept (memcpy in memory order); else compacted
+        self.dense = non_overlapping_and_dense(tensor)
         self.device_tensor: torch.Tensor | None = tensor
         # reused after eviction if still alive elsewhere (an input, a keep unit's saved output)
         self.original, self.offset = weakref.ref(tensor), tensor.storage_offset()
@@ -121,6 +126,7 @@ class _Slot:
         self.uses = 0  # saved variables sharing the slot (the tensor and views inside it)
         self.pending = 0  # unpacks still expected in the current backward
         self.handles = 0  # live handles (autograd drops each after its node's backward)
+        self.key = (_storage_key(tensor), tensor.dtype)  # slots are shared per storage
 
     def covers(self, tensor: torch.Tensor) -> bool:
         """True if ``tensor`` (same storage) lies in the memory this dense slot copies."""
@@ -186,7 +192,6 @@ class TensorPool:
                 yield group
         finally:
             self._active_group = None
-            self._dedupe.clear()
             if not self._groups.get(group):
                 self._groups.pop(group, None)
 
@@ -195,7 +200,7 @@ class TensorPool:
             (type(tensor) is torch.Tensor or self.config.host_device == "meta")
             and tensor.layout == torch.strided
             and tensor.device.type == self.device.type  # not meta/fake, not a stray CPU tensor
-            and tensor.numel() * tensor.element_size() >= max(self.config.min_offload_bytes, 1)
+            and tensor.untyped_storage().nbytes() >= max(self.config.min_offload_bytes, 1)
             and all(
                 st != 0 for sz, st in zip(tensor.size(), tensor.stride(), strict=True) if sz > 1
             )
@@ -206,26 +211,33 @@ class TensorPool:
         if not self._offloadable(tensor):
             self._counters["kept_small"] += 1
             return tensor
-        # views of one storage saved by this unit share a dense slot that holds them (same
-        # storage, same version): one copy out and one back, as the planner counts storages
+        # views of one storage saved in this step share the slot that holds them (same storage,
+        # same version), also across units (a block's output saved by it and by the next
+        # block): one copy out and one back, live from the first prefetch to the last unpack,
+        # as the planner counts storages
         key = (_storage_key(tensor), tensor.dtype)
-        view = None
-        for storage_ref, candidate in self._dedupe.get(key, ()):
-            if (
-                storage_ref() is not None
-                and candidate.version == tensor._version
-                and candidate.handles > 0
-                and candidate.covers(tensor)
-            ):
-                slot = candidate
-                view = (tensor.size(), tensor.stride(), int(tensor.storage_offset()) - slot.offset)
-                break
-        else:
-            slot = _Slot(tensor)
-            storage = weakref.ref(tensor.untyped_storage())
-            self._dedupe.setdefault(key, []).append((storage, slot))
+        slot = next(
+            (
+                c
+                for ref, c in self._dedupe.get(key, ())
+                if ref() is not None and c.version == tensor._version and c.handles > 0
+                and c.covers(tensor)
+            ),
+            None,
+        )  # fmt: skip
+        fresh, whole = slot is None, None
+        if slot is None:
+            # a view that does not fill its storage (x[1:], k of a fused qkv): the slot holds the
+            # whole storage, so a larger view saved later shares it
+            whole = whole_storage(tensor)
+            slot = _Slot(tensor if whole is None else whole)
+            slot.original = weakref.ref(tensor)  # reuse and version checks follow the saved
+            self._dedupe.setdefault(key, []).append((weakref.ref(tensor.untyped_storage()), slot))
             self._device_bytes += slot.nbytes
             self._cache[id(slot)] = slot
+        view = None  # the slot's own geometry, else a view inside the slot's memory
+        if not fresh or whole is not None:
+            view = (tensor.size(), tensor.stride(), int(tensor.storage_offset()) - slot.offset)
         assert self._active_group is not None
         slot.uses += 1
         slot.pending += 1
@@ -233,7 +245,7 @@ class TensorPool:
         handle = _Handle(slot, view)
         self._groups[self._active_group].append(weakref.ref(handle))
         weakref.finalize(handle, self._release, slot, self._active_group)
-        if view is None:
+        if fresh:
             self._evict_to(self.config.cache_bytes)
         return handle
 
@@ -253,7 +265,7 @@ class TensorPool:
             if self._d2h_stream is not None:
                 self._d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
             with _on(self._d2h_stream):
-                src = _memory_order(tensor) if slot.dense else tensor
+                src = memory_order(tensor) if slot.dense else tensor
                 slot.host.view(src.shape).copy_(src, non_blocking=self._cuda)
                 slot.event = self._d2h_stream.record_event() if self._d2h_stream else None
                 if self._d2h_stream is not None:  # the allocator must not reuse it mid-copy
@@ -289,7 +301,7 @@ class TensorPool:
         with _on(self._h2d_stream):
             t = torch.empty(slot.size, dtype=slot.dtype, device=slot.device)
             t = t.as_strided(slot.size, slot.stride) if slot.dense else t
-            dst = _memory_order(t) if slot.dense else t
+            dst = memory_order(t) if slot.dense else t
             dst.copy_(slot.host.view(dst.shape), non_blocking=self._cuda)
             slot.event = self._h2d_stream.record_event() if self._h2d_stream else None
         slot.device_tensor = t
@@ -338,6 +350,10 @@ class TensorPool:
             self._device_bytes -= slot.nbytes
             slot.device_tensor = None
         self._cache.pop(id(slot), None)
+        shared = self._dedupe.get(slot.key, [])
+        shared[:] = [(ref, c) for ref, c in shared if c is not slot]
+        if not shared:
+            self._dedupe.pop(slot.key, None)
         if slot.host is not None:
             self._slab.give_back(slot.nbytes)
             slot.host = None
@@ -380,22 +396,3 @@ def _storage_key(tensor: torch.Tensor) -> int:
 def _on(stream: Any) -> contextlib.AbstractContextManager[Any]:
     """Run on a CUDA side stream; on CPU (no stream) just run."""
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
-def _non_overlapping_and_dense(tensor: torch.Tensor) -> bool:
-    """True if the elements fill ``numel`` consecutive storage slots (any dimension order)."""
-    expected = 1
-    dims = sorted(zip(tensor.size(), tensor.stride(), strict=True), key=lambda d: d[1])
-    for size, stride in dims:
-        if size == 1:
-            continue
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _memory_order(tensor: torch.Tensor) -> torch.Tensor:
-    """A 1-D view of a non-overlapping dense tensor in memory order (no copy): the slab stores
-    elements in that order, so each copy is one memcpy whatever the strides."""
-    return tensor.as_strided((tensor.numel(),), (1,), tensor.storage_offset())

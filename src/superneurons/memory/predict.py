@@ -105,7 +105,7 @@ def evaluate(
         packers = life.units
         if "" in packers or any(actions.get(f, "keep") == "keep" for f in packers):
             continue
-        if life.birth == 0 or life.death >= profile.num_events - 1:
+        if life.from_caller or life.death >= profile.num_events - 1:
             continue  # the caller holds it (an input, an output): moving it frees nothing
         # where it lives again after its release: (start, end) event windows. A prefetched
         # checkpoint lives until its unit's backward is over; what a recompute re-creates is
@@ -135,7 +135,7 @@ def evaluate(
             releases.append(fwd_end)
             if action == "offload":
                 windows.append((prefetched(f, call) + 1, death))
-                copies += 1  # each unit's pool group copies what it saved
+                copies += 1  # the pool copies it once, whichever units saved it
             else:
                 windows.append((bwd_start + 1, death))  # recomputed
         if held:
@@ -154,7 +154,7 @@ def evaluate(
                 change[start] += life.nbytes
                 change[end] -= life.nbytes
                 live_until = end
-        host_bytes += copies * life.nbytes
+        host_bytes += life.nbytes if copies else 0  # units saving one storage share a copy
     for fqn, action in actions.items():
         unit = units[fqn]
         _, fwd_end, bwd_start, bwd_end = unit.window(0)  # the first call's inputs

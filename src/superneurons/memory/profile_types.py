@@ -119,6 +119,7 @@ class StorageLife:
     death: int
     units: tuple[str, ...]
     calls: tuple[int, ...] = ()
+    from_caller: bool = False  # alive before the step (an input): no plan frees it
 
     def call_of(self, unit: str) -> int:
         """The call of ``unit`` that saved this storage (0 when not recorded)."""
@@ -295,6 +296,7 @@ class Profile:
                     dict(
                         nbytes=row["nbytes"],
                         birth=max(tracker.births.get(sid, 0), 0),
+                        from_caller=tracker.births.get(sid, 0) < 0,
                         death=death,
                         units=[],
                         calls=[],
@@ -317,7 +319,14 @@ class Profile:
                 )
             )
         storages = tuple(
-            StorageLife(v["nbytes"], v["birth"], v["death"], tuple(v["units"]), tuple(v["calls"]))
+            StorageLife(
+                v["nbytes"],
+                v["birth"],
+                v["death"],
+                tuple(v["units"]),
+                tuple(v["calls"]),
+                from_caller=v["from_caller"],
+            )
             for v in lives
         )
         units = []
@@ -338,7 +347,7 @@ class Profile:
                     input_bytes=sum(
                         s.nbytes
                         for s in storages
-                        if fqn in s.units and 0 < s.birth < u["fwd_start"]
+                        if fqn in s.units and not s.from_caller and s.birth < u["fwd_start"]
                     ),
                     bwd_end_event=int(u.get("bwd_end", -1)),
                     inplace=bool(u.get("inplace", False)),

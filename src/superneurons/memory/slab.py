@@ -1,4 +1,5 @@
-"""The host side of the Unified Tensor Pool: one preallocated byte buffer and a bump allocator.
+"""The host side of the Unified Tensor Pool: one preallocated byte buffer and a bump allocator,
+and the memory-order layout of what it stores (one memcpy per slot whatever the strides).
 
 SuperNeurons (Wang et al., PPoPP'18 §3.2) preallocates the pool so no step pays for malloc/free;
 on CUDA the buffer is pinned, so copies run asynchronously on a side stream.
@@ -12,7 +13,7 @@ import torch
 
 from superneurons.bytesize import format_bytes
 
-__all__ = ["HostSlab"]
+__all__ = ["HostSlab", "memory_order", "non_overlapping_and_dense", "whole_storage"]
 
 logger = logging.getLogger("superneurons.memory")
 
@@ -74,3 +75,33 @@ class HostSlab:
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES  # round up
+
+
+def whole_storage(tensor: torch.Tensor) -> torch.Tensor | None:
+    """A 1-D view of all of ``tensor``'s storage in its dtype, or None when ``tensor`` already
+    fills its storage densely (or the storage is not a whole number of its elements)."""
+    storage_bytes = tensor.untyped_storage().nbytes()
+    itemsize = tensor.element_size()
+    fills = tensor.numel() * itemsize == storage_bytes and non_overlapping_and_dense(tensor)
+    if fills or storage_bytes % itemsize or storage_bytes == 0:
+        return None
+    return tensor.as_strided((storage_bytes // itemsize,), (1,), 0)
+
+
+def non_overlapping_and_dense(tensor: torch.Tensor) -> bool:
+    """True if the elements fill ``numel`` consecutive storage slots (any dimension order)."""
+    expected = 1
+    dims = sorted(zip(tensor.size(), tensor.stride(), strict=True), key=lambda d: d[1])
+    for size, stride in dims:
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def memory_order(tensor: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of a non-overlapping dense tensor in memory order (no copy): the slab stores
+    elements in that order, so each copy is one memcpy whatever the strides."""
+    return tensor.as_strided((tensor.numel(),), (1,), tensor.storage_offset())
