@@ -104,10 +104,9 @@ def test_hf_model_under_plan_matches_eager_within_budget(
     budget = (floor + eager_peak) // 2
     plan = make_plan(profile, budget_bytes=budget, strategy=strategy)
     assert plan.count("keep") < len(plan.units), "the plan must act on some unit"
-    # NOTE: the pool keeps saved tensors under PoolConfig.min_offload_bytes (16 KiB) on the
-    # device, which the planner does not model; in these tiny models most activations are
-    # smaller (8 KiB), so the test offloads every size, as the planner assumes.
-    pool = PoolConfig(host_bytes=plan.host_bytes, min_offload_bytes=1)
+    # the pool keeps saved tensors under PoolConfig.min_offload_bytes (16 KiB) on the device,
+    # as the planner predicts: in these tiny models most activations are smaller (8 KiB)
+    pool = PoolConfig(host_bytes=plan.host_bytes)
     with apply_plan(planned, plan, pool_config=pool) as handle:
         _step(planned, opt_p, x, y)  # warm-up under the plan: the host slab has its size
         peak = device_peak_bytes(

@@ -179,7 +179,7 @@ def test_every_plan_the_planner_returns_fits_when_executed(
                 continue
             measured = simulate_plan(model, x, y, loss_fn, opt, plan).measured_peak_bytes
             assert measured <= budget, (strategy, budget, measured)
-            assert measured >= 0.85 * plan.predicted_peak_bytes, (strategy, budget)
+            assert abs(measured - plan.predicted_peak_bytes) <= 0.03 * measured, (strategy, budget)
             checked += 1
     assert checked >= 6
 
