@@ -61,3 +61,49 @@ def test_predicted_peak_equals_executed_with_repeated_calls(strategy: str) -> No
         assert executed == pytest.approx(plan.predicted_peak_bytes, rel=0.03)
         checked += 1
     assert checked >= 1
+
+
+def test_the_first_ops_output_is_not_taken_for_an_input() -> None:
+    """The stem conv's output is born at event 0, as are (clamped) the storages alive before
+    the step: only the latter are the caller's. Offloading the BatchNorm that saves the conv's
+    output frees it, predicted and measured alike (real CPU tensors)."""
+    from superneurons.bench.memory_meter import device_peak_bytes
+    from superneurons.memory.plan import Plan, UnitDecision
+    from superneurons.memory.pool import PoolConfig
+    from superneurons.memory.predict import evaluate
+    from superneurons.memory.runtime import apply_plan
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, padding=1, bias=False),
+        torch.nn.BatchNorm2d(16),
+        torch.nn.Tanh(),
+        torch.nn.Conv2d(16, 16, 3, padding=1),
+    )
+    x = torch.randn(8, 3, 32, 32)
+
+    def loss_fn(out: torch.Tensor, _y: object) -> torch.Tensor:
+        return out.square().mean()
+
+    profile = profile_step(model, x, None, loss_fn)
+    born_first = [s for s in profile.storages if s.birth == 0 and "1" in s.units]
+    assert born_first and not any(s.from_caller for s in born_first)  # the conv's output
+    assert any(s.from_caller for s in profile.storages if "0" in s.units)  # x itself
+    actions = {u.fqn: "offload" if u.fqn == "1" else "keep" for u in profile.units}
+    plan = Plan(
+        units=tuple(UnitDecision(f, a) for f, a in actions.items()),
+        strategy="offload",
+        budget_bytes=1 << 40,
+    )
+    predicted = evaluate(profile, actions).peak_bytes
+    assert predicted < profile.predicted_peak_bytes()  # offloading it frees something
+
+    def step() -> None:
+        loss_fn(model(x), None).backward()
+
+    with apply_plan(model, plan, pool_config=PoolConfig(host_bytes=1 << 20)) as handle:
+        step()  # warm-up: the slab has its size
+        model.zero_grad(set_to_none=True)
+        resident = [*model.parameters(), *model.buffers(), x]
+        measured = device_peak_bytes(step, resident=resident, host=handle.pool.host_buffers())
+    assert measured == pytest.approx(predicted, rel=0.03)
