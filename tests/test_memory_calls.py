@@ -1,7 +1,8 @@
 """A module called several times in one forward (a bottleneck's one ``ReLU``, three calls) is
 modelled call by call: each call's saved tensors leave at the end of that call and come back
 in that call's backward, as the runtime's pool groups do, so the predicted peak of every plan
-equals the peak the runtime reaches (fake tensors, live storages counted)."""
+equals the peak the runtime reaches (fake tensors, live storages counted). Also: a storage the
+step's first op makes is the step's own, not the caller's."""
 
 from __future__ import annotations
 

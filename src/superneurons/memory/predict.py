@@ -1,8 +1,9 @@
 """Predict a plan's device peak and cost from a Profile (pure; no tensors are touched).
 
 Given per-unit actions (keep / offload / recompute / recompute+offload), :func:`evaluate`
-replays the profile's measured live intervals: a storage saved only by non-keep units is absent
-between the end of its units' forward and their backward (recompute) or the prefetch one unit
+replays the profile's measured live intervals, call by call (a module called several times in
+one forward has one window per call): a storage saved only by non-keep units is absent
+between the end of its units' forward call and their backward (recompute) or the prefetch one unit
 ahead (offload, and the checkpoint of recompute+offload); a plain checkpoint's input stays;
 recompute adds its transient forward bytes at the unit's backward start.
 ``optimizer_in_backward`` frees each gradient as soon as it is applied, so the gradient row of
