@@ -132,6 +132,8 @@ def powersgd_reduce(
 
     ``out`` is the flat concatenation of the pieces (the DDP bucket). ``residuals`` (by name)
     holds the error feedback, updated in place from finite values only; None disables it.
+    NOTE: float32 contiguous gradients are used as scratch (the residual is added into them),
+    as the DDP bucket is overwritten with the average anyway.
     Returns a future completed with ``out`` and the bytes this rank sent.
     """
     offsets = [0]
