@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distributed import run_ranks
 
-STEPS, BATCH, LR, TEST = 200, 64, 0.05, 2000
+STEPS, BATCH, LR, TEST = 100, 32, 0.05, 2000
 MODEL = {"depth": 18, "small_input": True, "in_channels": 1, "num_classes": 10, "width": 32}
 
 
@@ -65,7 +65,7 @@ def one(rank: int, world_size: int, spec: str) -> dict:
         loss = nn.functional.cross_entropy(ddp(x[idx].float()), y[idx])
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     cpu_s = time.process_time() - start
     model.eval()
     with torch.no_grad():
