@@ -282,3 +282,29 @@ def _bad_schedule(rank: int, world_size: int) -> str:
 def test_theta_schedule_on_a_codec_without_theta_is_rejected(ranks: Ranks) -> None:
     for message in ranks.run(_bad_schedule):
         assert "no θ" in message
+
+
+def _residual_storages(rank: int, world_size: int) -> dict[str, int]:
+    """Distinct residual storages per spec over 5 steps after the first (one bucket)."""
+    from superneurons.compress.hook import register_compression
+
+    out = {}
+    for spec in ["fp16", "powersgd:rank=2"]:
+        model = _ddp()
+        state = register_compression(model, spec)
+        _train(model, rank, 1)
+        pointers = set()
+        for step in range(1, 6):
+            _train(model, rank, 1, start=step)
+            pointers |= {r.untyped_storage().data_ptr() for r in state.residuals.values()}
+        out[spec] = len(pointers)
+    return out
+
+
+def test_error_feedback_reuses_its_storage(ranks: Ranks) -> None:
+    """Issue 11 (hook overhead): fp16's residuals alternate between two kept slabs, PowerSGD's
+    are rewritten in place, so no step allocates gradient-sized residuals."""
+    for counts in ranks.run(_residual_storages):
+        assert counts["fp16"] <= 2, counts
+        # PowerSGD: one storage per compressed matrix (conv, fc1, fc2, out), kept throughout
+        assert counts["powersgd:rank=2"] == 4, counts

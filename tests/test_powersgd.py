@@ -111,3 +111,28 @@ def test_state_dict_round_trip() -> None:
     assert other.seed == 5 and torch.equal(other.q_by_name["layer.weight"], q)
     # the first Q depends only on (seed, name): every rank draws the same matrix
     assert torch.equal(PowerSGDState(seed=5).q_for("layer.weight", 7, 2, torch.device("cpu")), q)
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_in_place_reduction_equals_the_algorithm_written_out() -> None:
+    """Algorithm 1 of Vogels et al. with error feedback, step by step, against the hook's
+    in-place version (its own products and layouts, so equal up to float32 rounding); the
+    residual keeps its storage from the second step on (no gradient-sized allocation)."""
+    config, state = PowerSGD(rank=2), PowerSGDState(seed=3)
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(24, 3, 2, 2, generator=gen) for _ in range(3)]
+    residuals: dict[str, torch.Tensor] = {}
+    reference_r = torch.zeros(24, 12)
+    q = PowerSGDState(seed=3).q_for("w", 12, 2, torch.device("cpu")).clone()
+    pointers = []
+    for grad in grads:
+        out = _reduce(config, state, {"w": grad.clone()}, residuals)
+        m = grad.reshape(24, 12) + reference_r
+        p_hat = orthogonalize_(m @ q)
+        q = m.t() @ p_hat
+        expected = p_hat @ q.t()
+        reference_r = m - expected
+        torch.testing.assert_close(out.view(24, 12), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(residuals["w"].view(24, 12), reference_r, rtol=1e-5, atol=1e-5)
+        pointers.append(residuals["w"].data_ptr())
+    assert pointers[1] == pointers[2]

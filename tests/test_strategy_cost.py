@@ -118,3 +118,25 @@ def test_missing_choice_is_an_error() -> None:
 
 def test_bucket_key_is_order_independent() -> None:
     assert bucket_key(["b.weight", "a.bias"]) == bucket_key(["a.bias", "b.weight"])
+
+
+def test_powersgd_first_all_reduce_waits_for_a_busy_link() -> None:
+    """PowerSGD's P all-reduce runs inside the hook: behind a 0.1 s dense all-reduce issued
+    first, backward stalls until it ends (hand-computed: dense 0.1 s, then P 0.01 s, then Q)."""
+    net = NetworkModel(2, LinkModel(0.01, 0.0), LinkModel(0.01, 0.0))
+    first = BucketTiming("a", ("a",), numel=1000, ready_s=0.0)
+    second = BucketTiming("b", ("b",), numel=1000, ready_s=0.0)
+    slow_dense = CodecCost("dense", True, 0.0, 0.0, 32.0, 0.0)
+    net_busy = NetworkModel(2, LinkModel(0.1, 0.0), LinkModel(0.1, 0.0))
+    two = CodecCost("powersgd:rank=4", True, 0.0, 0.0, 1.0, 0.1, collectives=2)
+    # b's P waits for a's all-reduce (0.1 s), takes 0.1 s, Q another 0.1 s; backward (0.05 s)
+    # is stalled until P is done at 0.2 s
+    choices = {"a": slow_dense, "b": two}
+    assert predicted_step_s([first, second], choices, backward_s=0.05, network=net_busy) == (
+        pytest.approx(0.3)
+    )
+    # the stall shows where backward is long: 0.5 s of backward + the 0.2 s stall
+    assert predicted_step_s([first, second], choices, backward_s=0.5, network=net_busy) == (
+        pytest.approx(0.7)
+    )
+    assert predicted_step_s([second], {"b": two}, backward_s=0.0, network=net) == 0.02

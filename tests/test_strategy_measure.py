@@ -55,6 +55,8 @@ def test_measure_codecs_costs_are_consistent() -> None:
     assert low_rank.bits_per_element == pytest.approx(4 * (64 + 256) * 32 / (64 * 256))
     for cost in costs[1:]:
         assert cost.encode_s_per_byte > 0 and cost.decode_s_per_byte > 0
+        # error feedback's own work (add the residual, compute the new one) is measured too
+        assert cost.feedback_s_per_byte > 0
 
 
 def test_measure_codecs_feeds_select() -> None:

@@ -140,7 +140,7 @@ class AutoController:
                 mark = self._clock.mark()
                 self._ready.append((state.step, bucket_key(names), names, numel, self._t0, mark))
                 if self._sample is None or self._sample.numel() < min(numel, _SAMPLE_NUMEL):
-                    self._sample = bucket.buffer()[:_SAMPLE_NUMEL].detach().float().clone()
+                    self._sample = _sample_of(bucket)
             return [None] * len(names)
         return [self._route(self.assignment.params.get(name, "dense")) for name in names]
 
@@ -296,16 +296,30 @@ class AutoController:
 
 
 def _with_feedback(cost: CodecCost) -> CodecCost:
-    """``cost`` as the hook pays it with error feedback: gathered codecs and PowerSGD decode
-    their own payload for the residual before the step ends (cast routes and dense do not:
-    see :func:`~superneurons.compress.reduce.reduce_bucket`)."""
+    """``cost`` as the hook pays it with error feedback: gathered codecs and PowerSGD add the
+    residual in and compute the new one before the collective's result is needed (measured
+    as ``feedback_s_per_byte``); cast routes and dense carry none under auto (see
+    :func:`~superneurons.compress.reduce.reduce_bucket`)."""
     import dataclasses
 
     if cost.spec == "dense" or (cost.summable and not cost.spec.startswith("powersgd")):
         return cost
     return dataclasses.replace(
-        cost, encode_s_per_byte=cost.encode_s_per_byte + cost.decode_s_per_byte
+        cost, encode_s_per_byte=cost.encode_s_per_byte + cost.feedback_s_per_byte
     )
+
+
+def _sample_of(bucket: dist.GradBucket) -> torch.Tensor:
+    """The candidates' timing sample: the bucket's largest gradient in its matrix shape
+    (PowerSGD's products depend on it), cut to its first rows to hold at most
+    ``_SAMPLE_NUMEL`` elements; flat when the largest gradient is 1-D."""
+    grads = bucket.gradients()
+    largest = max(grads, key=lambda g: g.numel())
+    if largest.dim() < 2:
+        return bucket.buffer()[:_SAMPLE_NUMEL].detach().float().clone()
+    matrix = largest.detach().reshape(largest.shape[0], -1)
+    rows = max(1, min(matrix.shape[0], _SAMPLE_NUMEL // matrix.shape[1]))
+    return matrix[:rows].float().clone()
 
 
 def _global_rank0(state: CompressionState) -> int:

@@ -70,6 +70,11 @@ class _CastCodec:
     def summable(self) -> bool:
         return True
 
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        """The payload's element type (the DDP hook encodes straight into a kept buffer)."""
+        return self.WIRE_DTYPE
+
     def payload_bytes(self, numel: int) -> int:
         return self.WIRE_DTYPE.itemsize * numel
 

@@ -69,7 +69,8 @@ class CompressionState:
     bytes_sent_total: int = 0
     last_theta: float | None = None
     wires: dict[tuple[str, ...], WireBuffers] = field(default_factory=dict)
-    scratch: dict[tuple[str, ...], torch.Tensor] = field(default_factory=dict)  # cast codecs' x / P
+    # cast routes' kept buffers (x / P, the wire, two residual slabs), by bucket signature
+    scratch: dict[tuple[str, ...], torch.Tensor] = field(default_factory=dict)
     _bytes_current: int = 0
     _dense_current: int = 0
 

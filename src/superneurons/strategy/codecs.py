@@ -61,7 +61,9 @@ class CodecCost:
     """One candidate codec measured on this device (see :func:`measure_codecs`).
 
     ``collectives`` is the number of collective calls per bucket (PowerSGD: 2 all-reduces),
-    each paying the link's latency α.
+    each paying the link's latency α. ``feedback_s_per_byte`` is what error feedback adds to
+    the encode when it is on (adding the residual in, computing the new one), measured with
+    the hook's own operations (see :mod:`superneurons.compress.reduce`).
     """
 
     spec: str
@@ -71,9 +73,16 @@ class CodecCost:
     bits_per_element: float
     rel_error: float
     collectives: int = 1
+    feedback_s_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("encode_s_per_byte", "decode_s_per_byte", "bits_per_element", "rel_error"):
+        for name in (
+            "encode_s_per_byte",
+            "decode_s_per_byte",
+            "bits_per_element",
+            "rel_error",
+            "feedback_s_per_byte",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value >= 0.0 or math.isinf(value):
                 raise ConfigError(f"CodecCost.{name} must be a finite number >= 0, got {value!r}")
@@ -131,25 +140,35 @@ def _as_matrix(sample: torch.Tensor) -> torch.Tensor:
 
 
 def _measure_powersgd(config: PowerSGD, sample: torch.Tensor, repeats: int) -> CodecCost:
-    matrix = _as_matrix(sample.float())  # (n, m)
+    """PowerSGD timed with the operations, layouts and in-place writes of
+    :func:`~superneurons.compress.powersgd.powersgd_reduce` (issue 11: run 3 predicted 0.52 s
+    for a route that then measured 0.93 s because this timed other products)."""
+    matrix = _as_matrix(sample.float()).contiguous()  # (n, m)
     n, m = matrix.shape
     input_bytes = matrix.numel() * 4
     r = min(config.rank, n, m)
     gen = torch.Generator().manual_seed(0)
-    q0 = torch.randn(m, r, generator=gen).to(matrix.device)
+    qt0 = torch.randn(r, m, generator=gen).to(matrix.device)  # Qᵀ rows, as the hook keeps it
+    work = matrix.clone()
+    residual = torch.zeros_like(matrix)
+    out = torch.empty_like(matrix)
+    p_hat = orthogonalize_(torch.mm(qt0, matrix.t()).t())
 
-    def encode() -> torch.Tensor:  # P = M Q, orthogonalise, Q = Mᵀ P̂ (both local products)
-        p_hat = orthogonalize_(matrix @ q0)
-        return matrix.t() @ p_hat
+    def encode() -> torch.Tensor:  # P = (Qᵀ Mᵀ)ᵀ, orthogonalise, Qᵀ = P̂ᵀ M
+        return torch.mm(orthogonalize_(torch.mm(qt0, matrix.t()).t()).t(), matrix)
 
-    def decode() -> torch.Tensor:
-        return orthogonalize_(matrix @ q0) @ q0.t()  # P̂ Qᵀ: the same shapes as the decode
+    def decode() -> torch.Tensor:  # P̂ Q̄ᵀ written into the bucket
+        return torch.mm(p_hat, qt0, out=out)
 
-    q = q0
+    def feedback() -> torch.Tensor:  # M += residual; residual = M - P̂ Qᵀ
+        work.add_(residual)
+        return torch.addmm(work, p_hat, qt0, alpha=-1, out=residual)
+
+    qt = qt0
     for _ in range(_POWERSGD_WARM_ITERS):
-        p_hat = orthogonalize_(matrix @ q)
-        q = matrix.t() @ p_hat
-    approx = p_hat @ q.t()
+        p_hat_i = orthogonalize_(torch.mm(qt, matrix.t()).t())
+        qt = torch.mm(p_hat_i.t(), matrix)
+    approx = p_hat_i @ qt
     compressed = config.matrix_shape((n, m)) is not None
     return CodecCost(
         spec=config.spec,
@@ -159,19 +178,57 @@ def _measure_powersgd(config: PowerSGD, sample: torch.Tensor, repeats: int) -> C
         bits_per_element=(r * (n + m) * 32 / (n * m)) if compressed else 32.0,
         rel_error=_rel_error(approx, matrix) if compressed else 0.0,
         collectives=2,
+        feedback_s_per_byte=_timed(feedback, matrix.device, repeats) / input_bytes,
+    )
+
+
+def _measure_cast(codec: Codec, flat: torch.Tensor, repeats: int, world_size: int) -> CodecCost:
+    """A cast codec timed as the hook runs it (``reduce._cast_reduce``): divide into a kept
+    float32 buffer, cast into the kept wire buffer; decode = cast straight into the bucket."""
+    payload = codec.encode(flat)
+    scaled = torch.empty_like(flat)
+    wire = torch.empty_like(payload.data.reshape(-1))
+    out, residual = flat.clone(), torch.zeros_like(flat)
+
+    def encode() -> torch.Tensor:
+        return wire.copy_(torch.div(flat, world_size, out=scaled))
+
+    def decode() -> torch.Tensor:
+        return out.copy_(wire)
+
+    def feedback() -> torch.Tensor:  # c += r; r = c - decode · P
+        out.add_(residual)
+        residual.copy_(wire)
+        return torch.sub(out, residual, alpha=world_size, out=residual)
+
+    input_bytes = flat.numel() * 4
+    return CodecCost(
+        spec=codec.spec,
+        summable=True,
+        encode_s_per_byte=_timed(encode, flat.device, repeats) / input_bytes,
+        decode_s_per_byte=_timed(decode, flat.device, repeats) / input_bytes,
+        bits_per_element=codec.payload_bytes(flat.numel()) * 8 / flat.numel(),
+        rel_error=_rel_error(codec.decode(payload), flat),
+        feedback_s_per_byte=_timed(feedback, flat.device, repeats) / input_bytes,
     )
 
 
 def _measure_codec(codec: Codec, flat: torch.Tensor, repeats: int, world_size: int) -> CodecCost:
+    if codec.summable:
+        return _measure_cast(codec, flat, repeats, world_size)
     gen = torch.Generator(device=flat.device).manual_seed(0)
     payload = codec.encode(flat, generator=gen)
-    receive = [payload] if codec.summable else [payload] * world_size
+    receive = [payload] * world_size
+    work, residual = flat.clone(), torch.zeros_like(flat)
 
     def encode() -> object:
         return codec.encode(flat, generator=gen)
 
     def decode() -> object:
         return codec.decode_sum(receive)
+
+    def feedback() -> object:  # c += r; r = c - decode(own payload), as reduce does
+        return torch.sub(work.add_(residual), codec.decode(payload), out=residual)
 
     input_bytes = flat.numel() * 4
     return CodecCost(
@@ -181,6 +238,7 @@ def _measure_codec(codec: Codec, flat: torch.Tensor, repeats: int, world_size: i
         decode_s_per_byte=_timed(decode, flat.device, repeats) / (input_bytes * len(receive)),
         bits_per_element=codec.payload_bytes(flat.numel()) * 8 / flat.numel(),
         rel_error=_rel_error(codec.decode(payload), flat),
+        feedback_s_per_byte=_timed(feedback, flat.device, repeats) / input_bytes,
     )
 
 
@@ -198,7 +256,8 @@ def measure_codecs(
       ``world_size``) for gathered codecs (the receiver decodes one payload per rank),
       ``decode`` time / bytes for summable ones;
     * ``bits_per_element``: ``payload_bytes(numel) · 8 / numel`` at the sample's size;
-    * ``rel_error``: ``‖decode(encode(g)) − g‖ / ‖g‖`` once (no error feedback).
+    * ``rel_error``: ``‖decode(encode(g)) − g‖ / ‖g‖`` once (no error feedback);
+    * ``feedback_s_per_byte``: error feedback's extra work per byte, as the hook does it.
 
     A codec that raises on this device is logged and left out.
 

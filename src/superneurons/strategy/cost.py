@@ -14,7 +14,8 @@ The timeline (pure arithmetic over measured numbers, see :func:`predicted_step_s
 * one link carries the buckets' collectives in the order they are encoded; a bucket's
   collective starts at ``max(ready + encode delays, link free)`` and takes the network
   model's time for its payload (all-reduce when summable, all-gather otherwise), plus one
-  latency α per extra collective (PowerSGD: two);
+  latency α per extra collective (PowerSGD: two); PowerSGD's first all-reduce is waited for
+  inside the hook, so it stalls backward until the link is free and that all-reduce is done;
 * decodes run on the compute resource after backward, in the order the collectives end;
 * the step ends when backward, the last collective and the last decode are all done.
 """
@@ -100,9 +101,23 @@ def predicted_step_s(
     comm_ends: list[tuple[float, float]] = []  # (collective end, decode seconds)
     for bucket in sorted(buckets, key=lambda b: (b.ready_s, b.key)):
         cost = choices[bucket.key]
-        delay_s += cost.encode_s_per_byte * 4 * bucket.numel
-        start_s = max(bucket.ready_s + delay_s, link_free_s)
-        link_free_s = start_s + _comm_s(cost, bucket.numel, network)
+        encode_s = cost.encode_s_per_byte * 4 * bucket.numel
+        comm_s = _comm_s(cost, bucket.numel, network)
+        if cost.collectives > 1:
+            # PowerSGD: its first all-reduce (P, about half the payload) is waited for in the
+            # hook, so backward stalls until the link is free and P is summed; the second
+            # half of the encode follows, then the second all-reduce runs asynchronously.
+            link = network.all_reduce if cost.summable else network.all_gather
+            first_s = link.time_s(cost.payload_bytes(bucket.numel) // 2)
+            now_s = bucket.ready_s + delay_s
+            first_end_s = max(now_s + encode_s / 2, link_free_s) + first_s
+            delay_s += first_end_s + encode_s / 2 - now_s
+            start_s = first_end_s + encode_s / 2
+            link_free_s = start_s + max(comm_s - first_s, 0.0)
+        else:
+            delay_s += encode_s
+            start_s = max(bucket.ready_s + delay_s, link_free_s)
+            link_free_s = start_s + comm_s
         comm_ends.append((link_free_s, _decode_s(cost, bucket.numel, network.world_size)))
     compute_free_s = backward_s + delay_s
     for end_s, decode_s in sorted(comm_ends):

@@ -1,0 +1,132 @@
+"""Does ``auto``'s one-shot error budget judge PowerSGD and top-k by what training sees?
+
+``auto:max_rel_error=0.5`` excludes every candidate whose one-shot ``‖ĝ−g‖/‖g‖`` on a real
+gradient exceeds 0.5. With error feedback (the default for ``auto``) what is dropped is sent
+later, so training sees far less than the one-shot error (Stich et al. NeurIPS'18, Vogels et
+al. NeurIPS'19). This script measures both on the network benchmark's ResNet-18 (width 32,
+1 channel, 10 classes) on Fashion-MNIST, 2 gloo ranks on loopback, the same steps, data order
+and initial weights for every codec:
+
+* the one-shot relative error of each candidate as auto measures it (``measure_codecs`` on
+  the largest gradient after a few dense steps);
+* the test accuracy (first 2000 test images) and mean training loss of the last 20 steps
+  after ``STEPS`` steps of SGD (momentum 0.9) with each codec under error feedback.
+
+    PYTHONPATH=src:tests python benchmarks/auto_error_budget.py OUT.json dense powersgd:rank=4 ...
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from distributed import run_ranks
+
+STEPS, BATCH, LR, TEST = 100, 32, 0.05, 2000
+MODEL = {"depth": 18, "small_input": True, "in_channels": 1, "num_classes": 10, "width": 32}
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from superneurons.data import fashion_mnist
+
+    train = fashion_mnist("/usr/share/datasets/fashion-mnist", "train").tensors
+    test = fashion_mnist("/usr/share/datasets/fashion-mnist", "test").tensors
+    return train[0], train[1], test[0][:TEST], test[1][:TEST]
+
+
+def _model() -> nn.Module:
+    from superneurons.models.zoo import build_model
+
+    torch.manual_seed(0)
+    return build_model("resnet", **MODEL)
+
+
+def one(rank: int, world_size: int, spec: str) -> dict:
+    torch.set_num_threads(1)
+    from superneurons.compress import register_compression
+
+    x, y, x_test, y_test = _data()
+    model = _model()
+    ddp = DistributedDataParallel(model)
+    if spec != "dense":
+        register_compression(ddp, spec)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=0.9)
+    order = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(1))
+    losses = []
+    start = time.process_time()
+    for step in range(STEPS):
+        at = (step * world_size + rank) * BATCH
+        idx = order[at % (x.shape[0] - BATCH) :][:BATCH]
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(ddp(x[idx].float()), y[idx])
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    cpu_s = time.process_time() - start
+    model.eval()
+    with torch.no_grad():
+        correct = sum(
+            int((model(x_test[i : i + 500].float()).argmax(1) == y_test[i : i + 500]).sum())
+            for i in range(0, TEST, 500)
+        )
+    return {
+        "spec": spec,
+        "test_accuracy_pct": 100.0 * correct / TEST,
+        "train_loss_last20": sum(losses[-20:]) / 20,
+        "cpu_s": cpu_s,
+    }
+
+
+def one_shot_errors(rank: int, world_size: int) -> dict:
+    """The candidates' one-shot errors as auto measures them, after 5 dense steps."""
+    torch.set_num_threads(1)
+    from superneurons.strategy import DEFAULT_CANDIDATES, candidate_codecs, measure_codecs
+
+    x, y, _, _ = _data()
+    model = _model()
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=0.9)
+    for step in range(6):
+        idx = torch.arange(step * BATCH, (step + 1) * BATCH) + rank * 10_000
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x[idx].float()), y[idx]).backward()
+        if step < 5:
+            opt.step()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    largest = max(grads, key=lambda g: g.numel())
+    sample = largest.reshape(largest.shape[0], -1)
+    costs = measure_codecs(candidate_codecs(DEFAULT_CANDIDATES), sample, repeats=1)
+    dist.barrier()
+    return {"largest_gradient_shape": list(largest.shape)} | {
+        c.spec: round(c.rel_error, 4) for c in costs
+    }
+
+
+if __name__ == "__main__":
+    import platform
+
+    out = {
+        "environment": {
+            "command": "python benchmarks/auto_error_budget.py " + " ".join(sys.argv[1:]),
+            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()},
+            "versions": {"python": platform.python_version(), "torch": torch.__version__},
+            "torch_threads": 1,
+            "shared_machine": "yes: 1-minute load average 10-15 on 2 cores during the run",
+        },
+        "config": {"steps": STEPS, "batch_per_rank": BATCH, "lr": LR, "model": MODEL},
+    }
+    out["one_shot_rel_error"] = run_ranks(one_shot_errors, world_size=2, timeout_s=600)[0]
+    print(out["one_shot_rel_error"], flush=True)
+    out["runs"] = []
+    for spec in sys.argv[2:]:
+        result = run_ranks(one, spec, world_size=2, timeout_s=1800)[0]
+        print(result, flush=True)
+        out["runs"].append(result)
+    with open(sys.argv[1], "w", encoding="utf-8") as handle:
+        json.dump(out, handle, indent=1)
