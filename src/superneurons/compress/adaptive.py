@@ -11,8 +11,10 @@ selection can rank every chunk's coefficients against each other by squared magn
 
 Pipeline for ``n`` elements: pad to ``C`` chunks of even ``L`` (``L = chunk``, or ``n`` rounded
 up to even when ``n < chunk``), transform every chunk in every allowed basis, pick per chunk the
-basis with the smallest L1 norm of its coefficients (for equal L2 norm, the smaller L1 norm is
-the more compressible vector: Donoho, "Compressed sensing", IEEE TIT 2006), keep
+basis with the least Lagrangian cost ``sum(min(c**2, lam))`` (``choice="rd"``, ``lam`` the kept
+share's quantile of the input's energy; ``choice="l1"``: the smallest L1 norm, which for equal
+L2 norm is the more compressible vector: Donoho, "Compressed sensing", IEEE TIT 2006;
+``margin`` makes a transform beat the spatial cost by that share), keep
 ``k = T - floor(theta * T)`` of the ``T = C * L`` chosen coefficients and code them exactly as
 ``fft`` and ``ctopk`` do (:mod:`superneurons.compress.sparsecode`)::
 
@@ -71,7 +73,9 @@ class AdaptiveCodec:
     ``theta``: fraction of coefficients dropped, in [0, 1). ``bits``: range-float width (32 =
     raw float32). ``chunk``: even chunk length. ``bases``: allowed bases joined by ``+``
     (subset of spatial, fourier, dct). ``scope``: "global" (one ranking) | "chunk" (a fixed
-    share per chunk: a per-chunk error bound). ``select``/``index`` as in ``fft``.
+    share per chunk: a per-chunk error bound). ``choice``: "rd" | "l1" basis cost.
+    ``select``/``index`` as in ``fft``. ``margin`` in [0, 1): share by which a transform must
+    beat the spatial basis' cost (0: none; measured worse after error feedback, ANSWER.md).
     """
 
     NAME: ClassVar[str] = "adaptive"

@@ -11,7 +11,8 @@ of any of them bounds the error the same way. Used by the transform-adaptive cod
   "A fast cosine transform in one and two dimensions", IEEE TASSP 1980): reorder
   ``v = [x_0, x_2, ..., x_{L-2}, x_{L-1}, ..., x_3, x_1]``, ``V = rfft(v)``, then for
   ``j = 0..L/2`` with ``w_j = exp(-i pi j / 2L)``: ``C_j = Re(V_j w_j)`` and
-  ``C_{L-j} = -Im(V_j w_j)``; the inverse runs the same steps backwards with one ``irfft``.
+  ``C_{L-j} = -Im(V_j w_j)``, returned in the packed real-FFT order (see :func:`dct`); the
+  inverse runs the same steps backwards with one ``irfft``.
   The DCT's even symmetric extension has no jump at the chunk edges, so smooth chunks
   compact into fewer coefficients than under the Fourier basis (Rao & Yip, "Discrete Cosine
   Transform", 1990).
