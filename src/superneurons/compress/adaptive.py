@@ -56,7 +56,7 @@ BASES: tuple[str, ...] = ("spatial", "fourier", "dct")  # basis code = position 
 _BASIS_BITS = 2
 SCOPES: tuple[str, ...] = ("global", "chunk")
 CHOICES: tuple[str, ...] = ("rd", "l1")
-_LAMBDA_SAMPLE = 16384  # strided input samples that set the Lagrangian threshold (choice="rd")
+_LAMBDA_SAMPLE = 65536  # strided input samples that set the Lagrangian threshold (choice="rd")
 
 
 def adaptive_layout(numel: int, chunk: int) -> tuple[int, int]:
