@@ -8,7 +8,13 @@ import math
 import pytest
 import torch
 
-from superneurons.compress.adaptive import BASES, AdaptiveCodec, adaptive_layout
+from superneurons.compress.adaptive import (
+    BASES,
+    AdaptiveCodec,
+    _inverse,
+    _pick_rows,
+    adaptive_layout,
+)
 from superneurons.compress.bitpack import unpack_bits
 from superneurons.compress.codec import sum_of_decodes
 from superneurons.compress.compacttopk import CompactTopKCodec
@@ -57,8 +63,14 @@ def test_dct_matches_the_dct_ii_matrix() -> None:
     matrix = torch.cos(math.pi * n[:, None] * (2 * n[None, :] + 1) / (2 * length))
     matrix *= math.sqrt(2 / length)
     matrix[0] /= math.sqrt(2)
+    # Packed real-FFT order: C_0, C_{L/2}, then (C_j, -C_{L-j}) for j = 1..L/2-1.
+    order, sign = [0, length // 2], [1.0, 1.0]
+    for j in range(1, length // 2):
+        order += [j, length - j]
+        sign += [1.0, -1.0]
+    packed = matrix[order] * torch.tensor(sign, dtype=torch.float64)[:, None]
     x = torch.randn(5, length, dtype=torch.float64)
-    torch.testing.assert_close(dct(x.float()).double(), x @ matrix.T, rtol=0, atol=1e-5)
+    torch.testing.assert_close(dct(x.float()).double(), x @ packed.T, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("theta", [0.1, 0.5, 0.9, 0.99])
@@ -174,8 +186,38 @@ def test_error_feedback_accumulates_what_was_dropped() -> None:
         ({"scope": "layer"}, "scope"),
         ({"theta": 1.0}, "theta"),
         ({"bits": 5}, "bits"),
+        ({"margin": 1.0}, "margin"),
+        ({"margin": -0.1}, "margin"),
     ],
 )
 def test_bad_hyper_parameters_raise_config_errors(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         AdaptiveCodec(**kwargs)  # type: ignore[arg-type]
+
+
+def test_sync_free_paths_equal_the_cpu_row_paths() -> None:
+    """The ``torch.where`` paths (every device but the CPU) pick and invert exactly as the
+    CPU's row copies do."""
+    gen = torch.Generator().manual_seed(3)
+    coefs = [torch.randn(40, 64, generator=gen) for _ in range(3)]
+    slot = torch.randint(0, 3, (40,), generator=gen)
+    torch.testing.assert_close(
+        _pick_rows(coefs, slot, sync_free=True), _pick_rows(coefs, slot, sync_free=False)
+    )
+    coef = torch.randn(40, 64, generator=gen)
+    torch.testing.assert_close(
+        _inverse(coef.clone(), slot, sync_free=True), _inverse(coef.clone(), slot, sync_free=False)
+    )
+
+
+def test_margin_keeps_chunks_spatial_unless_a_transform_wins_clearly() -> None:
+    grads = _gradients(8192, seed=2)
+    grad = torch.cat([grads["mixed"], grads["normal"]])
+    counts = []
+    for margin in (0.0, 0.3, 0.999):
+        head = unpack_bits(AdaptiveCodec(margin=margin).encode(grad).data, 2, 32)
+        counts.append(int((head == 0).sum()))
+    assert counts[0] <= counts[1] <= counts[2]
+    assert counts[2] > counts[0]
+    smooth = AdaptiveCodec(margin=0.3).encode(grads["smooth"])
+    assert bool((unpack_bits(smooth.data, 2, 16) == 2).any())  # a clear DCT win survives

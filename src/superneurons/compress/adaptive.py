@@ -11,8 +11,10 @@ selection can rank every chunk's coefficients against each other by squared magn
 
 Pipeline for ``n`` elements: pad to ``C`` chunks of even ``L`` (``L = chunk``, or ``n`` rounded
 up to even when ``n < chunk``), transform every chunk in every allowed basis, pick per chunk the
-basis with the smallest L1 norm of its coefficients (for equal L2 norm, the smaller L1 norm is
-the more compressible vector: Donoho, "Compressed sensing", IEEE TIT 2006), keep
+basis with the least Lagrangian cost ``sum(min(c**2, lam))`` (``choice="rd"``, ``lam`` the kept
+share's quantile of the input's energy; ``choice="l1"``: the smallest L1 norm, which for equal
+L2 norm is the more compressible vector: Donoho, "Compressed sensing", IEEE TIT 2006;
+``margin`` makes a transform beat the spatial cost by that share), keep
 ``k = T - floor(theta * T)`` of the ``T = C * L`` chosen coefficients and code them exactly as
 ``fft`` and ``ctopk`` do (:mod:`superneurons.compress.sparsecode`)::
 
@@ -28,7 +30,6 @@ ranks' messages is decoded at the cost of one. Device-true like ``fft``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -55,6 +56,7 @@ BASES: tuple[str, ...] = ("spatial", "fourier", "dct")  # basis code = position 
 _BASIS_BITS = 2
 SCOPES: tuple[str, ...] = ("global", "chunk")
 CHOICES: tuple[str, ...] = ("rd", "l1")
+_LAMBDA_SAMPLE = 65536  # strided input samples that set the Lagrangian threshold (choice="rd")
 
 
 def adaptive_layout(numel: int, chunk: int) -> tuple[int, int]:
@@ -71,7 +73,9 @@ class AdaptiveCodec:
     ``theta``: fraction of coefficients dropped, in [0, 1). ``bits``: range-float width (32 =
     raw float32). ``chunk``: even chunk length. ``bases``: allowed bases joined by ``+``
     (subset of spatial, fourier, dct). ``scope``: "global" (one ranking) | "chunk" (a fixed
-    share per chunk: a per-chunk error bound). ``select``/``index`` as in ``fft``.
+    share per chunk: a per-chunk error bound). ``choice``: "rd" | "l1" basis cost.
+    ``select``/``index`` as in ``fft``. ``margin`` in [0, 1): share by which a transform must
+    beat the spatial basis' cost (0: none; measured worse after error feedback, ANSWER.md).
     """
 
     NAME: ClassVar[str] = "adaptive"
@@ -83,6 +87,7 @@ class AdaptiveCodec:
     choice: str = "rd"
     select: str = "sampled"
     index: str = "auto"
+    margin: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "theta", check_theta(self.theta, owner=self.NAME))
@@ -104,6 +109,13 @@ class AdaptiveCodec:
             raise ConfigError(
                 f"{self.NAME}: choice={self.choice!r} is unknown; use {list(CHOICES)}"
             )
+        margin = self.margin
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+            raise ConfigError(
+                f"{self.NAME}: margin={margin!r} must be a number in [0, 1): the share by which a "
+                "transform must beat the spatial basis' cost, e.g. margin=0.1"
+            )
+        object.__setattr__(self, "margin", float(margin))
         if self.scope not in SCOPES:
             raise ConfigError(f"{self.NAME}: scope={self.scope!r} is unknown; use {list(SCOPES)}")
 
@@ -114,7 +126,8 @@ class AdaptiveCodec:
     def spec(self) -> str:
         return (
             f"{self.NAME}:theta={self.theta!r},bits={self.bits},chunk={self.chunk},"
-            f"bases={self.bases},scope={self.scope},choice={self.choice},select={self.select},index={self.index}"
+            f"bases={self.bases},scope={self.scope},choice={self.choice},select={self.select},index={self.index},"
+            f"margin={self.margin!r}"
         )
 
     @property
@@ -137,58 +150,68 @@ class AdaptiveCodec:
         _, chunks, layout = self._sizes(numel)
         return packed_bytes(chunks, _BASIS_BITS) + layout.nbytes
 
-    def _basis_cost(self, candidates: list[torch.Tensor], keep_share: float) -> torch.Tensor:
-        """``(3, C)``: how badly each basis codes each chunk (lower is better; disallowed
-        bases get +inf).
+    def _allowed(self) -> tuple[int, ...]:
+        """Codes (positions in :data:`BASES`) of the allowed bases, in code order."""
+        names = self.bases.split("+")
+        return tuple(code for code, name in enumerate(BASES) if name in names)
+
+    def _lagrange_threshold(self, chunks: torch.Tensor, keep_share: float) -> torch.Tensor:
+        """0-d ``lam``: the ``keep_share`` quantile of the input's energy, from a strided
+        sample (on the input's device)."""
+        spatial = chunks.reshape(-1)
+        sample = spatial[:: max(1, spatial.numel() // _LAMBDA_SAMPLE)]
+        rank = min(sample.numel(), max(1, round(sample.numel() * (1.0 - keep_share))))
+        return torch.kthvalue(sample * sample, rank).values
+
+    def _chunk_cost(self, coef: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+        """``(C,)``: how badly one basis codes each chunk of ``coef`` ``(C, L)`` (lower is
+        better).
 
         ``choice="rd"``: the Lagrangian of "least dropped energy for k kept coefficients":
         with a threshold ``lam`` on squared magnitude (a kept coefficient costs ``lam``, a
-        dropped one its energy) a chunk costs ``sum(min(c**2, lam))``. ``lam`` is the
-        ``keep_share`` quantile of the spatial coefficients' energy, from a strided sample.
-        ``choice="l1"``: the L1 norm (at equal energy, the smaller is the more compressible).
+        dropped one its energy) a chunk costs ``sum(min(c**2, lam))``. ``choice="l1"``: the L1
+        norm (at equal energy, the smaller is the more compressible).
         """
-        allowed = self.bases.split("+")
-        count = candidates[0].shape[0]
-        device = candidates[0].device
         if self.choice == "rd":
-            spatial = candidates[0].reshape(-1)
-            sample = spatial[:: max(1, spatial.numel() // 65536)]
-            rank = min(sample.numel(), max(1, round(sample.numel() * (1.0 - keep_share))))
-            lam = torch.kthvalue(sample * sample, rank).values  # 0-d, on the device
-        costs = []
-        for name, coef in zip(BASES, candidates, strict=True):
-            if name not in allowed:
-                costs.append(torch.full((count,), math.inf, device=device))
-            elif self.choice == "rd":
-                costs.append(torch.clamp(coef * coef, max=lam).sum(dim=1))
-            else:
-                costs.append(torch.linalg.vector_norm(coef, ord=1, dim=1))
-        return torch.stack(costs)
+            square = coef * coef
+            # NOTE: torch.minimum, not clamp(max=lam): clamp with a 0-d tensor bound takes a
+            # slow broadcasting path on the CPU (~8x here).
+            return torch.minimum(square, lam, out=square).sum(dim=1)
+        return coef.abs().sum(dim=1)
 
     def encode(self, grad: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         del generator  # deterministic
         flat = check_gradient(grad, codec_name=self.NAME).detach().to(torch.float32)
         numel = flat.numel()
         length, count, layout = self._sizes(numel)
+        device = flat.device
         if count * length != numel:
             flat = torch.nn.functional.pad(flat, (0, count * length - numel))
         chunks = flat.view(count, length)  # (C, L)
-        candidates = [chunks, fourier(chunks), dct(chunks)]  # 3 x (C, L), orthonormal
-        cost = self._basis_cost(candidates, layout.kept / layout.universe)  # (3, C)
-        basis = cost.argmin(dim=0)  # (C,) int64
-        pick = basis.unsqueeze(1)  # (C, 1)
-        chosen = torch.where(pick == 0, candidates[0], candidates[1])
-        chosen = torch.where(pick == 2, candidates[2], chosen)  # (C, L)
+        lam = self._lagrange_threshold(chunks, layout.kept / layout.universe)
+        allowed = self._allowed()
+        transforms = {0: lambda x: x, 1: fourier, 2: dct}
+        coefs = [transforms[code](chunks) for code in allowed]  # B x (C, L), orthonormal
+        cost = torch.stack([self._chunk_cost(coef, lam) for coef in coefs])  # (B, C)
+        if allowed[0] == 0 and self.margin > 0:
+            # A transform must beat the spatial basis by ``margin`` of its cost.
+            cost[0] *= 1.0 - self.margin
+        slot = cost.argmin(dim=0)  # (C,): ties go to the lowest code (spatial first)
+        basis = torch.full_like(slot, allowed[0])  # (C,) codes; no host-to-device copy
+        for index, code in enumerate(allowed[1:], start=1):
+            basis.masked_fill_(slot == index, code)
+        chosen = _pick_rows(coefs, slot, sync_free=_sync_free(flat))  # (C, L)
+        del coefs  # NOTE: frees 2 x 4 B/element before selection (fewer fresh pages on the CPU)
         score = chosen * chosen  # (C, L)
         if self.scope == "chunk":
             per_chunk = kept_count(length, self.theta)
             top = torch.topk(score, per_chunk, dim=1, sorted=False).indices  # (C, k_c)
-            offsets = torch.arange(count, device=flat.device).unsqueeze(1) * length
+            offsets = torch.arange(count, device=device).unsqueeze(1) * length
             indices = torch.sort((top + offsets).reshape(-1)).values  # (k,)
-            mask = torch.zeros(layout.universe, dtype=torch.bool, device=flat.device)
+            mask = torch.zeros(layout.universe, dtype=torch.bool, device=device)
             mask.index_fill_(0, indices, True)
         else:
-            mask, indices = select_bins(score.reshape(-1), layout.kept, self.select)
+            mask, indices = select_bins(score.reshape(-1), layout.kept, self.select, period=length)
         values = chosen.reshape(-1).index_select(0, indices).unsqueeze(1)  # (k, 1)
         floor = values.abs().min()
         message = pack_kept(values, mask, indices, floor, finite_flag(flat), layout)
@@ -207,9 +230,9 @@ class AdaptiveCodec:
         length, count, layout = self._sizes(numel)
         head = packed_bytes(count, _BASIS_BITS)
         device = payloads[0].data.device
-        per_basis = torch.zeros(len(BASES) * count, length, device=device)  # (3C, L)
         rows = torch.arange(count, device=device)
         finite = torch.ones((), dtype=torch.bool, device=device)
+        sums = None  # (3C, L) per-basis coefficient sums, only for several payloads
         for payload in payloads:
             data = payload.data
             if data.dtype != torch.uint8 or data.numel() != head + layout.nbytes:
@@ -221,7 +244,58 @@ class AdaptiveCodec:
             basis = unpack_bits(data[:head], _BASIS_BITS, count).clamp_(max=len(BASES) - 1)
             coef = torch.zeros(layout.universe, 1, device=device)
             finite = finite & add_kept(coef, data[head:], layout)
-            per_basis.index_add_(0, basis * count + rows, coef.view(count, length))
-        spatial, fourier_coef, dct_coef = per_basis.view(len(BASES), count, length)
-        signal = spatial + inverse_fourier(fourier_coef) + inverse_dct(dct_coef)  # (C, L)
+            if len(payloads) == 1:
+                return nan_unless(
+                    finite,
+                    _inverse(coef.view(count, length), basis, sync_free=_sync_free(coef))[:numel],
+                )
+            if sums is None:
+                sums = torch.zeros(len(BASES) * count, length, device=device)
+            sums.index_add_(0, basis * count + rows, coef.view(count, length))
+        assert sums is not None
+        per_basis = sums.view(len(BASES), count, length)
+        signal = per_basis[0].clone()
+        for code, inverse in ((1, inverse_fourier), (2, inverse_dct)):
+            signal += inverse(per_basis[code])
         return nan_unless(finite, signal.reshape(-1)[:numel])
+
+
+def _sync_free(tensor: torch.Tensor) -> bool:
+    """Whether to take the paths that size nothing from data (every device but the CPU, where
+    ``nonzero`` waits for nothing and row copies beat a broadcast ``torch.where`` ~20x)."""
+    return tensor.device.type != "cpu"
+
+
+def _pick_rows(
+    coefs: Sequence[torch.Tensor], slot: torch.Tensor, *, sync_free: bool
+) -> torch.Tensor:
+    """``(C, L)``: row ``c`` of ``coefs[slot[c]]``: with ``sync_free`` by ``torch.where``,
+    else each later candidate's rows found with ``nonzero`` and copied."""
+    out = coefs[0].clone()
+    for index, coef in enumerate(coefs[1:], start=1):
+        hit = slot == index  # (C,)
+        if not sync_free:
+            rows = hit.nonzero().reshape(-1)
+            out.index_copy_(0, rows, coef.index_select(0, rows))
+        else:
+            out = torch.where(hit.unsqueeze(1), coef, out)
+    return out
+
+
+def _inverse(coef: torch.Tensor, basis: torch.Tensor, *, sync_free: bool) -> torch.Tensor:
+    """``(C, L)`` coefficients, chunk ``c`` in basis ``basis[c]`` -> the flat signal.
+
+    With ``sync_free`` every chunk is inverted in each transform and the right one picked, so
+    no size comes back to the host; else only the chunks coded in a transform are inverted
+    (their rows found with ``nonzero``). ``coef`` is consumed (spatial rows are kept in place).
+    """
+    signal = coef
+    for code, inverse in ((1, inverse_fourier), (2, inverse_dct)):
+        hit = basis == code  # (C,)
+        if not sync_free:
+            rows = hit.nonzero().reshape(-1)
+            if rows.numel():
+                signal.index_copy_(0, rows, inverse(coef.index_select(0, rows)))
+        else:
+            signal = torch.where(hit.unsqueeze(1), inverse(coef), signal)
+    return signal.reshape(-1)
