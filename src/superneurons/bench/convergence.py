@@ -14,8 +14,10 @@ target is the default FFT codec within 0.5 points of dense on Fashion-MNIST. Eac
 holds the final metric, its delta to dense, the bytes sent vs dense, and the curve (metric
 vs step) for the plot.
 
-Codec labels: ``dense``; any hook spec (``fft``, ``powersgd:rank=4``, ``torch-fp16``, and
-``auto`` once the hook implements it); ``adam-momentum[warmup=N,wire=W]:SPEC`` and
+Codec labels (:mod:`.convergence_labels`): ``dense``; any hook spec (``fft``,
+``powersgd:rank=4``, ``torch-fp16``, ``auto`` on SGD tasks); ``auto`` / ``auto:link=RATE`` on
+Adam tasks choose dense AdamW or 1-bit Adam (:mod:`superneurons.compress.autoadam`; the record's
+``decision`` holds the choice and its predictions); ``adam-momentum[warmup=N,wire=W]:SPEC`` and
 ``adam-update[...]:SPEC`` train with :class:`~superneurons.compress.adam.CompressedAdamW`
 (1-bit-Adam momentum, or local updates, averaged through SPEC with error feedback; DDP
 leaves gradients local); a suffix ``|diminishing:start=S,floor=F,drops=D,
@@ -43,6 +45,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from superneurons.bench.convergence_labels import (
+    adam_auto,
+    applies,
+    check_label,
+    split_label,
+    theta_schedule,
+)
 from superneurons.errors import ConfigError
 from superneurons.train.launch import free_port
 
@@ -127,7 +136,7 @@ class ConvergenceConfig:
         if self.nproc < 1:
             raise ConfigError(f"nproc must be >= 1, got {self.nproc}")
         for codec in self.codecs:
-            _check_label(codec)  # fail before any rank starts
+            check_label(codec)  # fail before any rank starts
 
     @staticmethod
     def quick() -> ConvergenceConfig:
@@ -194,18 +203,33 @@ def _train_one(
         x_train, y_train = x_train[: task.train_limit], y_train[: task.train_limit]
     torch.manual_seed(seed)
     model = build_model(task.model, **task.model_kwargs)
-    ddp = DistributedDataParallel(model)
     shard = x_train.shape[0] // world
     steps_per_epoch = shard // task.batch_size
     total = task.steps or steps_per_epoch * task.epochs
-    state, opt = _setup(ddp, task, codec, total, seed)
     loss_fn = default_loss(task.model)
+    gen = torch.Generator().manual_seed(seed)  # the same order for every codec
+    order = torch.randperm(x_train.shape[0], generator=gen)
+    decision, label = None, codec
+    auto = adam_auto(task.optimizer, codec)
+    if auto is not None:  # Adam's auto: dense AdamW or 1-bit Adam, decided before DDP wraps
+        from superneurons.compress.autoadam import decide_adam_scheme
+
+        first = order[rank * shard :][: task.batch_size]
+        decision = decide_adam_scheme(
+            model,
+            (x_train[first], y_train[first]),
+            loss_fn,
+            config=auto,
+            total_steps=total,
+            bucket_cap_bytes=25 * 2**20,  # DDP's default, as below
+        )
+        label = decision.scheme
+    ddp = DistributedDataParallel(model)
+    state, opt = _setup(ddp, task, label, total, seed)
     evals = {round(total * (i + 1) / task.eval_points) for i in range(task.eval_points)}
     quick_eval = slice(0, 2000)
     full_eval = slice(0, task.eval_limit or x_test.shape[0])
     curve: list[list[float]] = []
-    gen = torch.Generator().manual_seed(seed)  # the same order for every codec
-    order = torch.randperm(x_train.shape[0], generator=gen)
     start_s = time.perf_counter()
     for step in range(1, total + 1):
         i = (step - 1) % steps_per_epoch
@@ -235,56 +259,8 @@ def _train_one(
         "bytes_sent_per_step": sent / total if sent else None,
         "dense_bytes_per_step": dense_bytes,
         "ratio_vs_dense": dense_bytes * total / sent if sent else 1.0,
+        "decision": None if decision is None else decision.to_dict(),
     }
-
-
-def _split_label(label: str) -> tuple[str, dict[str, float] | None]:
-    """``"SPEC|diminishing:k=v,..."`` -> (SPEC, schedule options) ; no suffix -> None."""
-    spec, bar, schedule = label.partition("|")
-    if not bar:
-        return spec, None
-    name, _, rest = schedule.partition(":")
-    if name != "diminishing":
-        raise ConfigError(f"{label!r}: the schedule after '|' must be 'diminishing:...'")
-    options: dict[str, float] = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq or key not in ("start", "floor", "drops", "until"):
-            raise ConfigError(f"{label!r}: options are start, floor, drops, until; got {item!r}")
-        options[key] = float(value)
-    return spec, options
-
-
-def _check_label(label: str) -> None:
-    from superneurons.compress.adam import parse_optimizer_spec
-
-    spec, schedule = _split_label(label)
-    if spec in ("dense", "auto") or parse_optimizer_spec(spec) is not None:
-        return  # "auto" is resolved by register_compression (the hook branch)
-    from superneurons.bench.network import check_codec
-
-    check_codec(spec)
-    if schedule is not None:
-        _theta_schedule(schedule, 1)
-
-
-def _applies(task: TaskConfig, label: str) -> bool:
-    """Optimizer-side labels (``adam-*``) replace Adam/AdamW: not run on SGD tasks."""
-    return task.optimizer != "sgd" or not label.startswith("adam-")
-
-
-def _theta_schedule(options: dict[str, float], total: int) -> Any:
-    from superneurons.compress.schedule import DiminishingTheta
-
-    until = options.get("until", 1.0)
-    if not 0.0 < until <= 1.0:
-        raise ConfigError(f"diminishing: until is a fraction of the run in (0, 1], got {until}")
-    return DiminishingTheta(
-        start=options.get("start", 0.99),
-        floor=options.get("floor", 0.9),
-        steps=max(1, round(until * total)),
-        drops=int(options.get("drops", 4)),
-    )
 
 
 def _setup(
@@ -293,7 +269,7 @@ def _setup(
     """The compression state (or None) and the optimizer for one codec label."""
     from superneurons.compress.adam import CompressedAdamW, parse_optimizer_spec
 
-    spec, schedule = _split_label(label)
+    spec, schedule = split_label(label)
     decay = 0.01 if task.optimizer == "adamw" else 0.0
     update = parse_optimizer_spec(spec)
     if update is not None:
@@ -315,7 +291,7 @@ def _setup(
         compression = with_defaults(parse_spec(spec))
         if schedule is not None:
             compression = with_defaults(
-                Scheduled(parse_spec(spec), _theta_schedule(schedule, total))
+                Scheduled(parse_spec(spec), theta_schedule(schedule, total))
             )
         state = register_compression(ddp, compression, seed=seed)
     if task.optimizer == "sgd":
@@ -336,7 +312,7 @@ def _rank_main(rank: int, config: ConvergenceConfig, port: int, out: str) -> Non
     try:
         for task in config.tasks:
             data = _datasets(task, config)
-            for codec in (c for c in config.codecs if _applies(task, c)):
+            for codec in (c for c in config.codecs if applies(task.optimizer, c)):
                 record = _train_one(task, codec, data, rank, config.nproc, config.seed)
                 if rank == 0:
                     with open(out, "a", encoding="utf-8") as handle:
@@ -361,7 +337,7 @@ def run_convergence_bench(
             join=False,
             start_method="spawn",
         )
-        expected = sum(_applies(t, c) for t in config.tasks for c in config.codecs)
+        expected = sum(applies(t.optimizer, c) for t in config.tasks for c in config.codecs)
         seen = 0
         while not ctx.join(timeout=1.0):
             lines = out.read_text().splitlines() if out.exists() else []
