@@ -129,6 +129,7 @@ class ConvergenceConfig:
     fashion_mnist_root: str = "/usr/share/datasets/fashion-mnist"
     shakespeare_root: str = "data/shakespeare"
     timeout_s: float = 1800.0
+    bandwidth_bit_s: int | None = None  # None: loopback; else a link shaped to this rate
 
     def __post_init__(self) -> None:
         if "dense" not in self.codecs:
@@ -299,12 +300,20 @@ def _setup(
     return state, torch.optim.AdamW(ddp.parameters(), lr=task.lr, weight_decay=decay)
 
 
-def _rank_main(rank: int, config: ConvergenceConfig, port: int, out: str) -> None:
+def _rank_main(
+    rank: int,
+    config: ConvergenceConfig,
+    port: int,
+    out: str,
+    *,
+    master_addr: str = "127.0.0.1",
+    ifname: str = "lo",
+) -> None:
     torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"tcp://{master_addr}:{port}",
         rank=rank,
         world_size=config.nproc,
         timeout=timedelta(seconds=config.timeout_s),
@@ -328,25 +337,34 @@ def run_convergence_bench(
     import torch.multiprocessing as mp
 
     say = progress or log.info
+    expected = sum(applies(t.optimizer, c) for t in config.tasks for c in config.codecs)
     with tempfile.TemporaryDirectory(prefix="sn-convergence-") as tmp:
         out = Path(tmp) / "records.jsonl"
-        ctx = mp.start_processes(
-            _rank_main,
-            args=(config, free_port(), str(out)),
-            nprocs=config.nproc,
-            join=False,
-            start_method="spawn",
-        )
-        expected = sum(applies(t.optimizer, c) for t in config.tasks for c in config.codecs)
         seen = 0
-        while not ctx.join(timeout=1.0):
+
+        def poll() -> None:
+            nonlocal seen
             lines = out.read_text().splitlines() if out.exists() else []
             for line in lines[seen:]:
                 say(_describe(json.loads(line), len(lines), expected))
             seen = len(lines)
+
+        if config.bandwidth_bit_s is not None:
+            from superneurons.bench.convergence_shaped import run_ranks_shaped
+
+            run_ranks_shaped(config, out, poll)
+        else:
+            ctx = mp.start_processes(
+                _rank_main,
+                args=(config, free_port(), str(out)),
+                nprocs=config.nproc,
+                join=False,
+                start_method="spawn",
+            )
+            while not ctx.join(timeout=1.0):
+                poll()
+        poll()
         lines = out.read_text().splitlines() if out.exists() else []
-        for line in lines[seen:]:
-            say(_describe(json.loads(line), len(lines), expected))
         records = [json.loads(line) for line in lines]
     add_deltas(records)
     return records
