@@ -59,6 +59,7 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_one_bit_adam_resumes_bitwise_and_counts_its_bytes(ranks: Ranks, tmp_path: Path) -> None:
     straight, split = tmp_path / "straight", tmp_path / "split"

@@ -21,9 +21,18 @@ __all__ = ["adam_auto", "applies", "check_label", "split_label", "theta_schedule
 def adam_auto(optimizer: str, label: str) -> Any:
     """The :class:`~superneurons.compress.autoadam.AdamAuto` of ``label`` on an Adam task,
     else None (``auto`` on an SGD task is the gradient hook's)."""
+    return None if optimizer == "sgd" else _adam_auto_or_none(split_label(label)[0])
+
+
+def _adam_auto_or_none(spec: str) -> Any:
+    """``auto[:link=..,margin=..]`` -> AdamAuto; anything else (``auto:observe_steps=3`` is
+    the gradient hook's ``auto``) -> None."""
     from superneurons.compress.autoadam import parse_adam_auto
 
-    return None if optimizer == "sgd" else parse_adam_auto(split_label(label)[0])
+    try:
+        return parse_adam_auto(spec)
+    except ConfigError:
+        return None
 
 
 def split_label(label: str) -> tuple[str, dict[str, float] | None]:
@@ -46,14 +55,12 @@ def split_label(label: str) -> tuple[str, dict[str, float] | None]:
 def check_label(label: str) -> None:
     """Raise :class:`ConfigError` for a label no task can run (before any rank starts)."""
     from superneurons.compress.adam import parse_optimizer_spec
-    from superneurons.compress.autoadam import parse_adam_auto
 
     spec, schedule = split_label(label)
     if spec in ("dense", "auto") or parse_optimizer_spec(spec) is not None:
         return  # "auto" on SGD is resolved by register_compression (the hook branch)
-    if spec.startswith("auto:"):
-        parse_adam_auto(spec)  # auto:link=RATE: Adam tasks only (see applies)
-        return
+    if spec.startswith("auto:") and _adam_auto_or_none(spec) is not None:
+        return  # auto:link=RATE: Adam tasks only (see applies)
     from superneurons.bench.network import check_codec
 
     check_codec(spec)
@@ -64,7 +71,12 @@ def check_label(label: str) -> None:
 def applies(optimizer: str, label: str) -> bool:
     """Optimizer-side labels (``adam-*``, ``auto:link=...``) replace Adam/AdamW: not run on
     SGD tasks."""
-    return optimizer != "sgd" or not label.startswith(("adam-", "auto:"))
+    if optimizer != "sgd":
+        return True
+    spec = split_label(label)[0]
+    return not spec.startswith("adam-") and not (
+        spec.startswith("auto:") and _adam_auto_or_none(spec) is not None
+    )
 
 
 def theta_schedule(options: dict[str, float], total: int) -> Any:
