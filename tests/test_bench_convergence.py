@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -155,3 +157,23 @@ def test_adam_auto_records_its_decision_and_trains_as_the_chosen_scheme() -> Non
     assert fast["final_metric"] == dense["final_metric"] and fast["ratio_vs_dense"] == 1.0
     assert slow["final_metric"] == fixed["final_metric"]
     assert slow["ratio_vs_dense"] == fixed["ratio_vs_dense"] > 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.netns
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("tc") is None or not any(SHAKESPEARE_ROOT.glob("*.txt")),
+    reason="needs root with ip and tc, and the Shakespeare texts",
+)
+def test_shaped_link_trains_the_same_steps_between_namespaces() -> None:
+    config = ConvergenceConfig(
+        codecs=("dense", "auto"),
+        tasks=(replace(SHAKESPEARE, steps=3, batch_size=4, eval_points=1, eval_limit=8),),
+        shakespeare_root=str(SHAKESPEARE_ROOT),
+        bandwidth_bit_s=100_000_000,
+    )
+    dense, auto = run_convergence_bench(config, progress=lambda _m: None)
+    assert math.isfinite(dense["final_metric"]) and auto["decision"]["link"] == "measured"
+    # the link really is shaped: the fitted all-reduce moves at most ~100 Mbit/s
+    assert auto["decision"]["network"]["all_reduce"]["beta_s_per_byte"] > 8 / 120e6

@@ -32,6 +32,8 @@ import json
 import logging
 import math
 import os
+import pickle
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -384,3 +386,14 @@ def add_deltas(records: Sequence[dict[str, Any]]) -> None:
     for record in records:
         base = dense.get(record["task"])
         record["delta_vs_dense"] = None if base is None else record["final_metric"] - base
+
+
+def _shaped_rank(argv: list[str]) -> None:
+    """One rank over a shaped link (started by :mod:`.convergence_shaped` in its namespace)."""
+    config_path, rank, port, out, master_addr, ifname = argv
+    config = pickle.loads(Path(config_path).read_bytes())  # noqa: S301 - our own file
+    _rank_main(int(rank), config, int(port), out, master_addr=master_addr, ifname=ifname)
+
+
+if __name__ == "__main__":
+    _shaped_rank(sys.argv[1:])

@@ -4,7 +4,8 @@
 but the ranks talk through veth links rate-limited by ``tc tbf``
 (:func:`superneurons.bench.netns.network_namespaces`, the network benchmark's machinery), so
 ``auto`` measures a network where compression can pay. Needs root (namespaces); the ranks
-are subprocesses started with ``ip netns exec`` (this module's ``__main__`` is one rank).
+are subprocesses started with ``ip netns exec`` (``python -m superneurons.bench.convergence``
+is one rank).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def run_ranks_shaped(config: Any, out: Path, poll: Callable[[], None]) -> None:
     with network_namespaces(config.nproc, rate_bit_s=config.bandwidth_bit_s) as topology:
         procs = []
         for rank in range(config.nproc):
-            argv = [sys.executable, "-m", "superneurons.bench.convergence_shaped"]
-            argv += [str(config_path), str(rank), str(out), topology.addresses[0]]
+            argv = [sys.executable, "-m", "superneurons.bench.convergence", str(config_path)]
+            argv += [str(rank), str(_PORT), str(out), topology.addresses[0]]
             argv.append(topology.interfaces[rank])
             procs.append(subprocess.Popen([*topology.exec_prefix(rank), *argv]))
         try:
@@ -55,15 +56,3 @@ def run_ranks_shaped(config: Any, out: Path, poll: Callable[[], None]) -> None:
             codes = [proc.wait() for proc in procs]
     if any(codes):
         raise ConfigError(f"convergence ranks over the shaped link failed (exit codes {codes})")
-
-
-def _main(argv: list[str]) -> None:
-    from superneurons.bench.convergence import _rank_main
-
-    config_path, rank, out, master_addr, ifname = argv
-    config = pickle.loads(Path(config_path).read_bytes())  # noqa: S301 - our own file
-    _rank_main(int(rank), config, _PORT, out, master_addr=master_addr, ifname=ifname)
-
-
-if __name__ == "__main__":
-    _main(sys.argv[1:])
