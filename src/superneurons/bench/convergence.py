@@ -10,20 +10,16 @@ defaults (error feedback on). Two tasks:
   the metric is validation cross-entropy (nats per character).
 
 Wang et al. (HPDC'20) report FFT compression at the accuracy of uncompressed training; our
-target is the default FFT codec within 0.5 points of dense on Fashion-MNIST. Each record
-holds the final metric, its delta to dense, the bytes sent vs dense, and the curve (metric
-vs step) for the plot.
+target: the default FFT within 0.5 points of dense on Fashion-MNIST. Each record holds the
+final metric, its delta to dense, the bytes vs dense, step times and the curve for the plot.
 
 Codec labels (:mod:`.convergence_labels`): ``dense``; any hook spec (``fft``,
 ``powersgd:rank=4``, ``torch-fp16``, ``auto`` on SGD tasks); ``auto`` / ``auto:link=RATE`` on
 Adam tasks choose dense AdamW or 1-bit Adam (:mod:`superneurons.compress.autoadam`; the record's
 ``decision`` holds the choice and its predictions); ``adam-momentum[warmup=N,wire=W]:SPEC`` and
-``adam-update[...]:SPEC`` train with :class:`~superneurons.compress.adam.CompressedAdamW`
-(1-bit-Adam momentum, or local updates, averaged through SPEC with error feedback; DDP
-leaves gradients local); a suffix ``|diminishing:start=S,floor=F,drops=D,
-until=U`` gives the hook a :class:`~superneurons.compress.schedule.DiminishingTheta` that
-reaches ``floor`` at the fraction ``U`` of the run (HPDC'20's two θ claims: diminishing θ
-converges; lowering θ after a failure recovers, ``drops=1``).
+``adam-update[...]:SPEC`` train with :class:`~superneurons.compress.adam.CompressedAdamW`; a
+suffix ``|diminishing:start=S,floor=F,drops=D,until=U`` gives the hook a
+:class:`~superneurons.compress.schedule.DiminishingTheta` (HPDC'20's two θ claims).
 """
 
 from __future__ import annotations
@@ -33,6 +29,7 @@ import logging
 import math
 import os
 import pickle
+import statistics
 import sys
 import tempfile
 import time
@@ -230,23 +227,24 @@ def _train_one(
     ddp = DistributedDataParallel(model)
     state, opt = _setup(ddp, task, label, total, seed)
     evals = {round(total * (i + 1) / task.eval_points) for i in range(task.eval_points)}
-    quick_eval = slice(0, 2000)
-    full_eval = slice(0, task.eval_limit or x_test.shape[0])
+    quick_eval, full_eval = slice(0, 2000), slice(0, task.eval_limit or x_test.shape[0])
     curve: list[list[float]] = []
-    start_s = time.perf_counter()
+    start_s, start_cpu_s, step_s = time.perf_counter(), time.process_time(), []
     for step in range(1, total + 1):
         i = (step - 1) % steps_per_epoch
         if i == 0 and step > 1:
             order = torch.randperm(x_train.shape[0], generator=gen)
         idx = order[rank * shard :][i * task.batch_size : (i + 1) * task.batch_size]
+        step_start_s = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(ddp(x_train[idx]), y_train[idx])
         loss.backward()
         opt.step()
+        step_s.append(time.perf_counter() - step_start_s)  # evaluations not included
         if step in evals and rank == 0:
             part = full_eval if step == total else quick_eval
             curve.append([step, _evaluate(model, x_test[part], y_test[part], task.task)])
-    wall_s = time.perf_counter() - start_s
+    wall_s, cpu_s = time.perf_counter() - start_s, time.process_time() - start_cpu_s
     dense_bytes = sum(4 * p.numel() for p in model.parameters() if p.requires_grad)
     sent = getattr(state, "bytes_sent_total", 0)
     return {
@@ -259,6 +257,9 @@ def _train_one(
         "final_train_loss": float(loss.item()),
         "curve": curve,
         "wall_s": wall_s,
+        "cpu_s": cpu_s,  # rank 0's process time over the loop (evaluations included)
+        "median_step_s": statistics.median(step_s),  # rank 0, forward to optimizer step
+        "median_step_s_last_half": statistics.median(step_s[total // 2 :]),
         "bytes_sent_per_step": sent / total if sent else None,
         "dense_bytes_per_step": dense_bytes,
         "ratio_vs_dense": dense_bytes * total / sent if sent else 1.0,

@@ -34,6 +34,7 @@ _COLUMNS = (
     "delta_vs_dense",
     "ratio_vs_dense",
     "wall_s",
+    "median_step_s",
 )
 
 
