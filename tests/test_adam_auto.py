@@ -7,6 +7,7 @@ import pytest
 from superneurons.compress.autoadam import (
     AdamAuto,
     AdamDecision,
+    OptimizerTimes,
     dense_bucket_timings,
     one_bit_adam_spec,
     parse_adam_auto,
@@ -75,6 +76,20 @@ def test_a_slow_link_predicts_one_bit_adam_faster() -> None:
     )
     assert dense_s == pytest.approx(4.1)
     assert compressed_s == pytest.approx(0.4125)
+    # each optimizer's measured step adds to its own scheme's steps
+    dense_s, compressed_s = predict_adam_schemes(
+        [1_000_000],
+        backward_s=0.1,
+        network=network,
+        sign_cost=SIGN,
+        wire_cost=FP16,
+        warmup_steps=20,
+        total_steps=200,
+        bucket_cap_bytes=25 * 2**20,
+        optimizer_s=OptimizerTimes(adamw_s=0.01, warmup_s=0.02, compressed_s=0.03),
+    )
+    assert dense_s == pytest.approx(4.11)
+    assert compressed_s == pytest.approx((20 * 2.12 + 180 * 0.255) / 200)
 
 
 def test_a_fast_link_predicts_dense_faster() -> None:

@@ -19,7 +19,10 @@ all-reduce) and :data:`ONE_BIT_ADAM` — by the predicted step time:
   both in proportion.
 
 Both predictions are :func:`superneurons.strategy.cost.predicted_step_s` on the fitted
-network model (:func:`superneurons.strategy.netmodel.measure_network`). 1-bit Adam is chosen
+network model (:func:`superneurons.strategy.netmodel.measure_network`) plus each optimizer's
+measured local ``step()`` (AdamW; 1-bit Adam in and after its warm-up, its encode, error
+feedback and decode included: these are per-parameter Python loops, which per-byte codec costs
+alone under-predicted by ~2x on the char-GPT at 100 Mbit/s). 1-bit Adam is chosen
 only when its mean predicted step is at least ``margin`` below dense's: compression that does
 not pay is not chosen. Rank 0 decides and broadcasts, so every rank builds the same optimizer.
 
@@ -36,7 +39,7 @@ import math
 import re
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -49,6 +52,7 @@ __all__ = [
     "ONE_BIT_ADAM",
     "AdamAuto",
     "AdamDecision",
+    "OptimizerTimes",
     "decide_adam_scheme",
     "dense_bucket_timings",
     "one_bit_adam_spec",
@@ -166,6 +170,7 @@ class AdamDecision:
     backward_s: float
     link: str  # "measured" or "stated: 100mbit (ring model, not measured)"
     network: dict[str, Any]
+    optimizer_s: dict[str, float] | None = None  # OptimizerTimes as a dict
     version: int = _DECISION_VERSION
 
     @property
@@ -219,9 +224,14 @@ def predict_adam_schemes(
     warmup_steps: int,
     total_steps: int,
     bucket_cap_bytes: int,
+    optimizer_s: OptimizerTimes | None = None,
 ) -> tuple[float, float]:
     """(dense AdamW's predicted step, 1-bit Adam's mean predicted step over the run), in
-    seconds from backward's start. Pure; see the module docstring for the timeline."""
+    seconds from backward's start to the optimizer step's end. Pure; see the module docstring.
+
+    ``optimizer_s``: each optimizer's measured local ``step()`` (1-bit Adam's includes its
+    encode/decode: pass codec costs with zero times then); None: no optimizer time.
+    """
     from superneurons.strategy.codecs import DENSE
     from superneurons.strategy.cost import BucketTiming, predicted_step_s
 
@@ -234,8 +244,62 @@ def predict_adam_schemes(
     after = [BucketTiming("all", ("all",), sum(numels), backward_s)]
     warm_s = predicted_step_s(after, {"all": wire_cost}, backward_s=backward_s, network=network)
     sign_s = predicted_step_s(after, {"all": sign_cost}, backward_s=backward_s, network=network)
+    if optimizer_s is not None:
+        dense_s += optimizer_s.adamw_s
+        warm_s += optimizer_s.warmup_s
+        sign_s += optimizer_s.compressed_s
     warm = min(warmup_steps, total_steps)
     return dense_s, (warm * warm_s + (total_steps - warm) * sign_s) / total_steps
+
+
+@dataclass(frozen=True)
+class OptimizerTimes:
+    """Measured local seconds of one ``step()``: AdamW, 1-bit Adam in its warm-up (fp16
+    encode/decode) and after it (error feedback, sign encode, decode); collectives excluded."""
+
+    adamw_s: float
+    warmup_s: float
+    compressed_s: float
+
+
+def _optimizer_times(
+    params: Sequence[torch.Tensor], world: int, solo: Any, repeats: int
+) -> OptimizerTimes:
+    """Time each optimizer on copies of ``params`` (with their gradients) on a one-rank group,
+    so nothing is sent; 1-bit Adam decodes one payload instead of ``world`` (its decode of
+    the others is added from a second decode of the same payloads, ``world - 1`` times)."""
+    from superneurons.compress.adam import CompressedAdamW
+    from superneurons.compress.spec import parse_codec
+    from superneurons.strategy.timing import time_call_s
+
+    device = params[0].device
+
+    def copies() -> list[torch.Tensor]:
+        out = []
+        for p in params:
+            q = p.detach().clone().requires_grad_(True)
+            q.grad = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+            out.append(q)
+        return out
+
+    adamw = torch.optim.AdamW(copies(), lr=1e-3)
+    dense = [time_call_s(adamw.step, device) for _ in range(repeats + 1)][1:]
+    one_bit = CompressedAdamW(
+        copies(),
+        codec=parse_codec("signsgd"),
+        warmup_steps=2,
+        warmup_codec=parse_codec("fp16"),
+        process_group=solo,
+    )
+    times = [time_call_s(one_bit.step, device) for _ in range(repeats + 2)]
+    warm, after = times[1], statistics.median(times[2:])
+    decode_s = 0.0
+    if world > 1:  # the receiver decodes every rank's payload
+        flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None]).float()
+        codec = parse_codec("signsgd")
+        payload = codec.encode(flat)
+        decode_s = time_call_s(lambda: codec.decode(payload), device) * (world - 1)
+    return OptimizerTimes(statistics.median(dense), warm, after + decode_s)
 
 
 def _backward_s(model: nn.Module, batch: tuple[Any, Any], loss_fn: Any, repeats: int) -> float:
@@ -285,15 +349,21 @@ def decide_adam_scheme(
         link = f"stated: {_format_rate(config.link_bit_s)} (ring model, not measured)"
     warmup = warmup_steps_for(total_steps, config)
     decision: list[Any] = [None]
+    leader = dist.get_global_rank(group, 0) if group is not None else 0
+    solo = dist.new_group([leader])  # collective: every rank creates it, rank 0 times in it
     if dist.get_rank(group) == 0:
         params = [p for p in model.parameters() if p.requires_grad]
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             backward_s = _backward_s(model, batch, loss_fn, repeats)
             sample = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
-            sign, wire = measure_codecs(
-                [parse_codec("signsgd"), parse_codec("fp16")], sample, world_size=world
-            )[1:]
+            sign, wire = (  # their time is inside the measured optimizer steps
+                replace(cost, encode_s_per_byte=0.0, decode_s_per_byte=0.0)
+                for cost in measure_codecs(
+                    [parse_codec("signsgd"), parse_codec("fp16")], sample, world_size=world
+                )[1:]
+            )
+            optimizer_s = _optimizer_times(params, world, solo, repeats)
         for p in params:
             p.grad = None
         dense_s, compressed_s = predict_adam_schemes(
@@ -305,6 +375,7 @@ def decide_adam_scheme(
             warmup_steps=warmup,
             total_steps=total_steps,
             bucket_cap_bytes=bucket_cap_bytes,
+            optimizer_s=optimizer_s,
         )
         pays = world > 1 and compressed_s < (1.0 - config.margin) * dense_s
         decision[0] = AdamDecision(
@@ -315,8 +386,9 @@ def decide_adam_scheme(
             backward_s=backward_s,
             link=link,
             network=network.to_dict(),
+            optimizer_s=asdict(optimizer_s),
         ).to_dict()
-    dist.broadcast_object_list(decision, src=dist.get_global_rank(group, 0) if group else 0)
+    dist.broadcast_object_list(decision, src=leader, group=group)
     chosen = AdamDecision.from_dict(decision[0])
     logger.info(
         "auto (Adam): %s — predicted step %.4f s dense vs %.4f s 1-bit Adam (link %s)",
