@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,7 +18,9 @@ from superneurons.bench.convergence import (
     add_deltas,
     run_convergence_bench,
 )
+from superneurons.bench.convergence_labels import adam_auto, applies
 from superneurons.bench.convergence_report import write_artifacts
+from superneurons.compress.autoadam import AdamAuto
 from superneurons.errors import ConfigError
 
 FMNIST_ROOT = Path(ConvergenceConfig().fashion_mnist_root)
@@ -121,3 +125,55 @@ def test_update_compression_counts_bytes_with_warmup() -> None:
         update["bytes_sent_per_step"] * 3
     )
     assert 2.5 < update["ratio_vs_dense"] < 3.0
+
+
+def test_adam_auto_labels_run_on_adam_tasks_only() -> None:
+    ConvergenceConfig(codecs=("dense", "auto:link=100mbit", "auto:margin=0.1"))
+    with pytest.raises(ConfigError, match="link"):
+        ConvergenceConfig(codecs=("dense", "auto:link=fast"))
+    assert adam_auto("adamw", "auto:link=100mbit") == AdamAuto(link_bit_s=100_000_000)
+    assert adam_auto("adamw", "auto") == AdamAuto()
+    assert adam_auto("sgd", "auto") is None  # SGD: the gradient hook's auto
+    assert adam_auto("adamw", "auto:observe_steps=3") is None  # the hook's auto options
+    assert applies("adamw", "auto:link=100mbit") and applies("sgd", "auto")
+    assert not applies("sgd", "auto:link=100mbit") and not applies("sgd", "adam-update:fp16")
+    assert applies("sgd", "auto:observe_steps=3")
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.skipif(not any(SHAKESPEARE_ROOT.glob("*.txt")), reason="needs the Shakespeare texts")
+def test_adam_auto_records_its_decision_and_trains_as_the_chosen_scheme() -> None:
+    one_bit = "adam-momentum[warmup=20,wire=fp16]:signsgd"  # auto's scheme for 3 steps
+    config = ConvergenceConfig(
+        codecs=("dense", "auto:link=1000gbit", "auto:link=10kbit", one_bit),
+        tasks=(replace(SHAKESPEARE, steps=3, batch_size=4, eval_points=1, eval_limit=8),),
+        shakespeare_root=str(SHAKESPEARE_ROOT),
+    )
+    dense, fast, slow, fixed = run_convergence_bench(config, progress=lambda _m: None)
+    assert dense["decision"] is None and fixed["decision"] is None
+    assert fast["decision"]["scheme"] == "dense" and slow["decision"]["scheme"] == one_bit
+    assert "stated" in slow["decision"]["link"]
+    assert fast["final_metric"] == dense["final_metric"] and fast["ratio_vs_dense"] == 1.0
+    assert slow["final_metric"] == fixed["final_metric"]
+    assert slow["ratio_vs_dense"] == fixed["ratio_vs_dense"] > 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.netns
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("tc") is None or not any(SHAKESPEARE_ROOT.glob("*.txt")),
+    reason="needs root with ip and tc, and the Shakespeare texts",
+)
+def test_shaped_link_trains_the_same_steps_between_namespaces() -> None:
+    config = ConvergenceConfig(
+        codecs=("dense", "auto"),
+        tasks=(replace(SHAKESPEARE, steps=3, batch_size=4, eval_points=1, eval_limit=8),),
+        shakespeare_root=str(SHAKESPEARE_ROOT),
+        bandwidth_bit_s=100_000_000,
+    )
+    dense, auto = run_convergence_bench(config, progress=lambda _m: None)
+    assert math.isfinite(dense["final_metric"]) and auto["decision"]["link"] == "measured"
+    # the link really is shaped: the fitted all-reduce moves at most ~100 Mbit/s
+    assert auto["decision"]["network"]["all_reduce"]["beta_s_per_byte"] > 8 / 120e6

@@ -10,18 +10,16 @@ defaults (error feedback on). Two tasks:
   the metric is validation cross-entropy (nats per character).
 
 Wang et al. (HPDC'20) report FFT compression at the accuracy of uncompressed training; our
-target is the default FFT codec within 0.5 points of dense on Fashion-MNIST. Each record
-holds the final metric, its delta to dense, the bytes sent vs dense, and the curve (metric
-vs step) for the plot.
+target: the default FFT within 0.5 points of dense on Fashion-MNIST. Each record holds the
+final metric, its delta to dense, the bytes vs dense, step times and the curve for the plot.
 
-Codec labels: ``dense``; any hook spec (``fft``, ``powersgd:rank=4``, ``torch-fp16``, and
-``auto`` once the hook implements it); ``adam-momentum[warmup=N,wire=W]:SPEC`` and
-``adam-update[...]:SPEC`` train with :class:`~superneurons.compress.adam.CompressedAdamW`
-(1-bit-Adam momentum, or local updates, averaged through SPEC with error feedback; DDP
-leaves gradients local); a suffix ``|diminishing:start=S,floor=F,drops=D,
-until=U`` gives the hook a :class:`~superneurons.compress.schedule.DiminishingTheta` that
-reaches ``floor`` at the fraction ``U`` of the run (HPDC'20's two θ claims: diminishing θ
-converges; lowering θ after a failure recovers, ``drops=1``).
+Codec labels (:mod:`.convergence_labels`): ``dense``; any hook spec (``fft``,
+``powersgd:rank=4``, ``torch-fp16``, ``auto`` on SGD tasks); ``auto`` / ``auto:link=RATE`` on
+Adam tasks choose dense AdamW or 1-bit Adam (:mod:`superneurons.compress.autoadam`; the record's
+``decision`` holds the choice and its predictions); ``adam-momentum[warmup=N,wire=W]:SPEC`` and
+``adam-update[...]:SPEC`` train with :class:`~superneurons.compress.adam.CompressedAdamW`; a
+suffix ``|diminishing:start=S,floor=F,drops=D,until=U`` gives the hook a
+:class:`~superneurons.compress.schedule.DiminishingTheta` (HPDC'20's two θ claims).
 """
 
 from __future__ import annotations
@@ -30,6 +28,9 @@ import json
 import logging
 import math
 import os
+import pickle
+import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -43,6 +44,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from superneurons.bench.convergence_labels import (
+    adam_auto,
+    applies,
+    check_label,
+    split_label,
+    theta_schedule,
+)
 from superneurons.errors import ConfigError
 from superneurons.train.launch import free_port
 
@@ -120,6 +128,7 @@ class ConvergenceConfig:
     fashion_mnist_root: str = "/usr/share/datasets/fashion-mnist"
     shakespeare_root: str = "data/shakespeare"
     timeout_s: float = 1800.0
+    bandwidth_bit_s: int | None = None  # None: loopback; else a link shaped to this rate
 
     def __post_init__(self) -> None:
         if "dense" not in self.codecs:
@@ -127,7 +136,7 @@ class ConvergenceConfig:
         if self.nproc < 1:
             raise ConfigError(f"nproc must be >= 1, got {self.nproc}")
         for codec in self.codecs:
-            _check_label(codec)  # fail before any rank starts
+            check_label(codec)  # fail before any rank starts
 
     @staticmethod
     def quick() -> ConvergenceConfig:
@@ -194,32 +203,48 @@ def _train_one(
         x_train, y_train = x_train[: task.train_limit], y_train[: task.train_limit]
     torch.manual_seed(seed)
     model = build_model(task.model, **task.model_kwargs)
-    ddp = DistributedDataParallel(model)
     shard = x_train.shape[0] // world
     steps_per_epoch = shard // task.batch_size
     total = task.steps or steps_per_epoch * task.epochs
-    state, opt = _setup(ddp, task, codec, total, seed)
     loss_fn = default_loss(task.model)
-    evals = {round(total * (i + 1) / task.eval_points) for i in range(task.eval_points)}
-    quick_eval = slice(0, 2000)
-    full_eval = slice(0, task.eval_limit or x_test.shape[0])
-    curve: list[list[float]] = []
     gen = torch.Generator().manual_seed(seed)  # the same order for every codec
     order = torch.randperm(x_train.shape[0], generator=gen)
-    start_s = time.perf_counter()
+    decision, label = None, codec
+    auto = adam_auto(task.optimizer, codec)
+    if auto is not None:  # Adam's auto: dense AdamW or 1-bit Adam, decided before DDP wraps
+        from superneurons.compress.autoadam import decide_adam_scheme
+
+        first = order[rank * shard :][: task.batch_size]
+        decision = decide_adam_scheme(
+            model,
+            (x_train[first], y_train[first]),
+            loss_fn,
+            config=auto,
+            total_steps=total,
+            bucket_cap_bytes=25 * 2**20,  # DDP's default, as below
+        )
+        label = decision.scheme
+    ddp = DistributedDataParallel(model)
+    state, opt = _setup(ddp, task, label, total, seed)
+    evals = {round(total * (i + 1) / task.eval_points) for i in range(task.eval_points)}
+    quick_eval, full_eval = slice(0, 2000), slice(0, task.eval_limit or x_test.shape[0])
+    curve: list[list[float]] = []
+    start_s, start_cpu_s, step_s = time.perf_counter(), time.process_time(), []
     for step in range(1, total + 1):
         i = (step - 1) % steps_per_epoch
         if i == 0 and step > 1:
             order = torch.randperm(x_train.shape[0], generator=gen)
         idx = order[rank * shard :][i * task.batch_size : (i + 1) * task.batch_size]
+        step_start_s = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(ddp(x_train[idx]), y_train[idx])
         loss.backward()
         opt.step()
+        step_s.append(time.perf_counter() - step_start_s)  # evaluations not included
         if step in evals and rank == 0:
             part = full_eval if step == total else quick_eval
             curve.append([step, _evaluate(model, x_test[part], y_test[part], task.task)])
-    wall_s = time.perf_counter() - start_s
+    wall_s, cpu_s = time.perf_counter() - start_s, time.process_time() - start_cpu_s
     dense_bytes = sum(4 * p.numel() for p in model.parameters() if p.requires_grad)
     sent = getattr(state, "bytes_sent_total", 0)
     return {
@@ -232,59 +257,14 @@ def _train_one(
         "final_train_loss": float(loss.item()),
         "curve": curve,
         "wall_s": wall_s,
+        "cpu_s": cpu_s,  # rank 0's process time over the loop (evaluations included)
+        "median_step_s": statistics.median(step_s),  # rank 0, forward to optimizer step
+        "median_step_s_last_half": statistics.median(step_s[total // 2 :]),
         "bytes_sent_per_step": sent / total if sent else None,
         "dense_bytes_per_step": dense_bytes,
         "ratio_vs_dense": dense_bytes * total / sent if sent else 1.0,
+        "decision": None if decision is None else decision.to_dict(),
     }
-
-
-def _split_label(label: str) -> tuple[str, dict[str, float] | None]:
-    """``"SPEC|diminishing:k=v,..."`` -> (SPEC, schedule options) ; no suffix -> None."""
-    spec, bar, schedule = label.partition("|")
-    if not bar:
-        return spec, None
-    name, _, rest = schedule.partition(":")
-    if name != "diminishing":
-        raise ConfigError(f"{label!r}: the schedule after '|' must be 'diminishing:...'")
-    options: dict[str, float] = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq or key not in ("start", "floor", "drops", "until"):
-            raise ConfigError(f"{label!r}: options are start, floor, drops, until; got {item!r}")
-        options[key] = float(value)
-    return spec, options
-
-
-def _check_label(label: str) -> None:
-    from superneurons.compress.adam import parse_optimizer_spec
-
-    spec, schedule = _split_label(label)
-    if spec in ("dense", "auto") or parse_optimizer_spec(spec) is not None:
-        return  # "auto" is resolved by register_compression (the hook branch)
-    from superneurons.bench.network import check_codec
-
-    check_codec(spec)
-    if schedule is not None:
-        _theta_schedule(schedule, 1)
-
-
-def _applies(task: TaskConfig, label: str) -> bool:
-    """Optimizer-side labels (``adam-*``) replace Adam/AdamW: not run on SGD tasks."""
-    return task.optimizer != "sgd" or not label.startswith("adam-")
-
-
-def _theta_schedule(options: dict[str, float], total: int) -> Any:
-    from superneurons.compress.schedule import DiminishingTheta
-
-    until = options.get("until", 1.0)
-    if not 0.0 < until <= 1.0:
-        raise ConfigError(f"diminishing: until is a fraction of the run in (0, 1], got {until}")
-    return DiminishingTheta(
-        start=options.get("start", 0.99),
-        floor=options.get("floor", 0.9),
-        steps=max(1, round(until * total)),
-        drops=int(options.get("drops", 4)),
-    )
 
 
 def _setup(
@@ -293,7 +273,7 @@ def _setup(
     """The compression state (or None) and the optimizer for one codec label."""
     from superneurons.compress.adam import CompressedAdamW, parse_optimizer_spec
 
-    spec, schedule = _split_label(label)
+    spec, schedule = split_label(label)
     decay = 0.01 if task.optimizer == "adamw" else 0.0
     update = parse_optimizer_spec(spec)
     if update is not None:
@@ -315,7 +295,7 @@ def _setup(
         compression = with_defaults(parse_spec(spec))
         if schedule is not None:
             compression = with_defaults(
-                Scheduled(parse_spec(spec), _theta_schedule(schedule, total))
+                Scheduled(parse_spec(spec), theta_schedule(schedule, total))
             )
         state = register_compression(ddp, compression, seed=seed)
     if task.optimizer == "sgd":
@@ -323,12 +303,20 @@ def _setup(
     return state, torch.optim.AdamW(ddp.parameters(), lr=task.lr, weight_decay=decay)
 
 
-def _rank_main(rank: int, config: ConvergenceConfig, port: int, out: str) -> None:
+def _rank_main(
+    rank: int,
+    config: ConvergenceConfig,
+    port: int,
+    out: str,
+    *,
+    master_addr: str = "127.0.0.1",
+    ifname: str = "lo",
+) -> None:
     torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"tcp://{master_addr}:{port}",
         rank=rank,
         world_size=config.nproc,
         timeout=timedelta(seconds=config.timeout_s),
@@ -336,7 +324,7 @@ def _rank_main(rank: int, config: ConvergenceConfig, port: int, out: str) -> Non
     try:
         for task in config.tasks:
             data = _datasets(task, config)
-            for codec in (c for c in config.codecs if _applies(task, c)):
+            for codec in (c for c in config.codecs if applies(task.optimizer, c)):
                 record = _train_one(task, codec, data, rank, config.nproc, config.seed)
                 if rank == 0:
                     with open(out, "a", encoding="utf-8") as handle:
@@ -352,25 +340,34 @@ def run_convergence_bench(
     import torch.multiprocessing as mp
 
     say = progress or log.info
+    expected = sum(applies(t.optimizer, c) for t in config.tasks for c in config.codecs)
     with tempfile.TemporaryDirectory(prefix="sn-convergence-") as tmp:
         out = Path(tmp) / "records.jsonl"
-        ctx = mp.start_processes(
-            _rank_main,
-            args=(config, free_port(), str(out)),
-            nprocs=config.nproc,
-            join=False,
-            start_method="spawn",
-        )
-        expected = sum(_applies(t, c) for t in config.tasks for c in config.codecs)
         seen = 0
-        while not ctx.join(timeout=1.0):
+
+        def poll() -> None:
+            nonlocal seen
             lines = out.read_text().splitlines() if out.exists() else []
             for line in lines[seen:]:
                 say(_describe(json.loads(line), len(lines), expected))
             seen = len(lines)
+
+        if config.bandwidth_bit_s is not None:
+            from superneurons.bench.convergence_shaped import run_ranks_shaped
+
+            run_ranks_shaped(config, out, poll)
+        else:
+            ctx = mp.start_processes(
+                _rank_main,
+                args=(config, free_port(), str(out)),
+                nprocs=config.nproc,
+                join=False,
+                start_method="spawn",
+            )
+            while not ctx.join(timeout=1.0):
+                poll()
+        poll()
         lines = out.read_text().splitlines() if out.exists() else []
-        for line in lines[seen:]:
-            say(_describe(json.loads(line), len(lines), expected))
         records = [json.loads(line) for line in lines]
     add_deltas(records)
     return records
@@ -390,3 +387,14 @@ def add_deltas(records: Sequence[dict[str, Any]]) -> None:
     for record in records:
         base = dense.get(record["task"])
         record["delta_vs_dense"] = None if base is None else record["final_metric"] - base
+
+
+def _shaped_rank(argv: list[str]) -> None:
+    """One rank over a shaped link (started by :mod:`.convergence_shaped` in its namespace)."""
+    config_path, rank, port, out, master_addr, ifname = argv
+    config = pickle.loads(Path(config_path).read_bytes())  # noqa: S301 - our own file
+    _rank_main(int(rank), config, int(port), out, master_addr=master_addr, ifname=ifname)
+
+
+if __name__ == "__main__":
+    _shaped_rank(sys.argv[1:])

@@ -34,6 +34,7 @@ _COLUMNS = (
     "delta_vs_dense",
     "ratio_vs_dense",
     "wall_s",
+    "median_step_s",
 )
 
 
@@ -56,8 +57,10 @@ def summary_lines(records: Sequence[dict[str, Any]]) -> list[str]:
         if record["task"] == "shakespeare":
             ratio = record.get("ratio_vs_dense") or 0.0
             ok = delta <= LM_MAX_DELTA_NATS and ratio >= LM_MIN_RATIO
+            decision = record.get("decision")
+            chose = f" [chose {decision['scheme']}, link {decision['link']}]" if decision else ""
             lines.append(
-                f"- shakespeare: {record['codec']} {record['final_metric']:.3f} nats "
+                f"- shakespeare: {record['codec']}{chose} {record['final_metric']:.3f} nats "
                 f"({delta:+.3f} vs dense) at {ratio:.1f}x fewer bytes; target <= "
                 f"+{LM_MAX_DELTA_NATS} at >= {LM_MIN_RATIO:.0f}x: {'met' if ok else 'NOT met'}"
             )
@@ -78,8 +81,10 @@ def write_artifacts(
         + (f", first {t.train_limit} training samples" if t.train_limit else "")
         for t in config.tasks
     )
+    rate = config.bandwidth_bit_s
+    where = "on loopback" if rate is None else f"over veth links shaped to {rate / 1e6:g} Mbit/s"
     body = (
-        f"{config.nproc} gloo ranks on loopback, one thread each; every codec through "
+        f"{config.nproc} gloo ranks {where}, one thread each; every codec through "
         "`register_compression` with its defaults (error feedback on); `adam-momentum[...]:C` "
         "and `adam-update[...]:C` through `CompressedAdamW` (1-bit-Adam momentum after a "
         "warm-up, or local AdamW updates, averaged by codec C with error feedback); same "

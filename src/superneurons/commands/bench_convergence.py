@@ -1,11 +1,13 @@
 """Final accuracy of every codec vs dense DDP, trained the same steps on Fashion-MNIST and on
-character-level Shakespeare (2 gloo ranks on loopback).
+character-level Shakespeare (2 gloo ranks on loopback, or over a shaped link with --bandwidth).
 
 Example:
   superneurons bench convergence --out benchmarks/results/convergence
   superneurons bench convergence --quick --out /tmp/conv
   superneurons bench convergence --tasks shakespeare \
       --codecs dense,fft,adam-update[warmup=10]:signsgd --out /tmp/conv-lm
+  superneurons bench convergence --tasks shakespeare --bandwidth 100mbit \
+      --codecs "dense;auto;adam-momentum[warmup=20,wire=fp16]:signsgd" --out /tmp/conv-100m
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 from superneurons.bench.convergence import ConvergenceConfig, TaskConfig, run_convergence_bench
 from superneurons.bench.convergence_report import summary_lines, write_artifacts
+from superneurons.bench.netns import parse_rate
 from superneurons.errors import ConfigError
 
 __all__ = ["HELP", "add_arguments", "run"]
@@ -48,6 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--fashion-mnist-root", default="/usr/share/datasets/fashion-mnist", help="IDX files"
     )
     parser.add_argument("--shakespeare-root", default="data/shakespeare", help="*.txt plays")
+    parser.add_argument(
+        "--bandwidth",
+        default=None,
+        help="run the ranks in network namespaces linked at this rate (e.g. 100mbit; needs "
+        "root, as bench network); default: loopback",
+    )
     parser.add_argument("--out", type=Path, required=True, help="output directory")
 
 
@@ -70,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         fashion_mnist_root=args.fashion_mnist_root,
         shakespeare_root=args.shakespeare_root,
+        bandwidth_bit_s=None if args.bandwidth is None else parse_rate(args.bandwidth),
     )
     if args.tasks:
         wanted = [t.strip() for t in args.tasks.split(",") if t.strip()]

@@ -15,6 +15,12 @@ Started by your own torchrun (RANK/WORLD_SIZE/LOCAL_RANK set), it runs as that r
 identity, fp16, bf16, powersgd:rank=R), a wrapper around one (ef(...), warmup(steps=N,...),
 rowsparse(...)), a PyTorch anchor (dense, torch-fp16, torch-powersgd:rank=R) or auto (chosen
 per bucket from the measured network and backward timeline).
+With --optimizer adamw (or adam), --compress may also name an optimizer that communicates itself:
+adam-momentum[warmup=N,wire=fp16]:signsgd (1-bit Adam) or adam-update[...]:CODEC; and auto then
+chooses between dense AdamW and 1-bit Adam by the predicted step time (auto:link=100mbit plans
+for a stated link instead of the measured one).
+  superneurons train --model gpt --data shakespeare --nproc 2 --optimizer adamw \
+      --compress "adam-momentum[warmup=20,wire=fp16]:signsgd" --out runs/gpt-1bit
 """
 
 from __future__ import annotations
@@ -62,7 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="device memory budget (e.g. 2GiB): plan keep/offload/recompute",
     )
     comm = parser.add_argument_group("communication")
-    comm.add_argument("--compress", default="dense", help="codec spec or anchor (see above)")
+    comm.add_argument(
+        "--compress",
+        default="dense",
+        help="codec spec, anchor, auto, or with adam(w) adam-momentum[...]:CODEC (see above)",
+    )
     comm.add_argument("--warmup-steps", type=int, default=0, help="dense steps before compressing")
     comm.add_argument(
         "--no-error-feedback", action="store_true", help="drop what compression loses"
@@ -100,9 +110,9 @@ def _say_backend(nproc: int, backend: str, *, first: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from superneurons.compress.compose import compose
     from superneurons.train.launch import Launch, run_torchrun, under_torchrun
     from superneurons.train.precheck import check_before_launch
+    from superneurons.train.sync import check_compress
     from superneurons.train.task import check_task
 
     config = TrainConfig(
@@ -136,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     )
     # Validate here, before any rank starts: bad input is one line, never a rank traceback.
     check_task(config.model, config.data)
-    compose(config.compress, error_feedback=config.error_feedback, warmup_steps=config.warmup_steps)
+    check_compress(config)
     _check_data(config)
     if under_torchrun():
         world_size = int(os.environ["WORLD_SIZE"])

@@ -211,6 +211,7 @@ class CompressedAdamW(torch.optim.Optimizer):
         self.steps = 0
         self.bytes_sent_step = 0
         self.bytes_sent_total = 0
+        self.dense_bytes_step = 0
         self.dense_bytes_total = 0
 
     # -- state -------------------------------------------------------------------------------
@@ -337,7 +338,8 @@ class CompressedAdamW(torch.optim.Optimizer):
             p.add_(update.view_as(p).to(p.dtype), alpha=-group["lr"])
         self.bytes_sent_step = sent
         self.bytes_sent_total += sent
-        self.dense_bytes_total += sum(4 * g.numel() for g in grads)
+        self.dense_bytes_step = sum(4 * g.numel() for g in grads)  # an fp32 all-reduce's input
+        self.dense_bytes_total += self.dense_bytes_step
         return loss
 
     def _average_dense(
@@ -373,8 +375,7 @@ class CompressedAdamW(torch.optim.Optimizer):
             payloads.append(payload)
         if not payloads:
             return [], 0
-        # NOTE: parts are cloned before decoding: a slice at an odd byte offset cannot be
-        # viewed as float32 (the codecs' scales and values).
+        # NOTE: parts are cloned before decoding: an odd byte offset cannot be viewed as fp32.
         sizes = [payload.data.numel() for payload in payloads]
         message = torch.cat([payload.data for payload in payloads])  # one collective per step
         sent = message.numel() * message.element_size()

@@ -1,7 +1,8 @@
 """The data-parallel training loop of ``superneurons train``: one plain function.
 
-Per rank: seed, build the model and data, wrap in DDP, register gradient compression
-(:func:`superneurons.compress.hook.register_compression`), then for each epoch train over this
+Per rank: seed, build the model and data, wrap in DDP, attach the synchronisation (gradient
+compression through DDP's hook, or an optimizer that communicates itself:
+:mod:`superneurons.train.sync`), then for each epoch train over this
 rank's shard (``DistributedSampler``), evaluate on the test split, checkpoint. ``--resume``
 loads the newest checkpoint every rank holds and continues exactly where an uninterrupted run
 would be, records included (``summary.json`` counts every step, ``metrics.jsonl`` holds each
@@ -22,8 +23,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from superneurons.compress.compose import compose
-from superneurons.compress.hook import register_compression
 from superneurons.device import Placement
 from superneurons.errors import ConfigError
 from superneurons.train.checkpoint import (
@@ -36,6 +35,7 @@ from superneurons.train.checkpoint import (
 from superneurons.train.config import TrainConfig
 from superneurons.train.metrics import MetricsLog, summarize, write_summary
 from superneurons.train.rank import init_distributed
+from superneurons.train.sync import attach_synchronisation, decide_scheme
 from superneurons.train.task import Task, build_task
 
 __all__ = ["run_training", "train"]
@@ -82,21 +82,30 @@ def run_training(config: TrainConfig, device: Placement | torch.device) -> dict[
     if config.budget_bytes is not None:
         batch = placement.batch(next(iter(loader)))  # profiled where it will run
         plan_handle = _apply_budget(model, batch, config.budget_bytes, loss_fn=task.loss_fn)
-    ddp = DistributedDataParallel(model, bucket_cap_mb=config.bucket_cap_mb)
-    optimizer = _optimizer(config, model)
-    composed = compose(
-        config.compress, error_feedback=config.error_feedback, warmup_steps=config.warmup_steps
-    )
-    compression = register_compression(ddp, composed, seed=config.seed)
-    start_epoch = step = 0
     saved = _resume_or_start_over(config, rank, world_size)
+    steps_per_epoch = min(len(loader), config.limit_steps or len(loader))
+
+    def first_batch() -> Any:
+        with torch.random.fork_rng(devices=[]):  # NOTE: a DataLoader iterator draws a seed
+            return placement.batch(next(iter(loader)))
+
+    decision = decide_scheme(  # auto with Adam(W): measured before DDP wraps the model
+        config,
+        model,
+        batch=first_batch,
+        loss_fn=task.loss_fn,
+        total_steps=steps_per_epoch * config.epochs,
+        saved=None if saved is None else saved.compression,
+    )
+    ddp = DistributedDataParallel(model, bucket_cap_mb=config.bucket_cap_mb)
+    optimizer, compression = attach_synchronisation(config, model, ddp, decision=decision)
+    start_epoch = step = 0
     if saved is not None:
         model.load_state_dict(saved.model)
         optimizer.load_state_dict(saved.optimizer)
         compression.load_state_dict(saved.compression)
         restore_rng(saved.rng)
         start_epoch, step = saved.epoch, saved.step
-    steps_per_epoch = min(len(loader), config.limit_steps or len(loader))
     test = {"test_loss": float("nan"), "test_accuracy": float("nan")}
     resume_at = None if saved is None else (saved.epoch, saved.step)
     with MetricsLog(config.out_dir, enabled=rank == 0, resume_at=resume_at) as log:
@@ -157,7 +166,7 @@ def run_training(config: TrainConfig, device: Placement | torch.device) -> dict[
             log,
             model=config.model,
             data=config.data,
-            codec=compression.pipeline.base.spec,
+            codec=compression.codec,
             **compression.summary(),
             world_size=world_size,
             epochs=config.epochs,
@@ -174,15 +183,6 @@ def run_training(config: TrainConfig, device: Placement | torch.device) -> dict[
     if rank == 0:
         write_summary(config.out_dir, summary)
     return summary
-
-
-def _optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
-    lr = config.learning_rate
-    if config.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    if config.optimizer == "adam":
-        return torch.optim.Adam(model.parameters(), lr=lr)
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
 
 
 def _accuracy(output: torch.Tensor, targets: torch.Tensor) -> float:

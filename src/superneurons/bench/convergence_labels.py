@@ -1,0 +1,93 @@
+"""The convergence benchmark's codec labels: what each label means and on which tasks it runs.
+
+A label is ``dense``; a gradient-hook spec (``fft``, ``powersgd:rank=4``, ``auto``), optionally
+with a θ schedule after ``|`` (``fft|diminishing:start=0.99,floor=0.9,drops=4,until=0.5``:
+:class:`~superneurons.compress.schedule.DiminishingTheta`, HPDC'20's two θ claims); an
+optimizer-side spec ``adam-momentum[...]:SPEC`` / ``adam-update[...]:SPEC``
+(:class:`~superneurons.compress.adam.CompressedAdamW`); or, on Adam tasks, ``auto`` /
+``auto:link=RATE`` (:mod:`superneurons.compress.autoadam`: dense AdamW or 1-bit Adam, chosen by
+the cost model; ``link=`` plans for a stated link instead of the measured one).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from superneurons.errors import ConfigError
+
+__all__ = ["adam_auto", "applies", "check_label", "split_label", "theta_schedule"]
+
+
+def adam_auto(optimizer: str, label: str) -> Any:
+    """The :class:`~superneurons.compress.autoadam.AdamAuto` of ``label`` on an Adam task,
+    else None (``auto`` on an SGD task is the gradient hook's)."""
+    return None if optimizer == "sgd" else _adam_auto_or_none(split_label(label)[0])
+
+
+def _adam_auto_or_none(spec: str) -> Any:
+    """``auto[:link=..,margin=..]`` -> AdamAuto; anything else (``auto:observe_steps=3`` is
+    the gradient hook's ``auto``) -> None."""
+    from superneurons.compress.autoadam import parse_adam_auto
+
+    try:
+        return parse_adam_auto(spec)
+    except ConfigError:
+        return None
+
+
+def split_label(label: str) -> tuple[str, dict[str, float] | None]:
+    """``"SPEC|diminishing:k=v,..."`` -> (SPEC, schedule options) ; no suffix -> None."""
+    spec, bar, schedule = label.partition("|")
+    if not bar:
+        return spec, None
+    name, _, rest = schedule.partition(":")
+    if name != "diminishing":
+        raise ConfigError(f"{label!r}: the schedule after '|' must be 'diminishing:...'")
+    options: dict[str, float] = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in ("start", "floor", "drops", "until"):
+            raise ConfigError(f"{label!r}: options are start, floor, drops, until; got {item!r}")
+        options[key] = float(value)
+    return spec, options
+
+
+def check_label(label: str) -> None:
+    """Raise :class:`ConfigError` for a label no task can run (before any rank starts)."""
+    from superneurons.compress.adam import parse_optimizer_spec
+
+    spec, schedule = split_label(label)
+    if spec in ("dense", "auto") or parse_optimizer_spec(spec) is not None:
+        return  # "auto" on SGD is resolved by register_compression (the hook branch)
+    if spec.startswith("auto:") and _adam_auto_or_none(spec) is not None:
+        return  # auto:link=RATE: Adam tasks only (see applies)
+    from superneurons.bench.network import check_codec
+
+    check_codec(spec)
+    if schedule is not None:
+        theta_schedule(schedule, 1)
+
+
+def applies(optimizer: str, label: str) -> bool:
+    """Optimizer-side labels (``adam-*``, ``auto:link=...``) replace Adam/AdamW: not run on
+    SGD tasks."""
+    if optimizer != "sgd":
+        return True
+    spec = split_label(label)[0]
+    return not spec.startswith("adam-") and not (
+        spec.startswith("auto:") and _adam_auto_or_none(spec) is not None
+    )
+
+
+def theta_schedule(options: dict[str, float], total: int) -> Any:
+    from superneurons.compress.schedule import DiminishingTheta
+
+    until = options.get("until", 1.0)
+    if not 0.0 < until <= 1.0:
+        raise ConfigError(f"diminishing: until is a fraction of the run in (0, 1], got {until}")
+    return DiminishingTheta(
+        start=options.get("start", 0.99),
+        floor=options.get("floor", 0.9),
+        steps=max(1, round(until * total)),
+        drops=int(options.get("drops", 4)),
+    )
