@@ -356,6 +356,11 @@ class TensorPool:
             **self._counters,
         )
 
+    @property
+    def copy_streams(self) -> tuple[Any, Any] | None:
+        """The (device->host, host->device) CUDA side streams; None off CUDA."""
+        return (self._d2h_stream, self._h2d_stream) if self._cuda else None
+
     def host_buffers(self) -> list[torch.Tensor]:  # subtract from a count: device bytes only
         return [self._slab.buffer]
 
