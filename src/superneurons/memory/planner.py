@@ -20,7 +20,11 @@ by non-keep units is absent between the end of its units' forward and their back
 or the prefetch one unit ahead (offload, recompute+offload); plain checkpoint inputs stay; recompute adds its transient
 forward bytes at the unit's backward start. ``optimizer_in_backward`` frees each gradient as soon as
 it is applied (``register_post_accumulate_grad_hook``), so the gradient row of the timeline and the
-step phase drop to the largest single gradient.
+step phase drop to the largest single gradient. Strategy ``offload+opt-on-host`` may also keep the
+optimizer state in the host pool (ZeRO-Offload's placement, Ren et al. ATC'21): on the device only
+the state of the parameter being stepped and the one prefetched
+(:func:`~superneurons.memory.optim_backward.host_state_timeline`), its copies timed by the device
+preset beside backward.
 """
 
 from __future__ import annotations

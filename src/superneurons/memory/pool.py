@@ -156,6 +156,7 @@ class TensorPool:
         self._cuda = device.type == "cuda"
         self._d2h_stream = torch.cuda.Stream(device) if self._cuda else None
         self._h2d_stream = torch.cuda.Stream(device) if self._cuda else None
+        self.copy_streams = (self._d2h_stream, self._h2d_stream)  # shared: memory.optim_host
         self._slab = HostSlab(config.host_bytes, pinned=self._cuda, device=config.host_device)
         self._cache: collections.OrderedDict[int, _Slot] = collections.OrderedDict()
         self._groups: dict[int, list[weakref.ref[_Handle]]] = {}
@@ -355,11 +356,6 @@ class TensorPool:
             live_slots=self._slab.live_slots + len(self._cache),
             **self._counters,
         )
-
-    @property
-    def copy_streams(self) -> tuple[Any, Any] | None:
-        """The (device->host, host->device) CUDA side streams; None off CUDA."""
-        return (self._d2h_stream, self._h2d_stream) if self._cuda else None
 
     def host_buffers(self) -> list[torch.Tensor]:  # subtract from a count: device bytes only
         return [self._slab.buffer]
