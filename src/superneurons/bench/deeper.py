@@ -202,6 +202,8 @@ def _host_state_time_model(
                 "forward_s": forward_s,
                 "backward_s": 2 * forward_s,
                 "recompute_s": plan.extra_compute_s,
+                "activation_host_gib": plan.host_bytes / GIB,
+                "plan_transfer_s": plan.transfer_s,  # activations' copies + the state's
             }
         )
     (n0, n1), (r0, r1) = sizes, rows
@@ -327,5 +329,8 @@ def _time_model_text(model: dict[str, Any]) -> str:
         f"{model['optimizer_h2d_s']:.3f} s per step on the pool's two streams, beside a backward "
         f"of {model['backward_s']:.3f} s (copy / backward = {model['copy_over_backward']:.2f}); "
         f"the step computes {model['step_compute_s']:.3f} s (forward {model['forward_s']:.3f}, "
-        f"recompute {model['recompute_s']:.3f}). Unmeasured on a GPU."
+        f"recompute {model['recompute_s']:.3f}). The same plan also moves its checkpoints "
+        f"({model['activation_host_gib']:.2f} GiB in the host pool) over the same link: all "
+        f"copies of the plan, both ways, take {model['plan_transfer_s']:.3f} s per step by the "
+        "preset's bandwidths. Unmeasured on a GPU."
     )
