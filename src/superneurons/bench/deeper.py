@@ -25,7 +25,19 @@ __all__ = ["ANCHOR_DEPTHS", "PAPER_DEPTHS", "run_deeper"]
 logger = logging.getLogger("superneurons.bench")
 
 GIB = 1024**3
-STRATEGIES = ("eager", "checkpoint", "recompute", "offload", "offload+opt-in-backward")
+STRATEGIES = (
+    "eager",
+    "checkpoint",
+    "recompute",
+    "offload",
+    "offload+opt-in-backward",
+    "offload+opt-on-host",
+)
+# Row labels of the Markdown table (the strategy names are the planner's).
+LABELS: dict[str, str] = {
+    "offload+opt-in-backward": "offload + optimizer in backward",
+    "offload+opt-on-host": "offload + optimizer in backward, optimizer state on host",
+}
 # CONTEXT.md §1, fake-tensor figures measured on this project's machine (0.95 x 12 GiB, batch 16).
 ANCHOR_DEPTHS: dict[str, int] = {
     "eager": 590,
@@ -35,6 +47,9 @@ ANCHOR_DEPTHS: dict[str, int] = {
 }
 # Targets of the brief: the paper's 3.24x over eager with recomputation only, ResNet-2500 with offload.
 PAPER_DEPTHS: dict[str, int] = {"recompute": 1920, "offload": 2500, "offload+opt-in-backward": 3500}
+# Issue 9's targets at 0.95 x 12 GB (decimal): offload >= 2500, with optimizer-in-backward >= 4000
+# (met by keeping the optimizer state in the host pool: memory.optim_host).
+ISSUE_DEPTHS_12GB: dict[str, int] = {"offload": 2500, "offload+opt-on-host": 4000}
 DEPTH_SAMPLES = (24, 48, 72)
 BATCH_SAMPLES = (4, 8, 16)
 
@@ -64,6 +79,7 @@ def run_deeper(
                 "experiment": "max_depth",
                 "model": "resnet[6,32,n,6]",
                 "strategy": strategy,
+                "label": LABELS.get(strategy, strategy),
                 "batch": 16,
                 "budget_gib": budget_bytes / GIB,
                 "max_depth": depth,
@@ -82,6 +98,11 @@ def run_deeper(
                 "vs_anchor_12GB": _depth_at(fit, budget_fraction * 12e9) / anchor
                 if anchor
                 else None,
+                "target_depth_12GB": ISSUE_DEPTHS_12GB.get(strategy),
+                "meets_target_12GB": _depth_at(fit, budget_fraction * 12e9)
+                >= ISSUE_DEPTHS_12GB[strategy]
+                if strategy in ISSUE_DEPTHS_12GB
+                else None,
             }
         )
     validation: dict[str, Any] = {}
@@ -94,6 +115,8 @@ def run_deeper(
             validation[strategy] = (predicted - direct[strategy]) / direct[strategy]
         say(f"direct profile at n={n} (depth {n_to_depth(n)}) in {time.perf_counter() - t0:.1f} s")
     plan_errors = _validate_plans(say) if validate else {}
+    host = fits.get("offload+opt-on-host")
+    time_model = _host_state_time_model(host.size, say) if host is not None and host.size else {}
     for name in ("resnet50", "resnet101", "resnet152"):
         fits_b = max_fitting(
             zoo_peaks(name, "batch", optimizer="sgd"),
@@ -116,7 +139,7 @@ def run_deeper(
                     "verified": fit.verified,
                 }
             )
-    _write(out_dir, records, validation, budget_bytes, plan_errors)
+    _write(out_dir, records, validation, budget_bytes, plan_errors, time_model)
     return records
 
 
@@ -151,6 +174,55 @@ def _validate_plans(say: Any, n: int = 8) -> dict[str, dict[str, float]]:
     return errors
 
 
+def _host_state_time_model(
+    n_max: int, say: Any, sizes: tuple[int, int] = (8, 16), preset: str = "h100"
+) -> dict[str, Any]:
+    """Predicted per-step times of the host-state plan at ``[6, 32, n_max, 6]`` on ``preset``.
+
+    Every stage-3 block is identical, so each time is affine in n: the smallest-peak
+    ``offload+opt-on-host`` plan is made at two small depths and extrapolated (the optimizer
+    state's copies each way, the roofline forward, backward = 2x forward, the recompute).
+    """
+    from superneurons.memory.cost import cost_model
+    from superneurons.memory.planner import make_plan
+    from superneurons.memory.simulate import profile_zoo
+
+    cost = cost_model(preset)
+    rows = []
+    for n in sizes:
+        profile = profile_zoo("resnet", batch_size=16, layers=(6, 32, n, 6), granularity="block")
+        budget = min_peak_bytes(profile, cost=cost)["offload+opt-on-host"]
+        plan = make_plan(profile, budget_bytes=budget, strategy="offload+opt-on-host", cost=cost)
+        forward_s = sum(cost.compute_s(u, fake=True) for u in profile.units)
+        rows.append(
+            {
+                "optimizer_d2h_s": cost.copy_s(plan.optimizer_host_bytes),
+                "optimizer_h2d_s": cost.fetch_s(plan.optimizer_host_bytes),
+                "optimizer_host_gib": plan.optimizer_host_bytes / GIB,
+                "forward_s": forward_s,
+                "backward_s": 2 * forward_s,
+                "recompute_s": plan.extra_compute_s,
+                "activation_host_gib": plan.host_bytes / GIB,
+                "plan_transfer_s": plan.transfer_s,  # activations' copies + the state's
+            }
+        )
+    (n0, n1), (r0, r1) = sizes, rows
+    model: dict[str, Any] = {
+        key: r0[key] + (r1[key] - r0[key]) / (n1 - n0) * (n_max - n0) for key in r0
+    }
+    model["step_compute_s"] = model["forward_s"] + model["backward_s"] + model["recompute_s"]
+    model["copy_over_backward"] = (
+        max(model["optimizer_d2h_s"], model["optimizer_h2d_s"]) / model["backward_s"]
+    )
+    model.update(preset=preset, n=n_max, depth=n_to_depth(n_max), fitted_from_n=list(sizes))
+    say(
+        f"host-state time model at depth {model['depth']} ({preset}): state copies "
+        f"{model['optimizer_d2h_s']:.3f} s out / {model['optimizer_h2d_s']:.3f} s in per step vs "
+        f"backward {model['backward_s']:.3f} s, step compute {model['step_compute_s']:.3f} s"
+    )
+    return model
+
+
 def _depth_at(fit: Any, budget_bytes: float) -> int:
     if fit.slope_bytes <= 0:
         return 0
@@ -164,6 +236,7 @@ def _write(
     validation: dict[str, float],
     budget_bytes: int,
     plan_errors: dict[str, dict[str, float]],
+    time_model: dict[str, Any],
 ) -> None:
     depth_rows = [r for r in records if r["experiment"] == "max_depth"]
     batch_rows = [r for r in records if r["experiment"] == "max_batch"]
@@ -175,6 +248,8 @@ def _write(
         executed_plan_peaks_n8=plan_errors,
         anchors=ANCHOR_DEPTHS,
         targets=PAPER_DEPTHS,
+        targets_12GB=ISSUE_DEPTHS_12GB,
+        host_state_time_model=time_model,
     )
     body = (
         f"Budget for depth: {budget_bytes / GIB:.2f} GiB (0.95 x 12 GiB; `max_depth_12GB`: the "
@@ -184,7 +259,7 @@ def _write(
         + markdown_table(
             depth_rows,
             [
-                "strategy",
+                "label",
                 "max_depth",
                 "max_depth_12GB",
                 "vs_eager",
@@ -193,6 +268,8 @@ def _write(
                 "vs_anchor_12GB",
                 "target_depth",
                 "meets_target",
+                "target_depth_12GB",
+                "meets_target_12GB",
                 "slope_mib_per_block",
                 "fit_residual",
             ],
@@ -202,6 +279,7 @@ def _write(
         + "\n\nEach strategy's smallest-peak plan executed on fake tensors at [6, 32, 8, 6] "
         "(checkpoint, segments, offload with one-ahead prefetch; predicted/executed - 1): "
         + ", ".join(f"{k} {v['error']:+.2%}" for k, v in plan_errors.items())
+        + _time_model_text(time_model)
         + "\n\nLargest batch in 12 GiB:\n\n"
         + markdown_table(
             batch_rows,
@@ -238,3 +316,21 @@ def _write(
     fig.tight_layout()
     fig.savefig(out_dir / "deeper.png", dpi=120)
     plt.close(fig)
+
+
+def _time_model_text(model: dict[str, Any]) -> str:
+    if not model:
+        return ""
+    return (
+        f"\n\nTime model of the host-state row at its depth {model['depth']} "
+        f"({model['preset']} preset, cost model only, extrapolated from n = "
+        f"{model['fitted_from_n']}): the optimizer state ({model['optimizer_host_gib']:.2f} GiB "
+        f"in the host pool) goes out in {model['optimizer_d2h_s']:.3f} s and comes back in "
+        f"{model['optimizer_h2d_s']:.3f} s per step on the pool's two streams, beside a backward "
+        f"of {model['backward_s']:.3f} s (copy / backward = {model['copy_over_backward']:.2f}); "
+        f"the step computes {model['step_compute_s']:.3f} s (forward {model['forward_s']:.3f}, "
+        f"recompute {model['recompute_s']:.3f}). The same plan also moves its checkpoints "
+        f"({model['activation_host_gib']:.2f} GiB in the host pool) over the same link: all "
+        f"copies of the plan, both ways, take {model['plan_transfer_s']:.3f} s per step by the "
+        "preset's bandwidths. Unmeasured on a GPU."
+    )

@@ -30,7 +30,14 @@ from superneurons.memory.profile_types import GRANULARITIES
 from superneurons.memory.simulate import OPTIMIZERS, profile_zoo
 
 HELP = "plan keep/offload/recompute per unit under a memory budget (fake tensors)"
-SEARCH_STRATEGIES = ("eager", "checkpoint", "recompute", "offload", "offload+opt-in-backward")
+SEARCH_STRATEGIES = (
+    "eager",
+    "checkpoint",
+    "recompute",
+    "offload",
+    "offload+opt-in-backward",
+    "offload+opt-on-host",
+)
 DEPTH_SAMPLES = (24, 48, 72)  # stage-3 blocks n; the peak sits in stage 3 from n ~ 20 on
 BATCH_SAMPLES = (4, 8, 16)
 
@@ -142,6 +149,9 @@ def run(args: argparse.Namespace) -> int:
         extra_compute_s=plan.extra_compute_s,
         transfer_s=plan.transfer_s,
         optimizer_in_backward=plan.optimizer_in_backward,
+        optimizer_on_host=plan.optimizer_on_host,
+        optimizer_host_bytes=plan.optimizer_host_bytes,
+        optimizer_copy_s=plan.optimizer_copy_s,
         units={a: plan.count(a) for a in ("keep", "offload", "recompute", "recompute+offload")},
         segments=len({u.segment for u in plan.units if u.segment >= 0}),
     )
@@ -168,6 +178,11 @@ def run(args: argparse.Namespace) -> int:
         "optimizer in backward: "
         f"{plan.optimizer_in_backward}"
     )
+    if plan.optimizer_on_host:
+        print(
+            f"  optimizer state   {format_bytes(plan.optimizer_host_bytes)} in the host pool, "
+            f"{plan.optimizer_copy_s * 1e3:.2f} ms/step of copies (both ways)"
+        )
     return 0
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from superneurons.memory.bounds import largest_unit_bytes, resident_bytes, working_sets
 from superneurons.memory.cost import DEVICE_PRESETS, CostModel, cost_model, measure_copy_bandwidth
+from superneurons.memory.optim_backward import register_optimizer_in_backward
+from superneurons.memory.optim_host import HostOptimizerState, HostStateStats
 from superneurons.memory.plan import (
     ACTIONS,
     PLAN_VERSION,
@@ -54,9 +56,12 @@ __all__ = [
     "make_plan",
     "min_peak_bytes",
     # running a plan
+    "HostOptimizerState",
+    "HostStateStats",
     "PlanHandle",
     "PoolConfig",
     "PoolStats",
     "TensorPool",
     "apply_plan",
+    "register_optimizer_in_backward",
 ]

@@ -44,6 +44,7 @@ STRATEGIES: tuple[str, ...] = (
     "recompute",
     "offload",
     "offload+opt-in-backward",
+    "offload+opt-on-host",
     "auto",
 )
 
@@ -122,6 +123,11 @@ class Plan:
         budget_bytes: the device byte budget it was made for.
         optimizer_in_backward: step each parameter as soon as its gradient is accumulated and
             free the gradient (``Tensor.register_post_accumulate_grad_hook``).
+        optimizer_on_host: with ``optimizer_in_backward``, keep the optimizer state in the host
+            pool between the parameters' steps (ZeRO-Offload's placement; fetched one parameter
+            ahead in backward, sent back after the step: ``memory.optim_host``).
+        optimizer_host_bytes: optimizer-state bytes in the host pool (0 unless on host).
+        optimizer_copy_s: predicted copy time of that state per step (both directions).
         predicted_peak_bytes: predicted device peak of one training step under the plan.
         min_budget_bytes: the smallest peak any strategy reaches for this profile.
         host_bytes: predicted pinned host bytes for offloaded activations.
@@ -148,6 +154,9 @@ class Plan:
     tensors: tuple[TensorDecision, ...] = field(default=())
     resident_bytes: int = 0
     largest_unit_bytes: int = 0
+    optimizer_on_host: bool = False
+    optimizer_host_bytes: int = 0
+    optimizer_copy_s: float = 0.0
     version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:
@@ -161,6 +170,11 @@ class Plan:
             raise ConfigError(
                 f"plan version {self.version} is not supported (this build reads "
                 f"version {PLAN_VERSION}): re-create the plan with `superneurons plan`"
+            )
+        if self.optimizer_on_host and not self.optimizer_in_backward:
+            raise ConfigError(
+                "optimizer_on_host needs optimizer_in_backward: the host state is fetched in "
+                "each parameter's gradient hook"
             )
         fqns = [u.fqn for u in self.units]
         if len(set(fqns)) != len(fqns):

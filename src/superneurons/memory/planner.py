@@ -20,7 +20,11 @@ by non-keep units is absent between the end of its units' forward and their back
 or the prefetch one unit ahead (offload, recompute+offload); plain checkpoint inputs stay; recompute adds its transient
 forward bytes at the unit's backward start. ``optimizer_in_backward`` frees each gradient as soon as
 it is applied (``register_post_accumulate_grad_hook``), so the gradient row of the timeline and the
-step phase drop to the largest single gradient.
+step phase drop to the largest single gradient. Strategy ``offload+opt-on-host`` may also keep the
+optimizer state in the host pool (ZeRO-Offload's placement, Ren et al. ATC'21): on the device only
+the state of the parameter being stepped and the one prefetched
+(:func:`~superneurons.memory.optim_backward.host_state_timeline`), its copies timed by the device
+preset beside backward.
 """
 
 from __future__ import annotations
@@ -83,10 +87,13 @@ _ALLOWED: dict[str, tuple[str, ...]] = {
     "recompute": ("recompute",),
     "offload": ("recompute", "offload"),
     "offload+opt-in-backward": ("recompute", "offload"),
+    "offload+opt-on-host": ("recompute", "offload"),
 }
+_IN_BACKWARD = ("offload+opt-in-backward", "offload+opt-on-host")
 
 
 _SEGMENT: tuple[str, str] = ("", "segment")  # the step that turns on memory-centric segments
+_HOST_STATE: tuple[str, str] = ("", "optimizer-on-host")  # optimizer state to the host pool
 
 
 @dataclass
@@ -96,11 +103,12 @@ class _Choice:
     segments: dict[str, int]
     optimizer_in_backward: bool
     outcome: _Outcome
+    optimizer_on_host: bool = False
 
 
 def _search(profile: Profile, strategy: str, budget_bytes: int | None, cost: CostModel) -> _Choice:
     """Shortest candidate prefix that fits ``budget_bytes`` (None: the prefix with least peak)."""
-    opt_in = strategy == "offload+opt-in-backward"
+    opt_in = strategy in _IN_BACKWARD
     if strategy == "checkpoint":
         actions = {u.fqn: "keep" if u.inplace else "recompute" for u in profile.units}
         return _Choice(strategy, actions, {}, False, evaluate(profile, actions, cost=cost))
@@ -109,18 +117,26 @@ def _search(profile: Profile, strategy: str, budget_bytes: int | None, cost: Cos
     segment: list[tuple[str, str]] = [_SEGMENT] if "recompute" in _ALLOWED[strategy] else []
     # NOTE: with a host pool, checkpoints go to the host (hidden behind recompute) before
     # memory-centric segments, which recompute twice and still hold the segment inputs
-    steps = first + upgrades + segment
-    segmented = False
+    # NOTE: optimizer state to the host first: its copies run on the pool's streams beside the
+    # whole backward (exposed only beyond it), the cheapest bytes per second there are
+    host = [_HOST_STATE] if strategy == "offload+opt-on-host" else []
+    steps = host + first + upgrades + segment
+    segmented = on_host = False
 
     def outcome_of() -> _Outcome:
         segments = segment_runs(profile, actions) if segmented else {}
         return evaluate(
-            profile, actions, optimizer_in_backward=opt_in, cost=cost, segments=segments
+            profile,
+            actions,
+            optimizer_in_backward=opt_in,
+            cost=cost,
+            segments=segments,
+            optimizer_on_host=on_host,
         )
 
     def choice(outcome: _Outcome) -> _Choice:
         segments = segment_runs(profile, actions) if segmented else {}
-        return _Choice(strategy, dict(actions), segments, opt_in, outcome)
+        return _Choice(strategy, dict(actions), segments, opt_in, outcome, on_host)
 
     outcome = outcome_of()
     best = choice(outcome)
@@ -129,6 +145,8 @@ def _search(profile: Profile, strategy: str, budget_bytes: int | None, cost: Cos
             return choice(outcome)
         if (fqn, action) == _SEGMENT:
             segmented = True
+        elif (fqn, action) == _HOST_STATE:
+            on_host = True
         else:
             actions[fqn] = action
         outcome = outcome_of()
@@ -163,9 +181,11 @@ def make_plan(
 
     ``strategy``: ``eager`` (keep all), ``checkpoint`` (recompute every unit), ``recompute``
     (cost-aware recompute only), ``offload`` (cost-aware offload and recompute),
-    ``offload+opt-in-backward`` (also step the optimizer in backward), ``auto`` (the feasible plan
-    with the least exposed time, optimizer-in-backward only if nothing else fits, or if
-    ``optimizer_in_backward=True``).
+    ``offload+opt-in-backward`` (also step the optimizer in backward), ``offload+opt-on-host``
+    (that, with the optimizer state in the host pool when the budget needs it:
+    ``Plan.optimizer_on_host``), ``auto`` (the feasible plan with the least exposed time,
+    optimizer-in-backward only if nothing else fits, or if ``optimizer_in_backward=True``, and
+    the state on the host only if nothing on the device fits).
 
     Raises:
         InfeasibleBudgetError: no plan of ``strategy`` fits; the message names the minimum budget
@@ -183,16 +203,17 @@ def make_plan(
         cost = CostModel(bandwidth_bytes_per_s=bandwidth_bytes_per_s)
     minima = min_peak_bytes(profile, cost=cost)
     if not allow_optimizer_in_backward:
-        if optimizer_in_backward or strategy == "offload+opt-in-backward":
+        if optimizer_in_backward or strategy in _IN_BACKWARD:
             raise ConfigError("optimizer_in_backward contradicts allow_optimizer_in_backward=False")
-        minima.pop("offload+opt-in-backward", None)
+        for name in _IN_BACKWARD:
+            minima.pop(name, None)
     best_strategy = min(minima, key=lambda s: minima[s])
     if strategy == "auto":
-        order = ["eager", "recompute", "offload", "offload+opt-in-backward"]
+        order = ["eager", "recompute", "offload", *_IN_BACKWARD]
         if not allow_optimizer_in_backward:
-            order.remove("offload+opt-in-backward")
+            order = order[: -len(_IN_BACKWARD)]
         if optimizer_in_backward:
-            order = ["offload+opt-in-backward"]
+            order = list(_IN_BACKWARD)
         tried = [_search(profile, s, budget_bytes, cost) for s in order]
         fits = [c for c in tried if c.outcome.peak_bytes <= budget_bytes]
         chosen = (
@@ -200,6 +221,7 @@ def make_plan(
                 fits,
                 key=lambda c: (
                     c.optimizer_in_backward,
+                    c.optimizer_on_host,
                     c.outcome.extra_compute_s + c.outcome.exposed_s,
                 ),
             )
@@ -251,4 +273,7 @@ def make_plan(
         tensors=tensors,
         resident_bytes=resident_bytes(profile),
         largest_unit_bytes=largest_unit_bytes(profile),
+        optimizer_on_host=chosen.optimizer_on_host,
+        optimizer_host_bytes=outcome.optimizer_host_bytes,
+        optimizer_copy_s=outcome.optimizer_copy_s,
     )

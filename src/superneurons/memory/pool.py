@@ -166,6 +166,7 @@ class TensorPool:
         self._cuda = device.type == "cuda"
         self._d2h_stream = torch.cuda.Stream(device) if self._cuda else None
         self._h2d_stream = torch.cuda.Stream(device) if self._cuda else None
+        self.copy_streams = (self._d2h_stream, self._h2d_stream)  # shared: memory.optim_host
         self._slab = HostSlab(config.host_bytes, pinned=self._cuda, device=config.host_device)
         self._cache: collections.OrderedDict[int, _Slot] = collections.OrderedDict()
         self._groups: dict[int, list[weakref.ref[_Handle]]] = {}

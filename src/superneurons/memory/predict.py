@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from superneurons.memory.cost import CostModel
+from superneurons.memory.optim_backward import host_state_timeline
 from superneurons.memory.plan import OFFLOADING, RECOMPUTING
 from superneurons.memory.pool import MIN_OFFLOAD_BYTES
 from superneurons.memory.profile_types import CATEGORIES, Profile
@@ -35,6 +36,8 @@ class _Outcome:
     transfer_s: float
     exposed_s: float
     peak_event: int = -1
+    optimizer_host_bytes: int = 0  # optimizer state in the host pool (optimizer_on_host)
+    optimizer_copy_s: float = 0.0  # its copy time per step, both directions
 
 
 def evaluate(
@@ -45,6 +48,7 @@ def evaluate(
     cost: CostModel | None = None,
     segments: dict[str, int] | None = None,
     min_offload_bytes: int = MIN_OFFLOAD_BYTES,
+    optimizer_on_host: bool = False,
 ) -> _Outcome:
     """Predict peak bytes, host bytes and time overheads of per-unit ``actions`` (fqn -> action).
 
@@ -53,6 +57,9 @@ def evaluate(
     the segment is recomputed at the backward start of its last unit. Storages smaller than
     ``min_offload_bytes`` stay on the device, as the pool keeps them
     (:attr:`~superneurons.memory.pool.PoolConfig.min_offload_bytes`).
+    ``optimizer_on_host`` (with ``optimizer_in_backward``): the optimizer state lives in the
+    host pool; on the device only what :func:`~superneurons.memory.optim_backward.
+    host_state_timeline` keeps there.
     """
     cost = cost or CostModel()
     segments = segments or {}
@@ -66,6 +73,12 @@ def evaluate(
         # as SGD/Adam do per parameter) and frees it at once
         for birth, nbytes in profile.grad_births:
             table[CATEGORIES.index("grads"), min(birth, profile.num_events - 1)] += nbytes
+    host_state = None
+    if optimizer_in_backward and optimizer_on_host:
+        host_state = host_state_timeline(
+            profile.grad_births, profile.optimizer_state_bytes, profile.num_events
+        )
+        table[CATEGORIES.index("optimizer")] = host_state.device_row
     total = table.sum(axis=0)
     change = np.zeros(profile.num_events + 1, dtype=np.int64)
     units = {u.fqn: u for u in profile.units}
@@ -194,11 +207,27 @@ def evaluate(
             out_s, in_s = cost.copy_s(moved[action]), cost.fetch_s(moved[action])
             transfer_s += out_s + in_s
             exposed_s += max(0.0, out_s - compute_s) + max(0.0, in_s - 2 * compute_s)
+    optimizer_copy_s = 0.0
+    if host_state is not None:
+        # the state goes out and comes back on two streams beside the whole backward (~2x the
+        # forward compute): only the excess of either direction is exposed
+        backward_s = 2 * sum(cost.compute_s(u, fake=profile.fake) for u in profile.units)
+        out_s, in_s = cost.copy_s(host_state.copied_bytes), cost.fetch_s(host_state.copied_bytes)
+        optimizer_copy_s = out_s + in_s
+        transfer_s += optimizer_copy_s
+        exposed_s += max(0.0, out_s - backward_s) + max(0.0, in_s - backward_s)
     # NOTE: a segment's outer recompute holds the inner inputs plus one inner unit's internals
     # at a time, less than what the last unit's own recompute holds right after it: no spike.
     peak_event = int(total.argmax()) if total.size else -1
     return _Outcome(
-        int(total.max(initial=0)), host_bytes, extra_s, transfer_s, exposed_s, peak_event
+        int(total.max(initial=0)),
+        host_bytes,
+        extra_s,
+        transfer_s,
+        exposed_s,
+        peak_event,
+        host_state.host_bytes if host_state is not None else 0,
+        optimizer_copy_s,
     )
 
 

@@ -9,7 +9,9 @@ them back one unit ahead of backward; ``recompute+offload`` runs the checkpointe
 inside the pool, so the one tensor the checkpoint saves (its input) goes to the host and is
 prefetched one unit ahead, and the layers between checkpoints are recomputed. With ``plan.optimizer_in_backward`` each parameter is
 stepped as soon as its gradient is accumulated and the gradient is freed at once
-(``Tensor.register_post_accumulate_grad_hook``).
+(``Tensor.register_post_accumulate_grad_hook``), and with ``plan.optimizer_on_host`` its state
+lives in the host pool between steps, fetched one parameter ahead on the pool's streams
+(:mod:`superneurons.memory.optim_host`).
 
 The runtime only replaces the ``forward`` attribute of the unit modules (instance attributes,
 so the FQNs, ``state_dict`` and module hooks are unchanged) and :meth:`PlanHandle.remove`
@@ -33,6 +35,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from superneurons.errors import ConfigError
+from superneurons.memory.optim_backward import register_optimizer_in_backward
+from superneurons.memory.optim_host import HostOptimizerState
 from superneurons.memory.plan import OFFLOADING, Plan
 from superneurons.memory.pool import PoolConfig, PoolStats, TensorPool
 from superneurons.memory.recompute import RecomputeStats, checkpointed_forward
@@ -54,6 +58,7 @@ class PlanHandle:
         pool: the tensor pool of the ``offload`` units.
         recompute_stats: forward/recompute pass counts per ``recompute`` unit fqn.
         optimizers: per-parameter optimizers when ``plan.optimizer_in_backward`` (fqn -> opt).
+        host_state: their state in the host pool when ``plan.optimizer_on_host``, else None.
     """
 
     def __init__(self, model: nn.Module, plan: Plan, pool: TensorPool) -> None:
@@ -62,6 +67,7 @@ class PlanHandle:
         self.pool = pool
         self.recompute_stats: dict[str, RecomputeStats] = {}
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self.host_state: HostOptimizerState | None = None
         self._restore: list[tuple[nn.Module, bool, Any]] = []
         self._hooks: list[Any] = []
         self._removed = False
@@ -96,6 +102,8 @@ class PlanHandle:
         }
 
     def state_dict(self) -> dict[str, Any]:
+        if self.host_state is not None:
+            self.host_state.wait()  # the host copies of the optimizer state have landed
         return {
             "pool": self.pool.state_dict(),
             "recompute": {k: v.state_dict() for k, v in self.recompute_stats.items()},
@@ -341,20 +349,21 @@ def _offloaded_forward(
 def _optimizer_in_backward(
     handle: PlanHandle, model: nn.Module, factory: OptimizerFactory | None
 ) -> None:
-    """Step each parameter as soon as its gradient is accumulated, then free the gradient."""
+    """Step each parameter as soon as its gradient is accumulated, then free the gradient
+    (:mod:`superneurons.memory.optim_backward`); with ``plan.optimizer_on_host`` the state
+    lives in the host pool between steps (:mod:`superneurons.memory.optim_host`)."""
     if factory is None:
         raise ConfigError(
             "plan.optimizer_in_backward needs optimizer_factory=, e.g. "
             "lambda params: torch.optim.SGD(params, lr=0.1)"
         )
-    for fqn, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        optimizer = factory([param])
-        handle.optimizers[fqn] = optimizer
-
-        def step(p: torch.Tensor, opt: torch.optim.Optimizer = optimizer) -> None:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        handle._hooks.append(param.register_post_accumulate_grad_hook(step))
+    if handle.plan.optimizer_on_host:
+        handle.host_state = HostOptimizerState(
+            device=handle.pool.device,
+            host_device=handle.pool.config.host_device,
+            capacity_bytes=handle.plan.optimizer_host_bytes,
+            streams=handle.pool.copy_streams,
+        )
+    optimizers, hooks = register_optimizer_in_backward(model, factory, host_state=handle.host_state)
+    handle.optimizers.update(optimizers)
+    handle._hooks += hooks
