@@ -27,6 +27,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
+from superneurons.compress.callbacks import then_same_threads
 from superneurons.compress.codec import all_finite
 from superneurons.errors import ConfigError
 
@@ -214,4 +215,4 @@ def powersgd_reduce(
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         fut.set_result(finish())
         return fut, bytes_sent
-    return work.get_future().then(lambda f: finish(f)), bytes_sent
+    return then_same_threads(work.get_future(), finish), bytes_sent

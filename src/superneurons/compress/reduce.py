@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from superneurons.compat import all_gather_into_tensor
 from superneurons.compress.bucket import Piece, Route, pieces_of
+from superneurons.compress.callbacks import then_same_threads
 from superneurons.compress.codec import Codec, Payload, all_finite
 from superneurons.compress.hookstate import CompressionState, WireBuffers
 from superneurons.compress.powersgd import PowerSGD, PowerSGDState, powersgd_reduce
@@ -132,7 +133,7 @@ def reduce_bucket(
 
     if len(futures) == 1 and not finishers:  # one collective, nothing to scatter: one callback
         return futures[0].then(lambda _: buffer)
-    return torch.futures.collect_all(futures).then(finish)  # type: ignore[arg-type]
+    return then_same_threads(torch.futures.collect_all(futures), finish)  # type: ignore[arg-type]
 
 
 def _dense_reduce(
