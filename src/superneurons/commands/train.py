@@ -19,7 +19,7 @@ With --optimizer adamw (or adam), --compress may also name an optimizer that com
 adam-momentum[warmup=N,wire=fp16]:signsgd (1-bit Adam) or adam-update[...]:CODEC; and auto then
 chooses between dense AdamW and 1-bit Adam by the predicted step time (auto:link=100mbit plans
 for a stated link instead of the measured one).
-  superneurons train --model gpt --data shakespeare --nproc 2 --optimizer adamw \
+  superneurons train --model gpt --data shakespeare --nproc 2 --optimizer adamw \\
       --compress "adam-momentum[warmup=20,wire=fp16]:signsgd" --out runs/gpt-1bit
 """
 
