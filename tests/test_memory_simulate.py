@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -9,6 +11,7 @@ from torch import nn
 from superneurons.bench.search import max_fitting
 from superneurons.errors import ConfigError
 from superneurons.memory.planner import make_plan, min_peak_bytes
+from superneurons.memory.predict import evaluate
 from superneurons.memory.profile import profile_step
 from superneurons.memory.simulate import profile_zoo, simulate_plan
 
@@ -78,9 +81,9 @@ def test_executed_plan_peak_matches_prediction(strategy: str) -> None:
     assert predicted <= budget
     assert measured <= budget  # the step executed by the runtime's own code
     if strategy.startswith("offload"):
-        # the recompute+offload model is conservative around a unit's recompute and the
-        # prefetch after its output node: measured up to 11% below the prediction on these
-        # 16-channel toy blocks (exact on ResNet-50 and GPT); never above it
+        # the recompute+offload model is still conservative on these 16-channel toy blocks
+        # (conv, BN, ReLU units): measured up to 11% below the prediction, never above it
+        # (exact on ResNet-50, GPT and the demo's ResNet)
         assert measured <= predicted <= 1.12 * measured
     else:
         assert abs(predicted - measured) <= 0.01 * measured  # the executed step, within 1%
@@ -96,3 +99,40 @@ def test_verify_corrects_a_non_affine_fit() -> None:
     fitted = max_fitting(peaks, ("eager",), budget_bytes=budget, sizes=(1, 2, 3))
     verified = max_fitting(peaks, ("eager",), budget_bytes=budget, sizes=(1, 2, 3), verify=True)
     assert fitted["eager"].size > 14 and verified["eager"].size == 14  # 14^2 <= 200 < 15^2
+
+
+_UNDER = pytest.mark.xfail(
+    strict=True,
+    reason="known bug: on these conv-BN-ReLU blocks an offloaded unit followed by a "
+    "recompute+offload unit is under-predicted by one activation (8.9%); the same pair of "
+    "ResNet basic blocks is predicted exactly",
+)
+
+
+@pytest.mark.parametrize("first", ["offload", "recompute+offload", "recompute"])
+@pytest.mark.parametrize(
+    "second",
+    ["offload", "recompute+offload", "recompute"],
+)
+def test_two_planned_neighbours_predicted_exactly(
+    first: str, second: str, request: pytest.FixtureRequest
+) -> None:
+    if (first, second) == ("offload", "recompute+offload"):
+        request.applymarker(_UNDER)
+    # an offloaded unit followed by a recompute+offload one was over-predicted by one
+    # activation: its prefetch was placed on the neighbour's recompute spike, while the runtime
+    # issues it once that recompute is over
+    model = _chain(depth=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+    loss_fn = nn.functional.cross_entropy
+    profile = profile_step(model, x, y, loss_fn, opt, fake=True)
+    base = make_plan(profile, budget_bytes=10**12, strategy="eager")
+    actions = {"1.1": first, "1.2": second}
+    units = tuple(
+        dataclasses.replace(u, action=actions.get(u.fqn, "keep"), segment=-1) for u in base.units
+    )
+    assert {u.fqn for u in units} >= set(actions), [u.fqn for u in units]
+    predicted = evaluate(profile, {u.fqn: u.action for u in units}).peak_bytes
+    plan = dataclasses.replace(base, units=units)
+    assert simulate_plan(model, x, y, loss_fn, opt, plan).measured_peak_bytes == predicted

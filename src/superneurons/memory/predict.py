@@ -102,7 +102,7 @@ def evaluate(
         if nxt is not None and actions.get(nxt[0], "") in OFFLOADING:
             ahead = calls[nxt][2]
             if actions[nxt[0]] == "recompute+offload" and ahead >= 0:
-                ahead += 1  # after the next unit's recompute (its spike at ahead + 1)
+                ahead += 2  # after the next unit's recompute (its spike at ahead + 1) is over
             bwd = ahead if 0 <= ahead < bwd else bwd
         return bwd
 
