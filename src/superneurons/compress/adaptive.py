@@ -37,7 +37,13 @@ from typing import ClassVar
 import torch
 
 from superneurons.compress.bitpack import pack_bits, packed_bytes, unpack_bits
-from superneurons.compress.codec import Payload, check_gradient, finite_flag, nan_unless
+from superneurons.compress.codec import (
+    Payload,
+    check_gradient,
+    common_numel,
+    finite_flag,
+    nan_unless,
+)
 from superneurons.compress.compacttopk import check_select_index, check_theta
 from superneurons.compress.orthobases import dct, fourier, inverse_dct, inverse_fourier
 from superneurons.compress.rangefloat import check_bits
@@ -222,11 +228,7 @@ class AdaptiveCodec:
 
     def decode_sum(self, payloads: Sequence[Payload]) -> torch.Tensor:
         """Sum every rank's coefficients per basis, then one inverse transform per basis."""
-        if not payloads:
-            raise ConfigError(f"{self.NAME}: decode_sum needs at least one payload")
-        numel = payloads[0].numel
-        if any(p.numel != numel for p in payloads):
-            raise ConfigError(f"{self.NAME}: decode_sum needs payloads of equal numel")
+        numel = common_numel(payloads, codec_name=self.NAME)
         length, count, layout = self._sizes(numel)
         head = packed_bytes(count, _BASIS_BITS)
         device = payloads[0].data.device

@@ -94,6 +94,16 @@ def sum_of_decodes(codec: Codec, payloads: Sequence[Payload]) -> torch.Tensor:
     return total
 
 
+def common_numel(payloads: Sequence[Payload], *, codec_name: str) -> int:
+    """The one ``numel`` every payload of a ``decode_sum`` shares (a clear error otherwise)."""
+    if not payloads:
+        raise ConfigError(f"{codec_name}: decode_sum needs at least one payload")
+    numel = payloads[0].numel
+    if any(p.numel != numel for p in payloads):
+        raise ConfigError(f"{codec_name}: decode_sum needs payloads of equal numel")
+    return numel
+
+
 def check_gradient(grad: torch.Tensor, *, codec_name: str) -> torch.Tensor:
     """Validate an encoder input and return it as a flat tensor.
 

@@ -25,7 +25,13 @@ from typing import ClassVar
 
 import torch
 
-from superneurons.compress.codec import Payload, check_gradient, finite_flag, nan_unless
+from superneurons.compress.codec import (
+    Payload,
+    check_gradient,
+    common_numel,
+    finite_flag,
+    nan_unless,
+)
 from superneurons.compress.indexcode import INDEX_KINDS
 from superneurons.compress.rangefloat import check_bits
 from superneurons.compress.sparsecode import (
@@ -123,11 +129,7 @@ class CompactTopKCodec:
 
     def decode_sum(self, payloads: Sequence[Payload]) -> torch.Tensor:
         """Add every payload's kept elements into one dense float32 tensor."""
-        if not payloads:
-            raise ConfigError(f"{self.NAME}: decode_sum needs at least one payload")
-        numel = payloads[0].numel
-        if any(p.numel != numel for p in payloads):
-            raise ConfigError(f"{self.NAME}: decode_sum needs payloads of equal numel")
+        numel = common_numel(payloads, codec_name=self.NAME)
         layout = self._layout(numel)
         device = payloads[0].data.device
         out = torch.zeros(numel, 1, dtype=torch.float32, device=device)

@@ -60,7 +60,13 @@ from typing import ClassVar
 
 import torch
 
-from superneurons.compress.codec import Payload, check_gradient, finite_flag, nan_unless
+from superneurons.compress.codec import (
+    Payload,
+    check_gradient,
+    common_numel,
+    finite_flag,
+    nan_unless,
+)
 from superneurons.compress.indexcode import INDEX_KINDS
 from superneurons.compress.rangefloat import check_bits
 from superneurons.compress.sparsecode import (
@@ -207,11 +213,7 @@ class FFTCodec:
 
     def decode_sum(self, payloads: Sequence[Payload]) -> torch.Tensor:
         """Add every payload's kept bins into one spectrum, then one inverse FFT."""
-        if not payloads:
-            raise ConfigError(f"{self.NAME}: decode_sum needs at least one payload")
-        numel = payloads[0].numel
-        if any(p.numel != numel for p in payloads):
-            raise ConfigError(f"{self.NAME}: decode_sum needs payloads of equal numel")
+        numel = common_numel(payloads, codec_name=self.NAME)
         layout = self._layout(numel)
         device = payloads[0].data.device
         spectrum = torch.zeros(layout.universe, 2, dtype=torch.float32, device=device)  # (T, 2)
