@@ -39,17 +39,18 @@ def _out(chunks: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 
 def fourier(chunks: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``(C, L)`` -> ``(C, L)`` orthonormal real Fourier coefficients (``L`` even), written
-    into ``out`` when given."""
+    into ``out`` when given, else a view (row stride ``L + 2``) of the spectrum's own buffer
+    (no extra copy)."""
     count, length = chunks.shape
-    out = _out(chunks, out)
     bins = torch.view_as_real(torch.fft.rfft(chunks))  # (C, L/2+1, 2), unnormalised
     slots = bins.reshape(count, length + 2)
     # Packed real-FFT layout: Im X_0 (slot 1) is zero for real input, so it carries the other
     # unpaired bin Re X_{L/2}; paired bins scale by sqrt(2/L), unpaired ones by sqrt(1/L).
-    torch.mul(slots[:, :length], math.sqrt(2.0 / length), out=out)
-    out[:, 0] = slots[:, 0] * math.sqrt(1.0 / length)
-    out[:, 1] = slots[:, length] * math.sqrt(1.0 / length)
-    return out
+    first = slots[:, 0] * math.sqrt(1.0 / length)  # (C,)
+    coef = slots[:, :length].mul_(math.sqrt(2.0 / length))
+    coef[:, 0] = first
+    coef[:, 1] = slots[:, length] * math.sqrt(1.0 / length)
+    return coef if out is None else _out(chunks, out).copy_(coef)
 
 
 def inverse_fourier(coef: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -88,18 +89,18 @@ def dct(chunks: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tenso
     """``(C, L)`` -> ``(C, L)`` orthonormal DCT-II coefficients (``L`` even) in the packed
     real-FFT order ``[C_0, C_{L/2}, C_1, -C_{L-1}, C_2, -C_{L-2}, ..., C_{L/2-1},
     -C_{L/2+1}]`` (a signed permutation of the standard order: still orthonormal, and one
-    pass cheaper than reordering), written into ``out`` when given."""
+    pass cheaper than reordering), written into ``out`` when given, else a view (row stride
+    ``L + 2``) of the spectrum's own buffer."""
     count, length = chunks.shape
-    out = _out(chunks, out)
-    # ``out`` holds the reordered chunks until the transform overwrites it.
-    reordered = torch.index_select(chunks, 1, _makhoul_order(length, chunks.device), out=out)
+    reordered = torch.index_select(chunks, 1, _makhoul_order(length, chunks.device))
     # Y_j = V_j w_j: C_j = Re Y_j (j = 0..L/2), -C_{L-j} = Im Y_j (j = 1..L/2-1).
     twisted = torch.view_as_real(torch.fft.rfft(reordered).mul_(_twiddle(length, chunks.device)))
+    del reordered
     slots = twisted.reshape(count, length + 2)
-    out.copy_(slots[:, :length])
-    out[:, 0] *= math.sqrt(0.5)  # C_0's orthonormal scale is sqrt(1/L)
-    out[:, 1] = slots[:, length]  # Im Y_0 = 0: its slot carries C_{L/2}
-    return out
+    slots[:, 0] *= math.sqrt(0.5)  # C_0's orthonormal scale is sqrt(1/L)
+    slots[:, 1] = slots[:, length]  # Im Y_0 = 0: its slot carries C_{L/2}
+    coef = slots[:, :length]
+    return coef if out is None else _out(chunks, out).copy_(coef)
 
 
 def inverse_dct(coef: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
