@@ -225,7 +225,9 @@ def test_margin_keeps_chunks_spatial_unless_a_transform_wins_clearly() -> None:
     assert bool((unpack_bits(smooth.data, 2, 16) == 2).any())  # a clear DCT win survives
 
 
-@pytest.mark.parametrize("bases", ["spatial", "spatial+dct", "spatial+fourier+dct", "fourier"])
+@pytest.mark.parametrize(
+    "bases", ["spatial", "spatial+dct", "spatial+fourier", "spatial+fourier+dct", "fourier"]
+)
 def test_encode_never_writes_into_the_gradient(bases: str) -> None:
     """Rows are picked in place in the transforms' buffers, never in the caller's gradient
     (a whole number of chunks in float32, so the chunks are a view of it)."""
