@@ -201,8 +201,10 @@ def test_sync_free_paths_equal_the_cpu_row_paths() -> None:
     gen = torch.Generator().manual_seed(3)
     coefs = [torch.randn(40, 64, generator=gen) for _ in range(3)]
     slot = torch.randint(0, 3, (40,), generator=gen)
+    picked = _pick_rows(coefs, slot, sync_free=True)
+    # The CPU path picks in place in the last candidate (a transform's own buffer).
     torch.testing.assert_close(
-        _pick_rows(coefs, slot, sync_free=True), _pick_rows(coefs, slot, sync_free=False)
+        picked, _pick_rows([c.clone() for c in coefs], slot, sync_free=False)
     )
     coef = torch.randn(40, 64, generator=gen)
     torch.testing.assert_close(
@@ -221,3 +223,23 @@ def test_margin_keeps_chunks_spatial_unless_a_transform_wins_clearly() -> None:
     assert counts[2] > counts[0]
     smooth = AdaptiveCodec(margin=0.3).encode(grads["smooth"])
     assert bool((unpack_bits(smooth.data, 2, 16) == 2).any())  # a clear DCT win survives
+
+
+@pytest.mark.parametrize(
+    "bases", ["spatial", "spatial+dct", "spatial+fourier", "spatial+fourier+dct", "fourier"]
+)
+def test_encode_never_writes_into_the_gradient(bases: str) -> None:
+    """Rows are picked in place in the transforms' buffers, never in the caller's gradient
+    (a whole number of chunks in float32, so the chunks are a view of it)."""
+    grad = torch.cat(list(_gradients(2048, seed=5).values()))
+    before = grad.clone()
+    AdaptiveCodec(theta=0.8, chunk=256, bases=bases).encode(grad)
+    assert torch.equal(grad, before)
+
+
+@pytest.mark.parametrize("transform", [fourier, dct])
+def test_transform_view_equals_the_out_buffer(transform) -> None:  # type: ignore[no-untyped-def]
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(8))
+    out = torch.empty_like(x)
+    assert transform(x, out=out) is out
+    assert torch.equal(transform(x), out)

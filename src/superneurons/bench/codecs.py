@@ -306,7 +306,7 @@ def _verdicts(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def verdict_summary(verdicts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Per family: geometric mean of its error ratio to ``ctopk`` (one-shot and after error
-    feedback) over every model x budget cell, and in how many cells it is lower."""
+    feedback) over every model x budget cell, and in how many cells it is lower (or equal)."""
     summary: dict[str, Any] = {}
     for family in SPARSE_FAMILIES:
         if family == _REFERENCE:
@@ -317,6 +317,9 @@ def verdict_summary(verdicts: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 summary[key] = {
                     "geomean": math.exp(statistics.fmean(math.log(x) for x in ratios)),
                     "lower_in": sum(x < 1 for x in ratios),
+                    # exactly equal errors: e.g. both send every nonzero coefficient and only
+                    # the shared value coding's quantisation is left
+                    "equal_in": sum(x == 1 for x in ratios),
                     "cells": len(ratios),
                     "max": max(ratios),
                 }
@@ -352,7 +355,7 @@ def write_codec_artifacts(
         "(ratio < 1: lower error than ctopk)\n\n"
         + markdown_table(verdicts, verdict_columns)
         + "\n## Geometric means over every model x budget cell\n\n"
-        + markdown_table(summary_rows, ["ratio", "geomean", "lower_in", "cells", "max"])
+        + markdown_table(summary_rows, ["ratio", "geomean", "lower_in", "equal_in", "cells", "max"])
         + "\n## All settings\n\n"
         + markdown_table(records, columns)
     )

@@ -169,9 +169,11 @@ class AdaptiveCodec:
         rank = min(sample.numel(), max(1, round(sample.numel() * (1.0 - keep_share))))
         return torch.kthvalue(sample * sample, rank).values
 
-    def _chunk_cost(self, coef: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
-        """``(C,)``: how badly one basis codes each chunk of ``coef`` ``(C, L)`` (lower is
-        better).
+    def _chunk_cost(
+        self, coef: torch.Tensor, lam: torch.Tensor, *, scratch: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        """``(C,)`` into ``out``: how badly one basis codes each chunk of ``coef`` ``(C, L)``
+        (lower is better); ``scratch``: a ``(C, L)`` work buffer.
 
         ``choice="rd"``: the Lagrangian of "least dropped energy for k kept coefficients":
         with a threshold ``lam`` on squared magnitude (a kept coefficient costs ``lam``, a
@@ -179,11 +181,11 @@ class AdaptiveCodec:
         norm (at equal energy, the smaller is the more compressible).
         """
         if self.choice == "rd":
-            square = coef * coef
+            square = torch.mul(coef, coef, out=scratch)
             # NOTE: torch.minimum, not clamp(max=lam): clamp with a 0-d tensor bound takes a
             # slow broadcasting path on the CPU (~8x here).
-            return torch.minimum(square, lam, out=square).sum(dim=1)
-        return coef.abs().sum(dim=1)
+            return torch.sum(torch.minimum(square, lam, out=square), dim=1, out=out)
+        return torch.sum(torch.abs(coef, out=scratch), dim=1, out=out)
 
     def encode(self, grad: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         del generator  # deterministic
@@ -193,12 +195,17 @@ class AdaptiveCodec:
         device = flat.device
         if count * length != numel:
             flat = torch.nn.functional.pad(flat, (0, count * length - numel))
-        chunks = flat.view(count, length)  # (C, L)
+        chunks = flat.view(count, length)  # (C, L); never written (it may be the caller's)
         lam = self._lagrange_threshold(chunks, layout.kept / layout.universe)
         allowed = self._allowed()
-        transforms = {0: lambda x: x, 1: fourier, 2: dct}
-        coefs = [transforms[code](chunks) for code in allowed]  # B x (C, L), orthonormal
-        cost = torch.stack([self._chunk_cost(coef, lam) for coef in coefs])  # (B, C)
+        transforms = {1: fourier, 2: dct}
+        coefs = [chunks if code == 0 else transforms[code](chunks) for code in allowed]
+        # NOTE: one (C, L) scratch for every cost and the score: each fresh 4 B/element buffer
+        # costs page faults on the CPU (glibc hands large blocks back to the OS).
+        scratch = torch.empty_like(chunks)
+        cost = torch.empty(len(coefs), count, device=device)  # (B, C)
+        for row, coef in enumerate(coefs):
+            self._chunk_cost(coef, lam, scratch=scratch, out=cost[row])
         if allowed[0] == 0 and self.margin > 0:
             # A transform must beat the spatial basis by ``margin`` of its cost.
             cost[0] *= 1.0 - self.margin
@@ -207,8 +214,8 @@ class AdaptiveCodec:
         for index, code in enumerate(allowed[1:], start=1):
             basis.masked_fill_(slot == index, code)
         chosen = _pick_rows(coefs, slot, sync_free=_sync_free(flat))  # (C, L)
-        del coefs  # NOTE: frees 2 x 4 B/element before selection (fewer fresh pages on the CPU)
-        score = chosen * chosen  # (C, L)
+        del coefs
+        score = torch.mul(chosen, chosen, out=scratch)  # (C, L)
         if self.scope == "chunk":
             per_chunk = kept_count(length, self.theta)
             top = torch.topk(score, per_chunk, dim=1, sorted=False).indices  # (C, k_c)
@@ -272,15 +279,17 @@ def _pick_rows(
     coefs: Sequence[torch.Tensor], slot: torch.Tensor, *, sync_free: bool
 ) -> torch.Tensor:
     """``(C, L)``: row ``c`` of ``coefs[slot[c]]``: with ``sync_free`` by ``torch.where``,
-    else each later candidate's rows found with ``nonzero`` and copied."""
-    out = coefs[0].clone()
-    for index, coef in enumerate(coefs[1:], start=1):
-        hit = slot == index  # (C,)
-        if not sync_free:
-            rows = hit.nonzero().reshape(-1)
+    else in place in the last candidate (a transform's own buffer, or the only candidate,
+    then returned as is), each other candidate's rows found with ``nonzero`` and copied."""
+    if not sync_free:
+        out = coefs[-1]
+        for index, coef in enumerate(coefs[:-1]):
+            rows = (slot == index).nonzero().reshape(-1)
             out.index_copy_(0, rows, coef.index_select(0, rows))
-        else:
-            out = torch.where(hit.unsqueeze(1), coef, out)
+        return out
+    out = coefs[0]
+    for index, coef in enumerate(coefs[1:], start=1):
+        out = torch.where((slot == index).unsqueeze(1), coef, out)
     return out
 
 

@@ -39,17 +39,18 @@ def _out(chunks: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 
 def fourier(chunks: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``(C, L)`` -> ``(C, L)`` orthonormal real Fourier coefficients (``L`` even), written
-    into ``out`` when given."""
+    into ``out`` when given, else a view (row stride ``L + 2``) of the spectrum's own buffer
+    (no extra copy)."""
     count, length = chunks.shape
-    out = _out(chunks, out)
     bins = torch.view_as_real(torch.fft.rfft(chunks))  # (C, L/2+1, 2), unnormalised
     slots = bins.reshape(count, length + 2)
     # Packed real-FFT layout: Im X_0 (slot 1) is zero for real input, so it carries the other
     # unpaired bin Re X_{L/2}; paired bins scale by sqrt(2/L), unpaired ones by sqrt(1/L).
-    torch.mul(slots[:, :length], math.sqrt(2.0 / length), out=out)
-    out[:, 0] = slots[:, 0] * math.sqrt(1.0 / length)
-    out[:, 1] = slots[:, length] * math.sqrt(1.0 / length)
-    return out
+    first = slots[:, 0] * math.sqrt(1.0 / length)  # (C,)
+    coef = slots[:, :length].mul_(math.sqrt(2.0 / length))
+    coef[:, 0] = first
+    coef[:, 1] = slots[:, length] * math.sqrt(1.0 / length)
+    return coef if out is None else _out(chunks, out).copy_(coef)
 
 
 def inverse_fourier(coef: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -77,25 +78,29 @@ def _twiddle(length: int, device: torch.device) -> torch.Tensor:
     return torch.polar(torch.full_like(angle, math.sqrt(2.0 / length)), angle).to(torch.complex64)
 
 
+def _makhoul_order(length: int, device: torch.device) -> torch.Tensor:
+    """``[0, 2, ..., L-2, L-1, L-3, ..., 1]``: Makhoul's reorder as one gather (cheaper than a
+    strided copy and a ``flip``)."""
+    index = torch.arange(length, device=device)
+    return torch.where(index < length // 2, 2 * index, 2 * (length - index) - 1)
+
+
 def dct(chunks: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``(C, L)`` -> ``(C, L)`` orthonormal DCT-II coefficients (``L`` even) in the packed
     real-FFT order ``[C_0, C_{L/2}, C_1, -C_{L-1}, C_2, -C_{L-2}, ..., C_{L/2-1},
     -C_{L/2+1}]`` (a signed permutation of the standard order: still orthonormal, and one
-    pass cheaper than reordering), written into ``out`` when given."""
+    pass cheaper than reordering), written into ``out`` when given, else a view (row stride
+    ``L + 2``) of the spectrum's own buffer."""
     count, length = chunks.shape
-    half = length // 2
-    out = _out(chunks, out)
-    pairs = chunks.view(count, half, 2)
-    reordered = torch.empty_like(chunks)
-    reordered[:, :half] = pairs[:, :, 0]  # x_0, x_2, ..., x_{L-2}
-    reordered[:, half:] = pairs[:, :, 1].flip(1)  # x_{L-1}, ..., x_3, x_1
+    reordered = torch.index_select(chunks, 1, _makhoul_order(length, chunks.device))
     # Y_j = V_j w_j: C_j = Re Y_j (j = 0..L/2), -C_{L-j} = Im Y_j (j = 1..L/2-1).
     twisted = torch.view_as_real(torch.fft.rfft(reordered).mul_(_twiddle(length, chunks.device)))
+    del reordered
     slots = twisted.reshape(count, length + 2)
-    out.copy_(slots[:, :length])
-    out[:, 0] *= math.sqrt(0.5)  # C_0's orthonormal scale is sqrt(1/L)
-    out[:, 1] = slots[:, length]  # Im Y_0 = 0: its slot carries C_{L/2}
-    return out
+    slots[:, 0] *= math.sqrt(0.5)  # C_0's orthonormal scale is sqrt(1/L)
+    slots[:, 1] = slots[:, length]  # Im Y_0 = 0: its slot carries C_{L/2}
+    coef = slots[:, :length]
+    return coef if out is None else _out(chunks, out).copy_(coef)
 
 
 def inverse_dct(coef: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -114,7 +119,9 @@ def inverse_dct(coef: torch.Tensor, *, out: torch.Tensor | None = None) -> torch
     unturn = _twiddle(length, coef.device).conj() * (0.5 * length)
     bins = torch.view_as_complex(slots.view(count, half + 1, 2)).mul_(unturn)
     reordered = torch.fft.irfft(bins, n=length)  # (C, L)
-    pairs = out.view(count, half, 2)
-    pairs[:, :, 0] = reordered[:, :half]
-    pairs[:, :, 1] = reordered[:, half:].flip(1)
-    return out
+    # Undo the reorder: x_{order[i]} = v_i, i.e. x = v[inverse order].
+    order = _makhoul_order(length, coef.device)
+    inverse = torch.empty_like(order).index_copy_(
+        0, order, torch.arange(length, device=coef.device)
+    )
+    return torch.index_select(reordered, 1, inverse, out=out)
