@@ -37,6 +37,7 @@ import torch
 from superneurons.errors import ConfigError
 from superneurons.memory.slab import (
     HostSlab,
+    alias_storage,
     memory_order,
     non_overlapping_and_dense,
     whole_storage,
@@ -292,8 +293,8 @@ class TensorPool:
         assert slot.host is not None, "a slot without device tensor has a host copy"
         original, storage = slot.original(), slot.storage()
         if storage is not None and (original is None or original._version == slot.version):
-            view = (storage, slot.offset, slot.size, slot.stride)
-            slot.device_tensor = torch.empty(0, dtype=slot.dtype, device=slot.device).set_(*view)
+            geometry = (storage, slot.offset, slot.size, slot.stride)
+            slot.device_tensor = alias_storage(*geometry, dtype=slot.dtype, device=slot.device)
             self._counters["still_resident"] += 1
             self._device_bytes += slot.nbytes
             return

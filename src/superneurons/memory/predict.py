@@ -92,17 +92,22 @@ def evaluate(
         if fqn in segments:
             members.setdefault(segments[fqn], []).append(fqn)
 
+    def edge(key: tuple[str, int], side: int) -> int:
+        # where backward entered (side 0) or left (1) a unit call's output nodes, measured by
+        # the profile (memory.nodes); never entered: its first unpack; never left: -1
+        unit, call = units[key[0]], key[1]
+        measured = unit.edges[call][side] if call < len(unit.edges) else -1
+        return measured if measured >= 0 or side else calls[key][2]
+
     def prefetched(fqn: str, call: int = 0) -> int:
-        # the runtime prefetches a call's pool group when backward enters the next unit call
-        # in forward order if that one is offloaded too (autograd pre-hook on its outputs; for
-        # a recompute+offload unit on the nodes after its output node, once its recompute is
-        # over), else when backward enters the call itself
-        bwd = calls[(fqn, call)][2]
+        # the runtime prefetches a call's pool group where backward enters the next unit call
+        # in forward order if that one is offloaded too (for a recompute+offload one: where
+        # backward leaves its output nodes, after the recompute they triggered), else where
+        # backward enters the call itself
+        bwd = edge((fqn, call), 0)
         nxt = next_call.get((fqn, call))
         if nxt is not None and actions.get(nxt[0], "") in OFFLOADING:
-            ahead = calls[nxt][2]
-            if actions[nxt[0]] == "recompute+offload" and ahead >= 0:
-                ahead += 2  # after the next unit's recompute (its spike at ahead + 1) is over
+            ahead = edge(nxt, 1 if actions[nxt[0]] == "recompute+offload" else 0)
             bwd = ahead if 0 <= ahead < bwd else bwd
         return bwd
 
@@ -193,7 +198,10 @@ def evaluate(
         if action in RECOMPUTING:
             # a unit inside a segment runs forward twice more: outer and inner recompute
             extra_s += compute_s * (2 if fqn in segments else 1)
-            spike = max(unit.temp_peak_bytes - internal.get(fqn, 0) - unit.output_bytes, 0)
+            # what it holds besides the saved tensors it re-creates, up to where it stops
+            spike = max(unit.recompute_peak_bytes - internal.get(fqn, 0), 0)
+            if unit.recompute_peak_bytes < 0:  # not recorded: its forward's, less its outputs
+                spike = max(unit.temp_peak_bytes - internal.get(fqn, 0) - unit.output_bytes, 0)
             # the recompute snapshots running statistics (once more for a segment's outer pass)
             spike += unit.norm_state_bytes * (2 if fqn in segments else 1)
             for call in range(max(len(unit.calls), 1)):  # each call recomputes in its backward

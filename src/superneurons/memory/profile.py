@@ -8,14 +8,13 @@ copy of the model and optimizer (so the caller's state is untouched) with three 
 * ``torch.autograd.graph.saved_tensors_hooks`` see every tensor autograd saves: its key
   (innermost module fqn, call index, ordinal), size, pack event and last unpack event;
 * module pre/post hooks give each *unit* (a module whose saved tensors a plan treats together)
-  its forward window, first backward use, forward FLOPs (``torch.utils.flop_counter``'s formulas)
-  and bytes written.
+  its forward window, forward FLOPs (``torch.utils.flop_counter``'s formulas), bytes written,
+  and where backward enters and leaves it (the runtime's prefetch points, :mod:`.nodes`).
 
 This is SuperNeurons' liveness analysis over the execution route (Wang et al., PPoPP'18 §3.1),
-measured rather than derived from a static graph, so branches, shared modules, in-place ops,
+measured rather than derived from a static graph: branches, shared modules, in-place ops,
 dropout and BatchNorm need no special cases. With ``fake=True`` the step runs under
-``FakeTensorMode`` on fake *cpu* tensors: byte sizes are exact, nothing is allocated (fake cuda
-convolutions abort on a CPU build, and bytes are device independent).
+``FakeTensorMode`` on fake *cpu* tensors: byte sizes are exact, nothing is allocated.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from torch.utils.flop_counter import flop_registry
 
 from superneurons.errors import ConfigError
 from superneurons.memory.cost import EventTimer, measure_copy_bandwidth
+from superneurons.memory.nodes import on_enter, on_leave, output_nodes
 from superneurons.memory.profile_types import (
     CATEGORIES,
     Profile,
@@ -111,23 +111,30 @@ class _Recorder:
             row = self.unit_rows[fqn]
             # outputs the unit also saved are re-created by its recompute: not counted here
             saved_here = self.saved_by_unit.get(fqn, set())
+            outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+            out_sids = {self.tracker.serial_of(t) for t in outs}
             row["out_bytes"] = sum(
                 t.untyped_storage().nbytes()
-                for t in tree_flatten(output)[0]
-                if isinstance(t, torch.Tensor) and self.tracker.serial_of(t) not in saved_here
+                for t in outs
+                if self.tracker.serial_of(t) not in saved_here
             )
-            out_sids = {
-                self.tracker.serial_of(t)
-                for t in tree_flatten(output)[0]
-                if isinstance(t, torch.Tensor)
-            }
             row["inplace"] = row.get("inplace", False) or bool(out_sids & row["in_sids"])
             row["fwd_end"] = self.tracker.event
             row["calls"][-1][1] = self.tracker.event
+            # where backward enters and leaves this call's output nodes (the runtime's
+            # prefetch points): [enter, leave] events per call
+            row.setdefault("edges", []).append([-1, -1])
+            call, nodes = len(row["calls"]) - 1, output_nodes(outs)
+            on_enter(nodes, lambda: self.reached(fqn, call, 0))
+            on_leave(nodes, lambda: self.reached(fqn, call, 1))
             if self.timer is not None:
                 self.timer.stop(fqn, row.pop("events"))
             else:
                 row["time_s"] += time.perf_counter() - row["t0"]
+
+    def reached(self, fqn: str, call: int, side: int) -> None:
+        edges = self.unit_rows[fqn]["edges"][call]  # the first hook to fire: the runtime's
+        edges[side] = edges[side] if edges[side] >= 0 else self.tracker.event  # prefetch point
 
     def current_unit(self) -> str:
         return self.current_call()[0]
@@ -178,6 +185,8 @@ class _Recorder:
         index = len(self.saved)
         unit, unit_call = self.current_call()
         self.saved_by_unit.setdefault(unit, set()).add(sid)
+        if unit:  # a recompute stops at its last save (early stop): its peak up to here
+            self.unit_rows[unit]["recompute_peak"] = self.unit_rows[unit]["temp_peak"]
         self.saved.append(
             dict(
                 key=key,
@@ -387,9 +396,5 @@ def _run(
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-    if optimizer is None:
-        return []
-    found: list[torch.Tensor] = []
-    for state in optimizer.state.values():
-        found += [v for v in tree_flatten(state)[0] if isinstance(v, torch.Tensor)]
-    return found
+    states = optimizer.state.values() if optimizer is not None else ()
+    return [v for state in states for v in tree_flatten(state)[0] if isinstance(v, torch.Tensor)]

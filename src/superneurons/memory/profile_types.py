@@ -138,6 +138,8 @@ class UnitProfile:
         bytes_written: bytes of all op outputs of its forward (memory-bound recompute cost).
         fwd_time_s: measured wall time of its forward calls (meaningless under fake tensors).
         temp_peak_bytes: most bytes its forward held above the live bytes at its start.
+        recompute_peak_bytes: the same, up to its last saved tensor (where a recompute with
+            early stop ends; -1: not recorded).
         saved_bytes: storage-deduped bytes of the saved tensors packed in it.
         output_bytes: bytes of its forward's output storages (a recompute with early stop,
             as non-reentrant checkpoint does, never re-creates them).
@@ -153,6 +155,9 @@ class UnitProfile:
             fields above span all of them). A module called several times in one forward (a
             ResNet bottleneck's one ``ReLU``, three calls) saves, releases and gets back each
             call's tensors in that call's own windows, as the runtime's pool groups do.
+        edges: per call, ``(enter, leave)``: the last event before backward entered its
+            output nodes and before it left them (:mod:`superneurons.memory.nodes`; -1: never),
+            where the runtime prefetches pool groups.
     """
 
     fqn: str
@@ -172,6 +177,8 @@ class UnitProfile:
     unsaved_input_bytes: int = 0
     in_sequential: bool = False  # a child of an ``nn.Sequential`` (segments need one)
     calls: tuple[tuple[int, int, int, int], ...] = ()
+    edges: tuple[tuple[int, int], ...] = ()
+    recompute_peak_bytes: int = -1
 
     def window(self, call: int = 0) -> tuple[int, int, int, int]:
         """``(fwd_start, fwd_end, bwd_start, bwd_end)`` of forward call ``call`` (the whole
@@ -356,6 +363,8 @@ class Profile:
                     calls=tuple(
                         (int(a), int(b), int(c), int(d)) for a, b, c, d in u.get("calls", ())
                     ),
+                    edges=tuple((int(a), int(b)) for a, b in u.get("edges", ())),
+                    recompute_peak_bytes=int(u.get("recompute_peak", -1)),
                     unsaved_input_bytes=sum(
                         tracker.nbytes[sid]
                         for sid in u.get("first_in_sids", ())

@@ -25,6 +25,7 @@ Autocast: checkpoint replays the autocast state; offloaded tensors keep their dt
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable
 from types import TracebackType
@@ -32,9 +33,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from superneurons.errors import ConfigError
+from superneurons.memory.nodes import on_enter, on_leave, output_nodes
 from superneurons.memory.optim_backward import register_optimizer_in_backward
 from superneurons.memory.optim_host import HostOptimizerState
 from superneurons.memory.plan import OFFLOADING, Plan
@@ -321,26 +322,12 @@ def _offloaded_forward(
         with pool.offloading() as group:
             out = forward(*args, **kwargs)
         # When backward reaches this unit's outputs, bring this unit's tensors and the
-        # previous unit's back (autograd-node pre-hook: no module backward hooks, which break
-        # in-place ops on the outputs).
-        nodes = {
-            t.grad_fn
-            for t in tree_flatten(out)[0]
-            if isinstance(t, torch.Tensor) and t.grad_fn is not None
-        }
-        for node in nodes:
-            node.register_prehook(
-                lambda _grads, g=group: pool.backward_entered(
-                    g, previous=chained and not after_first_node
-                )
-            )
-            if not (chained and after_first_node):
-                continue
-            for child, _ in node.next_functions:
-                if child is not None and child not in nodes:
-                    child.register_prehook(
-                        lambda _grads, g=group: pool.backward_entered(g - 1, previous=False)
-                    )
+        # previous unit's back (autograd-node pre-hooks: memory.nodes)
+        nodes = output_nodes(out)
+        previous = chained and not after_first_node
+        on_enter(nodes, functools.partial(pool.backward_entered, group, previous=previous))
+        if chained and after_first_node:
+            on_leave(nodes, functools.partial(pool.backward_entered, group - 1, previous=False))
         return out
 
     return wrapped

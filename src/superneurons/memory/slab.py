@@ -13,7 +13,13 @@ import torch
 
 from superneurons.bytesize import format_bytes
 
-__all__ = ["HostSlab", "memory_order", "non_overlapping_and_dense", "whole_storage"]
+__all__ = [
+    "HostSlab",
+    "alias_storage",
+    "memory_order",
+    "non_overlapping_and_dense",
+    "whole_storage",
+]
 
 logger = logging.getLogger("superneurons.memory")
 
@@ -105,3 +111,26 @@ def memory_order(tensor: torch.Tensor) -> torch.Tensor:
     """A 1-D view of a non-overlapping dense tensor in memory order (no copy): the slab stores
     elements in that order, so each copy is one memcpy whatever the strides."""
     return tensor.as_strided((tensor.numel(),), (1,), tensor.storage_offset())
+
+
+def alias_storage(
+    storage: torch.UntypedStorage,
+    offset: int | torch.SymInt,
+    size: torch.Size,
+    stride: tuple[int, ...],
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """A tensor over ``storage`` (still alive elsewhere) with the given geometry: no copy."""
+    tensor = torch.empty(0, dtype=dtype, device=device)
+    mode = getattr(tensor, "fake_mode", None)  # simulating (memory.simulate)
+    if mode is None:
+        return tensor.set_(storage, offset, size, stride)
+    from torch._subclasses.fake_tensor import disable_fake_tensor_cache
+
+    # NOTE: the fake dispatch cache would keep ``storage`` (an argument, so part of the key)
+    # for the rest of the process: a simulated step held it past its last use, one activation
+    # above the same step on real tensors (measured)
+    with disable_fake_tensor_cache(mode):
+        return tensor.set_(storage, offset, size, stride)
