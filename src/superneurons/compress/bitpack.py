@@ -13,7 +13,13 @@ import torch
 
 from superneurons.errors import ConfigError
 
-__all__ = ["pack_bits", "packed_bytes", "unpack_bits"]
+__all__ = ["pack_bits", "pack_sextets", "packed_bytes", "unpack_bits", "unpack_sextets"]
+
+# NOTE: multiply-gather of 2-bit codes: four codes c0..c3 (< 4), one per byte of an int32 word
+# (little-endian, byte i at bit 8i), times _GATHER2 land c_i at bit 24 + 2i of the product and
+# every other partial product below bit 24 on disjoint bits (no carries), so the word's top
+# byte is c0 | c1 << 2 | c2 << 4 | c3 << 6. Checked exhaustively in the tests.
+_GATHER2 = (1 << 6) + (1 << 12) + (1 << 18) + (1 << 24)
 
 
 def packed_bytes(count: int, bits: int) -> int:
@@ -46,6 +52,13 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
         return codes.to(torch.uint8).contiguous()
     if bits == 16:
         return codes.to(torch.int32).to(torch.int16).contiguous().view(torch.uint8)
+    if bits == 2 and count % 4 == 0:
+        words = codes.to(torch.uint8, copy=True).view(torch.int32).mul_(_GATHER2)  # (count / 4,)
+        return words.view(torch.uint8).view(-1, 4)[:, 3].contiguous()
+    if bits == 6 and count % 4 == 0:
+        out = torch.empty(out_bytes, dtype=torch.uint8, device=codes.device)
+        pack_sextets(codes.to(torch.uint8, copy=True), out=out)
+        return out
     if 8 % bits == 0:
         # NOTE: fast path for 1/2/4 bits: per = codes per byte; OR the shifted codes together.
         per = 8 // bits
@@ -95,6 +108,8 @@ def unpack_bits(data: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     if bits == 16:
         # NOTE: clone: a slice at an odd byte offset cannot be viewed as int16.
         return data.clone().view(torch.int16).to(torch.int64) & 0xFFFF
+    if bits == 6 and count % 4 == 0:
+        return unpack_sextets(data, count).to(torch.int64)
     if 8 % bits == 0:
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=data.device)  # (8 // bits,)
         mask = (1 << bits) - 1
@@ -116,3 +131,43 @@ def unpack_bits(data: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     bit_matrix = flat_bits.view(count, bits).to(torch.int64)  # (count, bits)
     weights = 1 << torch.arange(bits, dtype=torch.int64, device=data.device)
     return (bit_matrix * weights).sum(dim=1)
+
+
+def pack_sextets(
+    codes: torch.Tensor, *, out: torch.Tensor, scratch: torch.Tensor | None = None
+) -> torch.Tensor:
+    """6-bit codes (uint8, each < 64, a multiple of 4 of them) into ``out`` (uint8, 3 bytes per
+    4 codes), the same bytes as ``pack_bits(codes, 6)``; ``codes`` is overwritten.
+
+    Four codes, one per byte of an int32 word, are merged in two SWAR steps (pairs into 12-bit
+    halves, then halves into 24 bits) and the low three bytes of each word are kept: ~10
+    in-place passes over ``count / 4`` words instead of a (count, 4) reduction. ``scratch``:
+    optional int32 tensor of >= count / 4 elements (saves an allocation). Little-endian byte
+    order, as on every device torch runs on (x86, ARM, CUDA).
+    """
+    words = codes.view(torch.int32)  # (g,): byte i = code 4 * word + i
+    groups = words.numel()
+    if scratch is None:
+        scratch = torch.empty_like(words)
+    low = scratch.view(-1)[:groups]
+    torch.bitwise_and(words, 0x003F003F, out=low)  # codes 0 and 2 stay in place
+    words.bitwise_right_shift_(2).bitwise_and_(0x0FC00FC0).bitwise_or_(low)  # 1 -> bit 6, 3 -> 22
+    torch.bitwise_and(words, 0xFFF, out=low)  # codes 0..1
+    words.bitwise_right_shift_(4).bitwise_and_(0x00FFF000).bitwise_or_(low)  # 2..3 -> bit 12
+    out.view(groups, 3).copy_(words.view(torch.uint8).view(groups, 4)[:, :3])
+    return out
+
+
+def unpack_sextets(data: torch.Tensor, count: int) -> torch.Tensor:
+    """Inverse of :func:`pack_sextets`: ``count`` (a multiple of 4) codes as uint8."""
+    groups = count // 4
+    buffer = torch.empty(2 * groups, 4, dtype=torch.uint8, device=data.device)
+    words = buffer[:groups]
+    words[:, :3] = data[: 3 * groups].view(groups, 3)  # byte 3 is masked off below
+    words = words.view(torch.int32).view(-1)  # (g,)
+    high = buffer[groups:].view(torch.int32).view(-1)  # (g,) scratch
+    torch.bitwise_and(words, 0x00FFF000, out=high).bitwise_left_shift_(4)  # codes 2..3 -> 16
+    words.bitwise_and_(0xFFF).bitwise_or_(high)
+    torch.bitwise_and(words, 0x0FC00FC0, out=high).bitwise_left_shift_(2)  # 1 -> 8, 3 -> 24
+    words.bitwise_and_(0x003F003F).bitwise_or_(high)
+    return words.view(torch.uint8)
