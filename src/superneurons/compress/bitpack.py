@@ -19,6 +19,7 @@ __all__ = ["pack_bits", "pack_sextets", "packed_bytes", "unpack_bits", "unpack_s
 # (little-endian, byte i at bit 8i), times _GATHER2 land c_i at bit 24 + 2i of the product and
 # every other partial product below bit 24 on disjoint bits (no carries), so the word's top
 # byte is c0 | c1 << 2 | c2 << 4 | c3 << 6. Checked exhaustively in the tests.
+_GATHER1 = 0x0102040810204080
 _GATHER2 = (1 << 6) + (1 << 12) + (1 << 18) + (1 << 24)
 
 
@@ -52,6 +53,11 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
         return codes.to(torch.uint8).contiguous()
     if bits == 16:
         return codes.to(torch.int32).to(torch.int16).contiguous().view(torch.uint8)
+    if bits == 1 and count % 8 == 0:
+        # NOTE: eight 0/1 bytes in an int64 times _GATHER1 put bit i of the result in bit 56 + i
+        # (the multiply-gather of indexcode.py's bitmaps; disjoint partial products).
+        words = codes.to(torch.uint8, copy=True).view(torch.int64)  # (count / 8,)
+        return words.mul(_GATHER1).view(torch.uint8).view(-1, 8)[:, 7].contiguous()
     if bits == 2 and count % 4 == 0:
         words = codes.to(torch.uint8, copy=True).view(torch.int32).mul_(_GATHER2)  # (count / 4,)
         return words.view(torch.uint8).view(-1, 4)[:, 3].contiguous()

@@ -132,15 +132,12 @@ class QSGDCodec:
         level = work.view(torch.int32)
         level.copy_(work)  # trunc toward zero (in place: same element size)
         # NaN/inf (non-finite input) converts to garbage: the clamp makes it a valid code.
-        level.clamp_(-(self.levels + 1), self.levels + 1)
-        codes = torch.empty(padded, dtype=torch.uint8, device=device)
-        negative = torch.lt(level.view(-1), 0, out=codes.view(torch.bool))
-        sign_bit = self.bits - 1
-        level.abs_().sub_(1).clamp_(min=0)  # |v| - 1 (a garbage 0 -> 0)
-        negative = negative.view(torch.uint8) if sign_bit < 8 else negative.to(torch.int32)
-        level.view(-1).bitwise_or_(negative.bitwise_left_shift_(sign_bit))  # the sign bit
+        level.clamp_(-(self.levels + 1), self.levels + 1).add_(self.levels + 1)  # v + s + 1
+        # code of v: |v| - 1, with the sign in the top bit (v = 0 only from garbage: code 0)
+        signed = torch.arange(-(self.levels + 1), self.levels + 2, device=device)  # (2s + 3,)
+        table = (signed.abs() - 1).clamp_(min=0) | (signed < 0).to(torch.int64) << self.bits - 1
         if self.bits == 6 and padded % 4 == 0:
-            codes.copy_(level.view(-1))
+            codes = table.to(torch.uint8).index_select(0, level.view(-1))  # (padded,)
             if padded == numel:
                 pack_sextets(codes, out=data[4 * buckets :], scratch=level)
             else:
@@ -148,7 +145,8 @@ class QSGDCodec:
                 pack_sextets(codes, out=body, scratch=level)
                 data[4 * buckets :] = body[: data.numel() - 4 * buckets]
         else:
-            data[4 * buckets :] = pack_bits(level.view(-1)[:numel], self.bits)
+            codes = table.to(torch.int32).index_select(0, level.view(-1)[:numel])
+            data[4 * buckets :] = pack_bits(codes, self.bits)
         return Payload(data, numel)
 
     def decode(self, payload: Payload) -> torch.Tensor:
