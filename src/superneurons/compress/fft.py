@@ -54,6 +54,7 @@ AMP's ``GradScaler`` skips the step.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -94,8 +95,9 @@ def _bin_score(parts: torch.Tensor, length: int) -> torch.Tensor:
     Halving the two unpaired bins (0 and, for even ``L``, ``L / 2``) instead of doubling the
     others gives the same order at a fraction of the cost. ``score <= |X|**2`` everywhere.
     """
-    squares = torch.view_as_complex(parts * parts)  # (C, B): re**2 + 1j * im**2
-    by_chunk = squares.real + squares.imag  # (C, B); ~2x faster than addcmul on strided views
+    # NOTE: one fresh (C, B) buffer: on one CPU thread a fresh multi-MiB temporary costs page
+    # faults comparable to the arithmetic (the former view_as_complex(parts * parts) made two).
+    by_chunk = torch.mul(parts[..., 0], parts[..., 0]).addcmul_(parts[..., 1], parts[..., 1])
     by_chunk[:, 0] *= 0.5
     if length % 2 == 0 and length > 1:
         by_chunk[:, length // 2] *= 0.5
@@ -222,5 +224,5 @@ class FFTCodec:
             finite = finite & add_kept(spectrum, self._check(payload, layout), layout)
         length, chunks = spectrum_layout(numel, self.chunk)
         bins = torch.view_as_complex(spectrum.view(chunks, length // 2 + 1, 2))  # (C, B)
-        signal = torch.fft.irfft(bins, n=length).reshape(-1)[:numel]  # (n,)
-        return nan_unless(finite, signal)
+        signal = torch.fft.irfft(bins, n=length).reshape(-1)[:numel]  # (n,), a fresh tensor
+        return signal.add_(torch.where(finite, 0.0, math.nan))  # in place: all-NaN unless finite
