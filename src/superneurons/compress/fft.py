@@ -66,7 +66,6 @@ from superneurons.compress.codec import (
     check_gradient,
     common_numel,
     finite_flag,
-    nan_unless,
 )
 from superneurons.compress.indexcode import INDEX_KINDS
 from superneurons.compress.rangefloat import check_bits
