@@ -59,8 +59,9 @@ class TopKCodec:
 
     Args:
         ratio: fraction of elements kept, in (0, 1]; ``k = max(1, round(ratio * numel))``.
-        select: ``"exact"`` (``torch.topk``) or ``"sampled"`` (DGC-style sampled threshold,
-            then exactly k of the survivors).
+        select: ``"exact"`` (the k largest: ``torch.topk``, or on the CPU the same set found
+            by a verified sampled bracket) or ``"sampled"`` (DGC-style sampled threshold, then
+            exactly k of the survivors).
     """
 
     ratio: float = 0.01
