@@ -53,26 +53,24 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
         return codes.to(torch.uint8).contiguous()
     if bits == 16:
         return codes.to(torch.int32).to(torch.int16).contiguous().view(torch.uint8)
-    if bits == 1 and count % 8 == 0:
-        # NOTE: eight 0/1 bytes in an int64 times _GATHER1 put bit i of the result in bit 56 + i
-        # (the multiply-gather of indexcode.py's bitmaps; disjoint partial products).
-        words = codes.to(torch.uint8, copy=True).view(torch.int64)  # (count / 8,)
-        return words.mul(_GATHER1).view(torch.uint8).view(-1, 8)[:, 7].contiguous()
-    if bits == 2 and count % 4 == 0:
-        words = codes.to(torch.uint8, copy=True).view(torch.int32).mul_(_GATHER2)  # (count / 4,)
-        return words.view(torch.uint8).view(-1, 4)[:, 3].contiguous()
+    if bits in (1, 2, 4):
+        # NOTE: fast paths, codes copied to bytes (zero-padded to whole output bytes). 1 bit:
+        # eight 0/1 bytes in an int64 times _GATHER1 put bit i of the product in bit 56 + i
+        # (indexcode.py's bitmap gather); 2 bits: see _GATHER2; 4 bits: two nibbles per byte.
+        per = 8 // bits
+        padded = torch.zeros(out_bytes * per, dtype=torch.uint8, device=codes.device)
+        padded[:count] = codes
+        if bits == 4:
+            pairs = padded.view(out_bytes, 2)
+            return pairs[:, 1].bitwise_left_shift(4).bitwise_or_(pairs[:, 0])
+        word, gather = (torch.int64, _GATHER1) if bits == 1 else (torch.int32, _GATHER2)
+        words = padded.view(word).mul_(gather)  # (out_bytes,)
+        size = words.element_size()
+        return words.view(torch.uint8).view(out_bytes, size)[:, size - 1].contiguous()
     if bits == 6 and count % 4 == 0:
         out = torch.empty(out_bytes, dtype=torch.uint8, device=codes.device)
         pack_sextets(codes.to(torch.uint8, copy=True), out=out)
         return out
-    if 8 % bits == 0:
-        # NOTE: fast path for 1/2/4 bits: per = codes per byte; OR the shifted codes together.
-        per = 8 // bits
-        padded = torch.zeros(out_bytes * per, dtype=torch.uint8, device=codes.device)
-        padded[:count] = codes.to(torch.uint8)
-        grid = padded.view(out_bytes, per)  # (bytes, per)
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)  # (8 // bits,)
-        return (grid << shifts).sum(dim=1, dtype=torch.int32).to(torch.uint8)
     if bits < 8:
         # NOTE: g = 8 / gcd(bits, 8) codes of b bits are exactly g*b/8 bytes: OR them into one
         # word (one column at a time: no (groups, g) temporaries) and keep its low bytes
