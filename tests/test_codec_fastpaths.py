@@ -10,6 +10,7 @@ import torch
 
 from superneurons.compress import Payload, QSGDCodec, SignSGDCodec, TernGradCodec, TopKCodec, noise
 from superneurons.compress.bitpack import pack_bits, unpack_bits
+from superneurons.compress.rangefloat import read_codes, write_codes
 
 
 def _reference_pack(codes: list[int], bits: int) -> torch.Tensor:
@@ -103,3 +104,10 @@ def test_topk_exact_on_cpu_keeps_torch_topk_set() -> None:
     top = torch.topk(grad.abs(), codec.kept(grad.numel())).indices
     expected[top] = grad[top]
     assert torch.equal(decoded, expected)
+
+
+def test_rangefloat_byte_codes_skip_the_mask_but_keep_the_bytes() -> None:
+    codes = torch.randint(-(2**31), 2**31 - 1, (1001,), dtype=torch.int32)
+    packed = write_codes(codes, 8)
+    assert torch.equal(packed, pack_bits((codes & 0xFF).long(), 8))
+    assert torch.equal(read_codes(packed, 8, 1001), (codes & 0xFF))
