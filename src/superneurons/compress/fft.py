@@ -54,6 +54,7 @@ AMP's ``GradScaler`` skips the step.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -65,7 +66,6 @@ from superneurons.compress.codec import (
     check_gradient,
     common_numel,
     finite_flag,
-    nan_unless,
 )
 from superneurons.compress.indexcode import INDEX_KINDS
 from superneurons.compress.rangefloat import check_bits
@@ -222,5 +222,5 @@ class FFTCodec:
             finite = finite & add_kept(spectrum, self._check(payload, layout), layout)
         length, chunks = spectrum_layout(numel, self.chunk)
         bins = torch.view_as_complex(spectrum.view(chunks, length // 2 + 1, 2))  # (C, B)
-        signal = torch.fft.irfft(bins, n=length).reshape(-1)[:numel]  # (n,)
-        return nan_unless(finite, signal)
+        signal = torch.fft.irfft(bins, n=length).reshape(-1)[:numel]  # (n,), a fresh tensor
+        return signal.add_(torch.where(finite, 0.0, math.nan))  # in place: all-NaN unless finite

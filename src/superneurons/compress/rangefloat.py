@@ -227,8 +227,9 @@ def quantize(
     # power-of-two scalings (one alone may overflow float32 for tiny windows). Overflow to inf
     # for large |v| is harmless: the conversion gives INT_MIN (CPU) or saturates (CUDA), the
     # clamp caps it at 2**m and the maximum below picks the normal code, which is >= 2**m there.
-    sub = mag_bits.view(torch.float32).mul(_pow2(-(lo + 1))).mul_(_pow2(mant_bits))
-    sub = sub.round_().to(torch.int32).clamp_(max=1 << mant_bits)
+    sub = mag_bits.view(torch.float32).mul(_pow2(-(lo + 1))).mul_(_pow2(mant_bits)).round_()
+    sub_float, sub = sub, sub.view(torch.int32)
+    sub.copy_(sub_float).clamp_(max=1 << mant_bits)  # in place: same element size
     # Normal codes straight from the float32 bit pattern: round the mantissa to m bits (half
     # up), the carry rolls into the exponent, the exponent is rebased to lo (in place).
     shift = 23 - mant_bits
@@ -239,7 +240,8 @@ def quantize(
     # right code without a torch.where (1-2 ms on 2**20 elements here); tests check the bound.
     torch.maximum(code, sub, out=code)
     code.clamp_(max=(1 << (bits - 1)) - 1)  # saturate above the top code
-    code |= (v_bits >> 31) & (1 << (bits - 1))  # sign bit
+    sign = torch.bitwise_right_shift(v_bits, 31, out=sub)  # `sub` is free now: scratch
+    code |= sign.bitwise_and_(1 << (bits - 1))  # sign bit
     header_bits = torch.where(finite, max_bits, torch.full_like(max_bits, _NAN_BITS))
     return code, RangeFloatHeader(max_bits=header_bits, exp_bits=exp_bits)
 
@@ -261,19 +263,24 @@ def dequantize(codes: torch.Tensor, header: RangeFloatHeader, bits: int) -> torc
     subnormal = (normal * 2.0).sub_(_pow2(lo + 1))
     torch.minimum(normal, subnormal, out=subnormal)
     out_bits = subnormal.view(torch.int32)
-    out_bits |= (codes << (32 - bits)) & -(2**31)  # sign bit to bit 31
+    sign = torch.bitwise_left_shift(codes, 32 - bits, out=normal.view(torch.int32))  # scratch
+    out_bits |= sign.bitwise_and_(-(2**31))  # sign bit to bit 31
     # NaN header: every element NaN (NaN * 0 is NaN; finite * 1 is exact).
-    return subnormal * torch.where(finite, 1.0, math.nan)
+    return subnormal.mul_(torch.where(finite, 1.0, math.nan))
 
 
 def write_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Bit-pack ``bits``-bit codes (two's-complement int32 input) into uint8."""
+    if bits == 8:  # the conversion keeps the low byte (two's complement): no mask pass
+        return codes.to(torch.uint8)
     mask = (1 << bits) - 1
     return pack_bits(codes & mask, bits)
 
 
 def read_codes(data: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """Inverse of :func:`write_codes` (int32 codes)."""
+    if bits == 8 and data.dtype == torch.uint8 and data.numel() >= count:
+        return data[:count].to(torch.int32)
     if data.storage_offset() % 2:
         # NOTE: bitpack's 16-bit path views the bytes as int16, which needs an even offset.
         data = data.clone()
@@ -317,7 +324,12 @@ class RangeFloatCodec:
         if self.bits == 32:
             return Payload(flat.contiguous().view(torch.uint8).clone(), flat.numel())
         codes, header = quantize(flat, self.bits)
-        data = torch.cat([header.to_bytes(), write_codes(codes, self.bits)])
+        data = torch.empty(self.payload_bytes(flat.numel()), dtype=torch.uint8, device=flat.device)
+        data[:HEADER_BYTES] = header.to_bytes()
+        if self.bits == 8:
+            data[HEADER_BYTES:] = codes  # int32 -> uint8 keeps the low byte (no mask pass)
+        else:
+            data[HEADER_BYTES:] = write_codes(codes, self.bits)
         return Payload(data, flat.numel())
 
     def decode(self, payload: Payload) -> torch.Tensor:

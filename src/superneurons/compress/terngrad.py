@@ -29,14 +29,14 @@ from typing import ClassVar
 
 import torch
 
-from superneurons.compress.bitpack import pack_bits, packed_bytes, unpack_bits
+from superneurons.compress.bitpack import pack_bits, packed_bytes
 from superneurons.compress.codec import (
     Payload,
     check_gradient,
     check_payload,
-    finite_flag,
     sum_of_decodes,
 )
+from superneurons.compress.noise import uniform_one_two
 from superneurons.errors import ConfigError
 
 __all__ = ["TernGradCodec"]
@@ -90,27 +90,45 @@ class TernGradCodec:
         return flat.clamp(-bound, bound)
 
     def encode(self, grad: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
-        flat = check_gradient(grad, codec_name=self.NAME)
-        clipped = self.clipped(flat)
-        prob = clipped.abs()  # (n,), becomes |g| / s in place
-        scale = prob.max()
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        prob.div_(safe).nan_to_num_(0.0, 0.0, 0.0)
-        noise = torch.rand(prob.shape, generator=generator, device=prob.device)
-        keep = (noise < prob).to(torch.uint8)
-        codes = keep << (clipped < 0).to(torch.uint8)  # 0 -> 0, +1 -> 1, -1 -> 2
-        scale = scale * torch.where(finite_flag(flat), 1.0, math.nan)
-        data = torch.cat([scale.reshape(1).view(torch.uint8), pack_bits(codes, _BITS)])
-        return Payload(data, flat.numel())
+        flat = check_gradient(grad, codec_name=self.NAME).to(torch.float32).reshape(-1)
+        numel = flat.numel()
+        device = flat.device
+        rms = torch.linalg.vector_norm(flat) / math.sqrt(numel)
+        low, high = torch.aminmax(flat)  # NaN propagates: both finite iff the input is
+        scale = torch.maximum(-low, high)  # max |g|
+        if math.isfinite(self.clip):
+            scale = torch.minimum(scale, rms * self.clip)  # = max |clipped|
+        finite = torch.isfinite(low) & torch.isfinite(high)
+        factor = 1.0 / torch.where(scale > 0, scale, torch.ones_like(scale))
+        # keep ~ Bernoulli(|clipped| / scale), as QSGD with one level: v = trunc(g / scale +
+        # sign(g) (1 + r)) = sign(g) (1 + keep) for r uniform on [0, 1) (noise.py's hash);
+        # |g| / scale > 1 (clipped elements) saturates at |v| = 2, keep = 1 = |clipped| / scale.
+        work = uniform_one_two(numel, generator=generator, device=device)
+        work.copysign_(flat).addcmul_(flat, factor)
+        level = work.view(torch.int32)
+        level.copy_(work)  # trunc toward zero (in place: same element size)
+        # code = (0b01_00_00_00_10 >> 2 (v + 2)) & 3: v = -2 -> 2 (-1), +2 -> 1 (+1), else 0
+        level.clamp_(-2, 2).add_(2).mul_(2)
+        table = torch.full((), 0b0100000010, dtype=torch.int32, device=device)
+        torch.bitwise_right_shift(table, level, out=level).bitwise_and_(3)
+        scale = scale * torch.where(finite, 1.0, math.nan)
+        data = torch.empty(self.payload_bytes(numel), dtype=torch.uint8, device=device)
+        data[:4] = scale.reshape(1).view(torch.uint8)
+        data[4:] = pack_bits(level, _BITS)
+        return Payload(data, numel)
 
     def decode(self, payload: Payload) -> torch.Tensor:
         numel = payload.numel
         data = check_payload(payload, nbytes=self.payload_bytes(numel), codec_name=self.NAME)
         scale = data[:4].view(torch.float32)
-        codes = unpack_bits(data[4:], _BITS, numel)
-        ternary = (codes == 1).to(torch.float32) - (codes == 2).to(torch.float32)
+        # One gather over a 256-entry table: each byte decodes to its four values at once.
+        byte = torch.arange(256, dtype=torch.int32, device=data.device).unsqueeze(1)  # (256, 1)
+        shifts = torch.arange(0, 8, 2, dtype=torch.int32, device=data.device)  # (4,)
+        codes = (byte >> shifts) & 3  # (256, 4)
         # NaN scale * 0 is NaN: non-finite payloads decode to all-NaN.
-        return ternary * scale
+        table = ((codes == 1).to(torch.float32) - (codes == 2).to(torch.float32)) * scale
+        out = table.index_select(0, data[4:].to(torch.int32))  # (bytes, 4)
+        return out.view(-1)[:numel]
 
     def decode_sum(self, payloads: Sequence[Payload]) -> torch.Tensor:
         return sum_of_decodes(self, payloads)
