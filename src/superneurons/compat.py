@@ -8,10 +8,16 @@ the older spelling, so callers never test versions themselves.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["all_gather_into_tensor", "memory_fraction", "selective_checkpoint_contexts"]
+__all__ = [
+    "all_gather_into_tensor",
+    "fake_cache_disabled",
+    "memory_fraction",
+    "selective_checkpoint_contexts",
+]
 
 
 def selective_checkpoint_contexts(must_save: Callable[[Any], bool]) -> Any:
@@ -70,3 +76,22 @@ def all_gather_into_tensor(
 
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(output, input, group=group, async_op=async_op)
+
+
+@contextmanager
+def fake_cache_disabled(fake_mode: Any) -> Iterator[None]:
+    """``fake_mode``'s dispatch cache switched off inside the block.
+
+    ``torch._subclasses.fake_tensor.disable_fake_tensor_cache`` is recent; every supported torch
+    keeps the switch as ``FakeTensorMode.cache_enabled``, which is what that helper flips. A mode
+    without the attribute has no cache to switch off.
+    """
+    if not hasattr(fake_mode, "cache_enabled"):
+        yield
+        return
+    old: bool = fake_mode.cache_enabled
+    fake_mode.cache_enabled = False
+    try:
+        yield
+    finally:
+        fake_mode.cache_enabled = old

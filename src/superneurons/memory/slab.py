@@ -12,6 +12,7 @@ import logging
 import torch
 
 from superneurons.bytesize import format_bytes
+from superneurons.compat import fake_cache_disabled
 
 __all__ = [
     "HostSlab",
@@ -127,10 +128,8 @@ def alias_storage(
     mode = getattr(tensor, "fake_mode", None)  # simulating (memory.simulate)
     if mode is None:
         return tensor.set_(storage, offset, size, stride)
-    from torch._subclasses.fake_tensor import disable_fake_tensor_cache
-
     # NOTE: the fake dispatch cache would keep ``storage`` (an argument, so part of the key)
     # for the rest of the process: a simulated step held it past its last use, one activation
     # above the same step on real tensors (measured)
-    with disable_fake_tensor_cache(mode):
+    with fake_cache_disabled(mode):
         return tensor.set_(storage, offset, size, stride)
