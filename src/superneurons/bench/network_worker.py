@@ -272,9 +272,20 @@ def _run_codec(
     )
     _timed_steps(ddp, optimizer, batches, warmup, loss_fn=loss_fn, sync=no_sync)
     before = _bytes_counter(state)
+    profile_dir = os.environ.get("SUPERNEURONS_NET_PROFILE", "")
+    profiler = None
+    if profile_dir and config.rank == 0:  # opt-in diagnosis: cProfile of rank 0's timed steps
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     step_s, cpu_s, last_loss = _timed_steps(
         ddp, optimizer, batches, config.steps, loss_fn=loss_fn, sync=dist.barrier
     )
+    if profiler is not None:
+        profiler.disable()
+        name = f"{config.model}-{codec}-{time.time_ns()}.prof".replace(":", "_")
+        profiler.dump_stats(os.path.join(profile_dir, name))
     after = _bytes_counter(state)
     if before is not None and after is not None:
         bytes_per_step, source = (after - before) / config.steps, "hook counter"
