@@ -16,7 +16,11 @@ from typing import ClassVar
 
 from superneurons.errors import ConfigError
 
-__all__ = ["Auto"]
+__all__ = ["Auto", "LOWRANK_BUDGET"]
+
+# One-shot error budget for PowerSGD under error feedback (issue 11): rank 4 (0.74-0.76 on the
+# benchmark ResNet's conv gradients) tracked dense SGD; see error_budget.json.
+LOWRANK_BUDGET = 0.8
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,9 @@ class Auto:
         observe_steps: dense steps that time the buckets before the first decision (the
             first step is not timed: DDP rebuilds its buckets after it).
         max_rel_error: candidates whose one-shot ``‖ĝ−g‖/‖g‖`` exceeds this are not chosen.
+        max_rel_error_lowrank: the same budget for PowerSGD candidates (see
+            :func:`superneurons.strategy.select`; the default is calibrated by
+            ``benchmarks/auto_error_budget.py``, ``benchmarks/results/network/auto``).
         drift: re-decide when the measured step time differs from the prediction by more than
             this fraction ...
         drift_steps: ... for this many consecutive steps.
@@ -34,6 +41,7 @@ class Auto:
 
     observe_steps: int = 3
     max_rel_error: float = 0.5
+    max_rel_error_lowrank: float = LOWRANK_BUDGET
     drift: float = 0.5
     drift_steps: int = 5
     NAME: ClassVar[str] = "auto"
@@ -43,8 +51,10 @@ class Auto:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"auto: {name} must be an integer >= 1, got {value!r}")
-        if not 0 < self.max_rel_error <= 1:
-            raise ConfigError(f"auto: max_rel_error must be in (0, 1], got {self.max_rel_error}")
+        for name in ("max_rel_error", "max_rel_error_lowrank"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ConfigError(f"auto: {name} must be in (0, 1], got {value}")
         if not self.drift > 0:
             raise ConfigError(f"auto: drift must be > 0, got {self.drift}")
 
@@ -52,7 +62,8 @@ class Auto:
     def spec(self) -> str:
         return (
             f"{self.NAME}:observe_steps={self.observe_steps},max_rel_error="
-            f"{self.max_rel_error!r},drift={self.drift!r},drift_steps={self.drift_steps}"
+            f"{self.max_rel_error!r},max_rel_error_lowrank={self.max_rel_error_lowrank!r},"
+            f"drift={self.drift!r},drift_steps={self.drift_steps}"
         )
 
     @property
