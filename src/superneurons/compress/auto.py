@@ -16,7 +16,7 @@ from typing import ClassVar
 
 from superneurons.errors import ConfigError
 
-__all__ = ["GENERAL_BUDGET", "LOWRANK_BUDGET", "Auto"]
+__all__ = ["GENERAL_BUDGET", "Auto"]
 
 # The one-shot error budgets (issue 11), calibrated on the benchmark ResNet (Fashion-MNIST, 2
 # ranks, 100 SGD steps, error feedback, 2 seeds; benchmarks/results/network/auto/
@@ -24,10 +24,9 @@ __all__ = ["GENERAL_BUDGET", "LOWRANK_BUDGET", "Auto"]
 # accuracy -0.7 and +6 points), top-k 10% (0.68) did not (+0.35/+0.53 loss, -9/-17 points), so
 # the general budget is 0.6. PowerSGD rank 4 (0.74) ended 0.08-0.19 above dense's loss and 5
 # points below it on average (PyTorch's hook alike), rank 1 (0.86) far behind: PowerSGD gets
-# the same 0.6 by default; ``auto:max_rel_error_lowrank=0.8`` admits rank 4 where that cost is
-# acceptable.
+# the general budget by default (``max_rel_error_lowrank=None``); ``auto:max_rel_error_lowrank=0.8``
+# admits rank 4 where that cost is acceptable.
 GENERAL_BUDGET = 0.6
-LOWRANK_BUDGET = 0.6
 
 
 @dataclass(frozen=True)
@@ -38,9 +37,10 @@ class Auto:
         observe_steps: dense steps that time the buckets before the first decision (the
             first step is not timed: DDP rebuilds its buckets after it).
         max_rel_error: candidates whose one-shot ``‖ĝ−g‖/‖g‖`` exceeds this are not chosen.
-        max_rel_error_lowrank: the same budget for PowerSGD candidates (see
-            :func:`superneurons.strategy.select`; the default is calibrated by
-            ``benchmarks/auto_error_budget.py``, ``benchmarks/results/network/auto``).
+        max_rel_error_lowrank: the budget for PowerSGD candidates; None (the default): the
+            same as ``max_rel_error`` (see :func:`superneurons.strategy.select`; both defaults
+            are calibrated by ``benchmarks/auto_error_budget.py``,
+            ``benchmarks/results/network/auto``).
         drift: re-decide when the measured step time differs from the prediction by more than
             this fraction ...
         drift_steps: ... for this many consecutive steps.
@@ -48,7 +48,7 @@ class Auto:
 
     observe_steps: int = 3
     max_rel_error: float = GENERAL_BUDGET
-    max_rel_error_lowrank: float = LOWRANK_BUDGET
+    max_rel_error_lowrank: float | None = None
     drift: float = 0.5
     drift_steps: int = 5
     NAME: ClassVar[str] = "auto"
@@ -60,7 +60,7 @@ class Auto:
                 raise ConfigError(f"auto: {name} must be an integer >= 1, got {value!r}")
         for name in ("max_rel_error", "max_rel_error_lowrank"):
             value = getattr(self, name)
-            if not 0 < value <= 1:
+            if value is not None and not 0 < value <= 1:
                 raise ConfigError(f"auto: {name} must be in (0, 1], got {value}")
         if not self.drift > 0:
             raise ConfigError(f"auto: drift must be > 0, got {self.drift}")
