@@ -19,13 +19,13 @@ from superneurons.errors import ConfigError
 __all__ = ["GENERAL_BUDGET", "Auto"]
 
 # The one-shot error budgets (issue 11), calibrated on the benchmark ResNet (Fashion-MNIST, 2
-# ranks, 100 SGD steps, error feedback, 2 seeds; benchmarks/results/network/auto/
-# error_budget.json): qsgd (one-shot 0.58) tracked dense (training loss 0.03-0.05 below it, test
-# accuracy -0.7 and +6 points), top-k 10% (0.68) did not (+0.35/+0.53 loss, -9/-17 points), so
-# the general budget is 0.6. PowerSGD rank 4 (0.74) ended 0.08-0.19 above dense's loss and 5
-# points below it on average (PyTorch's hook alike), rank 1 (0.86) far behind: PowerSGD gets
-# the general budget by default (``max_rel_error_lowrank=None``); ``auto:max_rel_error_lowrank=0.8``
-# admits rank 4 where that cost is acceptable.
+# ranks, 100 SGD steps, error feedback, 2-3 seeds; benchmarks/results/network/auto/
+# error_budget.json): qsgd (one-shot 0.58) tracked dense (training loss 0.02-0.05 below it),
+# top-k 10% (0.68) did not (+0.35 to +0.67 loss, 9-16 test points), so the general budget is
+# 0.6. PowerSGD rank 4 (0.74) ended 0.08-0.20 above dense's loss and 6.8 test points below it on
+# average (PyTorch's hook alike), rank 1 (0.86) far behind: PowerSGD gets the general budget
+# by default (``max_rel_error_lowrank=None``); ``auto:max_rel_error_lowrank=0.8`` admits rank 4
+# where that cost is acceptable.
 GENERAL_BUDGET = 0.6
 
 
