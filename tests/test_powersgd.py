@@ -13,6 +13,7 @@ from superneurons.compress.powersgd import (
     PowerSGD,
     PowerSGDState,
     orthogonalize_,
+    orthogonalize_rows_,
     powersgd_reduce,
 )
 from superneurons.compress.spec import parse_spec
@@ -30,6 +31,18 @@ def test_orthogonalize_gives_orthonormal_columns() -> None:
     matrix = torch.randn(50, 4)
     q = orthogonalize_(matrix.clone())
     torch.testing.assert_close(q.t() @ q, torch.eye(4), atol=1e-5, rtol=0)
+
+
+def test_batched_row_orthogonalisation_equals_the_per_matrix_one() -> None:
+    """The hook orthogonalises all Pᵀ of one shape in one batched pass: the same as
+    Gram-Schmidt on each P's columns, up to float32 rounding (a zero matrix stays finite)."""
+    gen = torch.Generator().manual_seed(0)
+    ps = [torch.randn(40, 4, generator=gen) for _ in range(3)] + [torch.zeros(40, 4)]
+    rows = torch.stack([p.t() for p in ps]).contiguous()
+    orthogonalize_rows_(rows)
+    for p, got in zip(ps, rows, strict=True):
+        torch.testing.assert_close(got.t(), orthogonalize_(p.clone()), atol=1e-5, rtol=1e-5)
+    assert bool(torch.isfinite(rows).all())
 
 
 def test_which_tensors_are_compressed() -> None:

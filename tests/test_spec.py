@@ -122,6 +122,7 @@ _EVERY = [
     "powersgd:rank=2",
     "torch-powersgd:rank=8",
     "auto:observe_steps=2,drift=0.3",
+    "auto:max_rel_error_lowrank=0.8",
     "ef(topk:ratio=0.01)",
     "warmup(steps=100,fft:theta=0.95,bits=8)",
     "ef(warmup(steps=5,powersgd:rank=1))",

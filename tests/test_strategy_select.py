@@ -78,6 +78,23 @@ def test_error_budget_is_respected() -> None:
     assert set(only_dense.choices.values()) == {"dense"}
 
 
+def test_low_rank_candidates_have_their_own_budget() -> None:
+    # A PowerSGD candidate as fast as NOISY, with a one-shot error of 0.75: over the general
+    # budget (0.5), within the low-rank one (0.8); NOISY (0.9) stays excluded by both.
+    low_rank = CodecCost("powersgd:rank=4", True, 1e-11, 1e-11, 0.1, 0.75)
+    net = ring_network(2, alpha_s=1e-4, bandwidth_bytes_per_s=1.25e6)
+    costs = [*CANDIDATES, low_rank]
+    strict = select(_buckets(), costs, backward_s=0.5, network=net, max_rel_error=0.5)
+    assert low_rank.spec not in strict.choices.values()
+    split = select(
+        _buckets(), costs, backward_s=0.5, network=net, max_rel_error=0.5, max_rel_error_lowrank=0.8
+    )
+    assert set(split.choices.values()) == {low_rank.spec}
+    assert NOISY.spec not in split.choices.values()
+    with pytest.raises(ConfigError):
+        select(_buckets(), costs, backward_s=0.5, network=net, max_rel_error_lowrank=-1.0)
+
+
 def test_never_predicts_slower_than_dense() -> None:
     for bandwidth in (1e6, 1e7, 1e8, 1e9, 1e10, 1e11):
         net = ring_network(2, alpha_s=1e-4, bandwidth_bytes_per_s=bandwidth)

@@ -99,21 +99,29 @@ def _timed_steps(
     *,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     sync: Callable[[], None],
+    each: list[tuple[float, float]] | None = None,
 ) -> tuple[float, float, float]:
     """Run ``count`` steps; returns (mean wall seconds per step, mean CPU seconds per step of
     this process, all its threads, last loss). CPU time excludes waiting for the network and
-    for other processes: on a shared machine it is what the step would cost on an idle core."""
+    for other processes: on a shared machine it is what the step would cost on an idle core.
+    ``each`` (if given) receives every step's (wall, CPU) seconds: one disturbed step among
+    three moves a mean by a third of its excess."""
     if count == 0:
         return math.nan, math.nan, math.nan
     sync()
     start_s, start_cpu_s = time.perf_counter(), time.process_time()
     loss = torch.zeros(())
+    last_s, last_cpu_s = start_s, start_cpu_s
     for _ in range(count):
         x, y = next(batches)
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(model(x), y)
         loss.backward()
         optimizer.step()
+        if each is not None:
+            now_s, now_cpu_s = time.perf_counter(), time.process_time()
+            each.append((now_s - last_s, now_cpu_s - last_cpu_s))
+            last_s, last_cpu_s = now_s, now_cpu_s
     sync()
     cpu_s = (time.process_time() - start_cpu_s) / count
     return (time.perf_counter() - start_s) / count, cpu_s, float(loss.item())
@@ -272,9 +280,21 @@ def _run_codec(
     )
     _timed_steps(ddp, optimizer, batches, warmup, loss_fn=loss_fn, sync=no_sync)
     before = _bytes_counter(state)
+    profile_dir = os.environ.get("SUPERNEURONS_NET_PROFILE", "")
+    profiler = None
+    if profile_dir and config.rank == 0:  # opt-in diagnosis: cProfile of rank 0's timed steps
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+    each: list[tuple[float, float]] = []
     step_s, cpu_s, last_loss = _timed_steps(
-        ddp, optimizer, batches, config.steps, loss_fn=loss_fn, sync=dist.barrier
+        ddp, optimizer, batches, config.steps, loss_fn=loss_fn, sync=dist.barrier, each=each
     )
+    if profiler is not None:
+        profiler.disable()
+        name = f"{config.model}-{codec}-{time.time_ns()}.prof".replace(":", "_")
+        profiler.dump_stats(os.path.join(profile_dir, name))
     after = _bytes_counter(state)
     if before is not None and after is not None:
         bytes_per_step, source = (after - before) / config.steps, "hook counter"
@@ -289,6 +309,8 @@ def _run_codec(
         "steps": config.steps,
         "mean_step_s": step_s,
         "cpu_step_s": cpu_s,
+        "step_s_each": [round(wall, 4) for wall, _ in each],
+        "cpu_step_s_each": [round(cpu, 4) for _, cpu in each],
         "bytes_per_step": bytes_per_step,
         "bytes_source": source,
         "ddp_bucket_cap_mb": bucket_cap_mb or 25,

@@ -253,6 +253,7 @@ class AutoController:
             backward_s=statistics.median(backward.values()),
             network=self.network,
             max_rel_error=self.config.max_rel_error,
+            max_rel_error_lowrank=self.config.max_rel_error_lowrank,
         )
 
     def _track_drift(self, step: int) -> None:

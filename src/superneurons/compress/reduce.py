@@ -24,6 +24,7 @@ straightforward reference in ``tests/test_hook_compose.py``).
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable, Sequence
 
 import torch
@@ -49,7 +50,21 @@ def _aligned(nbytes: int) -> int:
 
 
 def _lossless(route: Route) -> bool:
-    return route is None or (isinstance(route, Codec) and route.spec == "identity")
+    return route is None or (not isinstance(route, PowerSGD) and route.spec == "identity")
+
+
+def _kind(route: Route) -> str:
+    """``dense`` | ``cast`` | ``lowrank`` | ``gathered``.
+
+    NOTE: a route is None, a :class:`PowerSGD` or a codec, so it is told apart by concrete
+    checks: ``isinstance(route, Codec)`` on the runtime-checkable protocol cost 17 ms per step
+    on the ResNet's 62 parameters (cProfile, rank 0, 100 Mbit/s, issue 11).
+    """
+    if route is None or _lossless(route):
+        return "dense"
+    if isinstance(route, PowerSGD):
+        return "lowrank"
+    return "cast" if route.summable else "gathered"
 
 
 def _compensate(state: CompressionState, piece: Piece) -> torch.Tensor:
@@ -91,38 +106,29 @@ def reduce_bucket(
         rows = decide_rows(state, pieces, routes, gather_row_counts(state, pieces))
     in_rows = {block.index for block in rows}
 
+    kinds = [_kind(r) if i not in in_rows else "rows" for i, r in enumerate(routes)]
     # 1. plain fp32 all-reduce (dense routes, identity)
-    dense = [i for i, r in enumerate(routes) if _lossless(r) and i not in in_rows]
+    dense = [i for i, k in enumerate(kinds) if k == "dense"]
     if dense:
         futures.append(_dense_reduce(state, buffer, [pieces[i] for i in dense], finishers))
 
     # 2. one all-reduce per cast codec, in spec order
     casts: dict[str, list[int]] = {}
     for i, route in enumerate(routes):
-        if (
-            isinstance(route, Codec)
-            and route.summable
-            and not _lossless(route)
-            and i not in in_rows
-        ):
-            casts.setdefault(route.spec, []).append(i)
+        if kinds[i] == "cast":
+            casts.setdefault(typing.cast(Codec, route).spec, []).append(i)
     for spec in sorted(casts):
-        codec = routes[casts[spec][0]]
-        assert isinstance(codec, Codec)
+        codec = typing.cast(Codec, routes[casts[spec][0]])
         chosen = [pieces[i] for i in casts[spec]]
         futures.append(_cast_reduce(state, buffer, codec, chosen, finishers))
 
     # 3. PowerSGD's two all-reduces
-    low_rank = [i for i, r in enumerate(routes) if isinstance(r, PowerSGD) and i not in in_rows]
+    low_rank = [i for i, k in enumerate(kinds) if k == "lowrank"]
     if low_rank:
         futures.append(_powersgd(state, buffer, routes, [pieces[i] for i in low_rank], low_rank))
 
     # 4. one all-gather: every gathered payload and row block
-    gathered = [
-        i
-        for i, r in enumerate(routes)
-        if isinstance(r, Codec) and not r.summable and i not in in_rows
-    ]
+    gathered = [i for i, k in enumerate(kinds) if k == "gathered"]
     if gathered or rows:
         futures.append(_gathered_reduce(state, buffer, pieces, routes, gathered, rows, finishers))
 
@@ -310,8 +316,7 @@ def _gathered_reduce(
     finite = all(all_finite(flat) for flat in compensated.values())
     payloads: dict[int, Payload] = {}
     for i in gathered:
-        codec = routes[i]
-        assert isinstance(codec, Codec)
+        codec = typing.cast(Codec, routes[i])
         payloads[i] = codec.encode(compensated[i], generator=state.generator_for(pieces[i].name))
     blocks = [block.encode(pieces[block.index], state) for block in rows]
     widths = [payloads[i].nbytes for i in gathered] + [b.numel() for b in blocks]
@@ -339,8 +344,7 @@ def _gathered_reduce(
     state.count(sent_bytes=offsets[-1] + 1, dense_bytes=0)
     if state.pipeline.error_feedback and finite:  # computed while the all-gather is in flight
         for i in gathered:
-            codec = routes[i]
-            assert isinstance(codec, Codec)
+            codec = typing.cast(Codec, routes[i])
             decoded = codec.decode(payloads[i])
             old = state.residuals.get(pieces[i].name)
             if old is not None and old.numel() == decoded.numel() and old.is_contiguous():
@@ -354,8 +358,7 @@ def _gathered_reduce(
             buffer.fill_(float("nan"))
             return
         for slot, i in enumerate(gathered):
-            codec = routes[i]
-            assert isinstance(codec, Codec)
+            codec = typing.cast(Codec, routes[i])
             start, width, numel = offsets[slot], widths[slot], payloads[i].numel
             dtype = payloads[i].data.dtype  # aligned slices: viewing as a wider type is legal
             received_payloads = [
