@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from superneurons.compress import Payload, QSGDCodec, SignSGDCodec, TernGradCodec, TopKCodec, noise
-from superneurons.compress.bitpack import pack_bits, unpack_bits
+from superneurons.compress.bitpack import byte_codes, pack_bits, unpack_bits
 from superneurons.compress.rangefloat import read_codes, write_codes
 
 
@@ -82,6 +82,13 @@ def test_qsgd_decode_keeps_sign_and_level_for_every_code() -> None:
     decoded = codec.decode(Payload(data, 64))  # norm 16, s = 16: one unit per level
     expected = (codes & 31).float() * (1 - 2 * (codes >> 5)).float()
     assert torch.equal(decoded, expected)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_byte_table_unpacks_every_byte_as_unpack_bits_does(bits: int) -> None:
+    every_byte = torch.arange(256, dtype=torch.uint8)
+    expected = unpack_bits(every_byte, bits, 256 * (8 // bits)).view(256, -1)
+    assert torch.equal(byte_codes(bits, every_byte.device), expected.to(torch.int32))
 
 
 def test_terngrad_and_sign_table_decodes_match_the_definition() -> None:

@@ -13,7 +13,14 @@ import torch
 
 from superneurons.errors import ConfigError
 
-__all__ = ["pack_bits", "pack_sextets", "packed_bytes", "unpack_bits", "unpack_sextets"]
+__all__ = [
+    "byte_codes",
+    "pack_bits",
+    "pack_sextets",
+    "packed_bytes",
+    "unpack_bits",
+    "unpack_sextets",
+]
 
 # NOTE: multiply-gather of 2-bit codes: four codes c0..c3 (< 4), one per byte of an int32 word
 # (little-endian, byte i at bit 8i), times _GATHER2 land c_i at bit 24 + 2i of the product and
@@ -179,3 +186,14 @@ def unpack_sextets(data: torch.Tensor, count: int) -> torch.Tensor:
     torch.bitwise_and(words, 0x0FC00FC0, out=high).bitwise_left_shift_(2)  # 1 -> 8, 3 -> 24
     words.bitwise_and_(0x003F003F).bitwise_or_(high)
     return words.view(torch.uint8)
+
+
+def byte_codes(bits: int, device: torch.device) -> torch.Tensor:
+    """The ``8 // bits`` codes packed in each of the 256 byte values, as ``pack_bits`` lays
+    them out (least significant first): an int32 ``(256, 8 // bits)`` table, so a decode can map
+    every payload byte to its values with one gather (``bits`` in 1, 2, 4, 8)."""
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"byte_codes needs bits in (1, 2, 4, 8), got {bits}")
+    byte = torch.arange(256, dtype=torch.int32, device=device).unsqueeze(1)  # (256, 1)
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=device)  # (8 // bits,)
+    return (byte >> shifts) & ((1 << bits) - 1)

@@ -22,7 +22,7 @@ from typing import ClassVar
 
 import torch
 
-from superneurons.compress.bitpack import pack_bits, packed_bytes
+from superneurons.compress.bitpack import byte_codes, pack_bits, packed_bytes
 from superneurons.compress.codec import (
     Payload,
     check_gradient,
@@ -71,9 +71,7 @@ class SignSGDCodec:
         data = check_payload(payload, nbytes=self.payload_bytes(numel), codec_name=self.NAME)
         scale = data[:4].view(torch.float32)
         # One gather over a 256-entry table: each byte decodes to its eight signs at once.
-        byte = torch.arange(256, dtype=torch.int32, device=data.device).unsqueeze(1)  # (256, 1)
-        shifts = torch.arange(8, dtype=torch.int32, device=data.device)  # (8,)
-        table = (1.0 - 2.0 * ((byte >> shifts) & 1).to(torch.float32)) * scale  # (256, 8)
+        table = (1.0 - 2.0 * byte_codes(1, data.device).to(torch.float32)) * scale  # (256, 8)
         return table.index_select(0, data[4:].to(torch.int32)).view(-1)[:numel]
 
     def decode_sum(self, payloads: Sequence[Payload]) -> torch.Tensor:

@@ -29,7 +29,7 @@ from typing import ClassVar
 
 import torch
 
-from superneurons.compress.bitpack import pack_bits, packed_bytes
+from superneurons.compress.bitpack import byte_codes, pack_bits, packed_bytes
 from superneurons.compress.codec import (
     Payload,
     check_gradient,
@@ -122,9 +122,7 @@ class TernGradCodec:
         data = check_payload(payload, nbytes=self.payload_bytes(numel), codec_name=self.NAME)
         scale = data[:4].view(torch.float32)
         # One gather over a 256-entry table: each byte decodes to its four values at once.
-        byte = torch.arange(256, dtype=torch.int32, device=data.device).unsqueeze(1)  # (256, 1)
-        shifts = torch.arange(0, 8, 2, dtype=torch.int32, device=data.device)  # (4,)
-        codes = (byte >> shifts) & 3  # (256, 4)
+        codes = byte_codes(_BITS, data.device)  # (256, 4)
         # NaN scale * 0 is NaN: non-finite payloads decode to all-NaN.
         table = ((codes == 1).to(torch.float32) - (codes == 2).to(torch.float32)) * scale
         out = table.index_select(0, data[4:].to(torch.int32))  # (bytes, 4)
