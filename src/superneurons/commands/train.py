@@ -14,7 +14,9 @@ Started by your own torchrun (RANK/WORLD_SIZE/LOCAL_RANK set), it runs as that r
 --compress takes a codec spec (ctopk, adaptive, fft, rangefloat, topk, qsgd, terngrad, signsgd,
 identity, fp16, bf16, powersgd:rank=R), a wrapper around one (ef(...), warmup(steps=N,...),
 rowsparse(...)), a PyTorch anchor (dense, torch-fp16, torch-powersgd:rank=R) or auto (chosen
-per bucket from the measured network and backward timeline).
+per bucket from the measured network and backward timeline, among codecs whose one-shot relative
+error is within auto:max_rel_error=0.6; auto:max_rel_error_lowrank=0.8 also admits PowerSGD
+rank 4 on conv gradients, which cost accuracy in our runs).
 With --optimizer adamw (or adam), --compress may also name an optimizer that communicates itself:
 adam-momentum[warmup=N,wire=fp16]:signsgd (1-bit Adam) or adam-update[...]:CODEC; and auto then
 chooses between dense AdamW and 1-bit Adam by the predicted step time (auto:link=100mbit plans
