@@ -15,38 +15,12 @@ from distributed import Ranks, shared_ranks
 from superneurons.cli import main
 from superneurons.train.checkpoint import checkpoint_path
 from superneurons.train.config import TrainConfig
-
-FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
-needs_data = pytest.mark.skipif(
-    not FASHION_MNIST.exists(), reason="Fashion-MNIST IDX files not installed"
-)
+from train_support import load_checkpoint, mlp_config, needs_data, run_rank
 
 
 @pytest.fixture(scope="module")
 def ranks() -> Ranks:
     return shared_ranks(2)
-
-
-def _config(out_dir: Path, **overrides: Any) -> TrainConfig:
-    base: dict[str, Any] = {
-        "model": "mlp",
-        "data": "fashion-mnist",
-        "out_dir": str(out_dir),
-        "batch_size": 16,
-        "limit_steps": 3,
-        "log_every": 1,
-    }
-    return TrainConfig(**{**base, **overrides})
-
-
-def _run(rank: int, world_size: int, config: TrainConfig) -> dict[str, Any]:
-    from superneurons.train.loop import run_training
-
-    return run_training(config, torch.device("cpu"))
-
-
-def _load(out_dir: Path, rank: int) -> dict[str, Any]:
-    return torch.load(checkpoint_path(out_dir, rank), weights_only=False)
 
 
 def _assert_same(a: Any, b: Any, where: str) -> None:
@@ -69,12 +43,12 @@ def _assert_same(a: Any, b: Any, where: str) -> None:
 @pytest.mark.parametrize("compress", ["qsgd", "powersgd:rank=2"])
 def test_resume_continues_exactly(ranks: Ranks, tmp_path: Path, compress: str) -> None:
     straight = tmp_path / "straight"
-    ranks.run(_run, _config(straight, compress=compress, epochs=2), timeout_s=120)
+    ranks.run(run_rank, mlp_config(straight, compress=compress, epochs=2), timeout_s=120)
     split = tmp_path / "split"
-    ranks.run(_run, _config(split, compress=compress, epochs=1), timeout_s=120)
-    ranks.run(_run, _config(split, compress=compress, epochs=2, resume=True), timeout_s=120)
+    ranks.run(run_rank, mlp_config(split, compress=compress, epochs=1), timeout_s=120)
+    ranks.run(run_rank, mlp_config(split, compress=compress, epochs=2, resume=True), timeout_s=120)
     for rank in range(2):
-        a, b = _load(straight, rank), _load(split, rank)
+        a, b = load_checkpoint(straight, rank), load_checkpoint(split, rank)
         assert a["epoch"] == b["epoch"] == 2 and a["step"] == b["step"] == 6
         for key in ("model", "optimizer", "compression", "rng"):
             _assert_same(a[key], b[key], f"rank{rank}.{key}")
@@ -125,7 +99,7 @@ def test_bad_flags_are_one_line(
 
 
 def test_config_round_trips_through_json(tmp_path: Path) -> None:
-    config = _config(tmp_path, compress="fft:theta=0.9", budget_bytes=1 << 30)
+    config = mlp_config(tmp_path, compress="fft:theta=0.9", budget_bytes=1 << 30)
     assert TrainConfig.from_json(config.to_json()) == config
 
 
@@ -174,7 +148,7 @@ def test_checkpoint_rotation_keeps_the_last_complete_file(
 
     model = build_model("mlp")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    config = asdict(_config(tmp_path))
+    config = asdict(mlp_config(tmp_path))
 
     def save(step: int) -> None:
         checkpoint.save_checkpoint(

@@ -11,13 +11,10 @@ import torch
 
 from distributed import Ranks, shared_ranks
 from superneurons.cli import main
-from superneurons.train.checkpoint import checkpoint_path
 from superneurons.train.config import TrainConfig
+from train_support import load_checkpoint, mlp_config, needs_data, run_rank
 
 ONE_BIT = "adam-momentum[warmup=2,wire=fp16]:signsgd"
-needs_data = pytest.mark.skipif(
-    not Path("/usr/share/datasets/fashion-mnist").exists(), reason="Fashion-MNIST not installed"
-)
 pytestmark = needs_data
 
 
@@ -27,26 +24,7 @@ def ranks() -> Ranks:
 
 
 def _config(out_dir: Path, **overrides: Any) -> TrainConfig:
-    base: dict[str, Any] = {
-        "model": "mlp",
-        "data": "fashion-mnist",
-        "out_dir": str(out_dir),
-        "optimizer": "adamw",
-        "batch_size": 16,
-        "limit_steps": 3,
-        "log_every": 1,
-    }
-    return TrainConfig(**{**base, **overrides})
-
-
-def _run(rank: int, world_size: int, config: TrainConfig) -> dict[str, Any]:
-    from superneurons.train.loop import run_training
-
-    return run_training(config, torch.device("cpu"))
-
-
-def _load(out_dir: Path, rank: int) -> dict[str, Any]:
-    return torch.load(checkpoint_path(out_dir, rank), weights_only=False)
+    return mlp_config(out_dir, **{"optimizer": "adamw", **overrides})
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -63,16 +41,18 @@ def _same(a: Any, b: Any) -> bool:
 @pytest.mark.dist
 def test_one_bit_adam_resumes_bitwise_and_counts_its_bytes(ranks: Ranks, tmp_path: Path) -> None:
     straight, split = tmp_path / "straight", tmp_path / "split"
-    (summary, _) = ranks.run(_run, _config(straight, compress=ONE_BIT, epochs=2), timeout_s=120)
-    ranks.run(_run, _config(split, compress=ONE_BIT, epochs=1), timeout_s=120)
-    ranks.run(_run, _config(split, compress=ONE_BIT, epochs=2, resume=True), timeout_s=120)
+    (summary, _) = ranks.run(run_rank, _config(straight, compress=ONE_BIT, epochs=2), timeout_s=120)
+    ranks.run(run_rank, _config(split, compress=ONE_BIT, epochs=1), timeout_s=120)
+    ranks.run(run_rank, _config(split, compress=ONE_BIT, epochs=2, resume=True), timeout_s=120)
     for rank in range(2):
-        a, b = _load(straight, rank), _load(split, rank)
+        a, b = load_checkpoint(straight, rank), load_checkpoint(split, rank)
         assert a["step"] == b["step"] == 6
         for key in ("model", "optimizer", "compression", "rng"):
             assert _same(a[key], b[key]), f"rank{rank}.{key}"
     # the error-feedback residuals are in each rank's optimizer state, and differ by rank
-    residuals = [_load(straight, r)["optimizer"]["state"][0]["residual"] for r in range(2)]
+    residuals = [
+        load_checkpoint(straight, r)["optimizer"]["state"][0]["residual"] for r in range(2)
+    ]
     assert not torch.equal(*residuals)
     # the bytes are the optimizer's payloads: 2 fp16 warm-up steps, then 4 sign steps
     assert summary["codec"] == summary["compression"] == ONE_BIT
@@ -99,7 +79,7 @@ def test_auto_chooses_by_the_link_and_trains_as_the_chosen_scheme(
     summaries = {}
     for name, compress in runs.items():
         config = _config(tmp_path / name, compress=compress)
-        summaries[name] = ranks.run(_run, config, timeout_s=120)[0]
+        summaries[name] = ranks.run(run_rank, config, timeout_s=120)[0]
     slow, fast = summaries["slow"]["sync_decision"], summaries["fast"]["sync_decision"]
     assert slow["scheme"] == summaries["slow"]["codec"] == spec
     assert slow["predicted_compressed_step_s"] < slow["predicted_dense_step_s"]
@@ -108,7 +88,7 @@ def test_auto_chooses_by_the_link_and_trains_as_the_chosen_scheme(
     assert "stated" in slow["link"] and "stated" in fast["link"]
     for auto, fixed in (("slow", "one-bit"), ("fast", "dense")):  # deciding changes nothing
         for rank in range(2):
-            a, b = _load(tmp_path / auto, rank), _load(tmp_path / fixed, rank)
+            a, b = load_checkpoint(tmp_path / auto, rank), load_checkpoint(tmp_path / fixed, rank)
             assert _same(a["model"], b["model"]) and _same(a["optimizer"], b["optimizer"])
         assert summaries[auto]["bytes_per_step"] == summaries[fixed]["bytes_per_step"]
 
@@ -116,14 +96,14 @@ def test_auto_chooses_by_the_link_and_trains_as_the_chosen_scheme(
 @pytest.mark.dist
 def test_auto_resumes_with_its_saved_decision(ranks: Ranks, tmp_path: Path) -> None:
     out = tmp_path / "auto"
-    ranks.run(_run, _config(out, compress="auto:link=10kbit", epochs=1), timeout_s=120)
-    first = _load(out, 0)["compression"]["decision"]
+    ranks.run(run_rank, _config(out, compress="auto:link=10kbit", epochs=1), timeout_s=120)
+    first = load_checkpoint(out, 0)["compression"]["decision"]
     (summary, _) = ranks.run(
-        _run, _config(out, compress="auto:link=10kbit", epochs=2, resume=True), timeout_s=120
+        run_rank, _config(out, compress="auto:link=10kbit", epochs=2, resume=True), timeout_s=120
     )
     assert summary["sync_decision"] == first  # restored, not measured again
     for rank in range(2):
-        assert _load(out, rank)["compression"]["decision"] == first
+        assert load_checkpoint(out, rank)["compression"]["decision"] == first
 
 
 @pytest.mark.parametrize(
