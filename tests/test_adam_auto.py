@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from superneurons.compress.autoadam import (
@@ -21,6 +23,19 @@ from superneurons.strategy.netmodel import ring_network
 # Free codecs (no encode/decode time): only the wire differs.
 SIGN = CodecCost("signsgd", False, 0.0, 0.0, 1.0, 0.5)
 FP16 = CodecCost("fp16", True, 0.0, 0.0, 16.0, 0.0)
+
+
+def _predict(sizes: list[int], **overrides: Any) -> tuple[float, float]:
+    """``predict_adam_schemes`` over 200 steps with 20 warm-up steps, 25 MiB buckets and the
+    zero-cost sign/fp16 codecs unless ``overrides`` say otherwise."""
+    options: dict[str, Any] = {
+        "sign_cost": SIGN,
+        "wire_cost": FP16,
+        "warmup_steps": 20,
+        "total_steps": 200,
+        "bucket_cap_bytes": 25 * 2**20,
+    }
+    return predict_adam_schemes(sizes, **{**options, **overrides})
 
 
 def test_parse_adam_auto() -> None:
@@ -64,28 +79,18 @@ def test_a_slow_link_predicts_one_bit_adam_faster() -> None:
     # fp16 warm-up: 2 s -> 2.1 s; sign: all-gather (P-1) * 125_000 B -> 0.125 s -> 0.225 s;
     # mean over 200 steps with 20 warm-up: (20 * 2.1 + 180 * 0.225) / 200 = 0.4125 s.
     network = ring_network(2, alpha_s=0.0, bandwidth_bytes_per_s=1e6)
-    dense_s, compressed_s = predict_adam_schemes(
+    dense_s, compressed_s = _predict(
         [1_000_000],
         backward_s=0.1,
         network=network,
-        sign_cost=SIGN,
-        wire_cost=FP16,
-        warmup_steps=20,
-        total_steps=200,
-        bucket_cap_bytes=25 * 2**20,
     )
     assert dense_s == pytest.approx(4.1)
     assert compressed_s == pytest.approx(0.4125)
     # each optimizer's measured step adds to its own scheme's steps
-    dense_s, compressed_s = predict_adam_schemes(
+    dense_s, compressed_s = _predict(
         [1_000_000],
         backward_s=0.1,
         network=network,
-        sign_cost=SIGN,
-        wire_cost=FP16,
-        warmup_steps=20,
-        total_steps=200,
-        bucket_cap_bytes=25 * 2**20,
         optimizer_s=OptimizerTimes(adamw_s=0.01, warmup_s=0.02, compressed_s=0.03),
     )
     assert dense_s == pytest.approx(4.11)
@@ -98,15 +103,12 @@ def test_a_fast_link_predicts_dense_faster() -> None:
     network = ring_network(2, alpha_s=0.0, bandwidth_bytes_per_s=1e12)
     sign = CodecCost("signsgd", False, 1e-9, 0.0, 1.0, 0.5)
     fp16 = CodecCost("fp16", True, 1e-9, 0.0, 16.0, 0.0)
-    dense_s, compressed_s = predict_adam_schemes(
+    dense_s, compressed_s = _predict(
         [1_000_000],
         backward_s=0.1,
         network=network,
         sign_cost=sign,
         wire_cost=fp16,
-        warmup_steps=20,
-        total_steps=200,
-        bucket_cap_bytes=25 * 2**20,
     )
     assert dense_s == pytest.approx(0.1 + 4e6 / 1e12)
     assert compressed_s > dense_s
@@ -116,14 +118,10 @@ def test_many_buckets_hide_dense_all_reduce_under_backward() -> None:
     # Ten 1 MB buckets ready every 0.1 s of a 1 s backward, each all-reduce 0.05 s: all but the
     # last hide under backward -> 1.05 s; 1-bit Adam all after backward is never below 1 s.
     network = ring_network(2, alpha_s=0.0, bandwidth_bytes_per_s=4 * 250_000 / 0.05)
-    dense_s, compressed_s = predict_adam_schemes(
+    dense_s, compressed_s = _predict(
         [250_000] * 10,
         backward_s=1.0,
         network=network,
-        sign_cost=SIGN,
-        wire_cost=FP16,
-        warmup_steps=20,
-        total_steps=200,
         bucket_cap_bytes=1_000_000,
     )
     assert dense_s == pytest.approx(1.05)
