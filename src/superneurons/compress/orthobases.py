@@ -26,6 +26,8 @@ import math
 
 import torch
 
+from superneurons.compress.workspace import workspace
+
 __all__ = ["dct", "fourier", "inverse_dct", "inverse_fourier"]
 
 
@@ -56,7 +58,8 @@ def fourier(chunks: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
 def inverse_fourier(coef: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse of :func:`fourier`, written into ``out`` when given."""
     count, length = coef.shape
-    slots = torch.empty(count, length + 2, dtype=coef.dtype, device=coef.device)
+    # consumed by the irfft: a kept CPU buffer (superneurons.compress.workspace)
+    slots = workspace("orthobases.inverse.slots", (count, length + 2), coef.dtype, coef.device)
     torch.mul(coef, math.sqrt(0.5 * length), out=slots[:, :length])  # unnormalised bins
     slots[:, length] = coef[:, 1] * math.sqrt(length)
     slots[:, 0] = coef[:, 0] * math.sqrt(length)
@@ -92,7 +95,9 @@ def dct(chunks: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tenso
     pass cheaper than reordering), written into ``out`` when given, else a view (row stride
     ``L + 2``) of the spectrum's own buffer."""
     count, length = chunks.shape
-    reordered = torch.index_select(chunks, 1, _makhoul_order(length, chunks.device))
+    # the reorder is consumed by the rfft: a kept CPU buffer (superneurons.compress.workspace)
+    reordered = workspace("orthobases.dct.reorder", (count, length), chunks.dtype, chunks.device)
+    torch.index_select(chunks, 1, _makhoul_order(length, chunks.device), out=reordered)
     # Y_j = V_j w_j: C_j = Re Y_j (j = 0..L/2), -C_{L-j} = Im Y_j (j = 1..L/2-1).
     twisted = torch.view_as_real(torch.fft.rfft(reordered).mul_(_twiddle(length, chunks.device)))
     del reordered
@@ -109,7 +114,7 @@ def inverse_dct(coef: torch.Tensor, *, out: torch.Tensor | None = None) -> torch
     half = length // 2
     out = _out(coef, out)
     # Y_j = C_j - i C_{L-j} (C_L = 0, so Im Y_0 = 0; Y_{L/2} = C_{L/2} (1 - i)).
-    slots = torch.empty(count, length + 2, dtype=coef.dtype, device=coef.device)
+    slots = workspace("orthobases.inverse.slots", (count, length + 2), coef.dtype, coef.device)
     slots[:, :length] = coef
     slots[:, 0] *= math.sqrt(2.0)
     slots[:, 1] = 0.0

@@ -48,9 +48,18 @@ from superneurons.compress.rangefloat import (
     read_codes,
     write_codes,
 )
+from superneurons.compress.workspace import workspace
 from superneurons.errors import ConfigError
 
-__all__ = ["SELECTS", "KeptLayout", "add_kept", "kept_count", "pack_kept", "select_bins"]
+__all__ = [
+    "SELECTS",
+    "KeptLayout",
+    "add_kept",
+    "kept_count",
+    "pack_kept",
+    "select_bins",
+    "select_indices",
+]
 
 logger = logging.getLogger("superneurons.compress")
 
@@ -112,21 +121,34 @@ def select_bins(
     """``(mask, indices)`` of exactly ``count`` coefficients with the largest ``score``: a bool
     mask over all of them and the kept indices in increasing order. ``period``: coefficients
     per chunk (the sampled threshold avoids strides that alias with it)."""
+    indices = select_indices(score, count, select, period=period)
+    return _mask_of(indices, score.numel(), fresh=True), indices
+
+
+def select_indices(
+    score: torch.Tensor, count: int, select: str, *, period: int = 1
+) -> torch.Tensor:
+    """The increasing indices of exactly ``count`` coefficients with the largest ``score`` (the
+    ``indices`` of :func:`select_bins`, without building the mask a gap index never needs)."""
     universe = score.numel()
     device = score.device
     if count >= universe:
-        return (
-            torch.ones(universe, dtype=torch.bool, device=device),
-            torch.arange(universe, device=device),
-        )
+        return torch.arange(universe, device=device)
     if select == "sampled" and device.type == "cpu" and universe > 4 * _SAMPLE_SIZE:
         chosen = _select_sampled(score, count, period)
         if chosen is not None:
             return chosen
-    indices = torch.sort(torch.topk(score, count, sorted=False).indices).values  # (k,)
-    mask = torch.zeros(universe, dtype=torch.bool, device=device)
-    mask.index_fill_(0, indices, True)
-    return mask, indices
+    return torch.sort(torch.topk(score, count, sorted=False).indices).values  # (k,)
+
+
+def _mask_of(indices: torch.Tensor, universe: int, *, fresh: bool) -> torch.Tensor:
+    """The bool mask of ``indices`` over ``universe`` positions (a kept CPU buffer unless
+    ``fresh``: then it may be handed to a caller)."""
+    if fresh:
+        mask = torch.zeros(universe, dtype=torch.bool, device=indices.device)
+    else:
+        mask = workspace("sparsecode.mask", (universe,), torch.bool, indices.device).zero_()
+    return mask.index_fill_(0, indices, True)
 
 
 def _sample_stride(universe: int, period: int) -> int:
@@ -138,12 +160,10 @@ def _sample_stride(universe: int, period: int) -> int:
     return stride
 
 
-def _select_sampled(
-    score: torch.Tensor, count: int, period: int
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _select_sampled(score: torch.Tensor, count: int, period: int) -> torch.Tensor | None:
     """CPU only. Two thresholds from one strided sample bracket the count-th largest score:
     scores above the high one are surely kept, those between the two (~2 * margin * T) are
-    ranked exactly."""
+    ranked exactly. Returns the increasing kept indices, or None when the sample erred."""
     universe = score.numel()
     sample = score[:: _sample_stride(universe, period)].contiguous()  # (s,)
     size = sample.numel()
@@ -153,8 +173,11 @@ def _select_sampled(
     high_rank = min(size, math.ceil(size * (drop_share + margin)))
     low = torch.kthvalue(sample, low_rank).values
     high = torch.kthvalue(sample, high_rank).values
-    mask = score >= low  # (T,): a superset of the top `count` unless the sample erred
-    candidates = mask.nonzero().reshape(-1)  # (c,), increasing
+    # (T,): a superset of the top `count` unless the sample erred; a kept buffer (CPU only)
+    above = torch.ge(
+        score, low, out=workspace("sparsecode.above", (universe,), torch.bool, score.device)
+    )
+    candidates = above.nonzero().reshape(-1)  # (c,), increasing
     candidate_score = score.index_select(0, candidates)  # (c,)
     keep = candidate_score > high  # (c,): surely among the top `count`
     missing = count - int(keep.sum())
@@ -165,39 +188,48 @@ def _select_sampled(
     if missing:
         ranked = torch.topk(candidate_score.index_select(0, band), missing, sorted=False)
         keep[band.index_select(0, ranked.indices)] = True
-    mask[torch.masked_select(candidates, ~keep)] = False
-    return mask, torch.masked_select(candidates, keep)
+    return torch.masked_select(candidates, keep)
 
 
 def pack_kept(
     values: torch.Tensor,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
     indices: torch.Tensor,
     floor: torch.Tensor,
     finite: torch.Tensor,
     layout: KeptLayout,
 ) -> torch.Tensor:
     """The message bytes (``layout.nbytes`` uint8) for kept ``values`` ``(k, width)`` at the
-    sorted ``indices`` (``mask`` their bitmap). ``floor``: 0-d, the weakest kept coefficient's
-    magnitude (bottom of the range-float window); ``finite``: 0-d bool, False flags
-    non-finite input (the message then decodes to all-NaN)."""
+    sorted ``indices`` (``mask`` their bitmap, or None: built here when the bitmap index needs
+    it). ``floor``: 0-d, the weakest kept coefficient's magnitude (bottom of the range-float
+    window); ``finite``: 0-d bool, False flags non-finite input (the message then decodes to
+    all-NaN). Every part is written straight into the one message buffer (no ``cat``)."""
     flat = values.reshape(-1)
+    data = torch.empty(layout.nbytes, dtype=torch.uint8, device=values.device)
+    start = HEADER_BYTES
+    stop = start + layout.index_bytes
     nan_bits = torch.full_like(finite, 0x7FC00000, dtype=torch.int32)
     if layout.bits == 32:
         max_bits = flat.abs().max().reshape(1).view(torch.int32)[0]
         header = RangeFloatHeader(
             torch.where(finite, max_bits, nan_bits), torch.zeros_like(max_bits)
         )
-        value_bytes = flat.contiguous().view(torch.uint8)
+        data[stop:] = flat.contiguous().view(torch.uint8)  # raw float32 bytes
     else:
         codes, header = quantize(flat, layout.bits, threshold=floor)
         header = RangeFloatHeader(torch.where(finite, header.max_bits, nan_bits), header.exp_bits)
-        value_bytes = write_codes(codes, layout.bits)
+        if layout.bits == 8:  # the cast keeps the low byte (two's complement), as write_codes
+            data[stop:].copy_(codes)
+        else:
+            data[stop:] = write_codes(codes, layout.bits)
+    data[:start] = header.to_bytes()
     if layout.index_kind == "bitmap":
-        index_code = encode_bitmap(mask)
+        if mask is None:
+            mask = _mask_of(indices, layout.universe, fresh=False)
+        data[start:stop] = encode_bitmap(mask)
     else:
-        index_code = encode_gap(indices, layout.universe)
-    return torch.cat([header.to_bytes(), index_code, value_bytes])
+        data[start:stop] = encode_gap(indices, layout.universe)
+    return data
 
 
 def add_kept(

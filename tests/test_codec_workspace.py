@@ -1,0 +1,66 @@
+"""Kept CPU work buffers (compress/workspace.py): reuse, bounds, and no leak into results."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from superneurons.compress import workspace as ws
+from superneurons.compress.spec import parse_codec
+
+CPU = torch.device("cpu")
+
+
+def test_kept_per_tag_and_shape_and_fresh_elsewhere() -> None:
+    first = ws.workspace("test.a", (5, 3), torch.float32, CPU)
+    assert ws.workspace("test.a", (5, 3), torch.float32, CPU).data_ptr() == first.data_ptr()
+    assert ws.workspace("test.b", (5, 3), torch.float32, CPU).data_ptr() != first.data_ptr()
+    other = ws.workspace("test.a", (15,), torch.float32, CPU)
+    assert other.data_ptr() != first.data_ptr() and other.shape == (15,)
+    meta = ws.workspace("test.a", (5, 3), torch.float32, torch.device("meta"))
+    assert meta.device.type == "meta"
+
+
+def test_bounded_shapes_per_tag_and_size_cap() -> None:
+    for size in range(1, ws._SHAPES_PER_TAG + 3):
+        ws.workspace("test.lru", (size,), torch.int32, CPU)
+    assert len(ws._kept()["test.lru"]) == ws._SHAPES_PER_TAG
+    big = ws._KEEP_MAX_BYTES // 4 + 1
+    one = ws.workspace("test.big", (big,), torch.float32, CPU)
+    two = ws.workspace("test.big", (big,), torch.float32, CPU)
+    assert one.data_ptr() != two.data_ptr()  # above the cap: fresh every time
+    del one, two
+
+
+def test_threads_get_their_own_buffers() -> None:
+    mine = ws.workspace("test.thread", (64,), torch.float32, CPU).data_ptr()
+    theirs: list[int] = []
+    thread = threading.Thread(
+        target=lambda: theirs.append(
+            ws.workspace("test.thread", (64,), torch.float32, CPU).data_ptr()
+        )
+    )
+    thread.start()
+    thread.join()
+    assert theirs and theirs[0] != mine
+
+
+@pytest.mark.parametrize(
+    "spec", ["fft", "fft:index=bitmap", "ctopk", "adaptive", "adaptive:index=bitmap"]
+)
+def test_results_never_alias_kept_buffers(spec: str) -> None:
+    # A later call reuses the kept buffers: earlier payloads and decodes must not change.
+    codec = parse_codec(spec)
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(300_000, generator=gen) for _ in range(2)]
+    first = codec.encode(grads[0])
+    first_bytes = first.data.clone()
+    decoded = codec.decode(first)
+    decoded_bits = decoded.clone()
+    second = codec.encode(grads[1])
+    codec.decode(second)
+    assert torch.equal(first.data, first_bytes)
+    assert torch.equal(decoded.view(torch.int32), decoded_bits.view(torch.int32))
+    assert torch.equal(codec.encode(grads[0]).data, first_bytes)  # deterministic through reuse
