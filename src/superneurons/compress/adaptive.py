@@ -52,8 +52,9 @@ from superneurons.compress.sparsecode import (
     add_kept,
     kept_count,
     pack_kept,
-    select_bins,
+    select_indices,
 )
+from superneurons.compress.workspace import workspace
 from superneurons.errors import ConfigError
 
 __all__ = ["BASES", "AdaptiveCodec", "adaptive_layout"]
@@ -200,9 +201,9 @@ class AdaptiveCodec:
         allowed = self._allowed()
         transforms = {1: fourier, 2: dct}
         coefs = [chunks if code == 0 else transforms[code](chunks) for code in allowed]
-        # NOTE: one (C, L) scratch for every cost and the score: each fresh 4 B/element buffer
+        # NOTE: one kept (C, L) scratch for every cost and the score: each fresh 4 B/element buffer
         # costs page faults on the CPU (glibc hands large blocks back to the OS).
-        scratch = torch.empty_like(chunks)
+        scratch = workspace("adaptive.scratch", (count, length), torch.float32, device)
         cost = torch.empty(len(coefs), count, device=device)  # (B, C)
         for row, coef in enumerate(coefs):
             self._chunk_cost(coef, lam, scratch=scratch, out=cost[row])
@@ -224,8 +225,9 @@ class AdaptiveCodec:
             mask = torch.zeros(layout.universe, dtype=torch.bool, device=device)
             mask.index_fill_(0, indices, True)
         else:
-            mask, indices = select_bins(score.reshape(-1), layout.kept, self.select, period=length)
-        values = chosen.reshape(-1).index_select(0, indices).unsqueeze(1)  # (k, 1)
+            mask = None  # pack_kept builds it if the bitmap index needs it
+            indices = select_indices(score.reshape(-1), layout.kept, self.select, period=length)
+        values = _gather_flat(chosen, indices).unsqueeze(1)  # (k, 1)
         floor = values.abs().min()
         message = pack_kept(values, mask, indices, floor, finite_flag(flat), layout)
         return Payload(torch.cat([pack_bits(basis, _BASIS_BITS), message]), numel)
@@ -273,6 +275,15 @@ def _sync_free(tensor: torch.Tensor) -> bool:
     """Whether to take the paths that size nothing from data (every device but the CPU, where
     ``nonzero`` waits for nothing and row copies beat a broadcast ``torch.where`` ~20x)."""
     return tensor.device.type != "cpu"
+
+
+def _gather_flat(matrix: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``matrix.reshape(-1).index_select(0, indices)`` for a ``(C, L)`` matrix, without the
+    full copy ``reshape`` makes of a transform's row-strided view (row stride ``L + 2``)."""
+    if matrix.is_contiguous():
+        return matrix.reshape(-1).index_select(0, indices)
+    row = torch.div(indices, matrix.shape[1], rounding_mode="floor")
+    return matrix[row, indices - row * matrix.shape[1]]
 
 
 def _pick_rows(
