@@ -1,4 +1,5 @@
-"""Kept CPU work buffers (compress/workspace.py): reuse, bounds, and no leak into results."""
+"""Kept CPU work buffers (compress/workspace.py) and the numpy CPU scans: reuse, bounds, no leak
+into results, results equal to the torch definitions."""
 
 from __future__ import annotations
 
@@ -64,3 +65,27 @@ def test_results_never_alias_kept_buffers(spec: str) -> None:
     assert torch.equal(first.data, first_bytes)
     assert torch.equal(decoded.view(torch.int32), decoded_bits.view(torch.int32))
     assert torch.equal(codec.encode(grads[0]).data, first_bytes)  # deterministic through reuse
+
+
+@pytest.mark.parametrize("density", [0.0, 0.003, 0.11, 0.5, 1.0])
+def test_flat_nonzero_equals_torch_nonzero(density: float) -> None:
+    from superneurons.compress.indexcode import flat_nonzero
+
+    gen = torch.Generator().manual_seed(7)
+    mask = torch.rand(100_003, generator=gen) < density
+    got = flat_nonzero(mask)
+    assert got.dtype == torch.int64 and got.device == mask.device
+    assert torch.equal(got, mask.nonzero().reshape(-1))
+    strided = mask[::3]  # a view: taken contiguous first
+    assert torch.equal(flat_nonzero(strided), strided.nonzero().reshape(-1))
+
+
+def test_sampled_selection_equals_exact_on_the_numpy_path() -> None:
+    from superneurons.compress.sparsecode import select_indices
+
+    gen = torch.Generator().manual_seed(11)
+    score = torch.randn(600_000, generator=gen).square()
+    for count in (600, 60_000, 300_000):
+        sampled = select_indices(score, count, "sampled", period=257)
+        exact = select_indices(score, count, "exact")
+        assert torch.equal(sampled, exact)

@@ -17,6 +17,7 @@ Bitmaps use LSB-first bit order inside each byte (as :mod:`superneurons.compress
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from superneurons.compress.bitpack import pack_bits, packed_bytes, unpack_bits
@@ -29,6 +30,7 @@ __all__ = [
     "decode_gap",
     "encode_bitmap",
     "encode_gap",
+    "flat_nonzero",
     "gap_bytes",
     "gap_low_bits",
     "index_bytes",
@@ -43,6 +45,20 @@ _SPREAD = 0x0101010101010101
 # The same 64 bits as a signed int64 (0x8040201008040201 - 2**64): torch 2.4 refuses Python
 # ints >= 2**63 in int64 arithmetic ("cannot be converted to type int64_t without overflow").
 _SELECT = 0x8040201008040201 - (1 << 64)
+
+
+def flat_nonzero(mask: torch.Tensor) -> torch.Tensor:
+    """Increasing int64 positions of the set entries of a 1-D bool ``mask`` (its own device).
+
+    NOTE: on the CPU numpy's ``flatnonzero`` (a CPU-only path, so no device mix): ~4x faster
+    than ``torch.nonzero`` on one thread, 0.26 vs 1.06 ms for 526k positions with 11% set
+    (session 4, shared 2-core machine), with the same result. Other devices keep
+    ``torch.nonzero`` (callers there take the sync-free paths instead).
+    """
+    if mask.device.type != "cpu":
+        return mask.nonzero().reshape(-1)
+    positions = np.flatnonzero(mask.detach().contiguous().numpy())
+    return torch.from_numpy(positions.astype(np.int64, copy=False))
 
 
 def bitmap_bytes(universe: int) -> int:
@@ -130,7 +146,7 @@ def decode_gap(
     if sync_free is None:
         sync_free = upper.device.type != "cpu"
     if not sync_free:
-        high = upper.nonzero().reshape(-1) - torch.arange(count)
+        high = flat_nonzero(upper) - torch.arange(count)
     else:
         # NOTE: cumsum of bools accumulates in int64 ~20x slower (CPU) than in int32.
         rank = torch.cumsum(upper, 0, dtype=torch.int32).sub_(1).to(torch.int64)  # (U,)

@@ -29,6 +29,7 @@ import logging
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from superneurons.compress.bitpack import packed_bytes
@@ -38,6 +39,7 @@ from superneurons.compress.indexcode import (
     decode_gap,
     encode_bitmap,
     encode_gap,
+    flat_nonzero,
     index_bytes,
 )
 from superneurons.compress.rangefloat import (
@@ -173,15 +175,16 @@ def _select_sampled(score: torch.Tensor, count: int, period: int) -> torch.Tenso
     high_rank = min(size, math.ceil(size * (drop_share + margin)))
     low = torch.kthvalue(sample, low_rank).values
     high = torch.kthvalue(sample, high_rank).values
-    # (T,): a superset of the top `count` unless the sample erred; a kept buffer (CPU only)
-    above = torch.ge(
-        score, low, out=workspace("sparsecode.above", (universe,), torch.bool, score.device)
-    )
-    candidates = above.nonzero().reshape(-1)  # (c,), increasing
+    # (T,) into a kept buffer: a superset of the top `count` unless the sample erred.
+    # NOTE: numpy's compare and flatnonzero (this path is CPU-only): 0.32 ms against 1.4 ms
+    # for torch.ge + nonzero on 526k scores (one thread, session 4); identical positions.
+    above = workspace("sparsecode.above", (universe,), torch.bool, score.device)
+    np.greater_equal(score.detach().contiguous().numpy(), low.numpy(), out=above.numpy())
+    candidates = flat_nonzero(above)  # (c,), increasing
     candidate_score = score.index_select(0, candidates)  # (c,)
     keep = candidate_score > high  # (c,): surely among the top `count`
     missing = count - int(keep.sum())
-    band = (~keep).nonzero().reshape(-1)  # (b,): positions in `candidates` to rank exactly
+    band = flat_nonzero(~keep)  # (b,): positions in `candidates` to rank exactly
     if not 0 <= missing <= band.numel():
         logger.debug("sampled thresholds missed the %d-th largest; exact fallback", count)
         return None
@@ -253,7 +256,7 @@ def add_kept(
     if layout.index_kind == "bitmap":
         mask = decode_bitmap(data[start:stop], layout.universe)  # (T,)
         if not sync_free:
-            out.index_add_(0, mask.nonzero().reshape(-1), values)
+            out.index_add_(0, flat_nonzero(mask), values)
         else:
             # Dense, sync-free scatter: the i-th set bit takes the i-th value.
             rank = torch.cumsum(mask, 0, dtype=torch.int32).sub_(1).clamp_(min=0)  # (T,)
