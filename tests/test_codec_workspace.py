@@ -89,3 +89,24 @@ def test_sampled_selection_equals_exact_on_the_numpy_path() -> None:
         sampled = select_indices(score, count, "sampled", period=257)
         exact = select_indices(score, count, "exact")
         assert torch.equal(sampled, exact)
+
+
+def test_kth_smallest_equals_kthvalue_with_ties_and_nan() -> None:
+    from superneurons.compress.sparsecode import kth_smallest
+
+    gen = torch.Generator().manual_seed(5)
+    values = torch.randn(5000, generator=gen).round_()  # many ties
+    values[::97] = float("nan")
+    for rank in (1, 7, 2500, 4000, 4940, 4999, 5000):
+        want = torch.kthvalue(values, rank).values
+        got = kth_smallest(values, rank)
+        assert torch.equal(got.reshape(1).view(torch.int32), want.reshape(1).view(torch.int32))
+
+
+def test_set_positions_equals_index_fill() -> None:
+    from superneurons.compress.indexcode import set_positions
+
+    gen = torch.Generator().manual_seed(9)
+    indices = torch.randint(0, 10_000, (3000,), generator=gen)
+    want = torch.zeros(10_000, dtype=torch.bool).index_fill_(0, indices, True)
+    assert torch.equal(set_positions(torch.zeros(10_000, dtype=torch.bool), indices), want)

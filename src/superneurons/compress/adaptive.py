@@ -51,6 +51,7 @@ from superneurons.compress.sparsecode import (
     KeptLayout,
     add_kept,
     kept_count,
+    kth_smallest,
     pack_kept,
     select_indices,
 )
@@ -168,7 +169,7 @@ class AdaptiveCodec:
         spatial = chunks.reshape(-1)
         sample = spatial[:: max(1, spatial.numel() // _LAMBDA_SAMPLE)]
         rank = min(sample.numel(), max(1, round(sample.numel() * (1.0 - keep_share))))
-        return torch.kthvalue(sample * sample, rank).values
+        return kth_smallest(sample * sample, rank)
 
     def _chunk_cost(
         self, coef: torch.Tensor, lam: torch.Tensor, *, scratch: torch.Tensor, out: torch.Tensor
@@ -279,11 +280,18 @@ def _sync_free(tensor: torch.Tensor) -> bool:
 
 def _gather_flat(matrix: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """``matrix.reshape(-1).index_select(0, indices)`` for a ``(C, L)`` matrix, without the
-    full copy ``reshape`` makes of a transform's row-strided view (row stride ``L + 2``)."""
-    if matrix.is_contiguous():
+    full copy ``reshape`` makes of a transform's row-strided view (row stride ``L + 2``): one
+    gather from the underlying rows, each index moved past the rows' padding."""
+    count, length = matrix.shape
+    pitch = matrix.stride(0)
+    if matrix.is_contiguous() or matrix.stride(1) != 1:
         return matrix.reshape(-1).index_select(0, indices)
-    row = torch.div(indices, matrix.shape[1], rounding_mode="floor")
-    return matrix[row, indices - row * matrix.shape[1]]
+    rows = torch.as_strided(matrix, ((count - 1) * pitch + length,), (1,))
+    if length & (length - 1) == 0:  # NOTE: a shift, ~4x cheaper than an int64 division
+        row = indices >> (length.bit_length() - 1)
+    else:
+        row = torch.div(indices, length, rounding_mode="floor")
+    return rows.index_select(0, indices.add(row, alpha=pitch - length))
 
 
 def _pick_rows(

@@ -34,6 +34,7 @@ __all__ = [
     "gap_bytes",
     "gap_low_bits",
     "index_bytes",
+    "set_positions",
 ]
 
 INDEX_KINDS: tuple[str, ...] = ("bitmap", "gap")
@@ -59,6 +60,18 @@ def flat_nonzero(mask: torch.Tensor) -> torch.Tensor:
         return mask.nonzero().reshape(-1)
     positions = np.flatnonzero(mask.detach().contiguous().numpy())
     return torch.from_numpy(positions.astype(np.int64, copy=False))
+
+
+def set_positions(mask: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``mask.index_fill_(0, indices, True)`` for a 1-D bool ``mask``; returns ``mask``.
+
+    NOTE: on the CPU a numpy fancy assignment, 0.06 against 0.16 ms for 52k positions in 184k
+    (one thread, session 4); other devices keep ``index_fill_``.
+    """
+    if mask.device.type != "cpu" or not mask.is_contiguous():
+        return mask.index_fill_(0, indices, True)
+    mask.numpy()[indices.numpy()] = True
+    return mask
 
 
 def bitmap_bytes(universe: int) -> int:
@@ -124,7 +137,7 @@ def encode_gap(indices: torch.Tensor, universe: int) -> torch.Tensor:
     device = indices.device
     upper = torch.zeros(_upper_bits(universe, count, low), dtype=torch.bool, device=device)
     # unary gaps of the high parts
-    upper.index_fill_(0, (indices >> low) + torch.arange(count, device=device), True)
+    set_positions(upper, (indices >> low) + torch.arange(count, device=device))
     parts.append(encode_bitmap(upper))
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
