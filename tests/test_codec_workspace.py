@@ -110,3 +110,14 @@ def test_set_positions_equals_index_fill() -> None:
     indices = torch.randint(0, 10_000, (3000,), generator=gen)
     want = torch.zeros(10_000, dtype=torch.bool).index_fill_(0, indices, True)
     assert torch.equal(set_positions(torch.zeros(10_000, dtype=torch.bool), indices), want)
+
+
+def test_transforms_into_a_given_spectrum_equal_the_fresh_ones() -> None:
+    from superneurons.compress.orthobases import dct, fourier
+
+    chunks = torch.randn(33, 64, generator=torch.Generator().manual_seed(2))
+    for transform in (fourier, dct):
+        spectrum = torch.full((33, 66), float("nan"))
+        got = transform(chunks, spectrum=spectrum)
+        assert got.data_ptr() == spectrum.data_ptr()
+        assert torch.equal(got.contiguous().view(torch.int32), transform(chunks).view(torch.int32))
