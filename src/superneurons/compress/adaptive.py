@@ -201,7 +201,12 @@ class AdaptiveCodec:
         lam = self._lagrange_threshold(chunks, layout.kept / layout.universe)
         allowed = self._allowed()
         transforms = {1: fourier, 2: dct}
-        coefs = [chunks if code == 0 else transforms[code](chunks) for code in allowed]
+        coefs = [
+            chunks
+            if code == 0
+            else transforms[code](chunks, spectrum=_spectrum_buffer(code, count, length, device))
+            for code in allowed
+        ]
         # NOTE: one kept (C, L) scratch for every cost and the score: each fresh 4 B/element buffer
         # costs page faults on the CPU (glibc hands large blocks back to the OS).
         scratch = workspace("adaptive.scratch", (count, length), torch.float32, device)
@@ -276,6 +281,12 @@ def _sync_free(tensor: torch.Tensor) -> bool:
     """Whether to take the paths that size nothing from data (every device but the CPU, where
     ``nonzero`` waits for nothing and row copies beat a broadcast ``torch.where`` ~20x)."""
     return tensor.device.type != "cpu"
+
+
+def _spectrum_buffer(code: int, count: int, length: int, device: torch.device) -> torch.Tensor:
+    """A kept ``(C, L + 2)`` CPU buffer for basis ``code``'s spectrum (fresh elsewhere):
+    encode-internal, every kept value is copied out of it into the payload."""
+    return workspace(f"adaptive.spectrum.{code}", (count, length + 2), torch.float32, device)
 
 
 def _gather_flat(matrix: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
