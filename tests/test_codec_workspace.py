@@ -121,3 +121,16 @@ def test_transforms_into_a_given_spectrum_equal_the_fresh_ones() -> None:
         got = transform(chunks, spectrum=spectrum)
         assert got.data_ptr() == spectrum.data_ptr()
         assert torch.equal(got.contiguous().view(torch.int32), transform(chunks).view(torch.int32))
+
+
+def test_range_exponent_bits_equal_the_loop_definition() -> None:
+    from superneurons.compress.rangefloat import _max_exp_bits, _range_exp_bits
+
+    for bits in (4, 8, 16):
+        for top in (-127, 0, 127):  # every binade count from -253 to 255 with the floors
+            for floor in range(-127, 128):
+                threshold = torch.tensor(2.0**floor if floor > -127 else 0.0)
+                binades = top - max(floor, -127) + 1
+                want = 1 + sum(binades > 2**e - 1 for e in range(1, _max_exp_bits(bits)))
+                got = _range_exp_bits(torch.tensor(top, dtype=torch.int32), threshold, bits)
+                assert int(got) == want and got.dtype == torch.int32, (bits, top, floor)
