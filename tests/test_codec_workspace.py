@@ -134,3 +134,15 @@ def test_range_exponent_bits_equal_the_loop_definition() -> None:
                 want = 1 + sum(binades > 2**e - 1 for e in range(1, _max_exp_bits(bits)))
                 got = _range_exp_bits(torch.tensor(top, dtype=torch.int32), threshold, bits)
                 assert int(got) == want and got.dtype == torch.int32, (bits, top, floor)
+
+
+@pytest.mark.parametrize("universe", [1, 7, 8, 9, 4097])
+def test_bitmap_positions_equal_the_decoded_mask(universe: int) -> None:
+    from superneurons.compress.indexcode import bitmap_positions, decode_bitmap, encode_bitmap
+
+    mask = torch.rand(universe, generator=torch.Generator().manual_seed(universe)) < 0.3
+    data = encode_bitmap(mask)
+    want = decode_bitmap(data, universe).nonzero().reshape(-1)
+    assert torch.equal(want, mask.nonzero().reshape(-1))
+    assert torch.equal(bitmap_positions(data, universe), want)
+    assert torch.equal(bitmap_positions(data[1:].clone()[:0], 0), want[:0])

@@ -26,6 +26,7 @@ from superneurons.errors import ConfigError
 __all__ = [
     "INDEX_KINDS",
     "bitmap_bytes",
+    "bitmap_positions",
     "decode_bitmap",
     "decode_gap",
     "encode_bitmap",
@@ -107,6 +108,19 @@ def decode_bitmap(data: torch.Tensor, universe: int) -> torch.Tensor:
     return (lanes != 0).reshape(-1)[:universe]
 
 
+def bitmap_positions(data: torch.Tensor, universe: int) -> torch.Tensor:
+    """``flat_nonzero(decode_bitmap(data, universe))``: the increasing int64 positions set in a
+    bitmap. NOTE: on the CPU numpy's ``unpackbits`` (LSB-first, as :func:`encode_bitmap`) and
+    ``flatnonzero``: 0.1 against 0.5 ms for 367k positions (one thread, session 4)."""
+    if data.device.type != "cpu":
+        return flat_nonzero(decode_bitmap(data, universe))
+    need = bitmap_bytes(universe)
+    if data.dtype != torch.uint8 or data.numel() < need:
+        raise ConfigError(f"bitmap: need {need} uint8 bytes for {universe} positions")
+    bits = np.unpackbits(data[:need].contiguous().numpy(), count=universe, bitorder="little")
+    return torch.from_numpy(np.flatnonzero(bits.view(np.bool_)).astype(np.int64, copy=False))
+
+
 def gap_low_bits(universe: int, count: int) -> int:
     """Elias-Fano low-bit width among the fast widths that minimises the size."""
     return min(_LOW_WIDTHS, key=lambda low: _gap_bits(universe, count, low))
@@ -155,12 +169,14 @@ def decode_gap(
     """
     low = gap_low_bits(universe, count)
     low_bytes = packed_bytes(count, low) if low else 0
-    upper = decode_bitmap(data[low_bytes:], _upper_bits(universe, count, low))  # (U,)
+    upper_bits = _upper_bits(universe, count, low)
     if sync_free is None:
-        sync_free = upper.device.type != "cpu"
+        sync_free = data.device.type != "cpu"
     if not sync_free:
-        high = flat_nonzero(upper) - torch.arange(count)
+        high = bitmap_positions(data[low_bytes:], upper_bits)
+        high -= torch.arange(count, device=data.device)
     else:
+        upper = decode_bitmap(data[low_bytes:], upper_bits)  # (U,)
         # NOTE: cumsum of bools accumulates in int64 ~20x slower (CPU) than in int32.
         rank = torch.cumsum(upper, 0, dtype=torch.int32).sub_(1).to(torch.int64)  # (U,)
         position = torch.arange(upper.numel(), device=data.device)  # (U,)

@@ -35,6 +35,7 @@ import torch
 from superneurons.compress.bitpack import packed_bytes
 from superneurons.compress.indexcode import (
     INDEX_KINDS,
+    bitmap_positions,
     decode_bitmap,
     decode_gap,
     encode_bitmap,
@@ -267,10 +268,10 @@ def add_kept(
         values = dequantize(read_codes(data[stop:], layout.bits, count), header, layout.bits)
     values = values.view(layout.kept, layout.width)  # (k, width)
     if layout.index_kind == "bitmap":
-        mask = decode_bitmap(data[start:stop], layout.universe)  # (T,)
         if not sync_free:
-            out.index_add_(0, flat_nonzero(mask), values)
+            out.index_add_(0, bitmap_positions(data[start:stop], layout.universe), values)
         else:
+            mask = decode_bitmap(data[start:stop], layout.universe)  # (T,)
             # Dense, sync-free scatter: the i-th set bit takes the i-th value.
             rank = torch.cumsum(mask, 0, dtype=torch.int32).sub_(1).clamp_(min=0)  # (T,)
             gathered = values.index_select(0, rank)  # (T, width)
