@@ -146,3 +146,12 @@ def test_bitmap_positions_equal_the_decoded_mask(universe: int) -> None:
     assert torch.equal(want, mask.nonzero().reshape(-1))
     assert torch.equal(bitmap_positions(data, universe), want)
     assert torch.equal(bitmap_positions(data[1:].clone()[:0], 0), want[:0])
+
+
+@pytest.mark.parametrize("universe", [1, 8, 13, 4099])
+def test_numpy_bitmap_packing_equals_the_device_gather(universe: int) -> None:
+    from superneurons.compress.indexcode import encode_bitmap
+
+    mask = torch.rand(universe, generator=torch.Generator().manual_seed(universe)) < 0.4
+    # a uint8 0/1 mask takes the multiply-gather every other device runs
+    assert torch.equal(encode_bitmap(mask), encode_bitmap(mask.to(torch.uint8)))

@@ -197,10 +197,11 @@ class FFTCodec:
         length, chunks = spectrum_layout(numel, self.chunk)
         if chunks * length != numel:
             flat = torch.nn.functional.pad(flat, (0, chunks * length - numel))
-        parts = torch.view_as_real(torch.fft.rfft(flat.view(chunks, length)))  # (C, B, 2)
-        score = _bin_score(parts, length)  # (T,)
+        bins = torch.fft.rfft(flat.view(chunks, length))  # (C, B) complex
+        score = _bin_score(torch.view_as_real(bins), length)  # (T,)
         indices = select_indices(score, layout.kept, self.select, period=length // 2 + 1)
-        values = parts.reshape(layout.universe, 2).index_select(0, indices)  # (k, 2)
+        # (k, 2): a gather of complex elements, ~2x cheaper than of (re, im) rows; same bits
+        values = torch.view_as_real(bins.reshape(-1).index_select(0, indices))
         # Range floor: the weakest kept bin's larger part is >= |X| / sqrt(2).
         floor = (score.index_select(0, indices).min() * 0.5).sqrt()
         finite = finite_flag(score)

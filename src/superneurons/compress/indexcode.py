@@ -84,6 +84,11 @@ def encode_bitmap(mask: torch.Tensor) -> torch.Tensor:
     """Pack a 1-D bool ``mask`` into ``bitmap_bytes(mask.numel())`` uint8 (LSB-first)."""
     universe = mask.numel()
     nbytes = bitmap_bytes(universe)
+    if mask.device.type == "cpu" and mask.dtype == torch.bool:
+        # NOTE: numpy's packbits, LSB-first and zero-padded like the gather below: ~8x
+        # faster on one thread (184k positions: ~0.01 vs 0.085 ms, session 4).
+        packed = np.packbits(mask.detach().reshape(-1).contiguous().numpy(), bitorder="little")
+        return torch.from_numpy(packed)
     flat = mask.reshape(-1).view(torch.uint8)
     if universe % 8:
         padded = torch.zeros(nbytes * 8, dtype=torch.uint8, device=mask.device)
