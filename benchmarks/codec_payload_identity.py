@@ -1,6 +1,6 @@
 """Payload and decode digests of the sparse codecs, to prove a speed change moved no byte.
 
-A performance change to ``fft``, ``adaptive`` or ``ctopk`` (or the shared coding under them)
+A performance change to ``fft``, ``adaptive``, ``ctopk`` or ``topk`` (or the shared coding under them)
 must keep every payload byte-identical and every decode bit-identical. This script encodes a
 fixed set of random and structured vectors with a fixed set of specs and prints one SHA-256
 per (spec, vector) of the payload bytes and of ``decode_sum`` over three payloads. Run it
@@ -54,6 +54,7 @@ SPECS: tuple[str, ...] = (
     "ctopk:theta=0.9",
     "ctopk:bits=4",
     "ctopk:bits=32",
+    "topk",  # shares the sampled selection
 )
 
 

@@ -169,7 +169,7 @@ class AdaptiveCodec:
         spatial = chunks.reshape(-1)
         sample = spatial[:: max(1, spatial.numel() // _LAMBDA_SAMPLE)]
         rank = min(sample.numel(), max(1, round(sample.numel() * (1.0 - keep_share))))
-        return kth_smallest(sample * sample, rank)
+        return kth_smallest(sample * sample, rank)[0]
 
     def _chunk_cost(
         self, coef: torch.Tensor, lam: torch.Tensor, *, scratch: torch.Tensor, out: torch.Tensor
