@@ -22,6 +22,8 @@ def test_kept_per_tag_and_shape_and_fresh_elsewhere() -> None:
     assert other.data_ptr() != first.data_ptr() and other.shape == (15,)
     meta = ws.workspace("test.a", (5, 3), torch.float32, torch.device("meta"))
     assert meta.device.type == "meta"
+    ws.clear_workspace()
+    assert not ws._kept()
 
 
 def test_bounded_shapes_per_tag_and_size_cap() -> None:
