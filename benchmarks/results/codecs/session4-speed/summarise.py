@@ -1,17 +1,51 @@
-"""Median before/after GB/s from repeated `bench codecs` runs: python summarise.py DIR RUNS
-(DIR holds before1..N and after1..N, each with speed-cpu.json)."""
+"""Median before/after GB/s of repeated `bench codecs` runs.
 
-import json, statistics, sys
-R = sys.argv[1]; n = int(sys.argv[2]) if len(sys.argv) > 2 else 3
-rows = {}
-for v in ("before", "after"):
-    for i in range(1, n + 1):
-        data = json.load(open(f"{R}/{v}{i}/speed-cpu.json"))
-        recs = data["records"] if isinstance(data, dict) and "records" in data else data
-        for r in recs:
-            rows.setdefault((r["codec"], r["size_mib"], v), []).append(r)
-for key in sorted(rows, key=lambda k: (k[1], k[0], k[2] != "before")):
-    vals = rows[key]
-    f = lambda name: [x[name] for x in vals]
-    e, d = f("encode_gbps_cpu_time"), f("decode_gbps_cpu_time")
-    print(f"{key[0]:9s} {key[1]:5.0f}MiB {key[2]:6s} enc cpu {' '.join('%.3f' % x for x in e)} med {statistics.median(e):.3f} | dec cpu {' '.join('%.3f' % x for x in d)} med {statistics.median(d):.3f} | wall med enc {statistics.median(f('encode_gbps')):.3f} dec {statistics.median(f('decode_gbps')):.3f}")
+Usage: python summarise.py DIR RUNS (DIR holds before1..RUNS and after1..RUNS, each with the
+speed-cpu.json that `superneurons bench codecs --device cpu` writes).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    with path.open() as handle:
+        data = json.load(handle)
+    return data["records"] if isinstance(data, dict) and "records" in data else data
+
+
+def main() -> None:
+    root, runs = Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    rows: dict[tuple[str, float, str], list[dict[str, Any]]] = {}
+    for version in ("before", "after"):
+        for run in range(1, runs + 1):
+            for record in _records(root / f"{version}{run}" / "speed-cpu.json"):
+                key = (record["codec"], record["size_mib"], version)
+                rows.setdefault(key, []).append(record)
+    for key in sorted(rows, key=lambda k: (k[1], k[0], k[2] != "before")):
+        columns = {
+            name: [record[name] for record in rows[key]]
+            for name in (
+                "encode_gbps_cpu_time",
+                "decode_gbps_cpu_time",
+                "encode_gbps",
+                "decode_gbps",
+            )
+        }
+        enc, dec = columns["encode_gbps_cpu_time"], columns["decode_gbps_cpu_time"]
+        print(
+            f"{key[0]:9s} {key[1]:5.0f}MiB {key[2]:6s} "
+            f"enc cpu {' '.join(f'{x:.3f}' for x in enc)} med {statistics.median(enc):.3f} | "
+            f"dec cpu {' '.join(f'{x:.3f}' for x in dec)} med {statistics.median(dec):.3f} | "
+            f"wall med enc {statistics.median(columns['encode_gbps']):.3f} "
+            f"dec {statistics.median(columns['decode_gbps']):.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
