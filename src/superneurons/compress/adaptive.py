@@ -36,6 +36,13 @@ from typing import ClassVar
 
 import torch
 
+from superneurons.compress.adaptivehead import (
+    COUNT_BYTES,
+    SwitchLayout,
+    decode_switches,
+    encode_switches,
+    read_count,
+)
 from superneurons.compress.bitpack import pack_bits, packed_bytes, unpack_bits
 from superneurons.compress.codec import (
     Payload,
@@ -46,7 +53,7 @@ from superneurons.compress.codec import (
 )
 from superneurons.compress.compacttopk import check_select_index, check_theta
 from superneurons.compress.orthobases import dct, fourier, inverse_dct, inverse_fourier
-from superneurons.compress.rangefloat import check_bits
+from superneurons.compress.rangefloat import check_bits, dequantize, quantize
 from superneurons.compress.sparsecode import (
     KeptLayout,
     add_kept,
@@ -62,6 +69,7 @@ BASES: tuple[str, ...] = ("spatial", "fourier", "dct")  # basis code = position 
 _BASIS_BITS = 2
 SCOPES: tuple[str, ...] = ("global", "chunk")
 CHOICES: tuple[str, ...] = ("rd", "l1")
+HEADERS: tuple[str, ...] = ("sparse", "fixed")
 _LAMBDA_SAMPLE = 65536  # strided input samples that set the Lagrangian threshold (choice="rd")
 
 
@@ -94,6 +102,7 @@ class AdaptiveCodec:
     select: str = "sampled"
     index: str = "auto"
     margin: float = 0.0
+    header: str = "sparse"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "theta", check_theta(self.theta, owner=self.NAME))
@@ -124,6 +133,15 @@ class AdaptiveCodec:
         object.__setattr__(self, "margin", float(margin))
         if self.scope not in SCOPES:
             raise ConfigError(f"{self.NAME}: scope={self.scope!r} is unknown; use {list(SCOPES)}")
+        if self.header not in HEADERS:
+            raise ConfigError(
+                f"{self.NAME}: header={self.header!r} is unknown; use {list(HEADERS)}"
+            )
+        if self.scope == "chunk" and self.header != "fixed":
+            raise ConfigError(
+                f"{self.NAME}: scope=chunk keeps a fixed share per chunk, so it needs "
+                "header=fixed (header=sparse varies the kept count per message)"
+            )
 
     def __str__(self) -> str:  # the spec string, so str(parse_spec(s)) round-trips
         return self.spec
@@ -133,7 +151,7 @@ class AdaptiveCodec:
         return (
             f"{self.NAME}:theta={self.theta!r},bits={self.bits},chunk={self.chunk},"
             f"bases={self.bases},scope={self.scope},choice={self.choice},select={self.select},index={self.index},"
-            f"margin={self.margin!r}"
+            f"margin={self.margin!r},header={self.header}"
         )
 
     @property
@@ -154,7 +172,20 @@ class AdaptiveCodec:
 
     def payload_bytes(self, numel: int) -> int:
         _, chunks, layout = self._sizes(numel)
+        if self.header == "sparse":
+            return COUNT_BYTES + layout.nbytes
         return packed_bytes(chunks, _BASIS_BITS) + layout.nbytes
+
+    def _switch_layout(self, numel: int) -> SwitchLayout:
+        _, chunks, layout = self._sizes(numel)
+        return SwitchLayout(
+            chunks=chunks,
+            bases=len(self._allowed()),
+            universe=layout.universe,
+            bits=self.bits,
+            index=self.index,
+            total_bytes=self.payload_bytes(numel),
+        )
 
     def _allowed(self) -> tuple[int, ...]:
         """Codes (positions in :data:`BASES`) of the allowed bases, in code order."""
@@ -210,11 +241,53 @@ class AdaptiveCodec:
             # A transform must beat the spatial basis by ``margin`` of its cost.
             cost[0] *= 1.0 - self.margin
         slot = cost.argmin(dim=0)  # (C,): ties go to the lowest code (spatial first)
-        basis = torch.full_like(slot, allowed[0])  # (C,) codes; no host-to-device copy
-        for index, code in enumerate(allowed[1:], start=1):
-            basis.masked_fill_(slot == index, code)
-        chosen = _pick_rows(coefs, slot, sync_free=_sync_free(flat))  # (C, L)
-        del coefs
+        if self.header == "fixed":
+            basis = torch.full_like(slot, allowed[0])  # (C,) codes; no host-to-device copy
+            for index, code in enumerate(allowed[1:], start=1):
+                basis.masked_fill_(slot == index, code)
+            chosen = _pick_rows(coefs, slot, sync_free=_sync_free(flat))  # (C, L)
+            del coefs
+            message = self._select_and_pack(chosen, scratch, flat, layout, length, count)[0]
+            return Payload(torch.cat([pack_bits(basis, _BASIS_BITS), message]), numel)
+        switches = self._switch_layout(numel)
+        gain = cost[0] - cost.min(dim=0).values  # (C,): what switching a chunk saves
+        ids = _switched_chunks(gain, lam, switches)  # (m,) sorted
+        # The encoder knows each option's squared error (dropped energy plus quantisation): send
+        # the switches only when they beat every chunk in the default basis (which alone meets
+        # the Parseval bound before quantisation).
+        best: tuple[float, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        for option in [ids, ids[:0]] if ids.numel() else [ids]:
+            picked = torch.zeros_like(slot).index_copy_(0, option, slot.index_select(0, option))
+            # With no switch the default basis' coefficients are sent as they are (never
+            # written: the switched candidate's row picks go into the last basis' buffer).
+            chosen = (
+                _pick_rows(coefs, picked, sync_free=_sync_free(flat))
+                if option.numel()
+                else coefs[0]
+            )
+            message, error = self._select_and_pack(
+                chosen, scratch, flat, switches.message(option.numel()), length, count
+            )
+            if best is None or error < best[0]:
+                best = (error, option, picked, message)
+        assert best is not None
+        _, ids, picked, message = best
+        head = encode_switches(ids, picked.index_select(0, ids) - 1, switches)
+        pad = switches.total_bytes - head.numel() - message.numel()
+        return Payload(torch.cat([head, message, message.new_zeros(pad)]), numel)
+
+    def _select_and_pack(
+        self,
+        chosen: torch.Tensor,
+        scratch: torch.Tensor,
+        flat: torch.Tensor,
+        layout: KeptLayout,
+        length: int,
+        count: int,
+    ) -> tuple[torch.Tensor, float]:
+        """The kept message of ``chosen`` ``(C, L)`` and its squared error less the input's
+        energy (read on the host; only for ``header="sparse"``, else 0)."""
+        device = chosen.device
         score = torch.mul(chosen, chosen, out=scratch)  # (C, L)
         if self.scope == "chunk":
             per_chunk = kept_count(length, self.theta)
@@ -228,7 +301,16 @@ class AdaptiveCodec:
         values = chosen.reshape(-1).index_select(0, indices).unsqueeze(1)  # (k, 1)
         floor = values.abs().min()
         message = pack_kept(values, mask, indices, floor, finite_flag(flat), layout)
-        return Payload(torch.cat([pack_bits(basis, _BASIS_BITS), message]), numel)
+        if self.header != "sparse":
+            return message, 0.0
+        # Squared error less the input's energy: quantisation error minus kept energy.
+        sent = values.reshape(-1)
+        if self.bits != 32:
+            codes, header = quantize(sent, self.bits, threshold=floor)
+            error = torch.sub(sent, dequantize(codes, header, self.bits)).square_().sum()
+        else:
+            error = sent.new_zeros(())
+        return message, float(error - sent.square().sum())
 
     def decode(self, payload: Payload) -> torch.Tensor:
         return self.decode_sum([payload])
@@ -237,22 +319,21 @@ class AdaptiveCodec:
         """Sum every rank's coefficients per basis, then one inverse transform per basis."""
         numel = common_numel(payloads, codec_name=self.NAME)
         length, count, layout = self._sizes(numel)
-        head = packed_bytes(count, _BASIS_BITS)
+        size = self.payload_bytes(numel)
         device = payloads[0].data.device
         rows = torch.arange(count, device=device)
         finite = torch.ones((), dtype=torch.bool, device=device)
         sums = None  # (3C, L) per-basis coefficient sums, only for several payloads
         for payload in payloads:
             data = payload.data
-            if data.dtype != torch.uint8 or data.numel() != head + layout.nbytes:
+            if data.dtype != torch.uint8 or data.numel() != size:
                 raise ConfigError(
                     f"{self.NAME}: payload has {data.numel()} {data.dtype} elements, expected "
-                    f"{head + layout.nbytes} uint8 for numel={numel}; was it made by "
-                    f"{self.spec}?"
+                    f"{size} uint8 for numel={numel}; was it made by {self.spec}?"
                 )
-            basis = unpack_bits(data[:head], _BASIS_BITS, count).clamp_(max=len(BASES) - 1)
+            basis, message, kept = self._read_basis(data, numel)
             coef = torch.zeros(layout.universe, 1, device=device)
-            finite = finite & add_kept(coef, data[head:], layout)
+            finite = finite & add_kept(coef, message, kept)
             if len(payloads) == 1:
                 return nan_unless(
                     finite,
@@ -267,6 +348,50 @@ class AdaptiveCodec:
         for code, inverse in ((1, inverse_fourier), (2, inverse_dct)):
             signal += inverse(per_basis[code])
         return nan_unless(finite, signal.reshape(-1)[:numel])
+
+    def _read_basis(
+        self, data: torch.Tensor, numel: int
+    ) -> tuple[torch.Tensor, torch.Tensor, KeptLayout]:
+        """``(basis codes (C,), kept-message bytes, their layout)`` of one payload."""
+        _, count, layout = self._sizes(numel)
+        if self.header == "fixed":
+            head = packed_bytes(count, _BASIS_BITS)
+            basis = unpack_bits(data[:head], _BASIS_BITS, count).clamp_(max=len(BASES) - 1)
+            return basis, data[head:], layout
+        switches = self._switch_layout(numel)
+        switched = read_count(data, count)
+        if switches.kept(switched) < 1:
+            raise ConfigError(f"{self.NAME}: payload says {switched} switched chunks, too many")
+        ids, codes = decode_switches(
+            data[COUNT_BYTES:], switched, switches, sync_free=_sync_free(data)
+        )
+        allowed = self._allowed()
+        basis = torch.full((count,), allowed[0], dtype=torch.int64, device=data.device)
+        if switched:
+            others = torch.tensor(allowed[1:], dtype=torch.int64, device=data.device)
+            basis.index_copy_(0, ids, others.index_select(0, codes.clamp(max=len(allowed) - 2)))
+        start = COUNT_BYTES + switches.switch_bytes(switched)
+        kept = switches.message(switched)
+        return basis, data[start : start + kept.nbytes], kept
+
+
+_SWITCH_PRICE = 1.0  # a kept coefficient's worth in units of lam when pricing switches
+
+
+def _switched_chunks(
+    gain: torch.Tensor, lam: torch.Tensor, switches: SwitchLayout
+) -> torch.Tensor:
+    """Sorted ids of the chunks to switch to their best basis: the ``m`` largest ``gain``
+    ``(C,)`` for the ``m`` that minimises ``lam * (k(0) - k(m)) - their summed gain`` (the
+    Lagrangian cost of the message: each coefficient the header displaces is worth ``lam``).
+    Reads ``m`` on the host (the payload's sizes follow from it)."""
+    order = torch.argsort(gain, descending=True)  # (C,)
+    total = torch.cat([gain.new_zeros(1), torch.cumsum(gain.index_select(0, order), 0)])
+    kept = torch.tensor(switches.kept_by_switched, dtype=torch.float32, device=gain.device)
+    objective = (kept[0] - kept) * (lam * _SWITCH_PRICE) - total  # (C + 1,)
+    objective.masked_fill_(kept < 1, torch.inf)
+    switched = int(objective.argmin())
+    return torch.sort(order[:switched]).values
 
 
 def _sync_free(tensor: torch.Tensor) -> bool:

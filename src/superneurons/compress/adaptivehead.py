@@ -1,0 +1,179 @@
+"""The adaptive codec's switch header: pay only for the chunks that leave the default basis.
+
+A fixed 2-bit basis code per chunk (``header="fixed"``) costs ``C / 4`` bytes whether or not
+any chunk switches; on gradients whose chunks nearly all stay spatial (HF ResNet-18 in
+benchmarks/results/codecs/ANSWER.md) that is pure cost against Top-k. ``header="sparse"`` keeps
+the payload size fixed (gathered payloads must be; ``payload_bytes`` stays a function of
+``numel``) but lets the kept count vary per message with the number ``m`` of switched chunks::
+
+    [m: int32, 4 B][switched chunk ids: bitmap over C or Elias-Fano, the smaller]
+    [their bases: ceil(log2(B - 1)) bits each][kept message at k(m)][zero padding]
+
+``k(m)`` is the largest kept count whose message fits the bytes left (a pure function of
+``numel``, the codec's options and ``m``), so a message with no switch keeps as many
+coefficients as compactly coded Top-k does in the same bytes less 4, and each switch pays for
+its own position (indices coded as in :mod:`superneurons.compress.indexcode`; Elias-Fano:
+Vigna, WSDM 2013). Which chunks switch is a Lagrangian choice (Shoham & Gersho, "Efficient bit
+allocation for an arbitrary set of quantizers", IEEE TASSP 1988): switch the ``m`` chunks with
+the largest cost gains when their summed gain exceeds ``lam`` times the coefficients their
+header bytes displace, ``lam`` being the threshold energy of a kept coefficient.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from superneurons.compress.bitpack import pack_bits, packed_bytes, unpack_bits
+from superneurons.compress.indexcode import (
+    INDEX_KINDS,
+    decode_bitmap,
+    decode_gap,
+    encode_bitmap,
+    encode_gap,
+    index_bytes,
+)
+from superneurons.compress.sparsecode import KeptLayout
+from superneurons.errors import ConfigError
+
+__all__ = [
+    "COUNT_BYTES",
+    "SwitchLayout",
+    "decode_switches",
+    "encode_switches",
+    "read_count",
+    "switch_code_bits",
+]
+
+COUNT_BYTES = 4  # int32 m, little-endian
+
+
+def switch_code_bits(bases: int) -> int:
+    """Bits naming a switched chunk's basis among the ``bases - 1`` non-default ones."""
+    return math.ceil(math.log2(bases - 1)) if bases > 2 else 0
+
+
+def _id_kind(chunks: int, switched: int) -> str:
+    sizes = {kind: index_bytes(kind, chunks, switched) for kind in INDEX_KINDS}
+    return min(INDEX_KINDS, key=lambda kind: (sizes[kind], kind != "bitmap"))
+
+
+@functools.lru_cache(maxsize=256)
+def _kept_table(
+    chunks: int, code_bits: int, budget: int, universe: int, bits: int, index: str
+) -> tuple[int, ...]:
+    """``k(m)`` for ``m = 0..chunks``: the largest kept count whose message fits the
+    ``budget`` bytes left after the count and the switch header (0: none fits)."""
+    # The room shrinks as m grows (both id codes grow with m), so k(m) is found by stepping
+    # down from k(m - 1) instead of a bisection per m.
+    def size(kept: int) -> int:
+        return KeptLayout(universe, kept, 1, bits, index).nbytes
+
+    kept = _largest_kept(budget, universe, bits, index)
+    table = []
+    for switched in range(chunks + 1):
+        room = budget - _switch_bytes(chunks, switched, code_bits)
+        while kept > 0 and size(kept) > room:
+            kept -= 1
+        table.append(kept)
+    return tuple(table)
+
+
+def _switch_bytes(chunks: int, switched: int, code_bits: int) -> int:
+    if switched == 0:
+        return 0
+    ids = index_bytes(_id_kind(chunks, switched), chunks, switched)
+    return ids + (packed_bytes(switched, code_bits) if code_bits else 0)
+
+
+def _largest_kept(room: int, universe: int, bits: int, index: str) -> int:
+    """Largest ``k`` in ``1..universe`` with ``KeptLayout(universe, k).nbytes <= room`` (the
+    size grows with ``k``), or 0."""
+    def size(kept: int) -> int:
+        return KeptLayout(universe, kept, 1, bits, index).nbytes
+
+    if size(1) > room:
+        return 0
+    low, high = 1, universe
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if size(mid) <= room else (low, mid - 1)
+    return low
+
+
+class SwitchLayout:
+    """Sizes of a ``header="sparse"`` payload of ``total_bytes`` over ``chunks`` chunks of a
+    ``universe`` of coefficients, ``bases`` allowed bases; ``kept(m)`` as in the module doc."""
+
+    def __init__(
+        self, *, chunks: int, bases: int, universe: int, bits: int, index: str, total_bytes: int
+    ) -> None:
+        self.chunks = chunks
+        self.code_bits = switch_code_bits(bases)
+        self.universe = universe
+        self.bits = bits
+        self.index = index
+        self.total_bytes = total_bytes
+        self.kept_by_switched = _kept_table(
+            chunks, self.code_bits, total_bytes - COUNT_BYTES, universe, bits, index
+        )
+
+    def switch_bytes(self, switched: int) -> int:
+        return _switch_bytes(self.chunks, switched, self.code_bits)
+
+    def kept(self, switched: int) -> int:
+        return self.kept_by_switched[switched]
+
+    def message(self, switched: int) -> KeptLayout:
+        kept = self.kept(switched)
+        if kept < 1:
+            raise ConfigError(f"adaptive: {switched} switched chunks leave no room to keep one")
+        return KeptLayout(self.universe, kept, 1, self.bits, self.index)
+
+
+def encode_switches(
+    ids: torch.Tensor, codes: torch.Tensor, layout: SwitchLayout
+) -> torch.Tensor:
+    """``[m][ids][codes]`` bytes for the sorted switched chunk ``ids`` (int64) and their
+    basis ``codes`` (0-based among the non-default bases), on ``ids``' device."""
+    switched = ids.numel()
+    count = torch.tensor([switched], dtype=torch.int32, device=ids.device).view(torch.uint8)
+    if switched == 0:
+        return count
+    parts = [count]
+    if _id_kind(layout.chunks, switched) == "bitmap":
+        mask = torch.zeros(layout.chunks, dtype=torch.bool, device=ids.device)
+        parts.append(encode_bitmap(mask.index_fill_(0, ids, True)))
+    else:
+        parts.append(encode_gap(ids, layout.chunks))
+    if layout.code_bits:
+        parts.append(pack_bits(codes, layout.code_bits))
+    return torch.cat(parts)
+
+
+def read_count(data: torch.Tensor, chunks: int) -> int:
+    """The switched-chunk count ``m`` of a payload (read on the host: sizes follow from it)."""
+    switched = int(data[:COUNT_BYTES].clone().view(torch.int32)[0])
+    if not 0 <= switched <= chunks:
+        raise ConfigError(f"adaptive: payload says {switched} switched chunks of {chunks}")
+    return switched
+
+
+def decode_switches(
+    data: torch.Tensor, switched: int, layout: SwitchLayout, *, sync_free: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, codes)`` of ``switched`` chunks from the bytes after the count."""
+    device = data.device
+    if switched == 0:
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        return empty, empty
+    id_bytes = index_bytes(_id_kind(layout.chunks, switched), layout.chunks, switched)
+    if _id_kind(layout.chunks, switched) == "bitmap":
+        ids = decode_bitmap(data[:id_bytes], layout.chunks).nonzero().reshape(-1)
+    else:
+        ids = decode_gap(data[:id_bytes], layout.chunks, switched, sync_free=sync_free)
+    if not layout.code_bits:
+        return ids, torch.zeros_like(ids)
+    return ids, unpack_bits(data[id_bytes:], layout.code_bits, switched)
