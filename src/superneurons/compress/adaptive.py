@@ -378,9 +378,7 @@ class AdaptiveCodec:
 _SWITCH_PRICE = 1.0  # a kept coefficient's worth in units of lam when pricing switches
 
 
-def _switched_chunks(
-    gain: torch.Tensor, lam: torch.Tensor, switches: SwitchLayout
-) -> torch.Tensor:
+def _switched_chunks(gain: torch.Tensor, lam: torch.Tensor, switches: SwitchLayout) -> torch.Tensor:
     """Sorted ids of the chunks to switch to their best basis: the ``m`` largest ``gain``
     ``(C,)`` for the ``m`` that minimises ``lam * (k(0) - k(m)) - their summed gain`` (the
     Lagrangian cost of the message: each coefficient the header displaces is worth ``lam``).

@@ -68,14 +68,11 @@ def _kept_table(
     ``budget`` bytes left after the count and the switch header (0: none fits)."""
     # The room shrinks as m grows (both id codes grow with m), so k(m) is found by stepping
     # down from k(m - 1) instead of a bisection per m.
-    def size(kept: int) -> int:
-        return KeptLayout(universe, kept, 1, bits, index).nbytes
-
     kept = _largest_kept(budget, universe, bits, index)
     table = []
     for switched in range(chunks + 1):
         room = budget - _switch_bytes(chunks, switched, code_bits)
-        while kept > 0 and size(kept) > room:
+        while kept > 0 and _message_bytes(kept, universe, bits, index) > room:
             kept -= 1
         table.append(kept)
     return tuple(table)
@@ -91,16 +88,18 @@ def _switch_bytes(chunks: int, switched: int, code_bits: int) -> int:
 def _largest_kept(room: int, universe: int, bits: int, index: str) -> int:
     """Largest ``k`` in ``1..universe`` with ``KeptLayout(universe, k).nbytes <= room`` (the
     size grows with ``k``), or 0."""
-    def size(kept: int) -> int:
-        return KeptLayout(universe, kept, 1, bits, index).nbytes
-
-    if size(1) > room:
+    if _message_bytes(1, universe, bits, index) > room:
         return 0
     low, high = 1, universe
     while low < high:
         mid = (low + high + 1) // 2
-        low, high = (mid, high) if size(mid) <= room else (low, mid - 1)
+        fits = _message_bytes(mid, universe, bits, index) <= room
+        low, high = (mid, high) if fits else (low, mid - 1)
     return low
+
+
+def _message_bytes(kept: int, universe: int, bits: int, index: str) -> int:
+    return KeptLayout(universe, kept, 1, bits, index).nbytes
 
 
 class SwitchLayout:
@@ -133,9 +132,7 @@ class SwitchLayout:
         return KeptLayout(self.universe, kept, 1, self.bits, self.index)
 
 
-def encode_switches(
-    ids: torch.Tensor, codes: torch.Tensor, layout: SwitchLayout
-) -> torch.Tensor:
+def encode_switches(ids: torch.Tensor, codes: torch.Tensor, layout: SwitchLayout) -> torch.Tensor:
     """``[m][ids][codes]`` bytes for the sorted switched chunk ``ids`` (int64) and their
     basis ``codes`` (0-based among the non-default bases), on ``ids``' device."""
     switched = ids.numel()
