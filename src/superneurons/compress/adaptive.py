@@ -16,9 +16,14 @@ share's quantile of the input's energy; ``choice="l1"``: the smallest L1 norm, w
 L2 norm is the more compressible vector: Donoho, "Compressed sensing", IEEE TIT 2006;
 ``margin`` makes a transform beat the spatial cost by that share), keep
 ``k = T - floor(theta * T)`` of the ``T = C * L`` chosen coefficients and code them exactly as
-``fft`` and ``ctopk`` do (:mod:`superneurons.compress.sparsecode`)::
+``fft`` and ``ctopk`` do (:mod:`superneurons.compress.sparsecode`). ``header="fixed"``::
 
     [basis codes, 2 bits per chunk][range-float header, 8 B][index code][k values at bits]
+
+``header="sparse"`` (default, :mod:`superneurons.compress.adaptivehead`) names only the
+switched chunks and fills the fixed payload with coefficients; the encoder keeps the switches
+only if they lower the message's squared error (quantisation included). Its sizes follow from
+a count read on the host (a GPU synchronisation per encode and payload decoded).
 
 ``scope="global"`` ranks all chunks' coefficients together (dropped energy ``<= theta`` of the
 whole message); ``scope="chunk"`` keeps ``L - floor(theta * L)`` per chunk, which bounds every
@@ -39,9 +44,10 @@ import torch
 from superneurons.compress.adaptivehead import (
     COUNT_BYTES,
     SwitchLayout,
-    decode_switches,
+    choose_switches,
     encode_switches,
-    read_count,
+    read_basis,
+    relative_error,
 )
 from superneurons.compress.bitpack import pack_bits, packed_bytes, unpack_bits
 from superneurons.compress.codec import (
@@ -53,7 +59,7 @@ from superneurons.compress.codec import (
 )
 from superneurons.compress.compacttopk import check_select_index, check_theta
 from superneurons.compress.orthobases import dct, fourier, inverse_dct, inverse_fourier
-from superneurons.compress.rangefloat import check_bits, dequantize, quantize
+from superneurons.compress.rangefloat import check_bits
 from superneurons.compress.sparsecode import (
     KeptLayout,
     add_kept,
@@ -90,6 +96,8 @@ class AdaptiveCodec:
     share per chunk: a per-chunk error bound). ``choice``: "rd" | "l1" basis cost.
     ``select``/``index`` as in ``fft``. ``margin`` in [0, 1): share by which a transform must
     beat the spatial basis' cost (0: none; measured worse after error feedback, ANSWER.md).
+    ``header``: "sparse" (switched chunks only, variable kept count in a fixed payload) |
+    "fixed" (2 bits per chunk; no host read, needed by ``scope="chunk"``).
     """
 
     NAME: ClassVar[str] = "adaptive"
@@ -247,11 +255,11 @@ class AdaptiveCodec:
                 basis.masked_fill_(slot == index, code)
             chosen = _pick_rows(coefs, slot, sync_free=_sync_free(flat))  # (C, L)
             del coefs
-            message = self._select_and_pack(chosen, scratch, flat, layout, length, count)[0]
+            message = self._select_and_pack(chosen, scratch, flat, layout)[0]
             return Payload(torch.cat([pack_bits(basis, _BASIS_BITS), message]), numel)
         switches = self._switch_layout(numel)
         gain = cost[0] - cost.min(dim=0).values  # (C,): what switching a chunk saves
-        ids = _switched_chunks(gain, lam, switches)  # (m,) sorted
+        ids = choose_switches(gain, lam, switches)  # (m,) sorted
         # The encoder knows each option's squared error (dropped energy plus quantisation): send
         # the switches only when they beat every chunk in the default basis (which alone meets
         # the Parseval bound before quantisation).
@@ -265,9 +273,8 @@ class AdaptiveCodec:
                 if option.numel()
                 else coefs[0]
             )
-            message, error = self._select_and_pack(
-                chosen, scratch, flat, switches.message(option.numel()), length, count
-            )
+            kept = switches.message(option.numel())
+            message, error = self._select_and_pack(chosen, scratch, flat, kept)
             if best is None or error < best[0]:
                 best = (error, option, picked, message)
         assert best is not None
@@ -277,17 +284,12 @@ class AdaptiveCodec:
         return Payload(torch.cat([head, message, message.new_zeros(pad)]), numel)
 
     def _select_and_pack(
-        self,
-        chosen: torch.Tensor,
-        scratch: torch.Tensor,
-        flat: torch.Tensor,
-        layout: KeptLayout,
-        length: int,
-        count: int,
+        self, chosen: torch.Tensor, scratch: torch.Tensor, flat: torch.Tensor, layout: KeptLayout
     ) -> tuple[torch.Tensor, float]:
         """The kept message of ``chosen`` ``(C, L)`` and its squared error less the input's
         energy (read on the host; only for ``header="sparse"``, else 0)."""
         device = chosen.device
+        count, length = chosen.shape
         score = torch.mul(chosen, chosen, out=scratch)  # (C, L)
         if self.scope == "chunk":
             per_chunk = kept_count(length, self.theta)
@@ -303,14 +305,7 @@ class AdaptiveCodec:
         message = pack_kept(values, mask, indices, floor, finite_flag(flat), layout)
         if self.header != "sparse":
             return message, 0.0
-        # Squared error less the input's energy: quantisation error minus kept energy.
-        sent = values.reshape(-1)
-        if self.bits != 32:
-            codes, header = quantize(sent, self.bits, threshold=floor)
-            error = torch.sub(sent, dequantize(codes, header, self.bits)).square_().sum()
-        else:
-            error = sent.new_zeros(())
-        return message, float(error - sent.square().sum())
+        return message, relative_error(values, floor, self.bits)
 
     def decode(self, payload: Payload) -> torch.Tensor:
         return self.decode_sum([payload])
@@ -358,38 +353,7 @@ class AdaptiveCodec:
             head = packed_bytes(count, _BASIS_BITS)
             basis = unpack_bits(data[:head], _BASIS_BITS, count).clamp_(max=len(BASES) - 1)
             return basis, data[head:], layout
-        switches = self._switch_layout(numel)
-        switched = read_count(data, count)
-        if switches.kept(switched) < 1:
-            raise ConfigError(f"{self.NAME}: payload says {switched} switched chunks, too many")
-        ids, codes = decode_switches(
-            data[COUNT_BYTES:], switched, switches, sync_free=_sync_free(data)
-        )
-        allowed = self._allowed()
-        basis = torch.full((count,), allowed[0], dtype=torch.int64, device=data.device)
-        if switched:
-            others = torch.tensor(allowed[1:], dtype=torch.int64, device=data.device)
-            basis.index_copy_(0, ids, others.index_select(0, codes.clamp(max=len(allowed) - 2)))
-        start = COUNT_BYTES + switches.switch_bytes(switched)
-        kept = switches.message(switched)
-        return basis, data[start : start + kept.nbytes], kept
-
-
-_SWITCH_PRICE = 1.0  # a kept coefficient's worth in units of lam when pricing switches
-
-
-def _switched_chunks(gain: torch.Tensor, lam: torch.Tensor, switches: SwitchLayout) -> torch.Tensor:
-    """Sorted ids of the chunks to switch to their best basis: the ``m`` largest ``gain``
-    ``(C,)`` for the ``m`` that minimises ``lam * (k(0) - k(m)) - their summed gain`` (the
-    Lagrangian cost of the message: each coefficient the header displaces is worth ``lam``).
-    Reads ``m`` on the host (the payload's sizes follow from it)."""
-    order = torch.argsort(gain, descending=True)  # (C,)
-    total = torch.cat([gain.new_zeros(1), torch.cumsum(gain.index_select(0, order), 0)])
-    kept = torch.tensor(switches.kept_by_switched, dtype=torch.float32, device=gain.device)
-    objective = (kept[0] - kept) * (lam * _SWITCH_PRICE) - total  # (C + 1,)
-    objective.masked_fill_(kept < 1, torch.inf)
-    switched = int(objective.argmin())
-    return torch.sort(order[:switched]).values
+        return read_basis(data, self._switch_layout(numel), self._allowed())
 
 
 def _sync_free(tensor: torch.Tensor) -> bool:

@@ -35,19 +35,24 @@ from superneurons.compress.indexcode import (
     encode_gap,
     index_bytes,
 )
+from superneurons.compress.rangefloat import dequantize, quantize
 from superneurons.compress.sparsecode import KeptLayout
 from superneurons.errors import ConfigError
 
 __all__ = [
     "COUNT_BYTES",
     "SwitchLayout",
+    "choose_switches",
     "decode_switches",
     "encode_switches",
+    "read_basis",
     "read_count",
+    "relative_error",
     "switch_code_bits",
 ]
 
 COUNT_BYTES = 4  # int32 m, little-endian
+_SWITCH_PRICE = 1.0  # a kept coefficient's worth in units of lam when pricing switches
 
 
 def switch_code_bits(bases: int) -> int:
@@ -174,3 +179,47 @@ def decode_switches(
     if not layout.code_bits:
         return ids, torch.zeros_like(ids)
     return ids, unpack_bits(data[id_bytes:], layout.code_bits, switched)
+
+
+def read_basis(
+    data: torch.Tensor, layout: SwitchLayout, allowed: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor, KeptLayout]:
+    """``(basis codes (C,), kept-message bytes, their layout)`` of one payload; ``allowed``:
+    the codes of the allowed bases, the first being the default."""
+    switched = read_count(data, layout.chunks)
+    if layout.kept(switched) < 1:
+        raise ConfigError(f"adaptive: payload says {switched} switched chunks, too many")
+    sync_free = data.device.type != "cpu"
+    ids, codes = decode_switches(data[COUNT_BYTES:], switched, layout, sync_free=sync_free)
+    basis = torch.full((layout.chunks,), allowed[0], dtype=torch.int64, device=data.device)
+    if switched:
+        others = torch.tensor(allowed[1:], dtype=torch.int64, device=data.device)
+        basis.index_copy_(0, ids, others.index_select(0, codes.clamp(max=len(allowed) - 2)))
+    start = COUNT_BYTES + layout.switch_bytes(switched)
+    kept = layout.message(switched)
+    return basis, data[start : start + kept.nbytes], kept
+
+
+def choose_switches(gain: torch.Tensor, lam: torch.Tensor, layout: SwitchLayout) -> torch.Tensor:
+    """Sorted ids of the chunks to switch to their best basis: the ``m`` largest ``gain``
+    ``(C,)`` for the ``m`` that minimises ``lam * (k(0) - k(m)) - their summed gain`` (the
+    Lagrangian cost of the message: each coefficient the header displaces is worth ``lam``).
+    Reads ``m`` on the host (the payload's sizes follow from it)."""
+    order = torch.argsort(gain, descending=True)  # (C,)
+    total = torch.cat([gain.new_zeros(1), torch.cumsum(gain.index_select(0, order), 0)])
+    kept = torch.tensor(layout.kept_by_switched, dtype=torch.float32, device=gain.device)
+    objective = (kept[0] - kept) * (lam * _SWITCH_PRICE) - total  # (C + 1,)
+    objective.masked_fill_(kept < 1, torch.inf)
+    switched = int(objective.argmin())
+    return torch.sort(order[:switched]).values
+
+
+def relative_error(values: torch.Tensor, floor: torch.Tensor, bits: int) -> float:
+    """A message's squared error less its input's energy (host float): the kept ``values``'
+    range-float quantisation error (window ``[floor, max]``) minus their energy."""
+    sent = values.reshape(-1)
+    if bits == 32:
+        return -float(sent.square().sum())
+    codes, header = quantize(sent, bits, threshold=floor)
+    error = torch.sub(sent, dequantize(codes, header, bits)).square_().sum()
+    return float(error - sent.square().sum())
