@@ -76,6 +76,7 @@ _BASIS_BITS = 2
 SCOPES: tuple[str, ...] = ("global", "chunk")
 CHOICES: tuple[str, ...] = ("rd", "l1")
 HEADERS: tuple[str, ...] = ("sparse", "fixed")
+_Kept = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # values, mask, ids, floor
 _LAMBDA_SAMPLE = 65536  # strided input samples that set the Lagrangian threshold (choice="rd")
 
 
@@ -255,7 +256,8 @@ class AdaptiveCodec:
                 basis.masked_fill_(slot == index, code)
             chosen = _pick_rows(coefs, slot, sync_free=_sync_free(flat))  # (C, L)
             del coefs
-            message = self._select_and_pack(chosen, scratch, flat, layout)[0]
+            values, mask, indices, floor = self._select(chosen, scratch, layout)
+            message = pack_kept(values, mask, indices, floor, finite_flag(flat), layout)
             return Payload(torch.cat([pack_bits(basis, _BASIS_BITS), message]), numel)
         switches = self._switch_layout(numel)
         gain = cost[0] - cost.min(dim=0).values  # (C,): what switching a chunk saves
@@ -263,7 +265,7 @@ class AdaptiveCodec:
         # The encoder knows each option's squared error (dropped energy plus quantisation): send
         # the switches only when they beat every chunk in the default basis (which alone meets
         # the Parseval bound before quantisation).
-        best: tuple[float, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        best: tuple[float, torch.Tensor, torch.Tensor, _Kept, KeptLayout] | None = None
         for option in [ids, ids[:0]] if ids.numel() else [ids]:
             picked = torch.zeros_like(slot).index_copy_(0, option, slot.index_select(0, option))
             # With no switch the default basis' coefficients are sent as they are (never
@@ -274,20 +276,21 @@ class AdaptiveCodec:
                 else coefs[0]
             )
             kept = switches.message(option.numel())
-            message, error = self._select_and_pack(chosen, scratch, flat, kept)
+            selected = self._select(chosen, scratch, kept)
+            error = relative_error(selected[0], selected[3], self.bits)
             if best is None or error < best[0]:
-                best = (error, option, picked, message)
+                best = (error, option, picked, selected, kept)
         assert best is not None
-        _, ids, picked, message = best
+        _, ids, picked, selected, kept = best
+        values, mask, indices, floor = selected
+        message = pack_kept(values, mask, indices, floor, finite_flag(flat), kept)
         head = encode_switches(ids, picked.index_select(0, ids) - 1, switches)
         pad = switches.total_bytes - head.numel() - message.numel()
         return Payload(torch.cat([head, message, message.new_zeros(pad)]), numel)
 
-    def _select_and_pack(
-        self, chosen: torch.Tensor, scratch: torch.Tensor, flat: torch.Tensor, layout: KeptLayout
-    ) -> tuple[torch.Tensor, float]:
-        """The kept message of ``chosen`` ``(C, L)`` and its squared error less the input's
-        energy (read on the host; only for ``header="sparse"``, else 0)."""
+    def _select(self, chosen: torch.Tensor, scratch: torch.Tensor, layout: KeptLayout) -> _Kept:
+        """``(values (k, 1), mask, indices, floor)``: the kept coefficients of ``chosen``
+        ``(C, L)`` as :func:`pack_kept` takes them (``scratch``: a ``(C, L)`` buffer)."""
         device = chosen.device
         count, length = chosen.shape
         score = torch.mul(chosen, chosen, out=scratch)  # (C, L)
@@ -301,11 +304,7 @@ class AdaptiveCodec:
         else:
             mask, indices = select_bins(score.reshape(-1), layout.kept, self.select, period=length)
         values = chosen.reshape(-1).index_select(0, indices).unsqueeze(1)  # (k, 1)
-        floor = values.abs().min()
-        message = pack_kept(values, mask, indices, floor, finite_flag(flat), layout)
-        if self.header != "sparse":
-            return message, 0.0
-        return message, relative_error(values, floor, self.bits)
+        return values, mask, indices, values.abs().min()
 
     def decode(self, payload: Payload) -> torch.Tensor:
         return self.decode_sum([payload])
