@@ -49,6 +49,11 @@ from superneurons.compress.adaptivehead import (
     read_basis,
     relative_error,
 )
+from superneurons.compress.adaptiverows import gather_flat as _gather_flat
+from superneurons.compress.adaptiverows import inverse_rows as _inverse
+from superneurons.compress.adaptiverows import pick_rows as _pick_rows
+from superneurons.compress.adaptiverows import spectrum_buffer as _spectrum_buffer
+from superneurons.compress.adaptiverows import sync_free as _sync_free
 from superneurons.compress.bitpack import pack_bits, packed_bytes, unpack_bits
 from superneurons.compress.codec import (
     Payload,
@@ -64,9 +69,11 @@ from superneurons.compress.sparsecode import (
     KeptLayout,
     add_kept,
     kept_count,
+    kth_smallest,
     pack_kept,
-    select_bins,
+    select_indices,
 )
+from superneurons.compress.workspace import workspace
 from superneurons.errors import ConfigError
 
 __all__ = ["BASES", "AdaptiveCodec", "adaptive_layout"]
@@ -76,7 +83,9 @@ _BASIS_BITS = 2
 SCOPES: tuple[str, ...] = ("global", "chunk")
 CHOICES: tuple[str, ...] = ("rd", "l1")
 HEADERS: tuple[str, ...] = ("sparse", "fixed")
-_Kept = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # values, mask, ids, floor
+_Kept = tuple[
+    torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor
+]  # values, mask, ids, floor
 _LAMBDA_SAMPLE = 65536  # strided input samples that set the Lagrangian threshold (choice="rd")
 
 
@@ -207,7 +216,7 @@ class AdaptiveCodec:
         spatial = chunks.reshape(-1)
         sample = spatial[:: max(1, spatial.numel() // _LAMBDA_SAMPLE)]
         rank = min(sample.numel(), max(1, round(sample.numel() * (1.0 - keep_share))))
-        return torch.kthvalue(sample * sample, rank).values
+        return kth_smallest(sample * sample, rank)[0]
 
     def _chunk_cost(
         self, coef: torch.Tensor, lam: torch.Tensor, *, scratch: torch.Tensor, out: torch.Tensor
@@ -239,10 +248,15 @@ class AdaptiveCodec:
         lam = self._lagrange_threshold(chunks, layout.kept / layout.universe)
         allowed = self._allowed()
         transforms = {1: fourier, 2: dct}
-        coefs = [chunks if code == 0 else transforms[code](chunks) for code in allowed]
-        # NOTE: one (C, L) scratch for every cost and the score: each fresh 4 B/element buffer
+        coefs = [
+            chunks
+            if code == 0
+            else transforms[code](chunks, spectrum=_spectrum_buffer(code, count, length, device))
+            for code in allowed
+        ]
+        # NOTE: one kept (C, L) scratch for every cost and the score: each fresh 4 B/element buffer
         # costs page faults on the CPU (glibc hands large blocks back to the OS).
-        scratch = torch.empty_like(chunks)
+        scratch = workspace("adaptive.scratch", (count, length), torch.float32, device)
         cost = torch.empty(len(coefs), count, device=device)  # (B, C)
         for row, coef in enumerate(coefs):
             self._chunk_cost(coef, lam, scratch=scratch, out=cost[row])
@@ -302,8 +316,9 @@ class AdaptiveCodec:
             mask = torch.zeros(layout.universe, dtype=torch.bool, device=device)
             mask.index_fill_(0, indices, True)
         else:
-            mask, indices = select_bins(score.reshape(-1), layout.kept, self.select, period=length)
-        values = chosen.reshape(-1).index_select(0, indices).unsqueeze(1)  # (k, 1)
+            mask = None  # pack_kept builds it if the bitmap index needs it
+            indices = select_indices(score.reshape(-1), layout.kept, self.select, period=length)
+        values = _gather_flat(chosen, indices).unsqueeze(1)  # (k, 1)
         return values, mask, indices, values.abs().min()
 
     def decode(self, payload: Payload) -> torch.Tensor:
@@ -353,46 +368,3 @@ class AdaptiveCodec:
             basis = unpack_bits(data[:head], _BASIS_BITS, count).clamp_(max=len(BASES) - 1)
             return basis, data[head:], layout
         return read_basis(data, self._switch_layout(numel), self._allowed())
-
-
-def _sync_free(tensor: torch.Tensor) -> bool:
-    """Whether to take the paths that size nothing from data (every device but the CPU, where
-    ``nonzero`` waits for nothing and row copies beat a broadcast ``torch.where`` ~20x)."""
-    return tensor.device.type != "cpu"
-
-
-def _pick_rows(
-    coefs: Sequence[torch.Tensor], slot: torch.Tensor, *, sync_free: bool
-) -> torch.Tensor:
-    """``(C, L)``: row ``c`` of ``coefs[slot[c]]``: with ``sync_free`` by ``torch.where``,
-    else in place in the last candidate (a transform's own buffer, or the only candidate,
-    then returned as is), each other candidate's rows found with ``nonzero`` and copied."""
-    if not sync_free:
-        out = coefs[-1]
-        for index, coef in enumerate(coefs[:-1]):
-            rows = (slot == index).nonzero().reshape(-1)
-            out.index_copy_(0, rows, coef.index_select(0, rows))
-        return out
-    out = coefs[0]
-    for index, coef in enumerate(coefs[1:], start=1):
-        out = torch.where((slot == index).unsqueeze(1), coef, out)
-    return out
-
-
-def _inverse(coef: torch.Tensor, basis: torch.Tensor, *, sync_free: bool) -> torch.Tensor:
-    """``(C, L)`` coefficients, chunk ``c`` in basis ``basis[c]`` -> the flat signal.
-
-    With ``sync_free`` every chunk is inverted in each transform and the right one picked, so
-    no size comes back to the host; else only the chunks coded in a transform are inverted
-    (their rows found with ``nonzero``). ``coef`` is consumed (spatial rows are kept in place).
-    """
-    signal = coef
-    for code, inverse in ((1, inverse_fourier), (2, inverse_dct)):
-        hit = basis == code  # (C,)
-        if not sync_free:
-            rows = hit.nonzero().reshape(-1)
-            if rows.numel():
-                signal.index_copy_(0, rows, inverse(coef.index_select(0, rows)))
-        else:
-            signal = torch.where(hit.unsqueeze(1), inverse(coef), signal)
-    return signal.reshape(-1)

@@ -40,8 +40,9 @@ from superneurons.compress.sparsecode import (
     add_kept,
     kept_count,
     pack_kept,
-    select_bins,
+    select_indices,
 )
+from superneurons.compress.workspace import workspace
 from superneurons.errors import ConfigError
 
 __all__ = ["CompactTopKCodec", "check_theta"]
@@ -117,11 +118,14 @@ class CompactTopKCodec:
         del generator  # deterministic
         flat = check_gradient(grad, codec_name=self.NAME).detach().to(torch.float32)
         layout = self._layout(flat.numel())
-        score = flat * flat  # (n,)
-        mask, indices = select_bins(score, layout.kept, self.select)
+        # (n,) in a kept CPU buffer (encode-internal: page faults, not FLOPs)
+        score = torch.mul(
+            flat, flat, out=workspace("ctopk.score", flat.shape, flat.dtype, flat.device)
+        )
+        indices = select_indices(score, layout.kept, self.select)
         values = flat.index_select(0, indices).unsqueeze(1)  # (k, 1), in index order
         floor = values.abs().min()
-        data = pack_kept(values, mask, indices, floor, finite_flag(flat), layout)
+        data = pack_kept(values, None, indices, floor, finite_flag(flat), layout)
         return Payload(data, flat.numel())
 
     def decode(self, payload: Payload) -> torch.Tensor:

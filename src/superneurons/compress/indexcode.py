@@ -17,6 +17,7 @@ Bitmaps use LSB-first bit order inside each byte (as :mod:`superneurons.compress
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from superneurons.compress.bitpack import pack_bits, packed_bytes, unpack_bits
@@ -25,13 +26,16 @@ from superneurons.errors import ConfigError
 __all__ = [
     "INDEX_KINDS",
     "bitmap_bytes",
+    "bitmap_positions",
     "decode_bitmap",
     "decode_gap",
     "encode_bitmap",
     "encode_gap",
+    "flat_nonzero",
     "gap_bytes",
     "gap_low_bits",
     "index_bytes",
+    "set_positions",
 ]
 
 INDEX_KINDS: tuple[str, ...] = ("bitmap", "gap")
@@ -45,6 +49,32 @@ _SPREAD = 0x0101010101010101
 _SELECT = 0x8040201008040201 - (1 << 64)
 
 
+def flat_nonzero(mask: torch.Tensor) -> torch.Tensor:
+    """Increasing int64 positions of the set entries of a 1-D bool ``mask`` (its own device).
+
+    NOTE: on the CPU numpy's ``flatnonzero`` (a CPU-only path, so no device mix): ~4x faster
+    than ``torch.nonzero`` on one thread, 0.26 vs 1.06 ms for 526k positions with 11% set
+    (session 4, shared 2-core machine), with the same result. Other devices keep
+    ``torch.nonzero`` (callers there take the sync-free paths instead).
+    """
+    if mask.device.type != "cpu":
+        return mask.nonzero().reshape(-1)
+    positions = np.flatnonzero(mask.detach().contiguous().numpy())
+    return torch.from_numpy(positions.astype(np.int64, copy=False))
+
+
+def set_positions(mask: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``mask.index_fill_(0, indices, True)`` for a 1-D bool ``mask``; returns ``mask``.
+
+    NOTE: on the CPU a numpy fancy assignment, 0.06 against 0.16 ms for 52k positions in 184k
+    (one thread, session 4); other devices keep ``index_fill_``.
+    """
+    if mask.device.type != "cpu" or not mask.is_contiguous():
+        return mask.index_fill_(0, indices, True)
+    mask.numpy()[indices.numpy()] = True
+    return mask
+
+
 def bitmap_bytes(universe: int) -> int:
     """Bytes of a bitmap over ``universe`` positions."""
     return (universe + 7) // 8
@@ -54,6 +84,11 @@ def encode_bitmap(mask: torch.Tensor) -> torch.Tensor:
     """Pack a 1-D bool ``mask`` into ``bitmap_bytes(mask.numel())`` uint8 (LSB-first)."""
     universe = mask.numel()
     nbytes = bitmap_bytes(universe)
+    if mask.device.type == "cpu" and mask.dtype == torch.bool:
+        # NOTE: numpy's packbits, LSB-first and zero-padded like the gather below: ~8x
+        # faster on one thread (184k positions: ~0.01 vs 0.085 ms, session 4).
+        packed = np.packbits(mask.detach().reshape(-1).contiguous().numpy(), bitorder="little")
+        return torch.from_numpy(packed)
     flat = mask.reshape(-1).view(torch.uint8)
     if universe % 8:
         padded = torch.zeros(nbytes * 8, dtype=torch.uint8, device=mask.device)
@@ -76,6 +111,19 @@ def decode_bitmap(data: torch.Tensor, universe: int) -> torch.Tensor:
     spread = (data[:need].to(torch.int64) * _SPREAD) & _SELECT  # (bytes,): bit i in lane i
     lanes = spread.view(torch.uint8).view(need, 8)  # (bytes, 8), nonzero where the bit is set
     return (lanes != 0).reshape(-1)[:universe]
+
+
+def bitmap_positions(data: torch.Tensor, universe: int) -> torch.Tensor:
+    """``flat_nonzero(decode_bitmap(data, universe))``: the increasing int64 positions set in a
+    bitmap. NOTE: on the CPU numpy's ``unpackbits`` (LSB-first, as :func:`encode_bitmap`) and
+    ``flatnonzero``: 0.1 against 0.5 ms for 367k positions (one thread, session 4)."""
+    if data.device.type != "cpu":
+        return flat_nonzero(decode_bitmap(data, universe))
+    need = bitmap_bytes(universe)
+    if data.dtype != torch.uint8 or data.numel() < need:
+        raise ConfigError(f"bitmap: need {need} uint8 bytes for {universe} positions")
+    bits = np.unpackbits(data[:need].contiguous().numpy(), count=universe, bitorder="little")
+    return torch.from_numpy(np.flatnonzero(bits.view(np.bool_)).astype(np.int64, copy=False))
 
 
 def gap_low_bits(universe: int, count: int) -> int:
@@ -108,7 +156,7 @@ def encode_gap(indices: torch.Tensor, universe: int) -> torch.Tensor:
     device = indices.device
     upper = torch.zeros(_upper_bits(universe, count, low), dtype=torch.bool, device=device)
     # unary gaps of the high parts
-    upper.index_fill_(0, (indices >> low) + torch.arange(count, device=device), True)
+    set_positions(upper, (indices >> low) + torch.arange(count, device=device))
     parts.append(encode_bitmap(upper))
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
@@ -126,12 +174,14 @@ def decode_gap(
     """
     low = gap_low_bits(universe, count)
     low_bytes = packed_bytes(count, low) if low else 0
-    upper = decode_bitmap(data[low_bytes:], _upper_bits(universe, count, low))  # (U,)
+    upper_bits = _upper_bits(universe, count, low)
     if sync_free is None:
-        sync_free = upper.device.type != "cpu"
+        sync_free = data.device.type != "cpu"
     if not sync_free:
-        high = upper.nonzero().reshape(-1) - torch.arange(count)
+        high = bitmap_positions(data[low_bytes:], upper_bits)
+        high -= torch.arange(count, device=data.device)
     else:
+        upper = decode_bitmap(data[low_bytes:], upper_bits)  # (U,)
         # NOTE: cumsum of bools accumulates in int64 ~20x slower (CPU) than in int32.
         rank = torch.cumsum(upper, 0, dtype=torch.int32).sub_(1).to(torch.int64)  # (U,)
         position = torch.arange(upper.numel(), device=data.device)  # (U,)

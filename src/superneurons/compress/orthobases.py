@@ -26,6 +26,8 @@ import math
 
 import torch
 
+from superneurons.compress.workspace import workspace
+
 __all__ = ["dct", "fourier", "inverse_dct", "inverse_fourier"]
 
 
@@ -37,13 +39,40 @@ def _out(chunks: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
-def fourier(chunks: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``(C, L)`` -> ``(C, L)`` orthonormal real Fourier coefficients (``L`` even), written
-    into ``out`` when given, else a view (row stride ``L + 2``) of the spectrum's own buffer
-    (no extra copy)."""
+def _spectrum(
+    chunks: torch.Tensor, spectrum: torch.Tensor | None, twiddle: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``(C, L + 2)``: the unnormalised ``rfft`` of each row as (re, im) pairs, times
+    ``twiddle`` when given, in ``spectrum`` (a caller's ``(C, L + 2)`` buffer) or a fresh one.
+
+    NOTE: ``rfft(out=...)`` computes into a temporary and copies (ATen's CPU kernels), one
+    extra pass; the caller's kept buffer still saves time on the CPU, where the two fresh
+    multi-MiB spectra of the adaptive codec were trimmed and page-faulted back every call.
+    """
     count, length = chunks.shape
-    bins = torch.view_as_real(torch.fft.rfft(chunks))  # (C, L/2+1, 2), unnormalised
-    slots = bins.reshape(count, length + 2)
+    if spectrum is None:
+        bins = torch.fft.rfft(chunks)  # (C, L/2+1)
+    else:
+        if spectrum.shape != (count, length + 2) or spectrum.dtype != chunks.dtype:
+            raise ValueError(f"spectrum must be {(count, length + 2)} {chunks.dtype}")
+        bins = torch.view_as_complex(spectrum.view(count, length // 2 + 1, 2))
+        torch.fft.rfft(chunks, out=bins)
+    if twiddle is not None:
+        bins.mul_(twiddle)
+    return torch.view_as_real(bins).reshape(count, length + 2)
+
+
+def fourier(
+    chunks: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    spectrum: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``(C, L)`` -> ``(C, L)`` orthonormal real Fourier coefficients (``L`` even), written
+    into ``out`` when given, else a view (row stride ``L + 2``) of the spectrum's buffer (no
+    extra copy): ``spectrum``, a caller's ``(C, L + 2)`` buffer, or a fresh one."""
+    count, length = chunks.shape
+    slots = _spectrum(chunks, spectrum)  # (C, L + 2), unnormalised (re, im) pairs
     # Packed real-FFT layout: Im X_0 (slot 1) is zero for real input, so it carries the other
     # unpaired bin Re X_{L/2}; paired bins scale by sqrt(2/L), unpaired ones by sqrt(1/L).
     first = slots[:, 0] * math.sqrt(1.0 / length)  # (C,)
@@ -56,7 +85,8 @@ def fourier(chunks: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
 def inverse_fourier(coef: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse of :func:`fourier`, written into ``out`` when given."""
     count, length = coef.shape
-    slots = torch.empty(count, length + 2, dtype=coef.dtype, device=coef.device)
+    # consumed by the irfft: a kept CPU buffer (superneurons.compress.workspace)
+    slots = workspace("orthobases.inverse.slots", (count, length + 2), coef.dtype, coef.device)
     torch.mul(coef, math.sqrt(0.5 * length), out=slots[:, :length])  # unnormalised bins
     slots[:, length] = coef[:, 1] * math.sqrt(length)
     slots[:, 0] = coef[:, 0] * math.sqrt(length)
@@ -85,18 +115,24 @@ def _makhoul_order(length: int, device: torch.device) -> torch.Tensor:
     return torch.where(index < length // 2, 2 * index, 2 * (length - index) - 1)
 
 
-def dct(chunks: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def dct(
+    chunks: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    spectrum: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``(C, L)`` -> ``(C, L)`` orthonormal DCT-II coefficients (``L`` even) in the packed
     real-FFT order ``[C_0, C_{L/2}, C_1, -C_{L-1}, C_2, -C_{L-2}, ..., C_{L/2-1},
     -C_{L/2+1}]`` (a signed permutation of the standard order: still orthonormal, and one
     pass cheaper than reordering), written into ``out`` when given, else a view (row stride
-    ``L + 2``) of the spectrum's own buffer."""
+    ``L + 2``) of the spectrum's buffer (``spectrum``, as in :func:`fourier`)."""
     count, length = chunks.shape
-    reordered = torch.index_select(chunks, 1, _makhoul_order(length, chunks.device))
+    # the reorder is consumed by the rfft: a kept CPU buffer (superneurons.compress.workspace)
+    reordered = workspace("orthobases.dct.reorder", (count, length), chunks.dtype, chunks.device)
+    torch.index_select(chunks, 1, _makhoul_order(length, chunks.device), out=reordered)
     # Y_j = V_j w_j: C_j = Re Y_j (j = 0..L/2), -C_{L-j} = Im Y_j (j = 1..L/2-1).
-    twisted = torch.view_as_real(torch.fft.rfft(reordered).mul_(_twiddle(length, chunks.device)))
+    slots = _spectrum(reordered, spectrum, _twiddle(length, chunks.device))  # (C, L + 2)
     del reordered
-    slots = twisted.reshape(count, length + 2)
     slots[:, 0] *= math.sqrt(0.5)  # C_0's orthonormal scale is sqrt(1/L)
     slots[:, 1] = slots[:, length]  # Im Y_0 = 0: its slot carries C_{L/2}
     coef = slots[:, :length]
@@ -109,7 +145,7 @@ def inverse_dct(coef: torch.Tensor, *, out: torch.Tensor | None = None) -> torch
     half = length // 2
     out = _out(coef, out)
     # Y_j = C_j - i C_{L-j} (C_L = 0, so Im Y_0 = 0; Y_{L/2} = C_{L/2} (1 - i)).
-    slots = torch.empty(count, length + 2, dtype=coef.dtype, device=coef.device)
+    slots = workspace("orthobases.inverse.slots", (count, length + 2), coef.dtype, coef.device)
     slots[:, :length] = coef
     slots[:, 0] *= math.sqrt(2.0)
     slots[:, 1] = 0.0

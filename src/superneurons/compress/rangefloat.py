@@ -150,10 +150,11 @@ def _range_exp_bits(top: torch.Tensor, threshold: torch.Tensor, bits: int) -> to
     codes covering the binades from ``threshold`` (float32, >= 0) up to ``top``, capped."""
     floor = _binade(threshold.to(torch.float32).reshape(1).view(torch.int32)[0] & 0x7FFFFFFF)
     binades = top - floor + 1
-    exp_bits = torch.ones_like(top)
-    for exp in range(1, _max_exp_bits(bits)):
-        exp_bits += (binades > 2**exp - 1).to(torch.int32)  # e too small for the range
-    return exp_bits
+    # The smallest e >= 1 with 2**e - 1 >= binades is the bit length of max(binades, 1), read
+    # from its float32 exponent (exact: |binades| < 2**9). NOTE: 6 small ops instead of a loop
+    # of 3 per width (each ~5 us of dispatch on the CPU); equal for every binade (tested).
+    length = (binades.clamp(min=1).to(torch.float32).view(torch.int32) >> 23) - 126
+    return length.clamp_(max=_max_exp_bits(bits))
 
 
 def _window_base(top: torch.Tensor, exp_bits: torch.Tensor) -> torch.Tensor:

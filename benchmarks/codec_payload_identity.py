@@ -1,0 +1,139 @@
+"""Payload and decode digests of the sparse codecs, to prove a speed change moved no byte.
+
+A performance change to ``fft``, ``adaptive``, ``ctopk`` or ``topk`` (or the shared coding under them)
+must keep every payload byte-identical and every decode bit-identical. This script encodes a
+fixed set of random and structured vectors with a fixed set of specs and prints one SHA-256
+per (spec, vector) of the payload bytes and of ``decode_sum`` over three payloads. Run it
+against a reference source tree and the current one and compare::
+
+    git archive <base> src | tar -x -C /tmp/base
+    python benchmarks/codec_payload_identity.py --reference-src /tmp/base/src
+
+(``--reference-src`` runs the digests twice, in two subprocesses with different
+``PYTHONPATH``, and exits non-zero on any difference); ``--digests`` prints this tree's
+digests as JSON. One thread, CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SPECS: tuple[str, ...] = (
+    "fft",
+    "fft:select=exact",
+    "fft:index=bitmap",
+    "fft:index=gap",
+    "fft:bits=4",
+    "fft:bits=16",
+    "fft:bits=32",
+    "fft:theta=0.5",
+    "fft:theta=0.99",
+    "fft:chunk=0",
+    "fft:chunk=300",
+    "fft:chunk=4096",
+    "adaptive",
+    "adaptive:select=exact",
+    "adaptive:scope=chunk",
+    "adaptive:choice=l1",
+    "adaptive:margin=0.1",
+    "adaptive:bases=spatial+dct",
+    "adaptive:bases=fourier",
+    "adaptive:bases=dct+fourier",
+    "adaptive:index=bitmap",
+    "adaptive:bits=32",
+    "adaptive:bits=4",
+    "adaptive:chunk=64",
+    "ctopk",
+    "ctopk:select=exact",
+    "ctopk:theta=0.9",
+    "ctopk:bits=4",
+    "ctopk:bits=32",
+    "topk",  # shares the sampled selection
+)
+
+
+def _vectors() -> dict[str, object]:
+    import torch
+
+    gen = torch.Generator().manual_seed(1234)
+    n = 1 << 20
+    t = torch.arange(n, dtype=torch.float32)
+    spikes = torch.zeros(n)
+    spikes[torch.randperm(n, generator=gen)[:5000]] = torch.randn(5000, generator=gen)
+    blocks = torch.randn(n // 512, 1, generator=gen).expand(n // 512, 512).reshape(-1)
+    with_nan = torch.randn(4099, generator=gen)
+    with_nan[17] = float("nan")
+    return {
+        "randn_1M": torch.randn(n, generator=gen),
+        "randn_100003": torch.randn(100003, generator=gen),
+        "heavy_tail": torch.randn(n, generator=gen) ** 3,
+        "sinusoids": torch.sin(t * 0.01) + 0.1 * torch.randn(n, generator=gen),
+        "spikes": spikes,
+        "blocks_plus_noise": blocks + 1e-3 * torch.randn(n, generator=gen),
+        "ties": torch.ones(70001).mul_(0.5),
+        "zeros": torch.zeros(8192),
+        "tiny_scale": torch.randn(300000, generator=gen) * 1e-30,
+        "small_7": torch.randn(7, generator=gen),
+        "small_513": torch.randn(513, generator=gen),
+        "with_nan": with_nan,
+    }
+
+
+def digests() -> dict[str, str]:
+    """``{"spec|vector|payload": sha256, "spec|vector|decode": sha256}`` for every case."""
+    import torch
+
+    from superneurons.compress.spec import parse_codec
+
+    torch.set_num_threads(1)
+    out: dict[str, str] = {}
+    vectors = _vectors()
+    for spec in SPECS:
+        codec = parse_codec(spec)
+        for name, vector in vectors.items():
+            assert isinstance(vector, torch.Tensor)
+            payloads = [codec.encode(vector * scale) for scale in (1.0, -0.5, 2.0)]
+            raw = payloads[0].data.contiguous().numpy().tobytes()
+            out[f"{spec}|{name}|payload"] = hashlib.sha256(raw).hexdigest()
+            total = codec.decode_sum(payloads).contiguous().view(torch.int32)
+            out[f"{spec}|{name}|decode"] = hashlib.sha256(total.numpy().tobytes()).hexdigest()
+            single = codec.decode(payloads[1]).contiguous().view(torch.int32)
+            out[f"{spec}|{name}|decode1"] = hashlib.sha256(single.numpy().tobytes()).hexdigest()
+    return out
+
+
+def _run(src: Path) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    result = subprocess.run(
+        [sys.executable, __file__, "--digests"], env=env, check=True, capture_output=True, text=True
+    )
+    return json.loads(result.stdout)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--digests", action="store_true", help="print this tree's digests")
+    parser.add_argument("--reference-src", type=Path, help="a reference tree's src/ to compare")
+    args = parser.parse_args()
+    if args.digests:
+        json.dump(digests(), sys.stdout)
+        return 0
+    if args.reference_src is None:
+        parser.error("give --digests or --reference-src")
+    here = Path(__file__).resolve().parents[1] / "src"
+    reference, current = _run(args.reference_src), _run(here)
+    differ = sorted(key for key in reference if reference[key] != current.get(key))
+    for key in differ:
+        print(f"DIFFERS {key}")
+    print(f"{len(reference) - len(differ)}/{len(reference)} digests identical")
+    return 1 if differ else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
