@@ -133,3 +133,14 @@ def test_a_corrupt_switch_count_is_a_config_error() -> None:
     data[:COUNT_BYTES] = torch.tensor([1000], dtype=torch.int32).view(torch.uint8)
     with pytest.raises(ConfigError, match="switched chunks"):
         codec.decode(Payload(data, payload.numel))
+
+
+@pytest.mark.parametrize("bases", ["fourier", "spatial+dct", "spatial+fourier+dct"])
+def test_non_finite_input_decodes_to_nan(bases: str) -> None:
+    codec = AdaptiveCodec(bases=bases)
+    grad = torch.randn(4099)
+    grad[17] = float("nan")
+    payload = codec.encode(grad)
+    assert _switched(payload) == 0 or "+" in bases  # a single basis never switches
+    assert payload.nbytes == codec.payload_bytes(4099)
+    assert bool(codec.decode_sum([payload, codec.encode(torch.randn(4099))]).isnan().all())

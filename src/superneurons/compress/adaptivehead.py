@@ -115,6 +115,7 @@ class SwitchLayout:
         self, *, chunks: int, bases: int, universe: int, bits: int, index: str, total_bytes: int
     ) -> None:
         self.chunks = chunks
+        self.bases = bases
         self.code_bits = switch_code_bits(bases)
         self.universe = universe
         self.bits = bits
@@ -187,7 +188,7 @@ def read_basis(
     """``(basis codes (C,), kept-message bytes, their layout)`` of one payload; ``allowed``:
     the codes of the allowed bases, the first being the default."""
     switched = read_count(data, layout.chunks)
-    if layout.kept(switched) < 1:
+    if layout.kept(switched) < 1 or (switched and len(allowed) < 2):
         raise ConfigError(f"adaptive: payload says {switched} switched chunks, too many")
     sync_free = data.device.type != "cpu"
     ids, codes = decode_switches(data[COUNT_BYTES:], switched, layout, sync_free=sync_free)
@@ -205,6 +206,10 @@ def choose_switches(gain: torch.Tensor, lam: torch.Tensor, layout: SwitchLayout)
     ``(C,)`` for the ``m`` that minimises ``lam * (k(0) - k(m)) - their summed gain`` (the
     Lagrangian cost of the message: each coefficient the header displaces is worth ``lam``).
     Reads ``m`` on the host (the payload's sizes follow from it)."""
+    if layout.kept(1) < 1 or layout.bases < 2:
+        return torch.zeros(0, dtype=torch.int64, device=gain.device)
+    # Non-finite input (its payload decodes to NaN anyway) switches nothing.
+    gain = torch.nan_to_num(gain, nan=0.0, posinf=0.0, neginf=0.0)
     order = torch.argsort(gain, descending=True)  # (C,)
     total = torch.cat([gain.new_zeros(1), torch.cumsum(gain.index_select(0, order), 0)])
     kept = torch.tensor(layout.kept_by_switched, dtype=torch.float32, device=gain.device)
