@@ -15,8 +15,7 @@ from superneurons.compress.adaptive import (
     _pick_rows,
     adaptive_layout,
 )
-from superneurons.compress.bitpack import unpack_bits
-from superneurons.compress.codec import sum_of_decodes
+from superneurons.compress.codec import Payload, sum_of_decodes
 from superneurons.compress.compacttopk import CompactTopKCodec
 from superneurons.compress.feedback import feedback_step
 from superneurons.compress.fft import FFTCodec
@@ -41,6 +40,11 @@ def _gradients(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
         "periodic": torch.sin(t * 0.37) + 0.1 * normal,
         "mixed": torch.where(t < n / 2, sparse, smooth),
     }
+
+
+def _bases_of(codec: AdaptiveCodec, payload: Payload) -> torch.Tensor:
+    """The ``(C,)`` basis codes a payload carries (either header)."""
+    return codec._read_basis(payload.data, payload.numel)[0]
 
 
 def _err_sq(restored: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
@@ -73,10 +77,13 @@ def test_dct_matches_the_dct_ii_matrix() -> None:
     torch.testing.assert_close(dct(x.float()).double(), x @ packed.T, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("header", ["sparse", "fixed"])
 @pytest.mark.parametrize("theta", [0.1, 0.5, 0.9, 0.99])
 @pytest.mark.parametrize("n,chunk", [(97, 512), (4099, 256), (3001, 64)])
-def test_global_scope_parseval_bound(theta: float, n: int, chunk: int) -> None:
-    codec = AdaptiveCodec(theta=theta, bits=32, chunk=chunk, scope="global", select="exact")
+def test_global_scope_parseval_bound(theta: float, n: int, chunk: int, header: str) -> None:
+    codec = AdaptiveCodec(
+        theta=theta, bits=32, chunk=chunk, scope="global", select="exact", header=header
+    )
     for name, grad in _gradients(n).items():
         err = float(_err_sq(codec.decode(codec.encode(grad)), grad).sum())
         assert err <= theta * float(grad.double().square().sum()) * (1 + 1e-5) + 1e-9, name
@@ -85,7 +92,7 @@ def test_global_scope_parseval_bound(theta: float, n: int, chunk: int) -> None:
 @pytest.mark.parametrize("theta", [0.5, 0.9, 0.97])
 @pytest.mark.parametrize("n,chunk", [(4099, 256), (3001, 64)])
 def test_chunk_scope_bounds_every_chunk(theta: float, n: int, chunk: int) -> None:
-    codec = AdaptiveCodec(theta=theta, bits=32, chunk=chunk, scope="chunk")
+    codec = AdaptiveCodec(theta=theta, bits=32, chunk=chunk, scope="chunk", header="fixed")
     length, count = adaptive_layout(n, chunk)
     for name, grad in _gradients(n).items():
         err = _err_sq(codec.decode(codec.encode(grad)), grad)
@@ -112,27 +119,33 @@ def test_basis_choice_follows_the_signal() -> None:
     spikes = torch.zeros(n)
     spikes[::700] = 5.0  # isolated spikes: spatial
     tones = torch.cos(2 * math.pi * 16 * t / chunk)  # on-grid tone: Fourier compacts it
-    codec = AdaptiveCodec(theta=0.9, chunk=chunk)
-    for signal, expected in ((smooth, "dct"), (spikes, "spatial"), (tones, "fourier")):
-        head = unpack_bits(codec.encode(signal).data, 2, n // chunk)
-        assert {BASES[int(b)] for b in head} == {expected}
+    for header in ("sparse", "fixed"):
+        codec = AdaptiveCodec(theta=0.9, chunk=chunk, header=header)
+        for signal, expected in ((smooth, "dct"), (spikes, "spatial"), (tones, "fourier")):
+            head = _bases_of(codec, codec.encode(signal))
+            assert {BASES[int(b)] for b in head} == {expected}
 
 
 def test_restricted_bases_are_respected() -> None:
     grad = _gradients(4096)["smooth"]
-    codec = AdaptiveCodec(bases="spatial", chunk=512)
-    head = unpack_bits(codec.encode(grad).data, 2, 8)
-    assert bool((head == 0).all())
+    for header in ("sparse", "fixed"):
+        codec = AdaptiveCodec(bases="spatial", chunk=512, header=header)
+        assert bool((_bases_of(codec, codec.encode(grad)) == 0).all())
     # Spatial-only adaptive == compactly coded Top-k (same selection, same coding) up to the
     # extra universe of padding and the basis header.
     ctopk = CompactTopKCodec(theta=0.9, select="exact")
-    only = AdaptiveCodec(theta=0.9, bases="spatial", chunk=512, select="exact")
+    only = AdaptiveCodec(theta=0.9, bases="spatial", chunk=512, select="exact", header="fixed")
     torch.testing.assert_close(only.decode(only.encode(grad)), ctopk.decode(ctopk.encode(grad)))
 
 
 @pytest.mark.parametrize(
     "codec",
-    [AdaptiveCodec(), AdaptiveCodec(scope="chunk", index="gap"), AdaptiveCodec(bits=4, chunk=64)],
+    [
+        AdaptiveCodec(),
+        AdaptiveCodec(scope="chunk", index="gap", header="fixed"),
+        AdaptiveCodec(bits=4, chunk=64),
+        AdaptiveCodec(bits=4, chunk=64, header="fixed"),
+    ],
     ids=lambda c: c.spec,
 )
 def test_decode_sum_mixes_bases_across_ranks(codec: AdaptiveCodec) -> None:
@@ -188,6 +201,8 @@ def test_error_feedback_accumulates_what_was_dropped() -> None:
         ({"bits": 5}, "bits"),
         ({"margin": 1.0}, "margin"),
         ({"margin": -0.1}, "margin"),
+        ({"header": "dense"}, "header"),
+        ({"scope": "chunk"}, "header=fixed"),
     ],
 )
 def test_bad_hyper_parameters_raise_config_errors(kwargs: dict[str, object], message: str) -> None:
@@ -217,12 +232,12 @@ def test_margin_keeps_chunks_spatial_unless_a_transform_wins_clearly() -> None:
     grad = torch.cat([grads["mixed"], grads["normal"]])
     counts = []
     for margin in (0.0, 0.3, 0.999):
-        head = unpack_bits(AdaptiveCodec(margin=margin).encode(grad).data, 2, 32)
-        counts.append(int((head == 0).sum()))
+        codec = AdaptiveCodec(margin=margin, header="fixed")
+        counts.append(int((_bases_of(codec, codec.encode(grad)) == 0).sum()))
     assert counts[0] <= counts[1] <= counts[2]
     assert counts[2] > counts[0]
-    smooth = AdaptiveCodec(margin=0.3).encode(grads["smooth"])
-    assert bool((unpack_bits(smooth.data, 2, 16) == 2).any())  # a clear DCT win survives
+    codec = AdaptiveCodec(margin=0.3)
+    assert bool((_bases_of(codec, codec.encode(grads["smooth"])) == 2).any())  # DCT survives
 
 
 @pytest.mark.parametrize(

@@ -16,9 +16,14 @@ share's quantile of the input's energy; ``choice="l1"``: the smallest L1 norm, w
 L2 norm is the more compressible vector: Donoho, "Compressed sensing", IEEE TIT 2006;
 ``margin`` makes a transform beat the spatial cost by that share), keep
 ``k = T - floor(theta * T)`` of the ``T = C * L`` chosen coefficients and code them exactly as
-``fft`` and ``ctopk`` do (:mod:`superneurons.compress.sparsecode`)::
+``fft`` and ``ctopk`` do (:mod:`superneurons.compress.sparsecode`). ``header="fixed"``::
 
     [basis codes, 2 bits per chunk][range-float header, 8 B][index code][k values at bits]
+
+``header="sparse"`` (default, :mod:`superneurons.compress.adaptivehead`) names only the
+switched chunks and fills the fixed payload with coefficients; the encoder keeps the switches
+only if they lower the message's squared error (quantisation included). Its sizes follow from
+a count read on the host (a GPU synchronisation per encode and payload decoded).
 
 ``scope="global"`` ranks all chunks' coefficients together (dropped energy ``<= theta`` of the
 whole message); ``scope="chunk"`` keeps ``L - floor(theta * L)`` per chunk, which bounds every
@@ -36,6 +41,19 @@ from typing import ClassVar
 
 import torch
 
+from superneurons.compress.adaptivehead import (
+    COUNT_BYTES,
+    SwitchLayout,
+    choose_switches,
+    encode_switches,
+    read_basis,
+    relative_error,
+)
+from superneurons.compress.adaptiverows import gather_flat as _gather_flat
+from superneurons.compress.adaptiverows import inverse_rows as _inverse
+from superneurons.compress.adaptiverows import pick_rows as _pick_rows
+from superneurons.compress.adaptiverows import spectrum_buffer as _spectrum_buffer
+from superneurons.compress.adaptiverows import sync_free as _sync_free
 from superneurons.compress.bitpack import pack_bits, packed_bytes, unpack_bits
 from superneurons.compress.codec import (
     Payload,
@@ -64,6 +82,10 @@ BASES: tuple[str, ...] = ("spatial", "fourier", "dct")  # basis code = position 
 _BASIS_BITS = 2
 SCOPES: tuple[str, ...] = ("global", "chunk")
 CHOICES: tuple[str, ...] = ("rd", "l1")
+HEADERS: tuple[str, ...] = ("sparse", "fixed")
+_Kept = tuple[
+    torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor
+]  # values, mask, ids, floor
 _LAMBDA_SAMPLE = 65536  # strided input samples that set the Lagrangian threshold (choice="rd")
 
 
@@ -84,6 +106,8 @@ class AdaptiveCodec:
     share per chunk: a per-chunk error bound). ``choice``: "rd" | "l1" basis cost.
     ``select``/``index`` as in ``fft``. ``margin`` in [0, 1): share by which a transform must
     beat the spatial basis' cost (0: none; measured worse after error feedback, ANSWER.md).
+    ``header``: "sparse" (switched chunks only, variable kept count in a fixed payload) |
+    "fixed" (2 bits per chunk; no host read, needed by ``scope="chunk"``).
     """
 
     NAME: ClassVar[str] = "adaptive"
@@ -96,6 +120,7 @@ class AdaptiveCodec:
     select: str = "sampled"
     index: str = "auto"
     margin: float = 0.0
+    header: str = "sparse"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "theta", check_theta(self.theta, owner=self.NAME))
@@ -126,6 +151,15 @@ class AdaptiveCodec:
         object.__setattr__(self, "margin", float(margin))
         if self.scope not in SCOPES:
             raise ConfigError(f"{self.NAME}: scope={self.scope!r} is unknown; use {list(SCOPES)}")
+        if self.header not in HEADERS:
+            raise ConfigError(
+                f"{self.NAME}: header={self.header!r} is unknown; use {list(HEADERS)}"
+            )
+        if self.scope == "chunk" and self.header != "fixed":
+            raise ConfigError(
+                f"{self.NAME}: scope=chunk keeps a fixed share per chunk, so it needs "
+                "header=fixed (header=sparse varies the kept count per message)"
+            )
 
     def __str__(self) -> str:  # the spec string, so str(parse_spec(s)) round-trips
         return self.spec
@@ -135,7 +169,7 @@ class AdaptiveCodec:
         return (
             f"{self.NAME}:theta={self.theta!r},bits={self.bits},chunk={self.chunk},"
             f"bases={self.bases},scope={self.scope},choice={self.choice},select={self.select},index={self.index},"
-            f"margin={self.margin!r}"
+            f"margin={self.margin!r},header={self.header}"
         )
 
     @property
@@ -156,7 +190,20 @@ class AdaptiveCodec:
 
     def payload_bytes(self, numel: int) -> int:
         _, chunks, layout = self._sizes(numel)
+        if self.header == "sparse":
+            return COUNT_BYTES + layout.nbytes
         return packed_bytes(chunks, _BASIS_BITS) + layout.nbytes
+
+    def _switch_layout(self, numel: int) -> SwitchLayout:
+        _, chunks, layout = self._sizes(numel)
+        return SwitchLayout(
+            chunks=chunks,
+            bases=len(self._allowed()),
+            universe=layout.universe,
+            bits=self.bits,
+            index=self.index,
+            total_bytes=self.payload_bytes(numel),
+        )
 
     def _allowed(self) -> tuple[int, ...]:
         """Codes (positions in :data:`BASES`) of the allowed bases, in code order."""
@@ -217,11 +264,49 @@ class AdaptiveCodec:
             # A transform must beat the spatial basis by ``margin`` of its cost.
             cost[0] *= 1.0 - self.margin
         slot = cost.argmin(dim=0)  # (C,): ties go to the lowest code (spatial first)
-        basis = torch.full_like(slot, allowed[0])  # (C,) codes; no host-to-device copy
-        for index, code in enumerate(allowed[1:], start=1):
-            basis.masked_fill_(slot == index, code)
-        chosen = _pick_rows(coefs, slot, sync_free=_sync_free(flat))  # (C, L)
-        del coefs
+        if self.header == "fixed":
+            basis = torch.full_like(slot, allowed[0])  # (C,) codes; no host-to-device copy
+            for index, code in enumerate(allowed[1:], start=1):
+                basis.masked_fill_(slot == index, code)
+            chosen = _pick_rows(coefs, slot, sync_free=_sync_free(flat))  # (C, L)
+            del coefs
+            values, mask, indices, floor = self._select(chosen, scratch, layout)
+            message = pack_kept(values, mask, indices, floor, finite_flag(flat), layout)
+            return Payload(torch.cat([pack_bits(basis, _BASIS_BITS), message]), numel)
+        switches = self._switch_layout(numel)
+        gain = cost[0] - cost.min(dim=0).values  # (C,): what switching a chunk saves
+        ids = choose_switches(gain, lam, switches)  # (m,) sorted
+        # The encoder knows each option's squared error (dropped energy plus quantisation): send
+        # the switches only when they beat every chunk in the default basis (which alone meets
+        # the Parseval bound before quantisation).
+        best: tuple[float, torch.Tensor, torch.Tensor, _Kept, KeptLayout] | None = None
+        for option in [ids, ids[:0]] if ids.numel() else [ids]:
+            picked = torch.zeros_like(slot).index_copy_(0, option, slot.index_select(0, option))
+            # With no switch the default basis' coefficients are sent as they are (never
+            # written: the switched candidate's row picks go into the last basis' buffer).
+            chosen = (
+                _pick_rows(coefs, picked, sync_free=_sync_free(flat))
+                if option.numel()
+                else coefs[0]
+            )
+            kept = switches.message(option.numel())
+            selected = self._select(chosen, scratch, kept)
+            error = relative_error(selected[0], selected[3], self.bits)
+            if best is None or error < best[0]:
+                best = (error, option, picked, selected, kept)
+        assert best is not None
+        _, ids, picked, selected, kept = best
+        values, mask, indices, floor = selected
+        message = pack_kept(values, mask, indices, floor, finite_flag(flat), kept)
+        head = encode_switches(ids, picked.index_select(0, ids) - 1, switches)
+        pad = switches.total_bytes - head.numel() - message.numel()
+        return Payload(torch.cat([head, message, message.new_zeros(pad)]), numel)
+
+    def _select(self, chosen: torch.Tensor, scratch: torch.Tensor, layout: KeptLayout) -> _Kept:
+        """``(values (k, 1), mask, indices, floor)``: the kept coefficients of ``chosen``
+        ``(C, L)`` as :func:`pack_kept` takes them (``scratch``: a ``(C, L)`` buffer)."""
+        device = chosen.device
+        count, length = chosen.shape
         score = torch.mul(chosen, chosen, out=scratch)  # (C, L)
         if self.scope == "chunk":
             per_chunk = kept_count(length, self.theta)
@@ -234,9 +319,7 @@ class AdaptiveCodec:
             mask = None  # pack_kept builds it if the bitmap index needs it
             indices = select_indices(score.reshape(-1), layout.kept, self.select, period=length)
         values = _gather_flat(chosen, indices).unsqueeze(1)  # (k, 1)
-        floor = values.abs().min()
-        message = pack_kept(values, mask, indices, floor, finite_flag(flat), layout)
-        return Payload(torch.cat([pack_bits(basis, _BASIS_BITS), message]), numel)
+        return values, mask, indices, values.abs().min()
 
     def decode(self, payload: Payload) -> torch.Tensor:
         return self.decode_sum([payload])
@@ -245,22 +328,21 @@ class AdaptiveCodec:
         """Sum every rank's coefficients per basis, then one inverse transform per basis."""
         numel = common_numel(payloads, codec_name=self.NAME)
         length, count, layout = self._sizes(numel)
-        head = packed_bytes(count, _BASIS_BITS)
+        size = self.payload_bytes(numel)
         device = payloads[0].data.device
         rows = torch.arange(count, device=device)
         finite = torch.ones((), dtype=torch.bool, device=device)
         sums = None  # (3C, L) per-basis coefficient sums, only for several payloads
         for payload in payloads:
             data = payload.data
-            if data.dtype != torch.uint8 or data.numel() != head + layout.nbytes:
+            if data.dtype != torch.uint8 or data.numel() != size:
                 raise ConfigError(
                     f"{self.NAME}: payload has {data.numel()} {data.dtype} elements, expected "
-                    f"{head + layout.nbytes} uint8 for numel={numel}; was it made by "
-                    f"{self.spec}?"
+                    f"{size} uint8 for numel={numel}; was it made by {self.spec}?"
                 )
-            basis = unpack_bits(data[:head], _BASIS_BITS, count).clamp_(max=len(BASES) - 1)
+            basis, message, kept = self._read_basis(data, numel)
             coef = torch.zeros(layout.universe, 1, device=device)
-            finite = finite & add_kept(coef, data[head:], layout)
+            finite = finite & add_kept(coef, message, kept)
             if len(payloads) == 1:
                 return nan_unless(
                     finite,
@@ -276,67 +358,13 @@ class AdaptiveCodec:
             signal += inverse(per_basis[code])
         return nan_unless(finite, signal.reshape(-1)[:numel])
 
-
-def _sync_free(tensor: torch.Tensor) -> bool:
-    """Whether to take the paths that size nothing from data (every device but the CPU, where
-    ``nonzero`` waits for nothing and row copies beat a broadcast ``torch.where`` ~20x)."""
-    return tensor.device.type != "cpu"
-
-
-def _spectrum_buffer(code: int, count: int, length: int, device: torch.device) -> torch.Tensor:
-    """A kept ``(C, L + 2)`` CPU buffer for basis ``code``'s spectrum (fresh elsewhere):
-    encode-internal, every kept value is copied out of it into the payload."""
-    return workspace(f"adaptive.spectrum.{code}", (count, length + 2), torch.float32, device)
-
-
-def _gather_flat(matrix: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """``matrix.reshape(-1).index_select(0, indices)`` for a ``(C, L)`` matrix, without the
-    full copy ``reshape`` makes of a transform's row-strided view (row stride ``L + 2``): one
-    gather from the underlying rows, each index moved past the rows' padding."""
-    count, length = matrix.shape
-    pitch = matrix.stride(0)
-    if matrix.is_contiguous() or matrix.stride(1) != 1:
-        return matrix.reshape(-1).index_select(0, indices)
-    rows = torch.as_strided(matrix, ((count - 1) * pitch + length,), (1,))
-    if length & (length - 1) == 0:  # NOTE: a shift, ~4x cheaper than an int64 division
-        row = indices >> (length.bit_length() - 1)
-    else:
-        row = torch.div(indices, length, rounding_mode="floor")
-    return rows.index_select(0, indices.add(row, alpha=pitch - length))
-
-
-def _pick_rows(
-    coefs: Sequence[torch.Tensor], slot: torch.Tensor, *, sync_free: bool
-) -> torch.Tensor:
-    """``(C, L)``: row ``c`` of ``coefs[slot[c]]``: with ``sync_free`` by ``torch.where``,
-    else in place in the last candidate (a transform's own buffer, or the only candidate,
-    then returned as is), each other candidate's rows found with ``nonzero`` and copied."""
-    if not sync_free:
-        out = coefs[-1]
-        for index, coef in enumerate(coefs[:-1]):
-            rows = (slot == index).nonzero().reshape(-1)
-            out.index_copy_(0, rows, coef.index_select(0, rows))
-        return out
-    out = coefs[0]
-    for index, coef in enumerate(coefs[1:], start=1):
-        out = torch.where((slot == index).unsqueeze(1), coef, out)
-    return out
-
-
-def _inverse(coef: torch.Tensor, basis: torch.Tensor, *, sync_free: bool) -> torch.Tensor:
-    """``(C, L)`` coefficients, chunk ``c`` in basis ``basis[c]`` -> the flat signal.
-
-    With ``sync_free`` every chunk is inverted in each transform and the right one picked, so
-    no size comes back to the host; else only the chunks coded in a transform are inverted
-    (their rows found with ``nonzero``). ``coef`` is consumed (spatial rows are kept in place).
-    """
-    signal = coef
-    for code, inverse in ((1, inverse_fourier), (2, inverse_dct)):
-        hit = basis == code  # (C,)
-        if not sync_free:
-            rows = hit.nonzero().reshape(-1)
-            if rows.numel():
-                signal.index_copy_(0, rows, inverse(coef.index_select(0, rows)))
-        else:
-            signal = torch.where(hit.unsqueeze(1), inverse(coef), signal)
-    return signal.reshape(-1)
+    def _read_basis(
+        self, data: torch.Tensor, numel: int
+    ) -> tuple[torch.Tensor, torch.Tensor, KeptLayout]:
+        """``(basis codes (C,), kept-message bytes, their layout)`` of one payload."""
+        _, count, layout = self._sizes(numel)
+        if self.header == "fixed":
+            head = packed_bytes(count, _BASIS_BITS)
+            basis = unpack_bits(data[:head], _BASIS_BITS, count).clamp_(max=len(BASES) - 1)
+            return basis, data[head:], layout
+        return read_basis(data, self._switch_layout(numel), self._allowed())
