@@ -202,7 +202,7 @@ def test_error_feedback_accumulates_what_was_dropped() -> None:
         ({"margin": 1.0}, "margin"),
         ({"margin": -0.1}, "margin"),
         ({"header": "dense"}, "header"),
-        ({"scope": "chunk"}, "header=fixed"),
+        ({"scope": "chunk", "header": "sparse"}, "header=fixed"),
     ],
 )
 def test_bad_hyper_parameters_raise_config_errors(kwargs: dict[str, object], message: str) -> None:

@@ -52,7 +52,7 @@ def _layout(codec: AdaptiveCodec, numel: int) -> SwitchLayout:
 )
 @pytest.mark.parametrize("numel", [7, 513, 5000, 20_001])
 def test_payload_bytes_exact_for_every_switch_count(kwargs: dict[str, object], numel: int) -> None:
-    codec = AdaptiveCodec(**kwargs)  # type: ignore[arg-type]
+    codec = AdaptiveCodec(header="sparse", **kwargs)  # type: ignore[arg-type]
     length, chunks = adaptive_layout(numel, codec.chunk)
     _, _, fixed_kept = codec._sizes(numel)
     total = codec.payload_bytes(numel)
@@ -82,7 +82,7 @@ def test_payload_bytes_exact_for_every_switch_count(kwargs: dict[str, object], n
 def test_decode_sum_of_mixed_switch_counts_equals_the_sum_of_decodes(
     kwargs: dict[str, object],
 ) -> None:
-    codec = AdaptiveCodec(theta=0.9, **kwargs)  # type: ignore[arg-type]
+    codec = AdaptiveCodec(theta=0.9, header="sparse", **kwargs)  # type: ignore[arg-type]
     signals = list(_signals(3000, seed=3).values())
     payloads = [codec.encode(s) for s in signals]
     assert len({_switched(p) for p in payloads}) >= 3  # ranks chose differently
@@ -96,8 +96,10 @@ def test_decode_sum_of_mixed_switch_counts_equals_the_sum_of_decodes(
 def test_never_worse_than_the_default_basis_alone(bits: int, theta: float) -> None:
     """The encoder compares its switches with sending every chunk spatially in the same
     bytes (``bases=spatial``: no switch header at all) and keeps the lower squared error."""
-    adaptive = AdaptiveCodec(theta=theta, bits=bits, select="exact")
-    spatial = AdaptiveCodec(theta=theta, bits=bits, select="exact", bases="spatial")
+    adaptive = AdaptiveCodec(theta=theta, bits=bits, select="exact", header="sparse")
+    spatial = AdaptiveCodec(
+        theta=theta, bits=bits, select="exact", bases="spatial", header="sparse"
+    )
     for name, signal in _signals(8192, seed=1).items():
         assert adaptive.payload_bytes(8192) == spatial.payload_bytes(8192)
         err = float((adaptive.decode(adaptive.encode(signal)) - signal).double().square().sum())
@@ -108,7 +110,7 @@ def test_never_worse_than_the_default_basis_alone(bits: int, theta: float) -> No
 def test_no_switch_keeps_at_least_the_fixed_headers_share() -> None:
     """With no chunk switched, the 2-bit-per-chunk header's bytes go to coefficients."""
     numel, theta = 2**16, 0.95
-    sparse = AdaptiveCodec(theta=theta)
+    sparse = AdaptiveCodec(theta=theta, header="sparse")
     fixed = AdaptiveCodec(theta=theta, header="fixed")
     payload = sparse.encode(_signals(numel)["spikes"])
     assert _switched(payload) == 0
@@ -117,7 +119,7 @@ def test_no_switch_keeps_at_least_the_fixed_headers_share() -> None:
     # The same bytes as the fixed header's payload keep its coefficients plus what its basis
     # codes (C / 4 bytes) less the 4-byte count would buy.
     assert kept >= kept_count(numel, theta)
-    bigger = AdaptiveCodec(theta=theta)._switch_layout(numel)
+    bigger = AdaptiveCodec(theta=theta, header="sparse")._switch_layout(numel)
     assert fixed.payload_bytes(numel) - sparse.payload_bytes(numel) == chunks // 4 - COUNT_BYTES
     assert bigger.kept(0) == kept
 
@@ -127,7 +129,7 @@ def test_switch_code_bits() -> None:
 
 
 def test_a_corrupt_switch_count_is_a_config_error() -> None:
-    codec = AdaptiveCodec()
+    codec = AdaptiveCodec(header="sparse")
     payload = codec.encode(torch.randn(4096))
     data = payload.data.clone()
     data[:COUNT_BYTES] = torch.tensor([1000], dtype=torch.int32).view(torch.uint8)
@@ -137,7 +139,7 @@ def test_a_corrupt_switch_count_is_a_config_error() -> None:
 
 @pytest.mark.parametrize("bases", ["fourier", "spatial+dct", "spatial+fourier+dct"])
 def test_non_finite_input_decodes_to_nan(bases: str) -> None:
-    codec = AdaptiveCodec(bases=bases)
+    codec = AdaptiveCodec(bases=bases, header="sparse")
     grad = torch.randn(4099)
     grad[17] = float("nan")
     payload = codec.encode(grad)

@@ -31,6 +31,7 @@ SPEED_SPECS: tuple[str, ...] = (
     "fft",
     "fft:select=exact",
     "adaptive",
+    "adaptive:header=sparse",
     "ctopk",
     "topk",
     "qsgd",
