@@ -146,7 +146,7 @@ def test_cuda_codecs_never_synchronise(spec: str, numel: int) -> None:
 def test_cuda_adaptive_sparse_header(numel: int) -> None:
     """header=sparse on CUDA: payloads on the device, as accurate as on the CPU, and mixed
     switch counts sum like their decodes (it synchronises once per encode and payload)."""
-    codec = parse_spec("adaptive:select=exact")
+    codec = parse_spec("adaptive:select=exact,header=sparse")
     gen = torch.Generator().manual_seed(5)
     grads = [torch.randn(numel, generator=gen), torch.randn(numel, generator=gen).cumsum(0)]
     payloads = [codec.encode(g.cuda()) for g in grads]
