@@ -135,6 +135,7 @@ def test_over_budget_candidates_are_predicted_but_never_chosen() -> None:
     assert TOPK.spec not in result.choices.values()
     assert set(result.by_spec) == {c.spec for c in CANDIDATES}
     assert result.by_spec[TOPK.spec] < result.predicted_step_s  # faster, over the budget
+    assert dict(result.rel_errors) == {c.spec: c.rel_error for c in CANDIDATES}
 
 
 def test_assignment_json_round_trip() -> None:

@@ -64,6 +64,8 @@ class Assignment:
     # predicted step time (from backward's start) with each measured candidate on every bucket,
     # budget or not: what the model says of each fixed choice, to hold against measurements
     by_spec: Mapping[str, float] = field(default_factory=dict)
+    # each measured candidate's one-shot relative error (what the budgets were held against)
+    rel_errors: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.version != ASSIGNMENT_VERSION:
@@ -74,6 +76,7 @@ class Assignment:
         object.__setattr__(self, "choices", MappingProxyType(dict(self.choices)))
         object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
         object.__setattr__(self, "by_spec", MappingProxyType(dict(self.by_spec)))
+        object.__setattr__(self, "rel_errors", MappingProxyType(dict(self.rel_errors)))
         if not self.outside_s >= 0.0:
             raise ConfigError(f"Assignment.outside_s must be >= 0, got {self.outside_s}")
 
@@ -95,6 +98,7 @@ class Assignment:
             "outside_s": self.outside_s,
             "predicted_train_step_s": self.predicted_train_step_s,
             "by_spec": dict(self.by_spec),
+            "rel_errors": dict(self.rel_errors),
             "reason": self.reason,
         }
 
@@ -111,6 +115,7 @@ class Assignment:
                 dense_step_s=float(d.get("dense_step_s", 0.0)),
                 outside_s=float(d.get("outside_s", 0.0)),
                 by_spec={str(k): float(v) for k, v in d.get("by_spec", {}).items()},
+                rel_errors={str(k): float(v) for k, v in d.get("rel_errors", {}).items()},
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ConfigError(f"malformed Assignment JSON: {exc}") from None
@@ -208,4 +213,5 @@ def select(
         dense_step_s=dense_s,
         outside_s=outside_s,
         by_spec=by_spec,
+        rel_errors={c.spec: c.rel_error for c in [dense, *costs]},
     )
