@@ -14,7 +14,7 @@ and initial weights for every codec:
 
     PYTHONPATH=src:tests python benchmarks/auto_error_budget.py OUT.json dense powersgd:rank=4 ...
 
-``SEEDS=0,1,2`` (environment; default ``0``) repeats every codec for each seed: the seed sets
+``STEPS=400`` (environment; default 100) sets the horizon. ``SEEDS=0,1,2`` (default ``0``) repeats every codec for each seed: the seed sets
 the initial weights, the data order and the codecs' own seed. ``ONE_SHOT=0`` skips the one-shot
 errors. ``torch-powersgd`` runs in one bucket (its hook is not multi-bucket safe on gloo).
 """
@@ -31,7 +31,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distributed import run_ranks
 
-STEPS, BATCH, LR, TEST = 100, 32, 0.05, 2000
+STEPS = int(os.environ.get("STEPS", "100"))
+BATCH, LR, TEST = 32, 0.05, 2000
 MODEL = {"depth": 18, "small_input": True, "in_channels": 1, "num_classes": 10, "width": 32}
 
 
@@ -85,6 +86,10 @@ def one(rank: int, world_size: int, spec: str, seed: int = 0) -> dict:
         "seed": seed,
         "test_accuracy_pct": 100.0 * correct / TEST,
         "train_loss_last20": sum(losses[-20:]) / 20,
+        # the mean training loss of every 100-step window: how the gap to dense moves
+        "train_loss_per_100": [
+            sum(losses[i : i + 100]) / len(losses[i : i + 100]) for i in range(0, STEPS, 100)
+        ],
         "cpu_s": cpu_s,
     }
 

@@ -81,6 +81,7 @@ def _decide_and_redecide(rank: int, world_size: int) -> dict[str, Any]:
     _train(model, opt, rank, 0, 5)
     assert state.auto.assignment is not None
     out["decision"] = state.auto.assignment.to_json()
+    out["outside_s"] = state.auto.assignment.outside_s
     out["params"] = _params(model)
     out["summary"] = state.summary()
     # drift=1e-9: every step "drifts", so the ranks re-decide every 2 steps, together
@@ -97,6 +98,8 @@ def _decide_and_redecide(rank: int, world_size: int) -> dict[str, Any]:
 def test_every_rank_applies_the_same_decision_and_redecides_in_lock_step(ranks: Ranks) -> None:
     rank0, rank1 = ranks.run(_decide_and_redecide, timeout_s=180)
     assert rank0["decision"] == rank1["decision"]
+    # forward and the optimizer step take time: measured outside backward, > 0 on every rank
+    assert rank0["outside_s"] == rank1["outside_s"] > 0.0
     assert rank0["summary"]["sync_assignment"] == rank1["summary"]["sync_assignment"] is not None
     assert rank0["summary"]["compression"].startswith("ef(auto:")
     for a, b in zip(rank0["params"], rank1["params"], strict=True):

@@ -26,6 +26,7 @@ from superneurons.errors import ConfigError
 from superneurons.models import build_model
 
 TINY = {"mlp": {"hidden": [16]}}
+FASHION = Path("/usr/share/datasets/fashion-mnist/train-labels-idx1-ubyte.gz")
 REQUIRED = {"bandwidth", "model", "codec", "mean_step_s", "speedup_vs_dense", "bytes_per_step"}
 
 
@@ -54,6 +55,8 @@ def test_loopback_run_records_and_artifacts(tmp_path: Path) -> None:
         assert record.keys() >= REQUIRED
         assert record["mean_step_s"] > 0 and record["compute_step_s"] > 0
         assert record["last_loss"] == pytest.approx(record["last_loss"])  # finite
+        # the MLP takes 28x28x1 images with 10 classes: Fashion-MNIST by default, if present
+        assert record["data"] == ("real" if FASHION.is_file() else "random")
     numel = sum(p.numel() for p in build_model("mlp", **TINY["mlp"]).parameters())
     dense, fp16 = records
     assert dense["speedup_vs_dense"] == 1.0
@@ -133,6 +136,25 @@ def test_speedup_is_relative_to_dense_of_the_same_link_and_model() -> None:
     ]
     add_speedups(records)
     assert [r["speedup_vs_dense"] for r in records] == [1.0, 4.0, None]
+
+
+def test_predictions_come_from_auto_of_the_same_link_and_model() -> None:
+    decision = {
+        "predicted_step_s": 0.5,
+        "outside_s": 0.25,
+        "predicted_train_step_s": 0.75,
+        "by_spec": {"dense": 1.0, "fp16": 0.75, "qsgd": 0.5},
+    }
+    records: list[dict[str, object]] = [
+        {"bandwidth": "1gbit", "model": "m", "codec": "auto", "status": "ok"},
+        {"bandwidth": "1gbit", "model": "m", "codec": "fp16", "status": "ok"},
+        {"bandwidth": "1gbit", "model": "m", "codec": "torch-fp16", "status": "ok"},
+        {"bandwidth": "1gbit", "model": "other", "codec": "fp16", "status": "ok"},
+    ]
+    records[0]["sync_assignment"] = decision
+    network.add_predictions(records)  # type: ignore[arg-type]
+    # auto: its own whole step; fp16: by_spec + outside = 0.75 + 0.25; the rest: no prediction
+    assert [r["predicted_train_step_s"] for r in records] == [0.75, 1.0, None, None]
 
 
 def test_analytic_powersgd_bytes_follow_torch_rule() -> None:

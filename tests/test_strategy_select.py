@@ -109,6 +109,35 @@ def test_dense_is_added_when_missing_and_select_is_deterministic() -> None:
     assert first.choices == again.choices and first.predicted_step_s == again.predicted_step_s
 
 
+def test_whole_step_prediction_and_every_fixed_choice_are_recorded() -> None:
+    # One 10M-element bucket ready at 0.5 s = backward's end, 100 Mbit/s, alpha 0: dense's
+    # all-reduce moves 2(P-1)/P * 40 MB = 40 MB at 12.5 MB/s = 3.2 s after backward, so from
+    # backward's start 0.5 + 3.2 = 3.7 s. fp16: encode 0.5 ms, 1.6 s on the wire, decode
+    # 0.5 ms: 0.5 + 0.0005 + 1.6 + 0.0005 = 2.101 s. The 0.25 s outside backward (forward,
+    # optimizer) is the same for every choice: it moves the whole step, not the decision.
+    net = ring_network(2, alpha_s=0.0, bandwidth_bytes_per_s=1.25e7)
+    one = [BucketTiming("only", ("w",), NUMEL, ready_s=0.5)]
+    base = select(one, [DENSE, FP16], backward_s=0.5, network=net)
+    result = select(one, [DENSE, FP16], backward_s=0.5, network=net, outside_s=0.25)
+    assert result.choices == base.choices == {"only": "fp16"}
+    assert result.predicted_step_s == pytest.approx(2.101)
+    assert result.predicted_train_step_s == pytest.approx(2.101 + 0.25)
+    assert dict(result.by_spec) == pytest.approx({"dense": 3.7, "fp16": 2.101})
+    assert result.to_dict()["predicted_train_step_s"] == pytest.approx(2.351)
+    assert "+0.25 s outside backward" in result.reason
+    with pytest.raises(ConfigError, match="outside_s"):
+        select(one, [DENSE], backward_s=0.5, network=net, outside_s=-1.0)
+
+
+def test_over_budget_candidates_are_predicted_but_never_chosen() -> None:
+    net = ring_network(2, alpha_s=1e-4, bandwidth_bytes_per_s=1.25e7)
+    result = select(_buckets(), CANDIDATES, backward_s=0.5, network=net, max_rel_error=0.2)
+    assert TOPK.spec not in result.choices.values()
+    assert set(result.by_spec) == {c.spec for c in CANDIDATES}
+    assert result.by_spec[TOPK.spec] < result.predicted_step_s  # faster, over the budget
+    assert dict(result.rel_errors) == {c.spec: c.rel_error for c in CANDIDATES}
+
+
 def test_assignment_json_round_trip() -> None:
     net = ring_network(2, alpha_s=1e-4, bandwidth_bytes_per_s=1.25e7)
     result = select(_buckets(), CANDIDATES, backward_s=0.5, network=net)

@@ -42,6 +42,8 @@ from superneurons.bench.netns import (
     measure_throughput_bit_s,
     network_namespaces,
 )
+from superneurons.bench.network_data import DATA_CHOICES
+from superneurons.data.fashion_mnist import DEFAULT_ROOT as FASHION_MNIST_ROOT
 from superneurons.errors import ConfigError
 from superneurons.train.launch import free_port
 
@@ -94,8 +96,13 @@ class NetworkBenchConfig:
     shaping: bool = True
     measure_link: bool = True
     run_timeout_s: float = 900.0
+    # "real": Fashion-MNIST for the models that take it (bench.network_data), else "random"
+    data: str = "real"
+    data_root: str = FASHION_MNIST_ROOT
 
     def __post_init__(self) -> None:
+        if self.data not in DATA_CHOICES:
+            raise ConfigError(f"--data must be one of {', '.join(DATA_CHOICES)}, got {self.data!r}")
         if self.nproc < 2:
             raise ConfigError(f"--nproc must be >= 2 (a network needs two ranks), got {self.nproc}")
         if not self.bandwidths_bit_s:
@@ -211,6 +218,8 @@ def _run_ranks(
                 "warmup_steps": config.warmup_steps,
                 "steps": config.steps,
                 "compute_steps": config.compute_steps,
+                "data": config.data,
+                "data_root": config.data_root,
                 "out": str(out) if rank == 0 else "",
             }
             env = {**os.environ, "GLOO_SOCKET_IFNAME": link.ifname(rank), "OMP_NUM_THREADS": "1"}
@@ -266,6 +275,27 @@ def add_speedups(records: list[dict[str, Any]]) -> None:
         step_s = record.get("mean_step_s")
         ok = base is not None and isinstance(step_s, float) and step_s > 0
         record["speedup_vs_dense"] = base / step_s if ok else None  # type: ignore[operator]
+
+
+def add_predictions(records: list[dict[str, Any]]) -> None:
+    """Set ``predicted_train_step_s``: what the default ``auto`` record's cost model predicted
+    for this record's route at the same bandwidth and model, a whole step (the assignment's
+    ``by_spec`` from backward's start plus its measured ``outside_s``); the ``auto`` records
+    get their own decision's. None where auto did not measure that codec."""
+    autos = {
+        (r["bandwidth"], r["model"]): r["sync_assignment"]
+        for r in records
+        if r["codec"] == "auto" and r.get("status") == "ok" and r.get("sync_assignment")
+    }
+    for record in records:
+        own = record.get("sync_assignment")
+        by_auto = autos.get((record["bandwidth"], record["model"]))
+        predicted = None
+        if own and "predicted_train_step_s" in own:
+            predicted = own["predicted_train_step_s"]
+        elif by_auto and record["codec"] in by_auto.get("by_spec", {}):
+            predicted = by_auto["by_spec"][record["codec"]] + by_auto.get("outside_s", 0.0)
+        record["predicted_train_step_s"] = predicted
 
 
 def add_breakdown(records: list[dict[str, Any]]) -> None:
@@ -332,6 +362,7 @@ def run_network_bench(
                             on_record(records[-1])
     add_speedups(records)
     add_breakdown(records)
+    add_predictions(records)
     return records
 
 

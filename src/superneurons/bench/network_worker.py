@@ -62,6 +62,9 @@ class WorkerConfig:
     timeout_s: float = 600.0
     out: str = ""
     model_kwargs: dict[str, Any] = field(default_factory=dict)
+    # "real": Fashion-MNIST where the model takes it (see network_data); "random": noise
+    data: str = "random"
+    data_root: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -82,13 +85,23 @@ def _build_model(config: WorkerConfig) -> nn.Module:
     return build_model(config.model, **config.model_kwargs)
 
 
-def _batches(config: WorkerConfig) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Random ``(inputs, targets)`` batches from the zoo, a different stream on every rank."""
-    from superneurons.models import model_input
+def _batches(
+    config: WorkerConfig, model: nn.Module
+) -> tuple[Iterator[tuple[torch.Tensor, torch.Tensor]], str]:
+    """This rank's batch stream and what it is (``"real"`` or ``"random"``, see network_data)."""
+    from superneurons.bench.network_data import bench_batches
 
-    gen = torch.Generator().manual_seed(config.seed + 1 + config.rank)
-    while True:
-        yield model_input(config.model, config.batch_size, generator=gen, **config.model_kwargs)
+    return bench_batches(
+        model,
+        config.model,
+        config.model_kwargs,
+        data=config.data,
+        root=config.data_root,
+        batch_size=config.batch_size,
+        seed=config.seed,
+        rank=config.rank,
+        world_size=config.world_size,
+    )
 
 
 def _timed_steps(
@@ -222,8 +235,8 @@ def _run(config: WorkerConfig) -> None:
     from superneurons.models import default_loss
 
     loss_fn = default_loss(config.model)
-    batches = _batches(config)
     model = _build_model(config)
+    batches, data = _batches(config, model)
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     local_opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
     no_sync: Callable[[], None] = lambda: None  # noqa: E731
@@ -239,6 +252,7 @@ def _run(config: WorkerConfig) -> None:
                 params=numel,
                 compute_step_s=compute_s,
                 compute_cpu_s=compute_cpu_s,
+                data=data,
             )
             with open(config.out, "a", encoding="utf-8") as handle:
                 handle.write(json.dumps(record) + "\n")

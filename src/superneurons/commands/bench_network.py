@@ -23,6 +23,7 @@ from superneurons.bench.network import (
     DEFAULT_MODELS,
     NetworkBenchConfig,
     add_breakdown,
+    add_predictions,
     add_speedups,
     config_dict,
     run_network_bench,
@@ -60,6 +61,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--compute-steps", type=int, default=None, help="compute-only reference steps (2)"
     )
     parser.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
+    parser.add_argument(
+        "--data",
+        choices=("real", "random"),
+        default="real",
+        help="what the ranks train on: real = Fashion-MNIST for the models that take it "
+        "(fc-heavy, resnet; random batches, with a note, where the dataset is absent), "
+        "random = noise images and labels (the bench before session 4); recorded per record "
+        "as 'data' (default %(default)s)",
+    )
     parser.add_argument("--quick", action="store_true", help="fewer steps, codecs and models")
     parser.add_argument(
         "--no-shaping",
@@ -105,6 +115,7 @@ def _config(args: argparse.Namespace) -> NetworkBenchConfig:
         steps=steps,
         compute_steps=args.compute_steps if args.compute_steps is not None else 2,
         shaping=not args.no_shaping,
+        data=args.data,
     )
 
 
@@ -121,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
         records = [json.loads(line) for line in partial.read_text().splitlines() if line]
         add_speedups(records)
         add_breakdown(records)
+        add_predictions(records)
         note = (
             f"Interrupted run: these {len(records)} records were measured by the command in "
             f"{partial.name} before it was stopped; the artifacts were written afterwards by "
@@ -179,8 +191,8 @@ def summary_lines(records: Sequence[dict[str, Any]]) -> list[str]:
 
 
 _COLUMNS = (
-    "bandwidth", "model", "codec", "mean_step_s", "speedup_vs_dense", "compute_step_s",
-    "wire_s_est", "other_s", "cpu_step_s", "idle_step_s_est", "idle_speedup_est",
+    "bandwidth", "model", "codec", "data", "mean_step_s", "predicted_train_step_s",
+    "speedup_vs_dense", "compute_step_s", "wire_s_est", "other_s", "cpu_step_s", "idle_step_s_est", "idle_speedup_est",
     "bytes_per_step", "bytes_source", "status",
 )  # fmt: skip
 
@@ -207,7 +219,9 @@ def write_artifacts(
         "analytic ring all-reduce volume 2(P-1)/P x 4 bytes x parameters; with 2 ranks both "
         "equal what one rank sends). torch-powersgd runs in one DDP bucket "
         "(`ddp_bucket_cap_mb`): torch's hook crashes on gloo with several. "
-        "`compute_step_s`: the same step without communication. "
+        "`compute_step_s`: the same step without communication. `data`: what the ranks "
+        "trained on (real: Fashion-MNIST; random: noise batches). `predicted_train_step_s`: "
+        "the default `auto` record's cost-model prediction for this route, a whole step. "
         "`wire_s_est`: bytes_per_step at the measured TCP goodput; `other_s`: the rest "
         "(encode/decode, synchronisation; negative when communication overlaps backward). "
         "`cpu_step_s`: rank 0's CPU seconds per step (all threads; no waiting), which other "

@@ -57,6 +57,15 @@ class Assignment:
     reason: str
     # predicted step time of dense everywhere, for the log and drift checks
     dense_step_s: float = field(default=0.0)
+    # measured seconds of each step outside backward and its communication (the forward pass,
+    # the optimizer, the data): ``predicted_step_s`` counts from backward's start, so a step
+    # as a training loop times it is predicted as ``predicted_step_s + outside_s``
+    outside_s: float = field(default=0.0)
+    # predicted step time (from backward's start) with each measured candidate on every bucket,
+    # budget or not: what the model says of each fixed choice, to hold against measurements
+    by_spec: Mapping[str, float] = field(default_factory=dict)
+    # each measured candidate's one-shot relative error (what the budgets were held against)
+    rel_errors: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.version != ASSIGNMENT_VERSION:
@@ -66,6 +75,15 @@ class Assignment:
             )
         object.__setattr__(self, "choices", MappingProxyType(dict(self.choices)))
         object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
+        object.__setattr__(self, "by_spec", MappingProxyType(dict(self.by_spec)))
+        object.__setattr__(self, "rel_errors", MappingProxyType(dict(self.rel_errors)))
+        if not self.outside_s >= 0.0:
+            raise ConfigError(f"Assignment.outside_s must be >= 0, got {self.outside_s}")
+
+    @property
+    def predicted_train_step_s(self) -> float:
+        """The whole training step as a loop times it: the prediction plus ``outside_s``."""
+        return self.predicted_step_s + self.outside_s
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -77,6 +95,10 @@ class Assignment:
             "params": dict(self.params),
             "predicted_step_s": self.predicted_step_s,
             "dense_step_s": self.dense_step_s,
+            "outside_s": self.outside_s,
+            "predicted_train_step_s": self.predicted_train_step_s,
+            "by_spec": dict(self.by_spec),
+            "rel_errors": dict(self.rel_errors),
             "reason": self.reason,
         }
 
@@ -91,6 +113,9 @@ class Assignment:
                 predicted_step_s=float(d["predicted_step_s"]),
                 reason=str(d["reason"]),
                 dense_step_s=float(d.get("dense_step_s", 0.0)),
+                outside_s=float(d.get("outside_s", 0.0)),
+                by_spec={str(k): float(v) for k, v in d.get("by_spec", {}).items()},
+                rel_errors={str(k): float(v) for k, v in d.get("rel_errors", {}).items()},
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ConfigError(f"malformed Assignment JSON: {exc}") from None
@@ -113,6 +138,7 @@ def select(
     max_rel_error: float = 0.6,
     max_rel_error_lowrank: float | None = None,
     min_gain: float = 0.02,
+    outside_s: float = 0.0,
 ) -> Assignment:
     """Choose a codec per bucket (see the module docstring); pure and deterministic.
 
@@ -124,6 +150,8 @@ def select(
         max_rel_error: candidates above this one-shot relative error are excluded.
         max_rel_error_lowrank: the same for PowerSGD candidates (None: ``max_rel_error``).
         min_gain: a change must lower the prediction by this fraction.
+        outside_s: measured seconds per step outside backward and its communication; it
+            does not enter the choice (the same for every candidate), only the record.
 
     Raises:
         ConfigError: no buckets, duplicate bucket keys, or a negative budget.
@@ -136,6 +164,8 @@ def select(
     lowrank_budget = max_rel_error if max_rel_error_lowrank is None else max_rel_error_lowrank
     if max_rel_error < 0 or lowrank_budget < 0 or not 0 <= min_gain < 1:
         raise ConfigError("max_rel_error(_lowrank) >= 0 and min_gain in [0, 1)")
+    if not outside_s >= 0.0:
+        raise ConfigError(f"outside_s must be >= 0, got {outside_s}")
     dense = next((c for c in costs if c.spec == "dense"), DENSE)
 
     def within_budget(cost: CodecCost) -> bool:
@@ -167,11 +197,13 @@ def select(
                 chosen[bucket.key], current_s, changed = best, best_s, True
         if not changed:
             break
+    by_spec = {c.spec: predict(dict.fromkeys(keys, c)) for c in [dense, *costs]}
     summary = _describe(chosen, buckets)
     if all(c.spec == "dense" for c in chosen.values()):
         reason = f"dense: no candidate gains {min_gain:.0%} (pred {dense_s:.4g} s)"
     else:
         reason = f"{summary}: pred {current_s:.4g} s vs dense {dense_s:.4g} s"
+    reason += f" (+{outside_s:.3g} s outside backward)"
     return Assignment(
         version=ASSIGNMENT_VERSION,
         choices={b.key: chosen[b.key].spec for b in buckets},
@@ -179,4 +211,7 @@ def select(
         predicted_step_s=current_s,
         reason=reason,
         dense_step_s=dense_s,
+        outside_s=outside_s,
+        by_spec=by_spec,
+        rel_errors={c.spec: c.rel_error for c in [dense, *costs]},
     )
