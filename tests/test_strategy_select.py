@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from superneurons.errors import ConfigError
 from superneurons.strategy import (
@@ -157,3 +158,22 @@ def test_bad_inputs_are_config_errors() -> None:
     twice = [BucketTiming("k", ("a",), 10, 0.0), BucketTiming("k", ("b",), 10, 0.0)]
     with pytest.raises(ConfigError, match="unique"):
         select(twice, CANDIDATES, backward_s=0.1, network=net)
+
+
+def test_outside_time_starts_at_the_latest_bucket_average_not_the_last_launched() -> None:
+    """gloo finishes collectives out of order: a small last bucket can be averaged while a big
+    one is still on the wire, so the step ends at its latest average (run 9's 100 Mbit/s
+    fc-heavy read 12.5 s 'outside backward' from the last bucket's stamp)."""
+    from superneurons.compress.auto import Auto
+    from superneurons.compress.autorun import AutoController, _Clock
+
+    controller = AutoController(Auto(), error_feedback=True)
+    controller._clock = _Clock(torch.device("cpu"))
+    # forward ends (t0) at 0.0, 10.0, 20.0; step 1's buckets: the last-launched one averaged at
+    # 0.5, the big one at 9.0; step 2's at 19.5 and 19.0 (in completion order)
+    controller._ready = [(1, "k", ("a",), 4, 0.0, 0.1), (2, "k", ("a",), 4, 10.0, 10.1)]
+    controller._ends = [(1, 0.0, 0.5), (1, 0.0, 9.0), (2, 10.0, 19.0), (2, 10.0, 19.5)]
+    controller._t0 = 20.0
+    assert controller._step_ends() == {1: 9.0, 2: 19.5}
+    # outside = next forward end - latest average: (10 - 9) and (20 - 19.5), median 0.75
+    assert controller._outside_s(3) == pytest.approx(0.75)

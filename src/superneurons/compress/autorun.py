@@ -150,9 +150,14 @@ class AutoController:
         bucket: dist.GradBucket,
         fut: torch.futures.Future[torch.Tensor],
     ) -> torch.futures.Future[torch.Tensor]:
-        """Record when the last bucket's average is ready (the step's exposed end)."""
+        """Record when each bucket's average is ready; the step's exposed end is the latest.
+
+        NOTE: every bucket, not only the last one: gloo runs collectives on several threads, so
+        the last-launched (often small) bucket can finish while a big one is still on the wire
+        (run 9: at 100 Mbit/s the last bucket's stamp came ~10 s before the step's end).
+        """
         clock, step, t0 = self._clock, state.step, self._t0
-        if clock is None or t0 is None or not bucket.is_last():
+        if clock is None or t0 is None:
             return fut
 
         def stamp(done: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
@@ -230,7 +235,7 @@ class AutoController:
         t0_by_step[step] = self._t0  # this step's forward has ended: its bucket 0 is here
         outside: list[float] = []
         first = max(self._observe_from, 1)  # step 0 ends in DDP's bucket rebuild
-        for s, _t0, end in self._ends:
+        for s, end in self._step_ends().items():
             t0_next = t0_by_step.get(s + 1)
             if s < first or t0_next is None:
                 continue
@@ -238,6 +243,16 @@ class AutoController:
             if seconds is not None:
                 outside.append(max(seconds, 0.0))
         return statistics.median(outside) if outside else 0.0
+
+    def _step_ends(self) -> dict[int, Any]:
+        """Per observed step, the mark of its latest bucket average (see :meth:`after_reduce`)."""
+        assert self._clock is not None
+        latest: dict[int, tuple[float, Any]] = {}
+        for s, t0, mark in self._ends:
+            span = self._clock.seconds(t0, mark)
+            if span is not None and (s not in latest or span > latest[s][0]):
+                latest[s] = (span, mark)
+        return {s: mark for s, (_span, mark) in latest.items()}
 
     def _select(self, world_size: int, step: int) -> Assignment:
         from superneurons.strategy import (
@@ -285,11 +300,11 @@ class AutoController:
             return
         ends = [(t0, mark) for s, t0, mark in self._ends if s == step]
         self._ends = []
-        if not ends:
+        spans = [self._clock.seconds(t0, mark) for t0, mark in ends]
+        known = [span for span in spans if span is not None]
+        if not known:
             return
-        measured = self._clock.seconds(*ends[-1])
-        if measured is None:
-            return
+        measured = max(known)  # the latest bucket's average ends the step
         predicted = self.assignment.predicted_step_s
         off = abs(measured - predicted) / max(predicted, 1e-9)
         self._drifting = self._drifting + 1 if off > self.config.drift else 0
