@@ -213,7 +213,8 @@ def write_artifacts(
     body = (
         (f"**{note}**\n\n" if note else "")
         + f"{config.nproc} ranks, one thread each, gloo over veth links shaped with tbf; "
-        f"batch {config.batch_size} per rank; {config.warmup_steps} warm-up steps excluded, "
+        f"batch {config.batch_size} per rank; {config.warmup_steps} warm-up steps excluded "
+        "(`auto`: every step up to its decision; each record's `warmup_steps`), "
         f"mean of {config.steps} timed steps. `bytes_per_step`: bytes one rank sends per step "
         "(see `bytes_source`: the hook's counter of payload bytes, or for dense DDP the "
         "analytic ring all-reduce volume 2(P-1)/P x 4 bytes x parameters; with 2 ranks both "
