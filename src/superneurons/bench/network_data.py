@@ -67,7 +67,7 @@ def bench_batches(
     Real: every rank walks one shared permutation of the 60000 training images (seeded by
     ``seed``, a new one each epoch) and takes every ``world_size``-th batch from ``rank`` on,
     so the ranks see disjoint samples as a distributed sampler gives them. Random: the zoo's
-    random batches, a different stream on every rank (the bench before session 4).
+    random batches, a different stream on every rank (the old default).
 
     Raises:
         ConfigError: ``data`` is not one of :data:`DATA_CHOICES`.

@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="real",
         help="what the ranks train on: real = Fashion-MNIST for the models that take it "
         "(fc-heavy, resnet; random batches, with a note, where the dataset is absent), "
-        "random = noise images and labels (the bench before session 4); recorded per record "
+        "random = noise images and labels (the old default); recorded per record "
         "as 'data' (default %(default)s)",
     )
     parser.add_argument("--quick", action="store_true", help="fewer steps, codecs and models")
