@@ -32,6 +32,7 @@ __all__ = [
     "check_payload",
     "finite_flag",
     "nan_unless",
+    "nan_unless_",
     "sum_of_decodes",
 ]
 
@@ -144,6 +145,13 @@ def nan_unless(finite: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out`` where the 0-d bool ``finite`` holds, else all-NaN (the project's NaN policy),
     branch-free: one multiply by 1 or NaN (exact for finite values)."""
     return out * torch.where(finite, 1.0, math.nan)
+
+
+def nan_unless_(finite: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """:func:`nan_unless` in place on ``out`` (a tensor the codec owns), returning it: the same
+    values, without a second output-sized tensor (on the CPU a fresh multi-MiB tensor costs
+    page faults comparable to the multiply)."""
+    return out.mul_(torch.where(finite, 1.0, math.nan))
 
 
 def check_payload(payload: Payload, *, nbytes: int, codec_name: str) -> torch.Tensor:

@@ -39,7 +39,7 @@ from typing import ClassVar, Self
 import torch
 
 from superneurons.compress.bitpack import pack_bits, packed_bytes, unpack_bits
-from superneurons.compress.codec import Payload, check_gradient, sum_of_decodes
+from superneurons.compress.codec import Payload, check_gradient, nan_unless_, sum_of_decodes
 from superneurons.errors import ConfigError
 
 __all__ = [
@@ -267,7 +267,7 @@ def dequantize(codes: torch.Tensor, header: RangeFloatHeader, bits: int) -> torc
     sign = torch.bitwise_left_shift(codes, 32 - bits, out=normal.view(torch.int32))  # scratch
     out_bits |= sign.bitwise_and_(-(2**31))  # sign bit to bit 31
     # NaN header: every element NaN (NaN * 0 is NaN; finite * 1 is exact).
-    return subnormal.mul_(torch.where(finite, 1.0, math.nan))
+    return nan_unless_(finite, subnormal)
 
 
 def write_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:

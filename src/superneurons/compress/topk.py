@@ -35,9 +35,9 @@ from superneurons.compress.codec import (
     check_gradient,
     check_payload,
     finite_flag,
-    nan_unless,
+    nan_unless_,
 )
-from superneurons.compress.sparsecode import select_bins
+from superneurons.compress.sparsecode import select_indices
 from superneurons.errors import ConfigError
 
 __all__ = ["TopKCodec"]
@@ -115,15 +115,15 @@ class TopKCodec:
         elif flat.device.type == "cpu":
             # NOTE: the same k as torch.topk (ties aside), found by bracketing the k-th largest
             # between two quantiles of a strided sample and ranking only the band between them
-            # (sparsecode.select_bins; exact fallback when the bracket misses): 4 MiB, one
+            # (sparsecode.select_indices; exact fallback when the bracket misses): 4 MiB, one
             # thread, ~2x faster than torch.topk, which sorts (value, index) pairs of all n.
-            indices = select_bins(magnitude, k, "sampled")[1]
+            indices = select_indices(magnitude, k, "sampled")
         else:
             indices = torch.topk(magnitude, k, sorted=False).indices
         data = torch.empty(8 * k, dtype=torch.uint8, device=flat.device)
         values = data[: 4 * k].view(torch.float32)
         torch.index_select(flat, 0, indices, out=values)
-        values.copy_(nan_unless(finite_flag(flat), values))
+        nan_unless_(finite_flag(flat), values)
         data[4 * k :].view(torch.int32).copy_(indices)
         return Payload(data, numel)
 
