@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from superneurons.errors import ConfigError
+from superneurons.errors import ConfigError, DataError
 
 __all__ = ["DATA_CHOICES", "bench_batches", "real_data_fits"]
 
@@ -77,13 +76,15 @@ def bench_batches(
     if data == "real":
         if not real_data_fits(model, name, model_kwargs):
             logger.warning("bench network: %s does not take Fashion-MNIST; random batches", name)
-        elif (
-            not (Path(root) / "train-labels-idx1-ubyte.gz").is_file()
-            and not (Path(root) / "train-labels-idx1-ubyte").is_file()
-        ):
-            logger.warning("bench network: no Fashion-MNIST in %s; random batches", root)
         else:
-            return _real(root, batch_size, seed, rank, world_size), "real"
+            from superneurons.data import fashion_mnist
+
+            try:
+                images, labels = fashion_mnist(root, "train").tensors
+            except DataError as exc:
+                logger.warning("bench network: no Fashion-MNIST (%s); random batches", exc)
+            else:
+                return _real(images, labels, batch_size, seed, rank, world_size), "real"
     return _random(name, model_kwargs, batch_size, seed, rank), "random"
 
 
@@ -98,11 +99,13 @@ def _random(
 
 
 def _real(
-    root: str, batch_size: int, seed: int, rank: int, world_size: int
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    batch_size: int,
+    seed: int,
+    rank: int,
+    world_size: int,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    from superneurons.data import fashion_mnist
-
-    images, labels = fashion_mnist(root, "train").tensors
     per_epoch = images.shape[0] // (batch_size * world_size)
     epoch = 0
     while True:
