@@ -24,20 +24,12 @@ from superneurons.bytesize import format_bytes, parse_bytes
 from superneurons.errors import ConfigError
 from superneurons.memory.bounds import largest_unit_bytes, resident_bytes
 from superneurons.memory.cost import DEVICE_PRESETS, CostModel, cost_model
-from superneurons.memory.plan import STRATEGIES, InfeasibleBudgetError
-from superneurons.memory.planner import make_plan, min_peak_bytes
+from superneurons.memory.plan import SEARCH_STRATEGIES, STRATEGIES, InfeasibleBudgetError
+from superneurons.memory.planner import make_plan, strategy_floors
 from superneurons.memory.profile_types import GRANULARITIES
 from superneurons.memory.simulate import OPTIMIZERS, profile_zoo
 
 HELP = "plan keep/offload/recompute per unit under a memory budget (fake tensors)"
-SEARCH_STRATEGIES = (
-    "eager",
-    "checkpoint",
-    "recompute",
-    "offload",
-    "offload+opt-in-backward",
-    "offload+opt-on-host",
-)
 DEPTH_SAMPLES = (24, 48, 72)  # stage-3 blocks n; the peak sits in stage 3 from n ~ 20 on
 BATCH_SAMPLES = (4, 8, 16)
 
@@ -117,8 +109,10 @@ def run(args: argparse.Namespace) -> int:
     record["device_preset"] = args.device_preset
     # the largest-layer bound (SuperNeurons' claim): resident state + the largest working set
     # of one unit's forward + backward, next to the floor of the requested strategy
-    minima = min_peak_bytes(profile, cost=cost)
+    floors = strategy_floors(profile, cost=cost)
+    minima = {name: f.min_budget_bytes for name, f in floors.items()}
     floor = minima[args.strategy] if args.strategy in minima else min(minima.values())
+    record["strategies"] = {name: f.to_dict() for name, f in floors.items()}
     record["resident_bytes"] = resident_bytes(profile)
     record["largest_unit_bytes"] = largest_unit_bytes(profile)
     record["floor_bytes"] = floor
@@ -152,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
         optimizer_on_host=plan.optimizer_on_host,
         optimizer_host_bytes=plan.optimizer_host_bytes,
         optimizer_copy_s=plan.optimizer_copy_s,
+        peak_at=plan.peak_at,
+        breakdown=plan.breakdown,
         units={a: plan.count(a) for a in ("keep", "offload", "recompute", "recompute+offload")},
         segments=len({u.segment for u in plan.units if u.segment >= 0}),
     )

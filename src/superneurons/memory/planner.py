@@ -37,16 +37,19 @@ from superneurons.errors import ConfigError
 from superneurons.memory.bounds import largest_unit_bytes, resident_bytes
 from superneurons.memory.cost import CostModel
 from superneurons.memory.plan import (
+    SEARCH_STRATEGIES,
+    SINGLE_DEVICE_STRATEGIES,
     STRATEGIES,
     InfeasibleBudgetError,
     Plan,
+    StrategyFloor,
     TensorDecision,
     UnitDecision,
 )
-from superneurons.memory.predict import _Outcome, evaluate, segment_runs
+from superneurons.memory.predict import Outcome, evaluate, segment_runs
 from superneurons.memory.profile_types import Profile
 
-__all__ = ["CostModel", "evaluate", "make_plan", "min_peak_bytes"]
+__all__ = ["CostModel", "evaluate", "make_plan", "min_peak_bytes", "strategy_floors"]
 
 logger = logging.getLogger("superneurons.memory")
 
@@ -102,7 +105,7 @@ class _Choice:
     actions: dict[str, str]
     segments: dict[str, int]
     optimizer_in_backward: bool
-    outcome: _Outcome
+    outcome: Outcome
     optimizer_on_host: bool = False
 
 
@@ -123,7 +126,7 @@ def _search(profile: Profile, strategy: str, budget_bytes: int | None, cost: Cos
     steps = host + first + upgrades + segment
     segmented = on_host = False
 
-    def outcome_of() -> _Outcome:
+    def outcome_of() -> Outcome:
         segments = segment_runs(profile, actions) if segmented else {}
         return evaluate(
             profile,
@@ -134,7 +137,7 @@ def _search(profile: Profile, strategy: str, budget_bytes: int | None, cost: Cos
             optimizer_on_host=on_host,
         )
 
-    def choice(outcome: _Outcome) -> _Choice:
+    def choice(outcome: Outcome) -> _Choice:
         segments = segment_runs(profile, actions) if segmented else {}
         return _Choice(strategy, dict(actions), segments, opt_in, outcome, on_host)
 
@@ -161,6 +164,41 @@ def min_peak_bytes(profile: Profile, *, cost: CostModel | None = None) -> dict[s
     return {
         s: _search(profile, s, None, cost).outcome.peak_bytes for s in STRATEGIES if s != "auto"
     }
+
+
+def strategy_floors(
+    profile: Profile,
+    *,
+    cost: CostModel | None = None,
+    strategies: tuple[str, ...] = SEARCH_STRATEGIES,
+) -> dict[str, StrategyFloor]:
+    """Each strategy's smallest predicted peak, where it is and what it holds (``plan --json``
+    ``strategies``): the plan each strategy reaches with no budget, evaluated once."""
+    cost = cost or CostModel()
+    eager = profile.predicted_peak_bytes()
+    largest = largest_unit_bytes(profile)
+    floors = {}
+    for strategy in strategies:
+        best = _search(profile, strategy, None, cost)
+        outcome = best.outcome
+        resident = profile.param_bytes
+        resident += 0 if best.optimizer_in_backward else profile.grad_bytes
+        resident += 0 if best.optimizer_on_host else profile.optimizer_state_bytes
+        floors[strategy] = StrategyFloor(
+            strategy=strategy,
+            min_budget_bytes=outcome.peak_bytes,
+            eager_peak_bytes=eager,
+            resident_bytes=resident,
+            largest_unit_bytes=largest,
+            host_bytes=outcome.host_bytes,
+            predicted_overhead_s=outcome.extra_compute_s + outcome.exposed_s,
+            peak_at=outcome.peak_at,
+            breakdown=outcome.breakdown,
+            supports_ddp=strategy not in SINGLE_DEVICE_STRATEGIES,
+            optimizer_on_host=best.optimizer_on_host,
+            optimizer_host_bytes=outcome.optimizer_host_bytes,
+        )
+    return floors
 
 
 def make_plan(
@@ -276,4 +314,6 @@ def make_plan(
         optimizer_on_host=chosen.optimizer_on_host,
         optimizer_host_bytes=outcome.optimizer_host_bytes,
         optimizer_copy_s=outcome.optimizer_copy_s,
+        peak_at=outcome.peak_at,
+        breakdown=outcome.breakdown,
     )

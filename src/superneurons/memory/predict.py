@@ -15,7 +15,8 @@ into memory-centric segments (SuperNeurons, Wang et al., PPoPP'18 §3.3).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -25,11 +26,28 @@ from superneurons.memory.plan import OFFLOADING, RECOMPUTING
 from superneurons.memory.pool import MIN_OFFLOAD_BYTES
 from superneurons.memory.profile_types import CATEGORIES, Profile
 
-__all__ = ["CostModel", "evaluate", "segment_runs"]
+__all__ = ["BREAKDOWN", "CostModel", "Outcome", "evaluate", "locate", "segment_runs"]
+
+# What the live bytes at a plan's peak are (docs/CONTRACTS.md, ``plan --json``): they sum to
+# the predicted peak exactly.
+BREAKDOWN: tuple[str, ...] = (
+    "params",
+    "grads",
+    "optimizer",
+    "activations",  # saved tensors of the units (and checkpoint inputs a plan keeps)
+    "head_loss",  # saved tensors and temporaries of the LM head unit and of the loss
+    "temporaries",  # everything else transient (recompute transients included)
+)
 
 
 @dataclass(frozen=True)
-class _Outcome:
+class Outcome:
+    """What :func:`evaluate` predicts for one set of actions.
+
+    ``breakdown`` (keys :data:`BREAKDOWN`) is the live bytes at the peak by what they are and
+    sums to ``peak_bytes``; ``peak_at`` is where the peak is (:func:`locate`).
+    """
+
     peak_bytes: int
     host_bytes: int
     extra_compute_s: float
@@ -38,6 +56,8 @@ class _Outcome:
     peak_event: int = -1
     optimizer_host_bytes: int = 0  # optimizer state in the host pool (optimizer_on_host)
     optimizer_copy_s: float = 0.0  # its copy time per step, both directions
+    breakdown: dict[str, int] = field(default_factory=dict)
+    peak_at: dict[str, Any] = field(default_factory=dict)
 
 
 def evaluate(
@@ -49,7 +69,7 @@ def evaluate(
     segments: dict[str, int] | None = None,
     min_offload_bytes: int = MIN_OFFLOAD_BYTES,
     optimizer_on_host: bool = False,
-) -> _Outcome:
+) -> Outcome:
     """Predict peak bytes, host bytes and time overheads of per-unit ``actions`` (fqn -> action).
 
     ``segments`` (fqn -> segment id) groups consecutive recompute units under one outer
@@ -64,9 +84,11 @@ def evaluate(
     cost = cost or CostModel()
     segments = segments or {}
     table = profile.timeline_array(steady_state=True)
+    head = profile.head_rows()  # (saved, temporaries) of the LM head + loss, inside table
     if optimizer_in_backward:
         table[CATEGORIES.index("grads")] = 0
         table[:, profile.backward_end_event + 1 :] = 0
+        head[:, profile.backward_end_event + 1 :] = 0
         table[CATEGORIES.index("params"), profile.backward_end_event + 1 :] = table[0, 0]
         table[CATEGORIES.index("optimizer"), profile.backward_end_event + 1 :] = table[2, 0]
         # each gradient lives one op: the post-accumulate hook steps its parameter (in place,
@@ -81,6 +103,7 @@ def evaluate(
         table[CATEGORIES.index("optimizer")] = host_state.device_row
     total = table.sum(axis=0)
     change = np.zeros(profile.num_events + 1, dtype=np.int64)
+    head_change = np.zeros(profile.num_events + 1, dtype=np.int64)  # the head + loss part
     units = {u.fqn: u for u in profile.units}
     # one window per forward call of each unit, in forward order (a module called several
     # times saves, releases and gets back each call's tensors separately: one pool group each)
@@ -164,14 +187,17 @@ def evaluate(
         release = max(releases) + 1
         if release >= death:
             continue
-        change[release] -= life.nbytes
-        change[death] += life.nbytes
+        targets = (change, head_change) if life.head else (change,)
+        for row in targets:
+            row[release] -= life.nbytes
+            row[death] += life.nbytes
         live_until = release
         for start, end in sorted((max(s, release), min(e, death)) for s, e in windows):
             start = max(start, live_until)
             if start < end:
-                change[start] += life.nbytes
-                change[end] -= life.nbytes
+                for row in targets:
+                    row[start] += life.nbytes
+                    row[end] -= life.nbytes
                 live_until = end
         host_bytes += life.nbytes if copies else 0  # units saving one storage share a copy
     for fqn, action in actions.items():
@@ -188,9 +214,12 @@ def evaluate(
             start = prefetched(fqn) + 1
             host_bytes += unit.unsaved_input_bytes
         if start < end:
-            change[start] += unit.unsaved_input_bytes
-            change[end] -= unit.unsaved_input_bytes
+            for row in (change, head_change) if fqn == profile.head_unit else (change,):
+                row[start] += unit.unsaved_input_bytes
+                row[end] -= unit.unsaved_input_bytes
     total = total + np.cumsum(change[:-1])
+    spikes = np.zeros(profile.num_events, dtype=np.int64)  # recompute transients
+    head_spikes = np.zeros(profile.num_events, dtype=np.int64)
     extra_s = transfer_s = exposed_s = 0.0
     for fqn, action in actions.items():
         unit = units[fqn]
@@ -207,7 +236,9 @@ def evaluate(
             for call in range(max(len(unit.calls), 1)):  # each call recomputes in its backward
                 bwd_start = unit.window(call)[2]
                 if 0 <= bwd_start < profile.num_events - 1:
-                    total[bwd_start + 1] += spike
+                    spikes[bwd_start + 1] += spike
+                    if fqn == profile.head_unit:
+                        head_spikes[bwd_start + 1] += spike
         moved = {"offload": unit.saved_bytes, "recompute+offload": inputs.get(fqn, 0)}
         if action in moved:
             # the copy out overlaps this unit's forward, the prefetch the backward of the next
@@ -226,8 +257,22 @@ def evaluate(
         exposed_s += max(0.0, out_s - backward_s) + max(0.0, in_s - backward_s)
     # NOTE: a segment's outer recompute holds the inner inputs plus one inner unit's internals
     # at a time, less than what the last unit's own recompute holds right after it: no spike.
+    total = total + spikes
     peak_event = int(total.argmax()) if total.size else -1
-    return _Outcome(
+    breakdown = dict.fromkeys(BREAKDOWN, 0)
+    if peak_event >= 0:
+        at = peak_event
+        shifted, head_shifted = int(np.cumsum(change)[at]), int(np.cumsum(head_change)[at])
+        live = {name: int(table[i, at]) for i, name in enumerate(CATEGORIES)}
+        breakdown.update(
+            params=live["params"],
+            grads=live["grads"],
+            optimizer=live["optimizer"],
+            activations=live["saved"] - int(head[0, at]) + shifted - head_shifted,
+            head_loss=int(head[0, at] + head[1, at]) + head_shifted + int(head_spikes[at]),
+            temporaries=live["temporaries"] - int(head[1, at]) + int(spikes[at] - head_spikes[at]),
+        )
+    return Outcome(
         int(total.max(initial=0)),
         host_bytes,
         extra_s,
@@ -236,7 +281,40 @@ def evaluate(
         peak_event,
         host_state.host_bytes if host_state is not None else 0,
         optimizer_copy_s,
+        breakdown=breakdown,
+        peak_at=locate(profile, peak_event),
     )
+
+
+def locate(profile: Profile, event: int) -> dict[str, Any]:
+    """Where event ``event`` of the step is: ``{"unit", "phase", "event"}`` (``plan --json``
+    ``peak_at``).
+
+    Phases: ``forward`` (inside a unit call, or "" between units), ``loss`` (after the last
+    unit's forward up to the loss, and backward before it enters a unit: unit ``"<loss>"``),
+    ``backward`` (the unit backward entered last), ``step`` (the optimizer: ``"<optimizer>"``).
+    """
+    where: dict[str, Any] = {"unit": "", "phase": "forward", "event": int(event)}
+    if event < 0:
+        return where
+    calls = [(u.fqn, u.window(c), c, u) for u in profile.units for c in range(max(len(u.calls), 1))]
+    if event > profile.backward_end_event:
+        return {**where, "unit": "<optimizer>", "phase": "step"}
+    if event <= profile.forward_end_event:
+        last_end = max((w[1] for _, w, _, _ in calls), default=-1)
+        if event > last_end:
+            return {**where, "unit": "<loss>", "phase": "loss"}
+        inside = [(w[1] - w[0], f) for f, w, _, _ in calls if w[0] <= event <= w[1]]
+        return {**where, "unit": min(inside)[1] if inside else ""}
+    entered = []
+    for fqn, window, call, unit in calls:
+        edge = unit.edges[call][0] if call < len(unit.edges) else -1
+        start = min(e for e in (edge, window[2]) if e >= 0) if max(edge, window[2]) >= 0 else -1
+        if 0 <= start <= event:
+            entered.append((start, fqn))
+    if not entered:
+        return {**where, "unit": "<loss>", "phase": "loss"}
+    return {**where, "unit": max(entered)[1], "phase": "backward"}
 
 
 def segment_runs(profile: Profile, actions: dict[str, str]) -> dict[str, int]:

@@ -392,7 +392,31 @@ def _run(
         fake=fake,
         step_s=step_s,
         copy_bytes_per_s=bandwidth,
+        head_unit=head_unit(model, unit_fqns),
     )
+
+
+def head_unit(model: nn.Module, units: set[str] | Sequence[str]) -> str:
+    """The unit that is or holds the model's output embedding (an LM head), "" if none.
+
+    The output embedding is what a ``transformers`` model's ``get_output_embeddings()`` returns
+    (on the model or a submodule: a step wrapper holds the model as a child), else a module
+    named ``lm_head`` (the zoo GPT's).
+    """
+    names = {id(m): fqn for fqn, m in model.named_modules()}
+    target = ""
+    for module in model.modules():
+        getter = getattr(module, "get_output_embeddings", None)
+        embedding = getter() if callable(getter) else None
+        if isinstance(embedding, nn.Module) and id(embedding) in names:
+            target = names[id(embedding)]
+            break
+    if not target:
+        target = next((f for f in names.values() if f.rpartition(".")[2] == "lm_head"), "")
+    if not target:
+        return ""
+    holding = [u for u in units if u and (target == u or target.startswith(u + "."))]
+    return max(holding, key=len, default="")  # the innermost unit holding it
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:

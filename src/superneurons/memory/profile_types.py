@@ -120,6 +120,7 @@ class StorageLife:
     units: tuple[str, ...]
     calls: tuple[int, ...] = ()
     from_caller: bool = False  # alive before the step (an input): no plan frees it
+    head: bool = False  # the LM head's or the loss's (``Profile.head_unit``; ``breakdown``)
 
     def call_of(self, unit: str) -> int:
         """The call of ``unit`` that saved this storage (0 when not recorded)."""
@@ -217,6 +218,11 @@ class Profile:
     # pinned (device -> host, host -> device) bytes/s measured with the profile (real CUDA
     # profiles; 0: not measured, use a device preset)
     copy_bytes_per_s: tuple[float, float] = (0.0, 0.0)
+    # the unit holding the model's output embedding (an LM head; "": none) and, per event, the
+    # eager live bytes of (saved, temporaries) that belong to it or to the loss: what
+    # ``breakdown["head_loss"]`` counts (see :meth:`head_rows`)
+    head_unit: str = ""
+    head_timeline: tuple[tuple[int, ...], ...] = ()
 
     @property
     def saved_bytes(self) -> int:
@@ -234,6 +240,19 @@ class Profile:
             for birth, nbytes in self.optimizer_births:
                 table[row, : max(birth, 0)] += nbytes
         return table
+
+    def head_rows(self) -> np.ndarray:
+        """``(2, num_events)`` int64 array: the eager live bytes of saved tensors and of
+        temporaries that belong to the LM head unit (:attr:`head_unit`) or to the loss.
+
+        A storage belongs to them when the head unit saved it, or when it was born inside the
+        head unit's forward, in the loss's forward (after the last unit's forward, up to
+        :attr:`forward_end_event`) or in backward before it left the head unit (the loss's
+        backward, the logits' gradient): the ``head_loss`` row of a plan's ``breakdown``.
+        """
+        if not self.head_timeline:
+            return np.zeros((2, self.num_events), dtype=np.int64)
+        return np.array(self.head_timeline, dtype=np.int64).reshape(2, -1)
 
     def predicted_peak_bytes(self, *, steady_state: bool = True) -> int:
         """Peak of the liveness timeline (eager PyTorch, nothing planned)."""
@@ -260,10 +279,16 @@ class Profile:
         fake: bool,
         step_s: float,
         copy_bytes_per_s: tuple[float, float] = (0.0, 0.0),
+        head_unit: str = "",
     ) -> Profile:
         num_events = max(tracker.event + 1, 1)
         last = num_events - 1
         saved_sids = {row["sid"] for row in saved_rows}
+        units_of: dict[int, set[str]] = {}
+        for row in saved_rows:
+            units_of.setdefault(row["sid"], set()).add(row["unit"])
+        in_head = _head_windows(unit_rows, events, head_unit, num_events)
+        head_delta = np.zeros((2, num_events + 1), dtype=np.int64)  # (saved, temporaries)
         delta = np.zeros((len(CATEGORIES), num_events + 1), dtype=np.int64)
         totals = dict.fromkeys(("params", "grads", "optimizer"), 0)
         opt_births: list[tuple[int, int]] = []
@@ -290,7 +315,12 @@ class Profile:
             cat_row = CATEGORIES.index(cat)
             delta[cat_row, birth] += nbytes
             delta[cat_row, min(death, last) + 1] -= nbytes
+            if _is_head(cat, units_of.get(sid, set()), head_unit, bool(in_head[birth])):
+                head_row = 0 if cat == "saved" else 1
+                head_delta[head_row, birth] += nbytes
+                head_delta[head_row, min(death, last) + 1] -= nbytes
         timeline = np.cumsum(delta[:, :num_events], axis=1)
+        head_timeline = np.cumsum(head_delta[:, :num_events], axis=1)
         index_of: dict[int, int] = {}
         lives: list[dict[str, Any]] = []
         saved: list[SavedTensor] = []
@@ -299,10 +329,12 @@ class Profile:
             if sid not in index_of:
                 index_of[sid] = len(lives)
                 death = last if tracker.is_live(sid) else tracker.deaths.get(sid, last)
+                birth = max(tracker.births.get(sid, 0), 0)
                 lives.append(
                     dict(
                         nbytes=row["nbytes"],
-                        birth=max(tracker.births.get(sid, 0), 0),
+                        birth=birth,
+                        head=_is_head("saved", units_of[sid], head_unit, bool(in_head[birth])),
                         from_caller=tracker.births.get(sid, 0) < 0,
                         death=death,
                         units=[],
@@ -333,6 +365,7 @@ class Profile:
                 tuple(v["units"]),
                 tuple(v["calls"]),
                 from_caller=v["from_caller"],
+                head=v["head"],
             )
             for v in lives
         )
@@ -395,4 +428,44 @@ class Profile:
             largest_param_bytes=max(
                 (tracker.nbytes[sid] for sid in param_storages if sid in tracker.nbytes), default=0
             ),
+            head_unit=head_unit,
+            head_timeline=tuple(tuple(int(v) for v in r) for r in head_timeline),
         )
+
+
+def _head_windows(
+    unit_rows: Mapping[str, Mapping[str, Any]],
+    events: Mapping[str, int],
+    head_unit: str,
+    num_events: int,
+) -> np.ndarray:
+    """Per event: inside the head unit's forward, the loss's forward, or backward before it
+    left the head unit (before the first unit's backward when there is no head unit)."""
+    mask = np.zeros(num_events + 1, dtype=bool)
+    last = num_events - 1
+    forward_end = events.get("forward_end", last)
+    backward_end = events.get("backward_end", last)
+    calls = [c for row in unit_rows.values() for c in row.get("calls", ())]
+    last_unit_end = max((int(c[1]) for c in calls), default=-1)
+    mask[last_unit_end + 1 : forward_end + 1] = True  # the loss's forward
+    head = unit_rows.get(head_unit) if head_unit else None
+    if head is not None:
+        for start, end, bwd_start, bwd_end in head.get("calls", ()):
+            mask[start : end + 1] = True
+            bwd_end = max(bwd_start, bwd_end)
+            if bwd_end >= 0:  # the loss's backward, then the head's own
+                mask[forward_end + 1 : min(bwd_end, backward_end) + 1] = True
+    else:
+        entered = [int(c[2]) for c in calls if int(c[2]) > forward_end]
+        mask[forward_end + 1 : min(entered, default=backward_end + 1)] = True
+    return mask
+
+
+def _is_head(category: str, units: set[str], head_unit: str, born_in_window: bool) -> bool:
+    """A storage of the head + loss row: saved by the head unit, or born in its windows and
+    saved by no other unit (a temporary, or a tensor the loss saved)."""
+    if category not in ("saved", "temporaries"):
+        return False
+    if head_unit and head_unit in units:
+        return True
+    return born_in_window and not (units - {""})
