@@ -3,7 +3,7 @@
 Deepest bottleneck ResNet ``[6, 32, n, 6]`` (batch 16, 224x224, fp32, SGD with momentum) whose
 predicted step peak fits ``0.95 x 12 GiB`` per strategy, and the largest batch of ResNet-50/101/152
 in 12 GiB. All on fake tensors (no memory used). Depth and batch come from the affine fit of
-:func:`superneurons.bench.search.max_fitting`; one direct profile at the eager answer's depth
+:func:`superneurons.memory.search.max_fitting`; one direct profile at the eager answer's depth
 validates the extrapolation. The anchors of CONTEXT.md §1 (measured on this machine with fake
 tensors) are compared in the same run as ratios.
 """
@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from superneurons.bench.artifacts import markdown_table, pyplot, write_json, write_markdown
-from superneurons.bench.search import max_fitting, zoo_peaks
 from superneurons.memory.plan import SEARCH_STRATEGIES
 from superneurons.memory.planner import min_peak_bytes
+from superneurons.memory.search import max_fitting, zoo_peaks
 from superneurons.models.resnet import n_to_depth
 
 __all__ = ["ANCHOR_DEPTHS", "PAPER_DEPTHS", "run_deeper"]

@@ -33,6 +33,8 @@ class CostModel:
         h2d_bytes_per_s: host -> device (pinned) copy bandwidth; ``None``: the same as
             ``bandwidth_bytes_per_s``.
         name: the preset it came from (``"custom"`` when built by hand, ``"measured"``).
+        memory_bytes: the device's memory (datasheet capacity; 0: not known), the budget
+            ``plan`` uses for a language model when no ``--budget`` is given.
 
     Defaults: the ``a100`` preset (PCIe 4.0 x16 at ~25 GB/s effective; A100 datasheet fp32
     19.5 TFLOP/s and 1.555 TB/s HBM2).
@@ -43,6 +45,7 @@ class CostModel:
     memory_bandwidth_bytes_per_s: float = 1.555e12
     h2d_bytes_per_s: float | None = None
     name: str = "custom"
+    memory_bytes: int = 0
 
     def __post_init__(self) -> None:
         for field in ("bandwidth_bytes_per_s", "flops_per_s", "memory_bandwidth_bytes_per_s"):
@@ -50,6 +53,8 @@ class CostModel:
                 raise ConfigError(f"{field} must be positive, got {getattr(self, field)}")
         if self.h2d_bytes_per_s is not None and not self.h2d_bytes_per_s > 0:
             raise ConfigError(f"h2d_bytes_per_s must be positive, got {self.h2d_bytes_per_s}")
+        if self.memory_bytes < 0:
+            raise ConfigError(f"memory_bytes must be >= 0, got {self.memory_bytes}")
 
     def compute_s(self, unit: Any, *, fake: bool) -> float:
         """Forward time of ``unit``: measured for real profiles, a roofline for fake ones."""
@@ -67,15 +72,25 @@ class CostModel:
         return nbytes / (self.h2d_bytes_per_s or self.bandwidth_bytes_per_s)
 
 
-# NOTE: literal table; each figure says where it comes from.
+GIB = 1024**3
+
+# NOTE: literal table; each figure says where it comes from. Memory: the datasheet capacity
+# ("80GB" HBM is 80 GiB); the CUDA context and allocator reserve take a few hundred MiB of it.
 DEVICE_PRESETS: dict[str, CostModel] = {
     # Copies: pinned host<->device measured on an H100 80GB (torch 2.11+cu130, CONTEXT.md §5):
     # 41.7 GB/s to host, 54.6 GB/s back. Compute: H100 SXM5 datasheet, fp32 67 TFLOP/s,
-    # HBM3 3.35 TB/s.
-    "h100": CostModel(41.7e9, 67e12, 3.35e12, h2d_bytes_per_s=54.6e9, name="h100"),
+    # HBM3 3.35 TB/s, 80 GB.
+    "h100": CostModel(
+        41.7e9, 67e12, 3.35e12, h2d_bytes_per_s=54.6e9, name="h100", memory_bytes=80 * GIB
+    ),
     # A100 40GB datasheet: fp32 19.5 TFLOP/s, HBM2 1.555 TB/s; PCIe 4.0 x16 ~25 GB/s effective
     # pinned each way (32 GB/s theoretical).
-    "a100": CostModel(25e9, 19.5e12, 1.555e12, name="a100"),
+    "a100": CostModel(25e9, 19.5e12, 1.555e12, name="a100", memory_bytes=40 * GIB),
+    # A100 80GB datasheet: the same fp32 rate, HBM2e 2.039 TB/s.
+    "a100-80gb": CostModel(25e9, 19.5e12, 2.039e12, name="a100-80gb", memory_bytes=80 * GIB),
+    # GeForce RTX 4090 datasheet: fp32 82.6 TFLOP/s, GDDR6X 1.008 TB/s, 24 GB; PCIe 4.0 x16
+    # as the A100's.
+    "rtx4090": CostModel(25e9, 82.6e12, 1.008e12, name="rtx4090", memory_bytes=24 * GIB),
     # This project's 2-core EPYC, one thread, measured here (shared machine): 1024^3 fp32
     # matmul 26 GFLOP/s; a 64 MiB tensor copy 2.7 GB/s (read + write 5.4 GB/s). The "host
     # pool" of a CPU device is another buffer in the same DRAM, so a copy is a memcpy.

@@ -91,6 +91,11 @@ def evaluate(
         head[:, profile.backward_end_event + 1 :] = 0
         table[CATEGORIES.index("params"), profile.backward_end_event + 1 :] = table[0, 0]
         table[CATEGORIES.index("optimizer"), profile.backward_end_event + 1 :] = table[2, 0]
+        # a loop that carries the output holds it through the (empty) step phase too
+        table[CATEGORIES.index("temporaries"), profile.backward_end_event + 1 :] = (
+            profile.carried_output_bytes
+        )
+        head[1, profile.backward_end_event + 1 :] = profile.carried_head_bytes
         # each gradient lives one op: the post-accumulate hook steps its parameter (in place,
         # as SGD/Adam do per parameter) and frees it at once
         for birth, nbytes in profile.grad_births:

@@ -11,7 +11,8 @@ copy of the model and optimizer (so the caller's state is untouched) with three 
   its forward window, forward FLOPs (``torch.utils.flop_counter``'s formulas), bytes written,
   and where backward enters and leaves it (the runtime's prefetch points, :mod:`.nodes`).
 
-This is SuperNeurons' liveness analysis over the execution route (Wang et al., PPoPP'18 §3.1),
+The observers' bookkeeping and the record it becomes live in :mod:`.recording`. This is
+SuperNeurons' liveness analysis over the execution route (Wang et al., PPoPP'18 §3.1),
 measured rather than derived from a static graph: branches, shared modules, in-place ops,
 dropout and BatchNorm need no special cases. With ``fake=True`` the step runs under
 ``FakeTensorMode`` on fake *cpu* tensors: byte sizes are exact, nothing is allocated.
@@ -23,200 +24,40 @@ import contextlib
 import copy
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.flop_counter import flop_registry
 
 from superneurons.errors import ConfigError
 from superneurons.memory.cost import EventTimer, measure_copy_bandwidth
-from superneurons.memory.nodes import on_enter, on_leave, output_nodes
 from superneurons.memory.profile_types import (
     CATEGORIES,
     Profile,
     SavedTensor,
     UnitProfile,
     default_units,
+    head_unit,
 )
 from superneurons.memory.recompute import running_stat_bytes
+from superneurons.memory.recording import Recorder, build_profile
 from superneurons.memory.stateful import kv_cache_off
 from superneurons.memory.tracker import LiveStorageTracker
 
-__all__ = ["CATEGORIES", "Profile", "SavedTensor", "UnitProfile", "profile_step"]
+__all__ = [
+    "CATEGORIES",
+    "Profile",
+    "SavedTensor",
+    "UnitProfile",
+    "output_loss",
+    "profile_step",
+]
 
 logger = logging.getLogger("superneurons.memory")
 
 LossFn = Callable[[Any, Any], torch.Tensor]
-
-
-class _Recorder:
-    """Mutable bookkeeping of one profiled step (module stack, saved tensors, unit windows)."""
-
-    def __init__(self, tracker: LiveStorageTracker, units: set[str]) -> None:
-        self.tracker = tracker
-        self.units = units
-        self.stack: list[tuple[str, int]] = []  # (fqn, call index)
-        self.calls: dict[str, int] = {}
-        self.ordinals: dict[tuple[str, int], int] = {}
-        self.param_storages: set[int] = set()
-        self.saved: list[dict[str, Any]] = []
-        self.first_key_of_storage: dict[int, str] = {}
-        self.unit_rows: dict[str, dict[str, Any]] = {}
-        self.op_of_storage: dict[int, str] = {}
-        self.saved_by_unit: dict[str, set[int]] = {}
-        self.phase = "forward"
-        self.timer: EventTimer | None = None  # CUDA events per unit forward (real CUDA runs)
-
-    # module hooks --------------------------------------------------------------------------
-    def pre(self, fqn: str, args: Any = ()) -> None:
-        call = self.calls.get(fqn, 0)
-        self.calls[fqn] = call + 1
-        self.stack.append((fqn, call))
-        if fqn in self.units:
-            row = self.unit_rows.setdefault(
-                fqn,
-                dict(
-                    fwd_start=self.tracker.event + 1,
-                    fwd_end=-1,
-                    bwd_start=-1,
-                    flops=0,
-                    written=0,
-                    live_at_start=self.tracker.live_bytes,
-                    temp_peak=0,
-                    time_s=0.0,
-                    t0=0.0,
-                    calls=[],
-                ),
-            )
-            # per call: [fwd_start, fwd_end, bwd_start, bwd_end] (a module called several
-            # times in one forward, e.g. a ResNet bottleneck's one ReLU, has several windows)
-            row["calls"].append([self.tracker.event + 1, -1, -1, -1])
-            row["t0"] = time.perf_counter()
-            row["in_sids"] = {
-                self.tracker.serial_of(t)
-                for t in tree_flatten(args)[0]
-                if isinstance(t, torch.Tensor)
-            } - {None}
-            row.setdefault("first_in_sids", row["in_sids"])
-            if self.timer is not None:
-                row["events"] = self.timer.start()
-
-    def post(self, fqn: str, output: Any) -> None:
-        if self.stack and self.stack[-1][0] == fqn:
-            self.stack.pop()
-        if fqn in self.units:
-            row = self.unit_rows[fqn]
-            # outputs the unit also saved are re-created by its recompute: not counted here
-            saved_here = self.saved_by_unit.get(fqn, set())
-            outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
-            out_sids = {self.tracker.serial_of(t) for t in outs}
-            row["out_bytes"] = sum(
-                t.untyped_storage().nbytes()
-                for t in outs
-                if self.tracker.serial_of(t) not in saved_here
-            )
-            row["inplace"] = row.get("inplace", False) or bool(out_sids & row["in_sids"])
-            row["fwd_end"] = self.tracker.event
-            row["calls"][-1][1] = self.tracker.event
-            # where backward enters and leaves this call's output nodes (the runtime's
-            # prefetch points): [enter, leave] events per call
-            row.setdefault("edges", []).append([-1, -1])
-            call, nodes = len(row["calls"]) - 1, output_nodes(outs)
-            on_enter(nodes, lambda: self.reached(fqn, call, 0))
-            on_leave(nodes, lambda: self.reached(fqn, call, 1))
-            if self.timer is not None:
-                self.timer.stop(fqn, row.pop("events"))
-            else:
-                row["time_s"] += time.perf_counter() - row["t0"]
-
-    def reached(self, fqn: str, call: int, side: int) -> None:
-        edges = self.unit_rows[fqn]["edges"][call]  # the first hook to fire: the runtime's
-        edges[side] = edges[side] if edges[side] >= 0 else self.tracker.event  # prefetch point
-
-    def current_unit(self) -> str:
-        return self.current_call()[0]
-
-    def current_call(self) -> tuple[str, int]:
-        """The innermost unit running and the index of its current call ("", 0: none)."""
-        for fqn, _ in reversed(self.stack):
-            if fqn in self.units:
-                return fqn, len(self.unit_rows[fqn]["calls"]) - 1
-        return "", 0
-
-    # dispatch callback ---------------------------------------------------------------------
-    def on_op(self, event: int, func: Any, args: Any, kwargs: Any, out: Any) -> None:
-        name = str(func.overloadpacket.__name__)
-        for leaf in tree_flatten(out)[0]:
-            if isinstance(leaf, torch.Tensor):
-                sid = self.tracker.serial_of(leaf)
-                if sid is not None:
-                    self.op_of_storage.setdefault(sid, name)
-        if self.phase != "forward" or not self.stack:
-            return
-        unit = self.current_unit()
-        if not unit:
-            return
-        row = self.unit_rows[unit]
-        packet = func.overloadpacket
-        if packet in flop_registry:
-            row["flops"] += int(flop_registry[packet](*args, **(kwargs or {}), out_val=out))
-        row["written"] += sum(
-            t.numel() * t.element_size()
-            for t in tree_flatten(out)[0]
-            if isinstance(t, torch.Tensor)
-        )
-        row["temp_peak"] = max(row["temp_peak"], self.tracker.live_bytes - row["live_at_start"])
-
-    # saved-tensor hooks --------------------------------------------------------------------
-    def pack(self, tensor: torch.Tensor) -> Any:
-        sid = self.tracker.serial_of(tensor)
-        if sid is None or sid in self.param_storages or self.phase != "forward":
-            return (None, tensor)
-        fqn, call = self.stack[-1] if self.stack else ("", 0)
-        ordinal = self.ordinals.get((fqn, call), 0)
-        self.ordinals[(fqn, call)] = ordinal + 1
-        key = f"{fqn}#{call}:{ordinal}"
-        first = sid not in self.first_key_of_storage
-        if first:
-            self.first_key_of_storage[sid] = key
-        index = len(self.saved)
-        unit, unit_call = self.current_call()
-        self.saved_by_unit.setdefault(unit, set()).add(sid)
-        if unit:  # a recompute stops at its last save (early stop): its peak up to here
-            self.unit_rows[unit]["recompute_peak"] = self.unit_rows[unit]["temp_peak"]
-        self.saved.append(
-            dict(
-                key=key,
-                module=fqn,
-                sid=sid,
-                first=first,
-                unit=unit,
-                unit_call=unit_call,
-                pack_event=self.tracker.event,
-                last_use=-1,
-                nbytes=int(tensor.untyped_storage().nbytes()),
-            )
-        )
-        return (index, tensor)
-
-    def unpack(self, packed: Any) -> torch.Tensor:
-        index, tensor = packed
-        if index is not None:
-            row = self.saved[index]
-            row["last_use"] = max(row["last_use"], self.tracker.event)
-            unit = row["unit"]
-            if unit and self.unit_rows[unit]["bwd_start"] < 0:
-                self.unit_rows[unit]["bwd_start"] = self.tracker.event
-            if unit:
-                self.unit_rows[unit]["bwd_end"] = self.tracker.event
-                window = self.unit_rows[unit]["calls"][row["unit_call"]]
-                if window[2] < 0:
-                    window[2] = self.tracker.event
-                window[3] = max(window[3], self.tracker.event)
-        return tensor
 
 
 def profile_step(
@@ -230,6 +71,8 @@ def profile_step(
     units: Sequence[str] | None = None,
     fake_mode: Any = None,
     keep_output: bool = True,
+    carry_output: bool = False,
+    autocast: torch.dtype | None = None,
 ) -> Profile:
     """Profile one training step (forward, ``loss_fn(output, targets)``, backward, optimizer step).
 
@@ -246,7 +89,21 @@ def profile_step(
         keep_output: the step holds the model's output through backward, as a loop that
             keeps ``output = model(x)`` in scope does (``train/loop.py``, ``bench memory``);
             ``False`` for ``loss_fn(model(x), y).backward()``, which frees whatever autograd
-            did not save (for GPT-2 124M at B=8, T=1024: 1.53 GiB of logits).
+            did not save (for GPT-2 124M at B=8, T=1024: 1.53 GiB of logits). HF's ``Trainer``
+            frees the outputs before backward: ``False``.
+        carry_output: (with ``keep_output``) the loop's variable keeps the output through the
+            optimizer step and, in steady state, through the next step's forward until it is
+            reassigned: ``outputs = model(**batch); outputs.loss.backward(); opt.step()`` in
+            HF's ``no_trainer`` examples. The output's bytes are then counted from the first
+            event to the end of the model's forward as well (``Profile.carried_output_bytes``).
+        autocast: run the forward and the loss under ``torch.autocast(device, dtype=autocast)``
+            and backward and the optimizer step outside it, as mixed-precision loops are
+            written (PyTorch's AMP recipe). Called inside an enabled ``torch.autocast`` block,
+            the step is profiled the same way with that block's dtype: backward and the step
+            of the real loop run outside it.
+
+    ``inputs`` that are a mapping are passed as keyword arguments (``model(**batch)``, the HF
+    style; use :func:`output_loss` as ``loss_fn`` to read ``outputs.loss``).
 
     Raises:
         ConfigError: the step fails under fake tensors (data-dependent ops such as ``nonzero`` or
@@ -277,6 +134,9 @@ def profile_step(
         )
     for p in model_c.parameters():
         p.grad = None
+    device_type = _device_type(model_c, fake=mode is not None)
+    if autocast is None and torch.is_autocast_enabled(device_type):
+        autocast = torch.get_autocast_dtype(device_type)  # the caller's, around forward + loss
     try:
         with mode if mode is not None else contextlib.nullcontext():
             return _run(
@@ -288,6 +148,8 @@ def profile_step(
                 unit_fqns,
                 fake=mode is not None,
                 keep_output=keep_output,
+                carry_output=carry_output,
+                autocast=autocast,
             )
     except (RuntimeError, NotImplementedError) as exc:
         if mode is None:
@@ -322,9 +184,11 @@ def _run(
     *,
     fake: bool,
     keep_output: bool = True,
+    carry_output: bool = False,
+    autocast: torch.dtype | None = None,
 ) -> Profile:
     tracker = LiveStorageTracker(record_timeline=False)
-    rec = _Recorder(tracker, unit_fqns)
+    rec = Recorder(tracker, unit_fqns)
     tracker._on_op = rec.on_op  # type: ignore[assignment]
     first = next(iter(model.parameters()), None)
     on_cuda = not fake and first is not None and first.device.type == "cuda"
@@ -345,21 +209,32 @@ def _run(
     events: dict[str, int] = {}
     start_s = time.perf_counter()
     try:
+        device_type = _device_type(model, fake=fake)
+        forward_autocast = torch.autocast(device_type, dtype=autocast, enabled=autocast is not None)
+        # backward and the step run outside the user's autocast (an enclosing one included)
+        no_autocast = torch.autocast(device_type, enabled=False)
         with tracker, torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack):
-            output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
-            events["model_end"] = tracker.event
-            loss = loss_fn(output, targets)
+            with forward_autocast:
+                output = _call(model, inputs)
+                events["model_end"] = tracker.event
+                loss = loss_fn(output, targets)
             if not keep_output:  # ``loss_fn(model(x), y).backward()``: only what autograd saved
                 del output
             events["forward_end"] = tracker.event
             rec.phase = "backward"
-            loss.backward()
+            with no_autocast:
+                loss.backward()
             del loss
-            output = None  # the step's output is released with the loss
+            carried: set[int] = set()
+            if keep_output and carry_output:  # the loop's variable holds it past the step
+                carried = _storages(tracker, output)
+            else:
+                output = None  # the step's output is released with the loss
             events["backward_end"] = tracker.event
             rec.phase = "step"
             if optimizer is not None:
-                optimizer.step()
+                with no_autocast:
+                    optimizer.step()
             events["step_end"] = tracker.event
     finally:
         for handle in handles:
@@ -378,7 +253,7 @@ def _run(
         bandwidth = measure_copy_bandwidth(first.device)
     grads = {tracker.serial_of(p.grad) for p in model.parameters() if p.grad is not None} - {None}
     opt_state = {tracker.serial_of(t) for t in _optimizer_tensors(optimizer)} - {None}
-    return Profile.from_recording(
+    return build_profile(
         tracker=tracker,
         saved_rows=rec.saved,
         unit_rows=rec.unit_rows,
@@ -393,30 +268,44 @@ def _run(
         step_s=step_s,
         copy_bytes_per_s=bandwidth,
         head_unit=head_unit(model, unit_fqns),
+        carried_storages=carried,
     )
 
 
-def head_unit(model: nn.Module, units: set[str] | Sequence[str]) -> str:
-    """The unit that is or holds the model's output embedding (an LM head), "" if none.
+def _storages(tracker: LiveStorageTracker, value: Any) -> set[int]:
+    """Serials of the tracked storages of the tensors in ``value`` (a pytree or a ModelOutput)."""
+    if isinstance(value, Mapping):  # HF's ModelOutput is an OrderedDict
+        value = dict(value)
+    found = {tracker.serial_of(t) for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)}
+    return {s for s in found if s is not None}
 
-    The output embedding is what a ``transformers`` model's ``get_output_embeddings()`` returns
-    (on the model or a submodule: a step wrapper holds the model as a child), else a module
-    named ``lm_head`` (the zoo GPT's).
+
+def _call(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    return model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+
+
+def _device_type(model: nn.Module, *, fake: bool) -> str:
+    """Where the step's autocast applies: fake tensors are cpu tensors."""
+    first = next(iter(model.parameters()), None)
+    return "cpu" if fake or first is None else first.device.type
+
+
+def output_loss(output: Any, _targets: Any = None) -> torch.Tensor:
+    """``loss_fn`` for models that compute their own loss: ``output.loss`` (HF ``ModelOutput``,
+    or a dict with ``"loss"``).
+
+    Raises:
+        ConfigError: the output holds no loss (a causal LM needs ``labels`` in the batch).
     """
-    names = {id(m): fqn for fqn, m in model.named_modules()}
-    target = ""
-    for module in model.modules():
-        getter = getattr(module, "get_output_embeddings", None)
-        embedding = getter() if callable(getter) else None
-        if isinstance(embedding, nn.Module) and id(embedding) in names:
-            target = names[id(embedding)]
-            break
-    if not target:
-        target = next((f for f in names.values() if f.rpartition(".")[2] == "lm_head"), "")
-    if not target:
-        return ""
-    holding = [u for u in units if u and (target == u or target.startswith(u + "."))]
-    return max(holding, key=len, default="")  # the innermost unit holding it
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigError(
+            "the model returned no loss for the sample batch: include the labels in it "
+            "(e.g. batch['labels'] = batch['input_ids'] for a causal LM)"
+        )
+    return loss
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:

@@ -8,6 +8,7 @@ samples its peak); storages alive before the step have birth 0, those alive afte
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,10 +24,15 @@ __all__ = [
     "StorageLife",
     "UnitProfile",
     "default_units",
+    "head_unit",
+    "head_windows",
+    "is_head_storage",
     "layer_units",
 ]
 
-GRANULARITIES: tuple[str, ...] = ("block", "layer", "auto")
+# The unit sets a profile can be made with: blocks (``default_units``), every layer
+# (``layer_units``), or blocks with the largest split into layers (``bounds.split_largest``).
+GRANULARITIES: tuple[str, ...] = ("block", "layer", "split")
 
 CATEGORIES: tuple[str, ...] = ("params", "grads", "optimizer", "saved", "temporaries")
 
@@ -72,6 +78,29 @@ def default_units(model: nn.Module) -> list[str]:
                 found.append(child_fqn)
     position = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}
     return sorted(found, key=position.__getitem__)
+
+
+def head_unit(model: nn.Module, units: Iterable[str]) -> str:
+    """The unit that is or holds the model's output embedding (an LM head), "" if none.
+
+    The output embedding is what a ``transformers`` model's ``get_output_embeddings()`` returns
+    (on the model or a submodule: a step wrapper holds the model as a child), else a module
+    named ``lm_head`` (the zoo GPT's).
+    """
+    names = {id(m): fqn for fqn, m in model.named_modules()}
+    target = ""
+    for module in model.modules():
+        getter = getattr(module, "get_output_embeddings", None)
+        embedding = getter() if callable(getter) else None
+        if isinstance(embedding, nn.Module) and id(embedding) in names:
+            target = names[id(embedding)]
+            break
+    if not target:
+        target = next((f for f in names.values() if f.rpartition(".")[2] == "lm_head"), "")
+    if not target:
+        return ""
+    holding = [u for u in units if u and (target == u or target.startswith(u + "."))]
+    return max(holding, key=len, default="")  # the innermost unit holding it
 
 
 def layer_units(model: nn.Module) -> list[str]:
@@ -223,36 +252,59 @@ class Profile:
     # ``breakdown["head_loss"]`` counts (see :meth:`head_rows`)
     head_unit: str = ""
     head_timeline: tuple[tuple[int, ...], ...] = ()
+    # bytes of the model's output the loop carries into the next step (``carry_output``): live
+    # in steady state from event 0 to ``model_end_event`` too; of which head + loss bytes
+    carried_output_bytes: int = 0
+    carried_head_bytes: int = 0
 
     @property
     def saved_bytes(self) -> int:
         return sum(s.nbytes for s in self.storages)
 
     def timeline_array(self, *, steady_state: bool = True) -> np.ndarray:
-        """``(len(CATEGORIES), num_events)`` int64 array of live bytes.
+        """``(len(CATEGORIES), num_events)`` int64 array of live bytes (a fresh copy).
 
         With ``steady_state`` the optimizer state the first step creates is counted from event 0,
         as it is resident from the second step on.
         """
-        table = np.array(self.timeline, dtype=np.int64).reshape(len(CATEGORIES), -1)
-        if steady_state and self.optimizer_births:
-            row = CATEGORIES.index("optimizer")
-            for birth, nbytes in self.optimizer_births:
-                table[row, : max(birth, 0)] += nbytes
+        return (self._steady_table if steady_state else self._table).copy()
+
+    # NOTE: the planner evaluates hundreds of candidate plans per profile; converting the
+    # timeline tuples to arrays each time was half of its time on a 28,000-event step
+    @functools.cached_property
+    def _table(self) -> np.ndarray:
+        return np.array(self.timeline, dtype=np.int64).reshape(len(CATEGORIES), -1)
+
+    @functools.cached_property
+    def _steady_table(self) -> np.ndarray:
+        table = self._table.copy()
+        row = CATEGORIES.index("optimizer")
+        for birth, nbytes in self.optimizer_births:
+            table[row, : max(birth, 0)] += nbytes
+        # the previous step's output, until the model's forward returns the new one
+        table[CATEGORIES.index("temporaries"), : self.model_end_event + 1] += (
+            self.carried_output_bytes
+        )
         return table
 
     def head_rows(self) -> np.ndarray:
-        """``(2, num_events)`` int64 array: the eager live bytes of saved tensors and of
-        temporaries that belong to the LM head unit (:attr:`head_unit`) or to the loss.
+        """``(2, num_events)`` int64 array: the eager live bytes (steady state) of saved tensors
+        and of temporaries that belong to the LM head unit (:attr:`head_unit`) or to the loss.
 
         A storage belongs to them when the head unit saved it, or when it was born inside the
         head unit's forward, in the loss's forward (after the last unit's forward, up to
         :attr:`forward_end_event`) or in backward before it left the head unit (the loss's
         backward, the logits' gradient): the ``head_loss`` row of a plan's ``breakdown``.
         """
+        return self._head_table.copy()
+
+    @functools.cached_property
+    def _head_table(self) -> np.ndarray:
         if not self.head_timeline:
             return np.zeros((2, self.num_events), dtype=np.int64)
-        return np.array(self.head_timeline, dtype=np.int64).reshape(2, -1)
+        table = np.array(self.head_timeline, dtype=np.int64).reshape(2, -1)
+        table[1, : self.model_end_event + 1] += self.carried_head_bytes
+        return table
 
     def predicted_peak_bytes(self, *, steady_state: bool = True) -> int:
         """Peak of the liveness timeline (eager PyTorch, nothing planned)."""
@@ -263,177 +315,8 @@ class Profile:
         at = int(table.sum(axis=0).argmax())
         return {name: int(table[i, at]) for i, name in enumerate(CATEGORIES)}
 
-    @classmethod
-    def from_recording(
-        cls,
-        *,
-        tracker: Any,
-        saved_rows: list[dict[str, Any]],
-        unit_rows: Mapping[str, Mapping[str, Any]],
-        unit_order: Iterable[str],
-        param_storages: set[int],
-        grad_storages: set[int],
-        opt_storages: set[int],
-        op_of_storage: Mapping[int, str],
-        events: Mapping[str, int],
-        fake: bool,
-        step_s: float,
-        copy_bytes_per_s: tuple[float, float] = (0.0, 0.0),
-        head_unit: str = "",
-    ) -> Profile:
-        num_events = max(tracker.event + 1, 1)
-        last = num_events - 1
-        saved_sids = {row["sid"] for row in saved_rows}
-        units_of: dict[int, set[str]] = {}
-        for row in saved_rows:
-            units_of.setdefault(row["sid"], set()).add(row["unit"])
-        in_head = _head_windows(unit_rows, events, head_unit, num_events)
-        head_delta = np.zeros((2, num_events + 1), dtype=np.int64)  # (saved, temporaries)
-        delta = np.zeros((len(CATEGORIES), num_events + 1), dtype=np.int64)
-        totals = dict.fromkeys(("params", "grads", "optimizer"), 0)
-        opt_births: list[tuple[int, int]] = []
-        grad_births: list[tuple[int, int]] = []
-        for sid, nbytes in tracker.nbytes.items():
-            if sid in param_storages:
-                cat = "params"
-            elif sid in opt_storages:
-                cat = "optimizer"
-            elif sid in grad_storages:
-                cat = "grads"
-            elif sid in saved_sids:
-                cat = "saved"
-            else:
-                cat = "temporaries"
-            birth = max(tracker.births[sid], 0)
-            death = tracker.deaths.get(sid, last) if not tracker.is_live(sid) else last
-            if cat in totals:
-                totals[cat] += nbytes
-            if cat == "optimizer" and tracker.births[sid] >= 0:
-                opt_births.append((birth, nbytes))
-            if cat == "grads":
-                grad_births.append((birth, nbytes))
-            cat_row = CATEGORIES.index(cat)
-            delta[cat_row, birth] += nbytes
-            delta[cat_row, min(death, last) + 1] -= nbytes
-            if _is_head(cat, units_of.get(sid, set()), head_unit, bool(in_head[birth])):
-                head_row = 0 if cat == "saved" else 1
-                head_delta[head_row, birth] += nbytes
-                head_delta[head_row, min(death, last) + 1] -= nbytes
-        timeline = np.cumsum(delta[:, :num_events], axis=1)
-        head_timeline = np.cumsum(head_delta[:, :num_events], axis=1)
-        index_of: dict[int, int] = {}
-        lives: list[dict[str, Any]] = []
-        saved: list[SavedTensor] = []
-        for row in saved_rows:
-            sid = row["sid"]
-            if sid not in index_of:
-                index_of[sid] = len(lives)
-                death = last if tracker.is_live(sid) else tracker.deaths.get(sid, last)
-                birth = max(tracker.births.get(sid, 0), 0)
-                lives.append(
-                    dict(
-                        nbytes=row["nbytes"],
-                        birth=birth,
-                        head=_is_head("saved", units_of[sid], head_unit, bool(in_head[birth])),
-                        from_caller=tracker.births.get(sid, 0) < 0,
-                        death=death,
-                        units=[],
-                        calls=[],
-                    )
-                )
-            life = lives[index_of[sid]]
-            if row["unit"] not in life["units"]:
-                life["units"].append(row["unit"])
-                life["calls"].append(int(row.get("unit_call", 0)))
-            saved.append(
-                SavedTensor(
-                    key=row["key"],
-                    module=row["module"],
-                    op=op_of_storage.get(sid, "input"),
-                    unit=row["unit"],
-                    nbytes=row["nbytes"] if row["first"] else 0,
-                    storage=index_of[sid],
-                    created_event=life["birth"],
-                    last_use_event=row["last_use"],
-                )
-            )
-        storages = tuple(
-            StorageLife(
-                v["nbytes"],
-                v["birth"],
-                v["death"],
-                tuple(v["units"]),
-                tuple(v["calls"]),
-                from_caller=v["from_caller"],
-                head=v["head"],
-            )
-            for v in lives
-        )
-        units = []
-        for fqn in unit_order:
-            u = unit_rows[fqn]
-            units.append(
-                UnitProfile(
-                    fqn=fqn,
-                    fwd_start_event=u["fwd_start"],
-                    fwd_end_event=u["fwd_end"],
-                    bwd_start_event=u["bwd_start"],
-                    flops=u["flops"],
-                    bytes_written=u["written"],
-                    fwd_time_s=u["time_s"],
-                    temp_peak_bytes=u["temp_peak"],
-                    saved_bytes=sum(s.nbytes for s in storages if fqn in s.units),
-                    output_bytes=int(u.get("out_bytes", 0)),
-                    input_bytes=sum(
-                        s.nbytes
-                        for s in storages
-                        if fqn in s.units and not s.from_caller and s.birth < u["fwd_start"]
-                    ),
-                    bwd_end_event=int(u.get("bwd_end", -1)),
-                    inplace=bool(u.get("inplace", False)),
-                    norm_state_bytes=int(u.get("norm_state_bytes", 0)),
-                    in_sequential=bool(u.get("in_sequential", False)),
-                    calls=tuple(
-                        (int(a), int(b), int(c), int(d)) for a, b, c, d in u.get("calls", ())
-                    ),
-                    edges=tuple((int(a), int(b)) for a, b in u.get("edges", ())),
-                    recompute_peak_bytes=int(u.get("recompute_peak", -1)),
-                    unsaved_input_bytes=sum(
-                        tracker.nbytes[sid]
-                        for sid in u.get("first_in_sids", ())
-                        if sid not in saved_sids
-                        and sid not in param_storages
-                        and tracker.births.get(sid, -1) >= 0
-                    ),
-                )
-            )
-        return cls(
-            fake=fake,
-            num_events=num_events,
-            forward_end_event=events.get("forward_end", last),
-            backward_end_event=events.get("backward_end", last),
-            model_end_event=events.get("model_end", -1),
-            copy_bytes_per_s=copy_bytes_per_s,
-            step_s=step_s,
-            param_bytes=totals["params"],
-            grad_bytes=totals["grads"],
-            optimizer_state_bytes=totals["optimizer"],
-            measured_peak_bytes=int(tracker.peak_bytes),
-            timeline=tuple(tuple(int(v) for v in r) for r in timeline),
-            saved=tuple(saved),
-            storages=storages,
-            units=tuple(units),
-            optimizer_births=tuple(opt_births),
-            grad_births=tuple(grad_births),
-            largest_param_bytes=max(
-                (tracker.nbytes[sid] for sid in param_storages if sid in tracker.nbytes), default=0
-            ),
-            head_unit=head_unit,
-            head_timeline=tuple(tuple(int(v) for v in r) for r in head_timeline),
-        )
 
-
-def _head_windows(
+def head_windows(
     unit_rows: Mapping[str, Mapping[str, Any]],
     events: Mapping[str, int],
     head_unit: str,
@@ -461,7 +344,7 @@ def _head_windows(
     return mask
 
 
-def _is_head(category: str, units: set[str], head_unit: str, born_in_window: bool) -> bool:
+def is_head_storage(category: str, units: set[str], head_unit: str, born_in_window: bool) -> bool:
     """A storage of the head + loss row: saved by the head unit, or born in its windows and
     saved by no other unit (a temporary, or a tensor the loss saved)."""
     if category not in ("saved", "temporaries"):
