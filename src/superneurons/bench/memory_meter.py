@@ -113,7 +113,7 @@ def allocator_peak_bytes(step: StepFn, *, resident: Callable[[], Sequence[torch.
 
 def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
     """Bytes of the distinct cpu storages of ``tensors`` and of their gradients."""
-    alive = [*tensors, *(t.grad for t in tensors if t.grad is not None)]
+    alive = [*tensors, *(t.grad for t in tensors if t.is_leaf and t.grad is not None)]
     storages = {
         t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
         for t in alive

@@ -24,7 +24,7 @@ from superneurons.memory.cost import CostModel
 from superneurons.memory.optim_backward import host_state_timeline
 from superneurons.memory.plan import OFFLOADING, RECOMPUTING
 from superneurons.memory.pool import MIN_OFFLOAD_BYTES
-from superneurons.memory.profile_types import CATEGORIES, Profile
+from superneurons.memory.profile_types import CATEGORIES, Profile, StorageLife
 
 __all__ = ["BREAKDOWN", "CostModel", "Outcome", "evaluate", "locate", "segment_runs"]
 
@@ -190,6 +190,8 @@ def evaluate(
         # NOTE: an unpack at event e happens after op e, when the storages that died at e are
         # already gone: what it brings back is live from op e + 1 on.
         release = max(releases) + 1
+        if life.cached:  # autocast's cache holds it to the end of the forward and loss
+            release = max(release, profile.forward_end_event + 1)
         if release >= death:
             continue
         targets = (change, head_change) if life.head else (change,)
@@ -205,23 +207,34 @@ def evaluate(
                     row[end] -= life.nbytes
                 live_until = end
         host_bytes += life.nbytes if copies else 0  # units saving one storage share a copy
-    for fqn, action in actions.items():
-        unit = units[fqn]
-        _, fwd_end, bwd_start, bwd_end = unit.window(0)  # the first call's inputs
-        if action not in RECOMPUTING or not unit.unsaved_input_bytes or bwd_start < 0:
-            continue
-        if members.get(segments.get(fqn, -1), [fqn])[0] != fqn:
-            continue  # inside a segment: the segment's recompute brings it back
-        # a checkpoint keeps an input eager autograd would have freed in forward
-        end = min(max(bwd_end, bwd_start) + 1, profile.num_events)
-        start = fwd_end + 1
-        if action == "recompute+offload" and unit.unsaved_input_bytes >= min_offload_bytes:
-            start = prefetched(fqn) + 1
-            host_bytes += unit.unsaved_input_bytes
-        if start < end:
-            for row in (change, head_change) if fqn == profile.head_unit else (change,):
-                row[start] += unit.unsaved_input_bytes
-                row[end] -= unit.unsaved_input_bytes
+    # a checkpoint keeps inputs eager autograd frees in forward: per storage (one may feed
+    # several units, HF's position ids), over the union of its recomputing holders' windows,
+    # beyond where eager holds it anyway
+    for life in profile.unsaved_inputs or _per_unit_inputs(profile):
+        windows, offloaded = [], False
+        for fqn in life.units:
+            action = actions.get(fqn, "keep")
+            _, fwd_end, bwd_start, bwd_end = units[fqn].window(0)  # the first call's inputs
+            if action not in RECOMPUTING or bwd_start < 0:
+                continue
+            if members.get(segments.get(fqn, -1), [fqn])[0] != fqn:
+                continue  # inside a segment: the segment's recompute brings it back
+            start, end = fwd_end + 1, min(max(bwd_end, bwd_start) + 1, profile.num_events)
+            if action == "recompute+offload" and life.nbytes >= min_offload_bytes:
+                start, offloaded = prefetched(fqn) + 1, True
+            windows.append((start, end))
+        host_bytes += life.nbytes if offloaded else 0
+        targets = (change, head_change) if profile.head_unit in life.units else (change,)
+        covered = life.death + 1
+        for start, end in sorted(windows):
+            start = max(start, covered)
+            if start < end:
+                for row in targets:
+                    row[start] += life.nbytes
+                    row[end] -= life.nbytes
+                covered = end
+    if profile.rng_state_bytes:
+        _stash_rng_states(profile, actions, segments, members, change)
     total = total + np.cumsum(change[:-1])
     spikes = np.zeros(profile.num_events, dtype=np.int64)  # recompute transients
     head_spikes = np.zeros(profile.num_events, dtype=np.int64)
@@ -238,6 +251,7 @@ def evaluate(
                 spike = max(unit.temp_peak_bytes - internal.get(fqn, 0) - unit.output_bytes, 0)
             # the recompute snapshots running statistics (once more for a segment's outer pass)
             spike += unit.norm_state_bytes * (2 if fqn in segments else 1)
+            spike += _forward_scratch(profile, unit)  # its ops' own scratch, run again
             for call in range(max(len(unit.calls), 1)):  # each call recomputes in its backward
                 bwd_start = unit.window(call)[2]
                 if 0 <= bwd_start < profile.num_events - 1:
@@ -289,6 +303,51 @@ def evaluate(
         breakdown=breakdown,
         peak_at=locate(profile, peak_event),
     )
+
+
+def _forward_scratch(profile: Profile, unit: Any) -> int:
+    """The largest scratch an op of the unit's forward allocated for itself."""
+    windows = [unit.window(c)[:2] for c in range(max(len(unit.calls), 1))]
+    return max(
+        (b for e, b in profile.scratch if any(s <= e <= end for s, end in windows)), default=0
+    )
+
+
+def _stash_rng_states(
+    profile: Profile,
+    actions: dict[str, str],
+    segments: dict[str, int],
+    members: dict[int, list[str]],
+    change: np.ndarray,
+) -> None:
+    """Each checkpointed call keeps the generator state it will replay (``preserve_rng_state``)
+    from its forward until its backward is over; a segment's outer checkpoint one more."""
+    units = {u.fqn: u for u in profile.units}
+    spans = []
+    for fqn, action in actions.items():
+        if action not in RECOMPUTING:
+            continue
+        unit = units[fqn]
+        for call in range(max(len(unit.calls), 1)):
+            fwd_start, _, bwd_start, bwd_end = unit.window(call)
+            spans.append((fwd_start, max(bwd_end, bwd_start)))
+        group = members.get(segments.get(fqn, -1), [])
+        if group and group[0] == fqn:
+            spans.append((unit.fwd_start_event, max(unit.bwd_end_event, unit.bwd_start_event)))
+    for start, end in spans:
+        if 0 <= start <= end:
+            change[start] += profile.rng_state_bytes
+            change[min(end + 1, profile.num_events)] -= profile.rng_state_bytes
+
+
+def _per_unit_inputs(profile: Profile) -> list[StorageLife]:
+    """Profiles that did not record their unsaved input storages: one per unit, freed by
+    eager right after the unit's forward."""
+    return [
+        StorageLife(u.unsaved_input_bytes, u.fwd_start_event, u.fwd_end_event, (u.fqn,))
+        for u in profile.units
+        if u.unsaved_input_bytes > 0
+    ]
 
 
 def locate(profile: Profile, event: int) -> dict[str, Any]:

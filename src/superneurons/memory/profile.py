@@ -45,6 +45,7 @@ from superneurons.memory.recompute import running_stat_bytes
 from superneurons.memory.recording import Recorder, build_profile
 from superneurons.memory.stateful import kv_cache_off
 from superneurons.memory.tracker import LiveStorageTracker
+from superneurons.memory.workspace import op_scratch, scratch_recorder
 
 __all__ = [
     "CATEGORIES",
@@ -187,7 +188,9 @@ def _run(
     carry_output: bool = False,
     autocast: torch.dtype | None = None,
 ) -> Profile:
-    tracker = LiveStorageTracker(record_timeline=False)
+    # a real cpu step: the allocator's own view too, for the scratch kernels allocate
+    on_cpu = not fake and _device_type(model, fake=fake) == "cpu"
+    tracker = LiveStorageTracker(record_timeline=False, mark_ops=on_cpu)
     rec = Recorder(tracker, unit_fqns)
     tracker._on_op = rec.on_op  # type: ignore[assignment]
     first = next(iter(model.parameters()), None)
@@ -196,7 +199,11 @@ def _run(
         rec.timer = EventTimer()
     handles = []
     for fqn, module in model.named_modules():
-        handles.append(module.register_forward_pre_hook(lambda _m, a, f=fqn: rec.pre(f, a)))
+        handles.append(
+            module.register_forward_pre_hook(
+                lambda _m, a, k, f=fqn: rec.pre(f, (a, k)), with_kwargs=True
+            )
+        )
         handles.append(module.register_forward_hook(lambda _m, _a, out, f=fqn: rec.post(f, out)))
     handles += kv_cache_off(model)  # HF use_cache=False in training, as under a plan
     params = [*model.parameters(), *model.buffers()]
@@ -213,11 +220,14 @@ def _run(
         forward_autocast = torch.autocast(device_type, dtype=autocast, enabled=autocast is not None)
         # backward and the step run outside the user's autocast (an enclosing one included)
         no_autocast = torch.autocast(device_type, enabled=False)
-        with tracker, torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack):
+        recording = scratch_recorder(on_cpu)
+        with recording, tracker, torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack):
             with forward_autocast:
                 output = _call(model, inputs)
                 events["model_end"] = tracker.event
                 loss = loss_fn(output, targets)
+            if autocast is not None:  # the user's block ends here (an enclosing one too)
+                torch.clear_autocast_cache()
             if not keep_output:  # ``loss_fn(model(x), y).backward()``: only what autograd saved
                 del output
             events["forward_end"] = tracker.event
@@ -254,21 +264,21 @@ def _run(
     grads = {tracker.serial_of(p.grad) for p in model.parameters() if p.grad is not None} - {None}
     opt_state = {tracker.serial_of(t) for t in _optimizer_tensors(optimizer)} - {None}
     return build_profile(
-        tracker=tracker,
-        saved_rows=rec.saved,
-        unit_rows=rec.unit_rows,
+        rec,
         # forward order (the runtime's one-ahead prefetch and the planner rely on it)
         unit_order=sorted(rec.unit_rows, key=lambda f: rec.unit_rows[f]["fwd_start"]),
-        param_storages=rec.param_storages,
         grad_storages=grads,  # type: ignore[arg-type]
         opt_storages=opt_state,  # type: ignore[arg-type]
-        op_of_storage=rec.op_of_storage,
         events=events,
         fake=fake,
         step_s=step_s,
         copy_bytes_per_s=bandwidth,
         head_unit=head_unit(model, unit_fqns),
         carried_storages=carried,
+        scratch=op_scratch(recording) if on_cpu else {},
+        # NOTE: checkpoint stashes the cpu generator's state per call (preserve_rng_state);
+        # on a cuda device that tensor is host memory
+        rng_state_bytes=int(torch.get_rng_state().numel()) if on_cpu else 0,
     )
 
 

@@ -150,6 +150,9 @@ class StorageLife:
     calls: tuple[int, ...] = ()
     from_caller: bool = False  # alive before the step (an input): no plan frees it
     head: bool = False  # the LM head's or the loss's (``Profile.head_unit``; ``breakdown``)
+    # a parameter cast autocast's cache holds until the autocast block exits (the end of the
+    # forward and loss): a plan cannot free it before
+    cached: bool = False
 
     def call_of(self, unit: str) -> int:
         """The call of ``unit`` that saved this storage (0 when not recorded)."""
@@ -256,6 +259,20 @@ class Profile:
     # in steady state from event 0 to ``model_end_event`` too; of which head + loss bytes
     carried_output_bytes: int = 0
     carried_head_bytes: int = 0
+    # each storage some unit's first call took as input (positional or keyword) that autograd
+    # does not save, with the units that took it: what checkpoints of those units keep
+    unsaved_inputs: tuple[StorageLife, ...] = ()
+    # device bytes no tensor holds (real cpu profiles; none on fake ones, and on CUDA, where
+    # ``memory.workspace`` handles workspaces): (event, bytes) of the scratch an op allocated
+    # for itself (counted as temporaries at that event), and the cpu generator state a
+    # checkpoint stashes per recomputed call
+    scratch: tuple[tuple[int, int], ...] = ()
+    rng_state_bytes: int = 0
+
+    @property
+    def scratch_bytes(self) -> int:
+        """The largest scratch one op of the step allocated for itself (0: none recorded)."""
+        return max((nbytes for _, nbytes in self.scratch), default=0)
 
     @property
     def saved_bytes(self) -> int:
@@ -281,6 +298,8 @@ class Profile:
         row = CATEGORIES.index("optimizer")
         for birth, nbytes in self.optimizer_births:
             table[row, : max(birth, 0)] += nbytes
+        for event, nbytes in self.scratch:  # what the op allocated for itself, inside it
+            table[CATEGORIES.index("temporaries"), event] += nbytes
         # the previous step's output, until the model's forward returns the new one
         table[CATEGORIES.index("temporaries"), : self.model_end_event + 1] += (
             self.carried_output_bytes

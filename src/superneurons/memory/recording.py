@@ -51,6 +51,7 @@ class Recorder:
         self.op_of_storage: dict[int, str] = {}
         self.saved_by_unit: dict[str, set[int]] = {}
         self.phase = "forward"
+        self.cached: set[int] = set()  # parameter casts autocast's cache holds (storage serials)
         self.timer: EventTimer | None = None  # CUDA events per unit forward (real CUDA runs)
 
     # module hooks --------------------------------------------------------------------------
@@ -119,6 +120,14 @@ class Recorder:
         edges = self.unit_rows[fqn]["edges"][call]  # the first hook to fire: the runtime's
         edges[side] = edges[side] if edges[side] >= 0 else self.tracker.event  # prefetch point
 
+    def _autocast_cast(self, args: Any) -> bool:
+        """A cast autocast caches until its block exits: of a leaf that requires grad (a
+        parameter), while autocast is on (``cached_cast`` in ATen's ``autocast_mode.h``)."""
+        x = args[0] if args else None
+        if not (isinstance(x, torch.Tensor) and x.is_leaf and x.requires_grad):
+            return False
+        return torch.is_autocast_enabled(x.device.type) and torch.is_autocast_cache_enabled()
+
     def current_unit(self) -> str:
         return self.current_call()[0]
 
@@ -137,6 +146,8 @@ class Recorder:
                 sid = self.tracker.serial_of(leaf)
                 if sid is not None:
                     self.op_of_storage.setdefault(sid, name)
+                    if name == "_to_copy" and self._autocast_cast(args):
+                        self.cached.add(sid)
         if self.phase != "forward" or not self.stack:
             return
         unit = self.current_unit()
@@ -203,24 +214,24 @@ class Recorder:
 
 
 def build_profile(
+    rec: Recorder,
     *,
-    tracker: Any,
-    saved_rows: list[dict[str, Any]],
-    unit_rows: Mapping[str, Mapping[str, Any]],
     unit_order: Iterable[str],
-    param_storages: set[int],
     grad_storages: set[int],
     opt_storages: set[int],
-    op_of_storage: Mapping[int, str],
     events: Mapping[str, int],
     fake: bool,
     step_s: float,
     copy_bytes_per_s: tuple[float, float] = (0.0, 0.0),
     head_unit: str = "",
     carried_storages: set[int] | None = None,
+    scratch: Mapping[int, int] | None = None,
+    rng_state_bytes: int = 0,
 ) -> Profile:
     """The :class:`Profile` of one recorded step (the tracker's live intervals, the recorder's
     saved tensors and unit windows)."""
+    tracker, saved_rows, unit_rows = rec.tracker, rec.saved, rec.unit_rows
+    param_storages, cached_storages = rec.param_storages, rec.cached
     num_events = max(tracker.event + 1, 1)
     last = num_events - 1
     saved_sids = {row["sid"] for row in saved_rows}
@@ -281,6 +292,7 @@ def build_profile(
                     birth=birth,
                     head=is_head_storage("saved", units_of[sid], head_unit, bool(in_head[birth])),
                     from_caller=tracker.births.get(sid, 0) < 0,
+                    cached=sid in (cached_storages or ()),
                     death=death,
                     units=[],
                     calls=[],
@@ -294,7 +306,7 @@ def build_profile(
             SavedTensor(
                 key=row["key"],
                 module=row["module"],
-                op=op_of_storage.get(sid, "input"),
+                op=rec.op_of_storage.get(sid, "input"),
                 unit=row["unit"],
                 nbytes=row["nbytes"] if row["first"] else 0,
                 storage=index_of[sid],
@@ -303,16 +315,27 @@ def build_profile(
             )
         )
     storages = tuple(
+        StorageLife(**{**v, "units": tuple(v["units"]), "calls": tuple(v["calls"])}) for v in lives
+    )
+    # inputs (positional or keyword) of each unit's first call that autograd does not save: a
+    # checkpoint of the unit keeps them; one storage may feed several units (HF's position ids)
+    loose: dict[str, list[int]] = {}
+    holders: dict[int, list[str]] = {}
+    unit_order = list(unit_order)
+    for fqn in unit_order:
+        for sid in sorted(unit_rows[fqn].get("first_in_sids", ())):
+            if sid in saved_sids or sid in param_storages or tracker.births.get(sid, -1) < 0:
+                continue
+            loose.setdefault(fqn, []).append(sid)
+            holders.setdefault(sid, []).append(fqn)
+    unsaved_inputs = tuple(
         StorageLife(
-            v["nbytes"],
-            v["birth"],
-            v["death"],
-            tuple(v["units"]),
-            tuple(v["calls"]),
-            from_caller=v["from_caller"],
-            head=v["head"],
+            tracker.nbytes[sid],
+            max(tracker.births[sid], 0),
+            last if tracker.is_live(sid) else tracker.deaths.get(sid, last),
+            tuple(fqns),
         )
-        for v in lives
+        for sid, fqns in holders.items()
     )
     units = []
     for fqn in unit_order:
@@ -341,13 +364,7 @@ def build_profile(
                 calls=tuple((int(a), int(b), int(c), int(d)) for a, b, c, d in u.get("calls", ())),
                 edges=tuple((int(a), int(b)) for a, b in u.get("edges", ())),
                 recompute_peak_bytes=int(u.get("recompute_peak", -1)),
-                unsaved_input_bytes=sum(
-                    tracker.nbytes[sid]
-                    for sid in u.get("first_in_sids", ())
-                    if sid not in saved_sids
-                    and sid not in param_storages
-                    and tracker.births.get(sid, -1) >= 0
-                ),
+                unsaved_input_bytes=sum(tracker.nbytes[sid] for sid in loose.get(fqn, ())),
             )
         )
     return Profile(
@@ -373,6 +390,9 @@ def build_profile(
         ),
         head_unit=head_unit,
         head_timeline=tuple(tuple(int(v) for v in r) for r in head_timeline),
+        unsaved_inputs=unsaved_inputs,
+        scratch=tuple(sorted((scratch or {}).items())),
+        rng_state_bytes=rng_state_bytes,
         carried_output_bytes=carried["all"],
         carried_head_bytes=carried["head"],
     )

@@ -224,6 +224,13 @@ def _resolve_units(model: nn.Module, plan: Plan) -> list[tuple[str, str, nn.Modu
         if unit.action != "keep":
             units.append((unit.fqn, unit.action, module))
     active = [fqn for fqn, _, _ in units]
+    for fqn, _, module in units:
+        if any(getattr(m, "gradient_checkpointing", False) is True for m in module.modules()):
+            raise ConfigError(
+                f"plan unit {fqn!r} runs under Hugging Face gradient checkpointing: turn it off "
+                "(model.gradient_checkpointing_disable()); the plan recomputes where the "
+                "budget needs it"
+            )
     for outer in active:
         for inner in active:
             if inner != outer and (outer == "" or inner.startswith(outer + ".")):
@@ -318,6 +325,12 @@ def _offloaded_forward(
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            raise ConfigError(
+                "offload units cannot run under torch.compile (the tensor pool's saved-tensor "
+                "hooks and prefetch callbacks are not traceable): plan with strategy "
+                "'recompute' or 'checkpoint' for a compiled model, or run it eagerly"
+            )
         chained = trace.previous in OFFLOADING  # the unit call just before this one
         with pool.offloading() as group:
             out = forward(*args, **kwargs)

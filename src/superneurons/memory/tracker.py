@@ -22,7 +22,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["LiveStorageTracker"]
+__all__ = ["MARKER", "LiveStorageTracker"]
+
+MARKER = "superneurons::op"  # + the event index: the profiler range of each op (``mark_ops``)
 
 
 class LiveStorageTracker(TorchDispatchMode):
@@ -34,6 +36,9 @@ class LiveStorageTracker(TorchDispatchMode):
         peak_bytes: the largest ``live_bytes`` seen right after an op's outputs were created.
         peak_event: the op index of that peak.
         timeline_bytes: ``live_bytes`` after each op (``record_timeline=True``).
+        mark_ops: wrap each op in a ``torch.profiler`` range named :data:`MARKER` + its event
+            index, so a profiler's allocator events can be placed on the events
+            (:func:`superneurons.memory.workspace.op_scratch`).
         births / deaths: storage serial -> op index of its creation / release.
         nbytes: storage serial -> its size in bytes, for every storage seen (serials are
             0, 1, 2, ... in registration order).
@@ -44,8 +49,10 @@ class LiveStorageTracker(TorchDispatchMode):
         *,
         record_timeline: bool = False,
         on_op: Callable[[int, Any, Any, Any, Any], None] | None = None,
+        mark_ops: bool = False,
     ) -> None:
         super().__init__()
+        self.mark_ops = mark_ops
         self.event = -1
         self.live_bytes = 0
         self.peak_bytes = 0
@@ -107,7 +114,11 @@ class LiveStorageTracker(TorchDispatchMode):
 
     # --- dispatch -----------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
+        if self.mark_ops:  # a profiler marker per op: its allocator events fall inside it
+            with torch.autograd.profiler.record_function(f"{MARKER}{self.event + 1}"):
+                out = func(*args, **(kwargs or {}))
+        else:
+            out = func(*args, **(kwargs or {}))
         self.event += 1
         leaves, _ = tree_flatten(out)
         for leaf in leaves:
