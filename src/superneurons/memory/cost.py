@@ -10,6 +10,7 @@ hot path); on fake tensors the planner uses a named preset of :data:`DEVICE_PRES
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -62,6 +63,28 @@ class CostModel:
             unit.flops / self.flops_per_s, unit.bytes_written / self.memory_bandwidth_bytes_per_s
         )
         return roofline_s if fake else max(unit.fwd_time_s, roofline_s)
+
+    def unit_seconds(self, profile: Any) -> dict[str, float]:
+        """Each unit's forward time, as the planner uses it: robust to timing noise, so the same
+        model and batch profiled twice gives the same plan.
+
+        Units of the same shape (forward FLOPs, bytes written, saved bytes: a transformer's
+        identical blocks) get the median of their times; each time is then rounded to a
+        quarter-octave grid (19% apart), so noise below ~9% moves no unit in the ordering of
+        :func:`superneurons.memory.planner.make_plan`. Fake profiles use the roofline alone.
+        """
+        raw = {u.fqn: self.compute_s(u, fake=profile.fake) for u in profile.units}
+        shapes: dict[tuple[int, int, int], list[float]] = {}
+        for unit in profile.units:
+            shapes.setdefault((unit.flops, unit.bytes_written, unit.saved_bytes), []).append(
+                raw[unit.fqn]
+            )
+        seconds = {}
+        for unit in profile.units:
+            same = sorted(shapes[(unit.flops, unit.bytes_written, unit.saved_bytes)])
+            median = same[len(same) // 2]
+            seconds[unit.fqn] = 2 ** (round(4 * math.log2(median)) / 4) if median > 0 else 0.0
+        return seconds
 
     def copy_s(self, nbytes: int) -> float:
         """Device -> host time of ``nbytes`` (the offload in forward)."""

@@ -63,10 +63,11 @@ def _candidates(
     when the budget demands it."""
     steps: list[tuple[float, str, str]] = []
     upgrades: list[tuple[float, str, str]] = []
+    seconds = cost.unit_seconds(profile)
     for unit in profile.units:
         if unit.saved_bytes == 0 or not allowed:
             continue
-        compute_s = cost.compute_s(unit, fake=profile.fake)
+        compute_s = seconds[unit.fqn]
         copy_s, fetch_s = cost.copy_s(unit.saved_bytes), cost.fetch_s(unit.saved_bytes)
         options = {}
         if "recompute" in allowed and not unit.inplace:

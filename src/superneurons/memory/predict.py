@@ -239,9 +239,10 @@ def evaluate(
     spikes = np.zeros(profile.num_events, dtype=np.int64)  # recompute transients
     head_spikes = np.zeros(profile.num_events, dtype=np.int64)
     extra_s = transfer_s = exposed_s = 0.0
+    seconds = cost.unit_seconds(profile)
     for fqn, action in actions.items():
         unit = units[fqn]
-        compute_s = cost.compute_s(unit, fake=profile.fake)
+        compute_s = seconds[fqn]
         if action in RECOMPUTING:
             # a unit inside a segment runs forward twice more: outer and inner recompute
             extra_s += compute_s * (2 if fqn in segments else 1)
@@ -269,7 +270,7 @@ def evaluate(
     if host_state is not None:
         # the state goes out and comes back on two streams beside the whole backward (~2x the
         # forward compute): only the excess of either direction is exposed
-        backward_s = 2 * sum(cost.compute_s(u, fake=profile.fake) for u in profile.units)
+        backward_s = 2 * sum(seconds.values())
         out_s, in_s = cost.copy_s(host_state.copied_bytes), cost.fetch_s(host_state.copied_bytes)
         optimizer_copy_s = out_s + in_s
         transfer_s += optimizer_copy_s
