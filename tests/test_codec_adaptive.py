@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from superneurons.codecs.coding.sparsecode import KeptLayout
 from superneurons.compress.adaptive import (
     BASES,
     AdaptiveCodec,
@@ -20,7 +21,6 @@ from superneurons.compress.compacttopk import CompactTopKCodec
 from superneurons.compress.feedback import feedback_step
 from superneurons.compress.fft import FFTCodec
 from superneurons.compress.orthobases import dct, fourier, inverse_dct, inverse_fourier
-from superneurons.compress.sparsecode import KeptLayout
 from superneurons.errors import ConfigError
 
 

@@ -5,7 +5,7 @@ The question: does HPDC'20's FFT sparsification (Wang et al., arXiv 1811.08596) 
 gradients with less error than Top-k at equal communication, and does our transform-adaptive
 codec beat both? Bits per element decide nothing unless both sides pay the same coding
 (CONTEXT.md section 6), so every sparsifier here sends its kept coefficients the same way
-(:mod:`superneurons.compress.sparsecode`: 8-bit range-float values, bitmap or Elias-Fano index,
+(:mod:`superneurons.codecs.coding.sparsecode`: 8-bit range-float values, bitmap or Elias-Fano index,
 whichever is smaller) and only the basis differs:
 
 * ``ctopk``: compactly coded Top-k (spatial basis);

@@ -16,7 +16,7 @@ share's quantile of the input's energy; ``choice="l1"``: the smallest L1 norm, w
 L2 norm is the more compressible vector: Donoho, "Compressed sensing", IEEE TIT 2006;
 ``margin`` makes a transform beat the spatial cost by that share), keep
 ``k = T - floor(theta * T)`` of the ``T = C * L`` chosen coefficients and code them exactly as
-``fft`` and ``ctopk`` do (:mod:`superneurons.compress.sparsecode`). ``header="fixed"``::
+``fft`` and ``ctopk`` do (:mod:`superneurons.codecs.coding.sparsecode`). ``header="fixed"``::
 
     [basis codes, 2 bits per chunk][range-float header, 8 B][index code][k values at bits]
 
@@ -43,6 +43,20 @@ from typing import ClassVar
 
 import torch
 
+from superneurons.codecs.coding.bitpack import pack_bits, packed_bytes, unpack_bits
+from superneurons.codecs.coding.finite import finite_flag, nan_unless
+from superneurons.codecs.coding.rangefloat import check_bits
+from superneurons.codecs.coding.sparsecode import (
+    KeptLayout,
+    add_kept,
+    check_select_index,
+    check_theta,
+    kept_count,
+    kth_smallest,
+    pack_kept,
+    select_indices,
+)
+from superneurons.codecs.coding.workspace import workspace
 from superneurons.compress.adaptivehead import (
     COUNT_BYTES,
     SwitchLayout,
@@ -56,26 +70,8 @@ from superneurons.compress.adaptiverows import inverse_rows as _inverse
 from superneurons.compress.adaptiverows import pick_rows as _pick_rows
 from superneurons.compress.adaptiverows import spectrum_buffer as _spectrum_buffer
 from superneurons.compress.adaptiverows import sync_free as _sync_free
-from superneurons.compress.bitpack import pack_bits, packed_bytes, unpack_bits
-from superneurons.compress.codec import (
-    Payload,
-    check_gradient,
-    common_numel,
-    finite_flag,
-    nan_unless,
-)
-from superneurons.compress.compacttopk import check_select_index, check_theta
+from superneurons.compress.codec import Payload, check_gradient, common_numel
 from superneurons.compress.orthobases import dct, fourier, inverse_dct, inverse_fourier
-from superneurons.compress.rangefloat import check_bits
-from superneurons.compress.sparsecode import (
-    KeptLayout,
-    add_kept,
-    kept_count,
-    kth_smallest,
-    pack_kept,
-    select_indices,
-)
-from superneurons.compress.workspace import workspace
 from superneurons.errors import ConfigError
 
 __all__ = ["BASES", "AdaptiveCodec", "adaptive_layout"]

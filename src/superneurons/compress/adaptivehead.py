@@ -12,7 +12,7 @@ the payload size fixed (gathered payloads must be; ``payload_bytes`` stays a fun
 ``k(m)`` is the largest kept count whose message fits the bytes left (a pure function of
 ``numel``, the codec's options and ``m``), so a message with no switch keeps as many
 coefficients as compactly coded Top-k does in the same bytes less 4, and each switch pays for
-its own position (indices coded as in :mod:`superneurons.compress.indexcode`; Elias-Fano:
+its own position (indices coded as in :mod:`superneurons.codecs.coding.indexcode`; Elias-Fano:
 Vigna, WSDM 2013). Which chunks switch is a Lagrangian choice (Shoham & Gersho, "Efficient bit
 allocation for an arbitrary set of quantizers", IEEE TASSP 1988): switch the ``m`` chunks with
 the largest cost gains when their summed gain exceeds ``lam`` times the coefficients their
@@ -26,8 +26,8 @@ import math
 
 import torch
 
-from superneurons.compress.bitpack import pack_bits, packed_bytes, unpack_bits
-from superneurons.compress.indexcode import (
+from superneurons.codecs.coding.bitpack import pack_bits, packed_bytes, unpack_bits
+from superneurons.codecs.coding.indexcode import (
     INDEX_KINDS,
     decode_bitmap,
     decode_gap,
@@ -35,8 +35,8 @@ from superneurons.compress.indexcode import (
     encode_gap,
     index_bytes,
 )
-from superneurons.compress.rangefloat import dequantize, quantize
-from superneurons.compress.sparsecode import KeptLayout
+from superneurons.codecs.coding.rangefloat import dequantize, quantize
+from superneurons.codecs.coding.sparsecode import KeptLayout
 from superneurons.errors import ConfigError
 
 __all__ = [

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+from superneurons.codecs.coding.workspace import workspace
 from superneurons.compress.orthobases import inverse_dct, inverse_fourier
-from superneurons.compress.workspace import workspace
 
 __all__ = ["gather_flat", "inverse_rows", "pick_rows", "spectrum_buffer", "sync_free"]
 

@@ -5,7 +5,7 @@ index, 64 bits per kept element (:class:`~superneurons.compress.topk.TopKCodec`)
 codec pays ~8 bits per kept value and a compact index, so comparing the two at equal bits per
 element compares codings, not transforms (CONTEXT.md section 6). This codec keeps the Top-k
 *selection* and sends it exactly as ``fft`` sends its bins
-(:mod:`superneurons.compress.sparsecode`): ``k = n - floor(theta * n)`` largest-magnitude
+(:mod:`superneurons.codecs.coding.sparsecode`): ``k = n - floor(theta * n)`` largest-magnitude
 elements, values as range-floats at ``bits`` over ``[weakest kept, max]``, indices as a bitmap
 or Elias-Fano code, whichever is smaller::
 
@@ -25,49 +25,22 @@ from typing import ClassVar
 
 import torch
 
-from superneurons.compress.codec import (
-    Payload,
-    check_gradient,
-    common_numel,
-    finite_flag,
-    nan_unless_,
-)
-from superneurons.compress.indexcode import INDEX_KINDS
-from superneurons.compress.rangefloat import check_bits
-from superneurons.compress.sparsecode import (
-    SELECTS,
+from superneurons.codecs.coding.finite import finite_flag, nan_unless_
+from superneurons.codecs.coding.rangefloat import check_bits
+from superneurons.codecs.coding.sparsecode import (
     KeptLayout,
     add_kept,
+    check_select_index,
+    check_theta,
     kept_count,
     pack_kept,
     select_indices,
 )
-from superneurons.compress.workspace import workspace
+from superneurons.codecs.coding.workspace import workspace
+from superneurons.compress.codec import Payload, check_gradient, common_numel
 from superneurons.errors import ConfigError
 
-__all__ = ["CompactTopKCodec", "check_theta"]
-
-
-def check_theta(theta: object, *, owner: str) -> float:
-    """``theta`` as a float in [0, 1) or a ConfigError that says what it means."""
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
-        raise ConfigError(f"{owner}: theta must be a number in [0, 1), got {theta!r}")
-    if not 0.0 <= theta < 1.0:
-        raise ConfigError(
-            f"{owner}: theta={theta} is the fraction of coefficients dropped and must be in "
-            "[0, 1); e.g. theta=0.9 keeps 10%"
-        )
-    return float(theta)
-
-
-def check_select_index(select: str, index: str, *, owner: str) -> None:
-    """Validate the shared ``select`` and ``index`` options of the sparse codecs."""
-    if select not in SELECTS:
-        raise ConfigError(f"{owner}: select={select!r} is unknown; use one of {list(SELECTS)}")
-    if index not in (*INDEX_KINDS, "auto"):
-        raise ConfigError(
-            f"{owner}: index={index!r} is unknown; use one of {[*INDEX_KINDS, 'auto']}"
-        )
+__all__ = ["CompactTopKCodec"]
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from superneurons.compress.codec import Codec, Payload, all_finite, check_gradient
+from superneurons.codecs.coding.finite import all_finite
+from superneurons.compress.codec import Codec, Payload, check_gradient
 from superneurons.compress.specced import Specced
 from superneurons.errors import ConfigError
 

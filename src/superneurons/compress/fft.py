@@ -4,7 +4,7 @@ Wang et al., "FFT-based Gradient Sparsification for the Distributed Training of 
 Networks", HPDC 2020 (arXiv 1811.08596): transform the flat gradient with a real FFT, drop the
 ``theta`` fraction of frequency coefficients with the smallest magnitude, quantize the kept
 real/imaginary parts with a range-based float (:mod:`superneurons.compress.rangefloat`) and send
-them with a fixed-size index code (:mod:`superneurons.compress.indexcode`). The paper gives no
+them with a fixed-size index code (:mod:`superneurons.codecs.coding.indexcode`). The paper gives no
 code; the pipeline below is our reconstruction (CONTEXT.md section 2).
 
 Pipeline for ``numel = n``: split into ``C`` chunks of length ``L`` (``chunk = 0``: one chunk of
@@ -38,7 +38,7 @@ kept bin's ``|X| / sqrt(2)`` (the paper's ``[threshold, max]`` rule, so smaller 
 into the subnormal step). Index: "gap" (Elias-Fano) is smaller than "bitmap" for
 ``theta > 0.75`` (1.08 vs 1.31 bits/element at 0.9, see benchmarks/fft_throughput.py) at about
 the same speed; ``index="auto"`` picks the smaller. The kept-coefficient coding (selection,
-index code, values) is :mod:`superneurons.compress.sparsecode`, shared with the compactly coded
+index code, values) is :mod:`superneurons.codecs.coding.sparsecode`, shared with the compactly coded
 Top-k and the adaptive codec so that they pay exactly the same coding.
 
 Device: encode, decode and ``decode_sum`` run on the input's (payload's) device with no host
@@ -61,15 +61,10 @@ from typing import ClassVar
 
 import torch
 
-from superneurons.compress.codec import (
-    Payload,
-    check_gradient,
-    common_numel,
-    finite_flag,
-)
-from superneurons.compress.indexcode import INDEX_KINDS
-from superneurons.compress.rangefloat import check_bits
-from superneurons.compress.sparsecode import (
+from superneurons.codecs.coding.finite import finite_flag
+from superneurons.codecs.coding.indexcode import INDEX_KINDS
+from superneurons.codecs.coding.rangefloat import check_bits
+from superneurons.codecs.coding.sparsecode import (
     SELECTS,
     KeptLayout,
     add_kept,
@@ -78,7 +73,8 @@ from superneurons.compress.sparsecode import (
     select_bins,
     select_indices,
 )
-from superneurons.compress.workspace import workspace
+from superneurons.codecs.coding.workspace import workspace
+from superneurons.compress.codec import Payload, check_gradient, common_numel
 from superneurons.errors import ConfigError
 
 __all__ = ["SELECTS", "FFTCodec", "kept_count", "select_bins", "spectrum_layout"]
@@ -92,7 +88,7 @@ def spectrum_layout(numel: int, chunk: int) -> tuple[int, int]:
 
 def _bin_score(parts: torch.Tensor, length: int) -> torch.Tensor:
     """Per-bin ranking score ``w * |X|**2 / 2``; ``parts`` is ``(C, B, 2)``, result ``(C * B,)``
-    in a kept CPU buffer (:mod:`superneurons.compress.workspace`; encode-internal).
+    in a kept CPU buffer (:mod:`superneurons.codecs.coding.workspace`; encode-internal).
 
     Halving the two unpaired bins (0 and, for even ``L``, ``L / 2``) instead of doubling the
     others gives the same order at a fraction of the cost. ``score <= |X|**2`` everywhere.

@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from superneurons.compress.workspace import workspace
+from superneurons.codecs.coding.workspace import workspace
 
 __all__ = ["dct", "fourier", "inverse_dct", "inverse_fourier"]
 
@@ -85,7 +85,7 @@ def fourier(
 def inverse_fourier(coef: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse of :func:`fourier`, written into ``out`` when given."""
     count, length = coef.shape
-    # consumed by the irfft: a kept CPU buffer (superneurons.compress.workspace)
+    # consumed by the irfft: a kept CPU buffer (superneurons.codecs.coding.workspace)
     slots = workspace("orthobases.inverse.slots", (count, length + 2), coef.dtype, coef.device)
     torch.mul(coef, math.sqrt(0.5 * length), out=slots[:, :length])  # unnormalised bins
     slots[:, length] = coef[:, 1] * math.sqrt(length)
@@ -127,7 +127,7 @@ def dct(
     pass cheaper than reordering), written into ``out`` when given, else a view (row stride
     ``L + 2``) of the spectrum's buffer (``spectrum``, as in :func:`fourier`)."""
     count, length = chunks.shape
-    # the reorder is consumed by the rfft: a kept CPU buffer (superneurons.compress.workspace)
+    # the reorder is consumed by the rfft: a kept CPU buffer (superneurons.codecs.coding.workspace)
     reordered = workspace("orthobases.dct.reorder", (count, length), chunks.dtype, chunks.device)
     torch.index_select(chunks, 1, _makhoul_order(length, chunks.device), out=reordered)
     # Y_j = V_j w_j: C_j = Re Y_j (j = 0..L/2), -C_{L-j} = Im Y_j (j = 1..L/2-1).

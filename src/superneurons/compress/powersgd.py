@@ -27,8 +27,8 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
+from superneurons.codecs.coding.finite import all_finite
 from superneurons.compress.callbacks import then_same_threads
-from superneurons.compress.codec import all_finite
 from superneurons.errors import ConfigError
 
 __all__ = [

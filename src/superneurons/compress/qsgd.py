@@ -26,21 +26,16 @@ from typing import ClassVar
 
 import torch
 
-from superneurons.compress.bitpack import (
+from superneurons.codecs.coding.bitpack import (
     pack_bits,
     pack_sextets,
     packed_bytes,
     unpack_bits,
     unpack_sextets,
 )
-from superneurons.compress.codec import (
-    Payload,
-    check_gradient,
-    check_payload,
-    finite_flag,
-    sum_of_decodes,
-)
-from superneurons.compress.noise import uniform_one_two
+from superneurons.codecs.coding.finite import finite_flag
+from superneurons.codecs.coding.noise import uniform_one_two
+from superneurons.compress.codec import Payload, check_gradient, check_payload, sum_of_decodes
 from superneurons.errors import ConfigError
 
 __all__ = ["QSGDCodec"]

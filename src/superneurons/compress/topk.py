@@ -30,14 +30,9 @@ from typing import ClassVar
 
 import torch
 
-from superneurons.compress.codec import (
-    Payload,
-    check_gradient,
-    check_payload,
-    finite_flag,
-    nan_unless_,
-)
-from superneurons.compress.sparsecode import select_indices
+from superneurons.codecs.coding.finite import finite_flag, nan_unless_
+from superneurons.codecs.coding.sparsecode import select_indices
+from superneurons.compress.codec import Payload, check_gradient, check_payload
 from superneurons.errors import ConfigError
 
 __all__ = ["TopKCodec"]

@@ -12,7 +12,7 @@ and the kept count ``k``:
   0.53 bits per position against the bitmap's 1. We restrict ``l`` to widths with fast packing
   (0, 1, 2, 4, 8, 16), which costs at most a few percent over the optimum.
 
-Bitmaps use LSB-first bit order inside each byte (as :mod:`superneurons.compress.bitpack`).
+Bitmaps use LSB-first bit order inside each byte (as :mod:`superneurons.codecs.coding.bitpack`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from superneurons.compress.bitpack import pack_bits, packed_bytes, unpack_bits
+from superneurons.codecs.coding.bitpack import pack_bits, packed_bytes, unpack_bits
 from superneurons.errors import ConfigError
 
 __all__ = [

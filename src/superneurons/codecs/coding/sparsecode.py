@@ -8,7 +8,7 @@ sends them in one fixed-size layout::
 
 so bits per element compare transforms, not coding (CONTEXT.md section 6: a Top-k paying 64 bits
 per kept element against FFT's 8-bit values and compact index decides nothing). The index code
-is :mod:`superneurons.compress.indexcode`'s bitmap or Elias-Fano gap code, whichever is smaller
+is :mod:`superneurons.codecs.coding.indexcode`'s bitmap or Elias-Fano gap code, whichever is smaller
 for ``(T, k)`` when ``index="auto"``; values are range-floats
 (:mod:`superneurons.compress.rangefloat`) with the window from the largest kept part down to the
 weakest kept coefficient (HPDC'20's ``[threshold, max]`` rule); ``bits = 32`` sends raw float32.
@@ -25,7 +25,7 @@ needs ``nonzero``, whose output size would have to come back to the host.
 CPU speed (issue 10, session 4): on the CPU the scans run through numpy views of the same
 memory (compare + ``flatnonzero``, ``partition``, ``packbits``/``unpackbits``: 3-10x faster than
 the torch ops on one thread, same results, tested) and encode-internal temporaries come from
-:mod:`superneurons.compress.workspace` (no page faults per call); other devices are unchanged.
+:mod:`superneurons.codecs.coding.workspace` (no page faults per call); other devices are unchanged.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from superneurons.compress.bitpack import packed_bytes
-from superneurons.compress.indexcode import (
+from superneurons.codecs.coding.bitpack import packed_bytes
+from superneurons.codecs.coding.indexcode import (
     INDEX_KINDS,
     bitmap_positions,
     decode_bitmap,
@@ -49,7 +49,7 @@ from superneurons.compress.indexcode import (
     index_bytes,
     set_positions,
 )
-from superneurons.compress.rangefloat import (
+from superneurons.codecs.coding.rangefloat import (
     HEADER_BYTES,
     RangeFloatHeader,
     dequantize,
@@ -57,13 +57,15 @@ from superneurons.compress.rangefloat import (
     read_codes,
     write_codes,
 )
-from superneurons.compress.workspace import workspace
+from superneurons.codecs.coding.workspace import workspace
 from superneurons.errors import ConfigError
 
 __all__ = [
     "SELECTS",
     "KeptLayout",
     "add_kept",
+    "check_select_index",
+    "check_theta",
     "kept_count",
     "kth_smallest",
     "pack_kept",
@@ -77,6 +79,28 @@ SELECTS: tuple[str, ...] = ("exact", "sampled")
 _SAMPLE_SIZE = 16384  # scores sampled (strided) to bracket the threshold (select="sampled")
 _MARGIN_SIGMAS = 3.0  # lower the sampled quantile by this many binomial standard errors
 # NOTE: at 3 sigma the sample undershoots (exact fallback, ~2x slower) in ~0.1% of calls.
+
+
+def check_theta(theta: object, *, owner: str) -> float:
+    """``theta`` as a float in [0, 1) or a ConfigError that says what it means."""
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        raise ConfigError(f"{owner}: theta must be a number in [0, 1), got {theta!r}")
+    if not 0.0 <= theta < 1.0:
+        raise ConfigError(
+            f"{owner}: theta={theta} is the fraction of coefficients dropped and must be in "
+            "[0, 1); e.g. theta=0.9 keeps 10%"
+        )
+    return float(theta)
+
+
+def check_select_index(select: str, index: str, *, owner: str) -> None:
+    """Validate the shared ``select`` and ``index`` options of the sparse codecs."""
+    if select not in SELECTS:
+        raise ConfigError(f"{owner}: select={select!r} is unknown; use one of {list(SELECTS)}")
+    if index not in (*INDEX_KINDS, "auto"):
+        raise ConfigError(
+            f"{owner}: index={index!r} is unknown; use one of {[*INDEX_KINDS, 'auto']}"
+        )
 
 
 def kept_count(universe: int, theta: float) -> int:
