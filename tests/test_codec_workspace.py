@@ -120,7 +120,7 @@ def test_set_positions_equals_index_fill() -> None:
 
 
 def test_transforms_into_a_given_spectrum_equal_the_fresh_ones() -> None:
-    from superneurons.compress.orthobases import dct, fourier
+    from superneurons.codecs.adaptive.bases import dct, fourier
 
     chunks = torch.randn(33, 64, generator=torch.Generator().manual_seed(2))
     for transform in (fourier, dct):

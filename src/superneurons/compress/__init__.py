@@ -8,8 +8,8 @@ the rest are the baselines it is compared against. Importing this package starts
 
 from __future__ import annotations
 
+from superneurons.codecs.adaptive import AdaptiveCodec
 from superneurons.compress.adam import CompressedAdamW, register_local_gradients
-from superneurons.compress.adaptive import AdaptiveCodec
 from superneurons.compress.anchors import TorchDense, TorchFp16, TorchPowerSGD
 from superneurons.compress.auto import Auto
 from superneurons.compress.cast import Bf16Codec, Fp16Codec, IdentityCodec

@@ -27,7 +27,7 @@ import types
 import typing
 from typing import Any, Literal, Union
 
-from superneurons.compress.adaptive import AdaptiveCodec
+from superneurons.codecs.adaptive import AdaptiveCodec
 from superneurons.compress.anchors import TorchDense, TorchFp16, TorchPowerSGD
 from superneurons.compress.auto import Auto
 from superneurons.compress.cast import Bf16Codec, Fp16Codec, IdentityCodec

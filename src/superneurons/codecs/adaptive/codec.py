@@ -6,7 +6,7 @@ better once both pay the same coding (CONTEXT.md section 6), because gradients m
 sparse regions (embedding rows, ReLU-gated units) with smooth or periodic ones (convolution
 kernels, norms). So choose per chunk of ``L`` elements whichever orthonormal basis puts the
 chunk's energy into the fewest coefficients: spatial (identity, i.e. Top-k), real Fourier or
-DCT-II (:mod:`superneurons.compress.orthobases`). All three are orthonormal, so one global
+DCT-II (:mod:`.bases`). All three are orthonormal, so one global
 selection can rank every chunk's coefficients against each other by squared magnitude.
 
 Pipeline for ``n`` elements: pad to ``C`` chunks of even ``L`` (``L = chunk``, or ``n`` rounded
@@ -20,7 +20,7 @@ L2 norm is the more compressible vector: Donoho, "Compressed sensing", IEEE TIT 
 
     [basis codes, 2 bits per chunk][range-float header, 8 B][index code][k values at bits]
 
-``header="sparse"`` (opt-in, :mod:`superneurons.compress.adaptivehead`) names only the
+``header="sparse"`` (opt-in, :mod:`.switches`) names only the
 switched chunks and fills the fixed payload with coefficients; the encoder keeps the switches
 only if they lower the message's squared error (quantisation included). Its sizes follow from
 a count read on the host (a GPU synchronisation per encode and payload decoded), and it encodes
@@ -43,6 +43,26 @@ from typing import ClassVar
 
 import torch
 
+from superneurons.codecs.adaptive.bases import (
+    BASES,
+    dct,
+    fourier,
+    gather_flat,
+    inverse_dct,
+    inverse_fourier,
+    inverse_rows,
+    pick_rows,
+    spectrum_buffer,
+    sync_free,
+)
+from superneurons.codecs.adaptive.switches import (
+    COUNT_BYTES,
+    SwitchLayout,
+    choose_switches,
+    encode_switches,
+    read_basis,
+    relative_error,
+)
 from superneurons.codecs.coding.bitpack import pack_bits, packed_bytes, unpack_bits
 from superneurons.codecs.coding.finite import finite_flag, nan_unless
 from superneurons.codecs.coding.rangefloat import check_bits
@@ -57,26 +77,11 @@ from superneurons.codecs.coding.sparsecode import (
     select_indices,
 )
 from superneurons.codecs.coding.workspace import workspace
-from superneurons.compress.adaptivehead import (
-    COUNT_BYTES,
-    SwitchLayout,
-    choose_switches,
-    encode_switches,
-    read_basis,
-    relative_error,
-)
-from superneurons.compress.adaptiverows import gather_flat as _gather_flat
-from superneurons.compress.adaptiverows import inverse_rows as _inverse
-from superneurons.compress.adaptiverows import pick_rows as _pick_rows
-from superneurons.compress.adaptiverows import spectrum_buffer as _spectrum_buffer
-from superneurons.compress.adaptiverows import sync_free as _sync_free
 from superneurons.compress.codec import Payload, check_gradient, common_numel
-from superneurons.compress.orthobases import dct, fourier, inverse_dct, inverse_fourier
 from superneurons.errors import ConfigError
 
-__all__ = ["BASES", "AdaptiveCodec", "adaptive_layout"]
+__all__ = ["AdaptiveCodec", "adaptive_layout"]
 
-BASES: tuple[str, ...] = ("spatial", "fourier", "dct")  # basis code = position here
 _BASIS_BITS = 2
 SCOPES: tuple[str, ...] = ("global", "chunk")
 CHOICES: tuple[str, ...] = ("rd", "l1")
@@ -249,7 +254,7 @@ class AdaptiveCodec:
         coefs = [
             chunks
             if code == 0
-            else transforms[code](chunks, spectrum=_spectrum_buffer(code, count, length, device))
+            else transforms[code](chunks, spectrum=spectrum_buffer(code, count, length, device))
             for code in allowed
         ]
         # NOTE: one kept (C, L) scratch for every cost and the score: each fresh 4 B/element buffer
@@ -266,7 +271,7 @@ class AdaptiveCodec:
             basis = torch.full_like(slot, allowed[0])  # (C,) codes; no host-to-device copy
             for index, code in enumerate(allowed[1:], start=1):
                 basis.masked_fill_(slot == index, code)
-            chosen = _pick_rows(coefs, slot, sync_free=_sync_free(flat))  # (C, L)
+            chosen = pick_rows(coefs, slot, sync_free=sync_free(flat))  # (C, L)
             del coefs
             values, mask, indices, floor = self._select(chosen, scratch, layout)
             message = pack_kept(values, mask, indices, floor, finite_flag(flat), layout)
@@ -283,9 +288,7 @@ class AdaptiveCodec:
             # With no switch the default basis' coefficients are sent as they are (never
             # written: the switched candidate's row picks go into the last basis' buffer).
             chosen = (
-                _pick_rows(coefs, picked, sync_free=_sync_free(flat))
-                if option.numel()
-                else coefs[0]
+                pick_rows(coefs, picked, sync_free=sync_free(flat)) if option.numel() else coefs[0]
             )
             kept = switches.message(option.numel())
             selected = self._select(chosen, scratch, kept)
@@ -316,7 +319,7 @@ class AdaptiveCodec:
         else:
             mask = None  # pack_kept builds it if the bitmap index needs it
             indices = select_indices(score.reshape(-1), layout.kept, self.select, period=length)
-        values = _gather_flat(chosen, indices).unsqueeze(1)  # (k, 1)
+        values = gather_flat(chosen, indices).unsqueeze(1)  # (k, 1)
         return values, mask, indices, values.abs().min()
 
     def decode(self, payload: Payload) -> torch.Tensor:
@@ -344,7 +347,9 @@ class AdaptiveCodec:
             if len(payloads) == 1:
                 return nan_unless(
                     finite,
-                    _inverse(coef.view(count, length), basis, sync_free=_sync_free(coef))[:numel],
+                    inverse_rows(coef.view(count, length), basis, sync_free=sync_free(coef))[
+                        :numel
+                    ],
                 )
             if sums is None:
                 sums = torch.zeros(len(BASES) * count, length, device=device)
