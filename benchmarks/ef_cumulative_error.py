@@ -11,7 +11,7 @@ and ``‖Σ s − Σ g‖ / ‖Σ g‖`` is compared with the one-shot ``‖C(g)
 import torch
 from torch import nn
 
-from superneurons.compress.powersgd import PowerSGD, orthogonalize_
+from superneurons.codecs.powersgd import PowerSGD, orthogonalize_
 from superneurons.compress.spec import parse_spec
 from superneurons.data import fashion_mnist
 from superneurons.models.zoo import build_model

@@ -18,11 +18,11 @@ from superneurons.codecs.adaptive.bases import (
     pick_rows,
 )
 from superneurons.codecs.adaptive.codec import AdaptiveCodec, adaptive_layout
+from superneurons.codecs.codec import Payload, sum_of_decodes
 from superneurons.codecs.coding.sparsecode import KeptLayout
-from superneurons.compress.codec import Payload, sum_of_decodes
-from superneurons.compress.compacttopk import CompactTopKCodec
-from superneurons.compress.feedback import feedback_step
-from superneurons.compress.fft import FFTCodec
+from superneurons.codecs.compacttopk import CompactTopKCodec
+from superneurons.codecs.feedback import feedback_step
+from superneurons.codecs.fft import FFTCodec
 from superneurons.errors import ConfigError
 
 

@@ -11,8 +11,8 @@ import torch
 
 from superneurons.codecs.adaptive.codec import AdaptiveCodec, adaptive_layout
 from superneurons.codecs.adaptive.switches import COUNT_BYTES, SwitchLayout, switch_code_bits
+from superneurons.codecs.codec import Payload, sum_of_decodes
 from superneurons.codecs.coding.sparsecode import KeptLayout, kept_count
-from superneurons.compress.codec import Payload, sum_of_decodes
 from superneurons.errors import ConfigError
 
 

@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+from superneurons.codecs.codec import Codec, sum_of_decodes
 from superneurons.codecs.coding.indexcode import (
     bitmap_bytes,
     decode_bitmap,
@@ -16,8 +17,7 @@ from superneurons.codecs.coding.indexcode import (
     encode_gap,
     gap_bytes,
 )
-from superneurons.compress.codec import Codec, sum_of_decodes
-from superneurons.compress.fft import FFTCodec, kept_count, select_bins, spectrum_layout
+from superneurons.codecs.fft import FFTCodec, kept_count, select_bins, spectrum_layout
 from superneurons.errors import ConfigError
 
 SIZES = (1, 2, 3, 7, 97, 1000, 4097, 2**20)

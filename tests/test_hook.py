@@ -11,9 +11,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from distributed import Ranks, shared_ranks
-from superneurons.compress.cast import Fp16Codec, IdentityCodec
-from superneurons.compress.qsgd import QSGDCodec
-from superneurons.compress.topk import TopKCodec
+from superneurons.codecs.cast import Fp16Codec, IdentityCodec
+from superneurons.codecs.qsgd import QSGDCodec
+from superneurons.codecs.topk import TopKCodec
 
 pytestmark = pytest.mark.dist
 
@@ -240,9 +240,9 @@ def test_nan_gradient_is_nonfinite_on_all_ranks_and_state_stays_clean(ranks: Ran
 
 
 def _theta_runs(rank: int, world_size: int) -> list[tuple[list[torch.Tensor], float | None]]:
+    from superneurons.codecs.schedule import DiminishingTheta, ErrorBudgetTheta
     from superneurons.compress import ErrorFeedback, Scheduled, parse_spec
     from superneurons.compress.hook import register_compression
-    from superneurons.compress.schedule import DiminishingTheta, ErrorBudgetTheta
 
     out = []
     for schedule in [DiminishingTheta(start=0.99, floor=0.9, steps=4), ErrorBudgetTheta(0.3)]:
@@ -267,9 +267,9 @@ def test_theta_schedules_agree_across_ranks(ranks: Ranks) -> None:
 
 
 def _bad_schedule(rank: int, world_size: int) -> str:
+    from superneurons.codecs.schedule import ConstantTheta
     from superneurons.compress import QSGDCodec, Scheduled
     from superneurons.compress.hook import register_compression
-    from superneurons.compress.schedule import ConstantTheta
     from superneurons.errors import ConfigError
 
     try:

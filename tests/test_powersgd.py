@@ -8,14 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from superneurons.codecs.powersgd import PowerSGD, orthogonalize_, orthogonalize_rows_
 from superneurons.compress.anchors import TorchDense, TorchPowerSGD
-from superneurons.compress.powersgd import (
-    PowerSGD,
-    PowerSGDState,
-    orthogonalize_,
-    orthogonalize_rows_,
-    powersgd_reduce,
-)
+from superneurons.compress.powersgd import PowerSGDState, powersgd_reduce
 from superneurons.compress.spec import parse_spec
 from superneurons.errors import ConfigError
 

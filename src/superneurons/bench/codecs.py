@@ -42,8 +42,8 @@ import torch
 
 from superneurons.bench.artifacts import markdown_table, pyplot, write_json, write_markdown
 from superneurons.bench.gradients import DDP_BUCKET_BYTES, GradientCapture, bucket_bounds
-from superneurons.compress.codec import Codec
-from superneurons.compress.feedback import feedback_step
+from superneurons.codecs.codec import Codec
+from superneurons.codecs.feedback import feedback_step
 from superneurons.compress.spec import parse_codec as parse_spec
 from superneurons.errors import ConfigError
 

@@ -19,7 +19,7 @@ Adam tasks choose dense AdamW or 1-bit Adam (:mod:`superneurons.compress.autoada
 ``decision`` holds the choice and its predictions); ``adam-momentum[warmup=N,wire=W]:SPEC`` and
 ``adam-update[...]:SPEC`` train with :class:`~superneurons.compress.adam.CompressedAdamW`; a
 suffix ``|diminishing:start=S,floor=F,drops=D,until=U`` gives the hook a
-:class:`~superneurons.compress.schedule.DiminishingTheta` (HPDC'20's two θ claims).
+:class:`~superneurons.codecs.schedule.DiminishingTheta` (HPDC'20's two θ claims).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A label is ``dense``; a gradient-hook spec (``fft``, ``powersgd:rank=4``, ``auto``), optionally
 with a θ schedule after ``|`` (``fft|diminishing:start=0.99,floor=0.9,drops=4,until=0.5``:
-:class:`~superneurons.compress.schedule.DiminishingTheta`, HPDC'20's two θ claims); an
+:class:`~superneurons.codecs.schedule.DiminishingTheta`, HPDC'20's two θ claims); an
 optimizer-side spec ``adam-momentum[...]:SPEC`` / ``adam-update[...]:SPEC``
 (:class:`~superneurons.compress.adam.CompressedAdamW`); or, on Adam tasks, ``auto`` /
 ``auto:link=RATE`` (:mod:`superneurons.compress.autoadam`: dense AdamW or 1-bit Adam, chosen by
@@ -80,7 +80,7 @@ def applies(optimizer: str, label: str) -> bool:
 
 
 def theta_schedule(options: dict[str, float], total: int) -> Any:
-    from superneurons.compress.schedule import DiminishingTheta
+    from superneurons.codecs.schedule import DiminishingTheta
 
     until = options.get("until", 1.0)
     if not 0.0 < until <= 1.0:

@@ -9,28 +9,22 @@ the rest are the baselines it is compared against. Importing this package starts
 from __future__ import annotations
 
 from superneurons.codecs.adaptive import AdaptiveCodec
-from superneurons.compress.adam import CompressedAdamW, register_local_gradients
-from superneurons.compress.anchors import TorchDense, TorchFp16, TorchPowerSGD
-from superneurons.compress.auto import Auto
-from superneurons.compress.cast import Bf16Codec, Fp16Codec, IdentityCodec
-from superneurons.compress.codec import Codec, Payload, check_gradient, sum_of_decodes
-from superneurons.compress.compacttopk import CompactTopKCodec
-from superneurons.compress.compose import Compression, compose
-from superneurons.compress.deferred import DeferredCompression, deferred_compression_hook
-from superneurons.compress.feedback import (
+from superneurons.codecs.cast import Bf16Codec, Fp16Codec, IdentityCodec
+from superneurons.codecs.codec import Codec, Payload, check_gradient, sum_of_decodes
+from superneurons.codecs.compacttopk import CompactTopKCodec
+from superneurons.codecs.feedback import (
     ErrorFeedback,
     Residuals,
     feedback_step,
     join_flat,
     split_flat,
 )
-from superneurons.compress.fft import FFTCodec
-from superneurons.compress.hook import CompressionState, register_compression
-from superneurons.compress.powersgd import PowerSGD
-from superneurons.compress.qsgd import QSGDCodec
-from superneurons.compress.rangefloat import RangeFloatCodec
-from superneurons.compress.rowsparse import RowSparse
-from superneurons.compress.schedule import (
+from superneurons.codecs.fft import FFTCodec
+from superneurons.codecs.powersgd import PowerSGD
+from superneurons.codecs.qsgd import QSGDCodec
+from superneurons.codecs.rangefloat import RangeFloatCodec
+from superneurons.codecs.rowsparse import RowSparse
+from superneurons.codecs.schedule import (
     ConstantTheta,
     DiminishingTheta,
     ErrorBudgetTheta,
@@ -40,10 +34,16 @@ from superneurons.compress.schedule import (
     sparsification_error,
     with_theta,
 )
-from superneurons.compress.sign import SignSGDCodec
+from superneurons.codecs.sign import SignSGDCodec
+from superneurons.codecs.terngrad import TernGradCodec
+from superneurons.codecs.topk import TopKCodec
+from superneurons.compress.adam import CompressedAdamW, register_local_gradients
+from superneurons.compress.anchors import TorchDense, TorchFp16, TorchPowerSGD
+from superneurons.compress.auto import Auto
+from superneurons.compress.compose import Compression, compose
+from superneurons.compress.deferred import DeferredCompression, deferred_compression_hook
+from superneurons.compress.hook import CompressionState, register_compression
 from superneurons.compress.spec import CODECS, SPECS, describe_codecs, parse_spec
-from superneurons.compress.terngrad import TernGradCodec
-from superneurons.compress.topk import TopKCodec
 
 __all__ = [
     # optimizer-side compression for AdamW (1-bit Adam style)

@@ -41,9 +41,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from superneurons.codecs.codec import Codec, Payload
+from superneurons.codecs.feedback import feedback_step
 from superneurons.compat import all_gather_into_tensor
-from superneurons.compress.codec import Codec, Payload
-from superneurons.compress.feedback import feedback_step
 from superneurons.compress.torch_hooks import as_comm_hook
 from superneurons.errors import ConfigError
 

@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.distributed as dist
 
+from superneurons.codecs.codec import Codec
+from superneurons.codecs.powersgd import PowerSGD
 from superneurons.compress.auto import Auto
 from superneurons.compress.bucket import Route
-from superneurons.compress.codec import Codec
-from superneurons.compress.powersgd import PowerSGD
 from superneurons.errors import ConfigError
 
 if TYPE_CHECKING:

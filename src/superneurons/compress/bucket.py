@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from superneurons.compress.codec import Codec
-from superneurons.compress.powersgd import PowerSGD
+from superneurons.codecs.codec import Codec
+from superneurons.codecs.powersgd import PowerSGD
 from superneurons.errors import ConfigError
 
 __all__ = ["Piece", "Route", "pieces_of"]

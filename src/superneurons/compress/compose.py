@@ -16,14 +16,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from superneurons.codecs.cast import IdentityCodec
+from superneurons.codecs.codec import Codec
+from superneurons.codecs.feedback import ErrorFeedback
+from superneurons.codecs.powersgd import PowerSGD
+from superneurons.codecs.rowsparse import RowSparse
+from superneurons.codecs.schedule import Scheduled, ThetaSchedule, Warmup, with_theta
 from superneurons.compress.anchors import TorchAnchor, TorchDense, TorchFp16
 from superneurons.compress.auto import Auto
-from superneurons.compress.cast import IdentityCodec
-from superneurons.compress.codec import Codec
-from superneurons.compress.feedback import ErrorFeedback
-from superneurons.compress.powersgd import PowerSGD
-from superneurons.compress.rowsparse import RowSparse
-from superneurons.compress.schedule import Scheduled, ThetaSchedule, Warmup, with_theta
 from superneurons.compress.spec import Base, Compression, parse_spec
 from superneurons.errors import ConfigError
 

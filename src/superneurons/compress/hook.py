@@ -48,14 +48,15 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from superneurons.codecs.codec import Codec
+from superneurons.codecs.powersgd import PowerSGD
 from superneurons.compat import all_gather_into_tensor
 from superneurons.compress.anchors import TorchDense, TorchFp16, TorchPowerSGD
 from superneurons.compress.auto import Auto
 from superneurons.compress.bucket import Route, pieces_of
-from superneurons.compress.codec import Codec
 from superneurons.compress.compose import Compression, Pipeline, unwrap, with_defaults
 from superneurons.compress.hookstate import CompressionState
-from superneurons.compress.powersgd import PowerSGD, PowerSGDState
+from superneurons.compress.powersgd import PowerSGDState
 from superneurons.compress.reduce import reduce_bucket
 from superneurons.compress.spec import parse_spec
 from superneurons.compress.torch_hooks import as_comm_hook, register_anchor
@@ -225,7 +226,7 @@ def _codecs_for_step(
 ) -> list[Codec]:
     """One codec per parameter: this step's θ from the schedule; ErrorBudgetTheta's choices
     are agreed across ranks by one all-reduce MIN per bucket."""
-    from superneurons.compress.schedule import ErrorBudgetTheta, with_theta
+    from superneurons.codecs.schedule import ErrorBudgetTheta, with_theta
 
     schedule = pipeline.schedule
     pieces = pieces_of(state.names_by_param, bucket)

@@ -1,4 +1,4 @@
-"""PowerSGD: rank-r gradient compression by one step of power iteration.
+"""PowerSGD across ranks: the two all-reduces, the warm-start factors and error feedback.
 
 Vogels, Karimireddy & Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for
 Distributed Optimization", NeurIPS 2019 (Algorithm 1 with error feedback and warm start).
@@ -18,73 +18,18 @@ work (decompression, storing the warm-start ``Q``) runs in the callback.
 
 from __future__ import annotations
 
-import math
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 
 from superneurons.codecs.coding.finite import all_finite
+from superneurons.codecs.powersgd import PowerSGD, orthogonalize_rows_
 from superneurons.compress.callbacks import then_same_threads
-from superneurons.errors import ConfigError
 
-__all__ = [
-    "PowerSGD",
-    "PowerSGDState",
-    "orthogonalize_",
-    "orthogonalize_rows_",
-    "powersgd_reduce",
-]
-
-# NOTE: guards the Gram-Schmidt division when a column is all zeros (a dead layer); the
-# same role as torch's ``orthogonalization_epsilon``.
-_ORTHO_EPS = 1e-8
-
-
-@dataclass(frozen=True)
-class PowerSGD:
-    """Hyper-parameters of PowerSGD: the approximation ``rank`` (r in the paper)."""
-
-    rank: int = 4
-    NAME: ClassVar[str] = "powersgd"
-
-    def __post_init__(self) -> None:
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ConfigError(f"powersgd: rank must be a positive integer, got {self.rank!r}")
-
-    @property
-    def spec(self) -> str:
-        return f"powersgd:rank={self.rank}"
-
-    def __str__(self) -> str:
-        return self.spec
-
-    @property
-    def summable(self) -> bool:
-        return True
-
-    def matrix_shape(self, shape: Sequence[int]) -> tuple[int, int] | None:
-        """``(n, m)`` when a gradient of ``shape`` is compressed, else None (sent dense)."""
-        if len(shape) < 2:
-            return None
-        n, m = int(shape[0]), math.prod(int(s) for s in shape[1:])
-        r = min(self.rank, n, m)
-        return (n, m) if r * (n + m) < n * m else None
-
-    def payload_bytes(self, shapes: Sequence[Sequence[int]], *, element_bytes: int = 4) -> int:
-        """Bytes this rank contributes to the two all-reduces for tensors of ``shapes``."""
-        total = 0
-        for shape in shapes:
-            matrix = self.matrix_shape(shape)
-            if matrix is None:
-                total += math.prod(int(s) for s in shape)
-            else:
-                n, m = matrix
-                total += min(self.rank, n, m) * (n + m)
-        return total * element_bytes
+__all__ = ["PowerSGDState", "powersgd_reduce"]
 
 
 @dataclass
@@ -112,30 +57,6 @@ class PowerSGDState:
         q_by_name = state["q_by_name"]
         assert isinstance(q_by_name, dict)
         self.q_by_name = {str(k): v.clone() for k, v in q_by_name.items()}
-
-
-def orthogonalize_(matrix: torch.Tensor) -> torch.Tensor:
-    """Gram-Schmidt on the columns of ``matrix`` (n, r), in place; NaN stays NaN."""
-    for i in range(matrix.shape[1]):
-        col = matrix[:, i]
-        col.div_(col.norm() + _ORTHO_EPS)
-        if i + 1 < matrix.shape[1]:
-            rest = matrix[:, i + 1 :]
-            rest.sub_(col.unsqueeze(1) * (col @ rest).unsqueeze(0))
-    return matrix
-
-
-def orthogonalize_rows_(rows: torch.Tensor) -> torch.Tensor:
-    """Gram-Schmidt on the rows of each matrix of ``rows`` (g, r, n), in place: the batched
-    form of :func:`orthogonalize_` on the transposes (equal up to float32 rounding)."""
-    r = rows.shape[1]
-    for i in range(r):
-        row = rows[:, i : i + 1, :]  # (g, 1, n)
-        row.div_(torch.linalg.vector_norm(row, dim=2, keepdim=True) + _ORTHO_EPS)
-        if i + 1 < r:
-            rest = rows[:, i + 1 :, :]  # (g, r-i-1, n)
-            rest.sub_(torch.bmm(rest, row.transpose(1, 2)) * row)
-    return rows
 
 
 def _orthogonal_rows(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:

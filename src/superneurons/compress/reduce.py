@@ -30,13 +30,14 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from superneurons.codecs.codec import Codec, Payload
 from superneurons.codecs.coding.finite import all_finite
+from superneurons.codecs.powersgd import PowerSGD
 from superneurons.compat import all_gather_into_tensor
 from superneurons.compress.bucket import Piece, Route, pieces_of
 from superneurons.compress.callbacks import then_same_threads
-from superneurons.compress.codec import Codec, Payload
 from superneurons.compress.hookstate import CompressionState, WireBuffers
-from superneurons.compress.powersgd import PowerSGD, PowerSGDState, powersgd_reduce
+from superneurons.compress.powersgd import PowerSGDState, powersgd_reduce
 from superneurons.compress.rowblocks import RowBlock, decide_rows, gather_row_counts
 
 __all__ = ["reduce_bucket"]

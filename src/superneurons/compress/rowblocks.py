@@ -1,4 +1,4 @@
-"""Row blocks: how :class:`~superneurons.compress.rowsparse.RowSparse` embeddings travel.
+"""Row blocks: how :class:`~superneurons.codecs.rowsparse.RowSparse` embeddings travel.
 
 An embedding gradient of ``rows x cols`` whose ranks touch at most ``k`` rows (agreed by an
 all-reduce MAX) is sent as ``k`` int64 row indices and ``k x cols`` fp32 rows, divided by the
@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from superneurons.codecs.codec import Codec
+from superneurons.codecs.powersgd import PowerSGD
 from superneurons.compress.bucket import Piece, Route
-from superneurons.compress.codec import Codec
-from superneurons.compress.powersgd import PowerSGD
 
 if TYPE_CHECKING:
     from superneurons.compress.hookstate import CompressionState

@@ -28,21 +28,21 @@ import typing
 from typing import Any, Literal, Union
 
 from superneurons.codecs.adaptive import AdaptiveCodec
+from superneurons.codecs.cast import Bf16Codec, Fp16Codec, IdentityCodec
+from superneurons.codecs.codec import Codec
+from superneurons.codecs.compacttopk import CompactTopKCodec
+from superneurons.codecs.feedback import ErrorFeedback
+from superneurons.codecs.fft import FFTCodec
+from superneurons.codecs.powersgd import PowerSGD
+from superneurons.codecs.qsgd import QSGDCodec
+from superneurons.codecs.rangefloat import RangeFloatCodec
+from superneurons.codecs.rowsparse import RowSparse
+from superneurons.codecs.schedule import Scheduled, Warmup
+from superneurons.codecs.sign import SignSGDCodec
+from superneurons.codecs.terngrad import TernGradCodec
+from superneurons.codecs.topk import TopKCodec
 from superneurons.compress.anchors import TorchDense, TorchFp16, TorchPowerSGD
 from superneurons.compress.auto import Auto
-from superneurons.compress.cast import Bf16Codec, Fp16Codec, IdentityCodec
-from superneurons.compress.codec import Codec
-from superneurons.compress.compacttopk import CompactTopKCodec
-from superneurons.compress.feedback import ErrorFeedback
-from superneurons.compress.fft import FFTCodec
-from superneurons.compress.powersgd import PowerSGD
-from superneurons.compress.qsgd import QSGDCodec
-from superneurons.compress.rangefloat import RangeFloatCodec
-from superneurons.compress.rowsparse import RowSparse
-from superneurons.compress.schedule import Scheduled, Warmup
-from superneurons.compress.sign import SignSGDCodec
-from superneurons.compress.terngrad import TernGradCodec
-from superneurons.compress.topk import TopKCodec
 from superneurons.errors import ConfigError
 
 __all__ = [

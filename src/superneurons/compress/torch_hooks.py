@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from superneurons.codecs.powersgd import PowerSGD
 from superneurons.compress.anchors import TorchDense, TorchFp16, TorchPowerSGD
 from superneurons.compress.hookstate import CompressionState
-from superneurons.compress.powersgd import PowerSGD
 
 __all__ = ["as_comm_hook", "register_anchor"]
 

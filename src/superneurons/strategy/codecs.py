@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from superneurons.compress.codec import Codec
-from superneurons.compress.powersgd import PowerSGD, orthogonalize_
+from superneurons.codecs.codec import Codec
+from superneurons.codecs.powersgd import PowerSGD, orthogonalize_
 from superneurons.errors import ConfigError
 from superneurons.strategy.timing import time_call_s
 

@@ -63,6 +63,7 @@ from superneurons.codecs.adaptive.switches import (
     read_basis,
     relative_error,
 )
+from superneurons.codecs.codec import Payload, check_gradient, common_numel
 from superneurons.codecs.coding.bitpack import pack_bits, packed_bytes, unpack_bits
 from superneurons.codecs.coding.finite import finite_flag, nan_unless
 from superneurons.codecs.coding.rangefloat import check_bits
@@ -77,7 +78,6 @@ from superneurons.codecs.coding.sparsecode import (
     select_indices,
 )
 from superneurons.codecs.coding.workspace import workspace
-from superneurons.compress.codec import Payload, check_gradient, common_numel
 from superneurons.errors import ConfigError
 
 __all__ = ["AdaptiveCodec", "adaptive_layout"]

@@ -19,7 +19,7 @@ Per-element error (tested): for ``|v|`` inside the window ``|q - v| <= 2**-(m+1)
 (``m`` mantissa bits, plus a tie of one ulp at saturation), below it ``|q - v| <= step / 2``
 with ``step = 2**(lowest normal exponent - m)``.
 
-Wire format of the ``rangefloat`` codec (:class:`superneurons.compress.rangefloat.RangeFloatCodec`, ``bits < 32``): an 8-byte header (float32 ``max``,
+Wire format of the ``rangefloat`` codec (:class:`superneurons.codecs.rangefloat.RangeFloatCodec`, ``bits < 32``): an 8-byte header (float32 ``max``,
 uint8 exponent bits, 3 reserved bytes) followed by the codes bit-packed at ``bits`` each.
 ``bits = 32`` sends the raw float32 bytes (lossless; no header).
 

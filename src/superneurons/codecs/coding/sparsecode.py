@@ -10,7 +10,7 @@ so bits per element compare transforms, not coding (CONTEXT.md section 6: a Top-
 per kept element against FFT's 8-bit values and compact index decides nothing). The index code
 is :mod:`superneurons.codecs.coding.indexcode`'s bitmap or Elias-Fano gap code, whichever is smaller
 for ``(T, k)`` when ``index="auto"``; values are range-floats
-(:mod:`superneurons.compress.rangefloat`) with the window from the largest kept part down to the
+(:mod:`superneurons.codecs.rangefloat`) with the window from the largest kept part down to the
 weakest kept coefficient (HPDC'20's ``[threshold, max]`` rule); ``bits = 32`` sends raw float32.
 
 Device: everything runs on the coefficients' device with no host round trip. Selection is

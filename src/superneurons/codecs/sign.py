@@ -22,9 +22,9 @@ from typing import ClassVar
 
 import torch
 
+from superneurons.codecs.codec import Payload, check_gradient, check_payload, sum_of_decodes
 from superneurons.codecs.coding.bitpack import byte_codes, pack_bits, packed_bytes
 from superneurons.codecs.coding.finite import finite_flag
-from superneurons.compress.codec import Payload, check_gradient, check_payload, sum_of_decodes
 from superneurons.errors import ConfigError
 
 __all__ = ["SignSGDCodec"]

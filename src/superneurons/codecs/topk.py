@@ -2,7 +2,7 @@
 
 The standard sparsification baseline (Aji & Heafield, EMNLP'17; Lin et al., "Deep Gradient
 Compression", ICLR'18; Stich et al., "Sparsified SGD with Memory", NeurIPS'18). Biased, so it is
-meant to run under error feedback (:mod:`superneurons.compress.feedback`).
+meant to run under error feedback (:mod:`superneurons.codecs.feedback`).
 
 Wire format (``k = max(1, round(ratio * numel))``, fixed for a given ``numel``)::
 
@@ -30,9 +30,9 @@ from typing import ClassVar
 
 import torch
 
+from superneurons.codecs.codec import Payload, check_gradient, check_payload
 from superneurons.codecs.coding.finite import finite_flag, nan_unless_
 from superneurons.codecs.coding.sparsecode import select_indices
-from superneurons.compress.codec import Payload, check_gradient, check_payload
 from superneurons.errors import ConfigError
 
 __all__ = ["TopKCodec"]

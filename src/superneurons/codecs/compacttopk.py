@@ -1,7 +1,7 @@
 """Compactly coded Top-k: the spatial Top-k sparsifier with FFT's own coding, the fair baseline.
 
 Top-k (Aji & Heafield, EMNLP'17; Stich et al., NeurIPS'18) is usually sent as fp32 value + int32
-index, 64 bits per kept element (:class:`~superneurons.compress.topk.TopKCodec`). HPDC'20's FFT
+index, 64 bits per kept element (:class:`~superneurons.codecs.topk.TopKCodec`). HPDC'20's FFT
 codec pays ~8 bits per kept value and a compact index, so comparing the two at equal bits per
 element compares codings, not transforms (CONTEXT.md section 6). This codec keeps the Top-k
 *selection* and sends it exactly as ``fft`` sends its bins
@@ -25,6 +25,7 @@ from typing import ClassVar
 
 import torch
 
+from superneurons.codecs.codec import Payload, check_gradient, common_numel
 from superneurons.codecs.coding.finite import finite_flag, nan_unless_
 from superneurons.codecs.coding.rangefloat import check_bits
 from superneurons.codecs.coding.sparsecode import (
@@ -37,7 +38,6 @@ from superneurons.codecs.coding.sparsecode import (
     select_indices,
 )
 from superneurons.codecs.coding.workspace import workspace
-from superneurons.compress.codec import Payload, check_gradient, common_numel
 from superneurons.errors import ConfigError
 
 __all__ = ["CompactTopKCodec"]

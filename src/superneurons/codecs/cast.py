@@ -25,7 +25,7 @@ from typing import ClassVar
 
 import torch
 
-from superneurons.compress.codec import Payload, check_gradient
+from superneurons.codecs.codec import Payload, check_gradient
 from superneurons.errors import ConfigError
 
 __all__ = ["Bf16Codec", "Fp16Codec", "IdentityCodec"]

@@ -3,7 +3,7 @@
 Wang et al., "FFT-based Gradient Sparsification for the Distributed Training of Deep Neural
 Networks", HPDC 2020 (arXiv 1811.08596): transform the flat gradient with a real FFT, drop the
 ``theta`` fraction of frequency coefficients with the smallest magnitude, quantize the kept
-real/imaginary parts with a range-based float (:mod:`superneurons.compress.rangefloat`) and send
+real/imaginary parts with a range-based float (:mod:`superneurons.codecs.rangefloat`) and send
 them with a fixed-size index code (:mod:`superneurons.codecs.coding.indexcode`). The paper gives no
 code; the pipeline below is our reconstruction (CONTEXT.md section 2).
 
@@ -61,6 +61,7 @@ from typing import ClassVar
 
 import torch
 
+from superneurons.codecs.codec import Payload, check_gradient, common_numel
 from superneurons.codecs.coding.finite import finite_flag
 from superneurons.codecs.coding.indexcode import INDEX_KINDS
 from superneurons.codecs.coding.rangefloat import check_bits
@@ -74,7 +75,6 @@ from superneurons.codecs.coding.sparsecode import (
     select_indices,
 )
 from superneurons.codecs.coding.workspace import workspace
-from superneurons.compress.codec import Payload, check_gradient, common_numel
 from superneurons.errors import ConfigError
 
 __all__ = ["SELECTS", "FFTCodec", "kept_count", "select_bins", "spectrum_layout"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from superneurons.compress.specced import Specced
+from superneurons.codecs.codec import Specced
 
 __all__ = ["RowSparse"]
 

@@ -26,6 +26,7 @@ from typing import ClassVar
 
 import torch
 
+from superneurons.codecs.codec import Payload, check_gradient, check_payload, sum_of_decodes
 from superneurons.codecs.coding.bitpack import (
     pack_bits,
     pack_sextets,
@@ -35,7 +36,6 @@ from superneurons.codecs.coding.bitpack import (
 )
 from superneurons.codecs.coding.finite import finite_flag
 from superneurons.codecs.coding.noise import uniform_one_two
-from superneurons.compress.codec import Payload, check_gradient, check_payload, sum_of_decodes
 from superneurons.errors import ConfigError
 
 __all__ = ["QSGDCodec"]

@@ -38,9 +38,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from superneurons.codecs.codec import Codec, Payload, Specced, check_gradient
 from superneurons.codecs.coding.finite import all_finite
-from superneurons.compress.codec import Codec, Payload, check_gradient
-from superneurons.compress.specced import Specced
 from superneurons.errors import ConfigError
 
 __all__ = ["ErrorFeedback", "Residuals", "feedback_step", "join_flat", "split_flat"]
@@ -120,7 +119,7 @@ class Residuals:
     """Residuals of error feedback around ``codec``, keyed by a stable string.
 
     ``codec`` may be swapped between steps (a θ schedule does this via
-    :func:`superneurons.compress.schedule.with_theta`): residuals are in gradient space, so they
+    :func:`superneurons.codecs.schedule.with_theta`): residuals are in gradient space, so they
     carry over. Pass ``codec=`` to one call to override it for that call only.
     """
 

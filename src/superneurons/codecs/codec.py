@@ -26,6 +26,7 @@ from superneurons.errors import ConfigError
 __all__ = [
     "Codec",
     "Payload",
+    "Specced",
     "check_gradient",
     "check_payload",
     "sum_of_decodes",
@@ -46,6 +47,17 @@ class Payload:
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
+
+
+@runtime_checkable
+class Specced(Protocol):
+    """What every node of a composed compression has: a canonical spec string that
+    :func:`~superneurons.compress.parse_spec` parses back. Wrappers (``ErrorFeedback``,
+    ``Warmup``, ``Scheduled``, ``RowSparse``) hold their ``inner`` as one;
+    :func:`superneurons.spec.compose.unwrap` checks the real types."""
+
+    @property
+    def spec(self) -> str: ...
 
 
 @runtime_checkable

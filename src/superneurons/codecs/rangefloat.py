@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import torch
 
+from superneurons.codecs.codec import Payload, check_gradient, sum_of_decodes
 from superneurons.codecs.coding.bitpack import packed_bytes
 from superneurons.codecs.coding.rangefloat import (
     HEADER_BYTES,
@@ -24,7 +25,6 @@ from superneurons.codecs.coding.rangefloat import (
     read_codes,
     write_codes,
 )
-from superneurons.compress.codec import Payload, check_gradient, sum_of_decodes
 from superneurons.errors import ConfigError
 
 __all__ = ["RangeFloatCodec"]

@@ -29,14 +29,14 @@ from typing import ClassVar
 
 import torch
 
-from superneurons.codecs.coding.bitpack import byte_codes, pack_bits, packed_bytes
-from superneurons.codecs.coding.noise import uniform_one_two
-from superneurons.compress.codec import (
+from superneurons.codecs.codec import (
     Payload,
     check_gradient,
     check_payload,
     sum_of_decodes,
 )
+from superneurons.codecs.coding.bitpack import byte_codes, pack_bits, packed_bytes
+from superneurons.codecs.coding.noise import uniform_one_two
 from superneurons.errors import ConfigError
 
 __all__ = ["TernGradCodec"]

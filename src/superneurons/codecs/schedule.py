@@ -37,10 +37,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from superneurons.compress.codec import Codec, check_gradient
-from superneurons.compress.fft import FFTCodec, kept_count, spectrum_layout
-from superneurons.compress.specced import Specced
-from superneurons.compress.topk import TopKCodec
+from superneurons.codecs.codec import Codec, Specced, check_gradient
+from superneurons.codecs.fft import FFTCodec, kept_count, spectrum_layout
+from superneurons.codecs.topk import TopKCodec
 from superneurons.errors import ConfigError
 
 __all__ = [
