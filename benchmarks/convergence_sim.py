@@ -18,8 +18,8 @@ import time
 import torch
 
 from superneurons.bench.convergence import SHAKESPEARE, ConvergenceConfig, _datasets, _evaluate  # noqa: I001
-from superneurons.compress.spec import parse_spec
 from superneurons.models import build_model, default_loss
+from superneurons.spec.grammar import parse_spec
 
 torch.set_num_threads(1)
 P = 2

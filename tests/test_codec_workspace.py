@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from superneurons.codecs.coding import workspace as ws
-from superneurons.compress.spec import parse_codec
+from superneurons.spec.grammar import parse_codec
 
 CPU = torch.device("cpu")
 

@@ -106,8 +106,8 @@ _LOSSY: list[Any] = [
 
 def _lossy_runs(rank: int, world_size: int) -> list[tuple[str, list[torch.Tensor], int, int]]:
     from superneurons.compress import Warmup, parse_spec
-    from superneurons.compress.compose import with_defaults
     from superneurons.compress.hook import register_compression
+    from superneurons.spec.compose import with_defaults
 
     out = []
     for codec in _LOSSY:

@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 
 from superneurons.codecs.powersgd import PowerSGD, orthogonalize_, orthogonalize_rows_
-from superneurons.compress.anchors import TorchDense, TorchPowerSGD
 from superneurons.compress.powersgd import PowerSGDState, powersgd_reduce
-from superneurons.compress.spec import parse_spec
 from superneurons.errors import ConfigError
+from superneurons.spec.anchors import TorchDense, TorchPowerSGD
+from superneurons.spec.grammar import parse_spec
 
 
 @pytest.fixture(scope="module")

@@ -44,8 +44,8 @@ from superneurons.bench.artifacts import markdown_table, pyplot, write_json, wri
 from superneurons.bench.gradients import DDP_BUCKET_BYTES, GradientCapture, bucket_bounds
 from superneurons.codecs.codec import Codec
 from superneurons.codecs.feedback import feedback_step
-from superneurons.compress.spec import parse_codec as parse_spec
 from superneurons.errors import ConfigError
+from superneurons.spec.grammar import parse_codec as parse_spec
 
 __all__ = [
     "BUDGETS_BITS",

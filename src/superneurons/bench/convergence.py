@@ -289,8 +289,8 @@ def _setup(
     state = None
     if spec != "dense":
         from superneurons.compress import Scheduled, parse_spec
-        from superneurons.compress.compose import with_defaults
         from superneurons.compress.hook import register_compression
+        from superneurons.spec.compose import with_defaults
 
         compression = with_defaults(parse_spec(spec))
         if schedule is not None:

@@ -38,12 +38,12 @@ from superneurons.codecs.sign import SignSGDCodec
 from superneurons.codecs.terngrad import TernGradCodec
 from superneurons.codecs.topk import TopKCodec
 from superneurons.compress.adam import CompressedAdamW, register_local_gradients
-from superneurons.compress.anchors import TorchDense, TorchFp16, TorchPowerSGD
-from superneurons.compress.auto import Auto
-from superneurons.compress.compose import Compression, compose
 from superneurons.compress.deferred import DeferredCompression, deferred_compression_hook
 from superneurons.compress.hook import CompressionState, register_compression
-from superneurons.compress.spec import CODECS, SPECS, describe_codecs, parse_spec
+from superneurons.spec.anchors import TorchDense, TorchFp16, TorchPowerSGD
+from superneurons.spec.auto import Auto
+from superneurons.spec.compose import Compression, compose
+from superneurons.spec.grammar import CODECS, SPECS, describe_codecs, parse_spec
 
 __all__ = [
     # optimizer-side compression for AdamW (1-bit Adam style)

@@ -86,7 +86,7 @@ def parse_optimizer_spec(text: str) -> OptimizerSpec | None:
     """``"adam-momentum[warmup=20,wire=fp16]:signsgd"`` -> :class:`OptimizerSpec`; text not
     starting with ``adam-momentum``/``adam-update`` -> None.
 
-    ``CODEC`` and ``wire`` are specs of :func:`superneurons.compress.spec.parse_spec`
+    ``CODEC`` and ``wire`` are specs of :func:`superneurons.spec.grammar.parse_spec`
     (``wire``: the summable codec of the warm-up, default fp32).
 
     Raises:
@@ -95,7 +95,7 @@ def parse_optimizer_spec(text: str) -> OptimizerSpec | None:
     match = _OPTIMIZER_SPEC.match(text.strip())
     if match is None:
         return None
-    from superneurons.compress.spec import parse_codec as parse_spec
+    from superneurons.spec.grammar import parse_codec as parse_spec
 
     mode, options, codec = match.groups()
     warmup, wire, clip = 0, None, None

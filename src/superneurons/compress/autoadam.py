@@ -267,7 +267,7 @@ def _optimizer_times(
     so nothing is sent; 1-bit Adam decodes one payload instead of ``world`` (its decode of
     the others is added from a second decode of the same payloads, ``world - 1`` times)."""
     from superneurons.compress.adam import CompressedAdamW
-    from superneurons.compress.spec import parse_codec
+    from superneurons.spec.grammar import parse_codec
     from superneurons.strategy.timing import time_call_s
 
     device = params[0].device
@@ -330,7 +330,7 @@ def decide_adam_scheme(
     gradients are cleared and the RNG streams restored, so the training that follows is the
     same as without this call.
     """
-    from superneurons.compress.spec import parse_codec
+    from superneurons.spec.grammar import parse_codec
     from superneurons.strategy.codecs import measure_codecs
     from superneurons.strategy.netmodel import measure_network, ring_network
 

@@ -19,8 +19,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from superneurons.compress.anchors import TorchDense, TorchFp16, TorchPowerSGD
-from superneurons.compress.compose import Compression, unwrap
 from superneurons.compress.hook import (
     build_state,
     check_config_across_ranks,
@@ -30,6 +28,8 @@ from superneurons.compress.hook import (
 from superneurons.compress.hookstate import CompressionState
 from superneurons.compress.torch_hooks import as_comm_hook
 from superneurons.errors import ConfigError
+from superneurons.spec.anchors import TorchDense, TorchFp16, TorchPowerSGD
+from superneurons.spec.compose import Compression, unwrap
 
 __all__ = ["DeferredCompression", "deferred_compression_hook"]
 

@@ -4,7 +4,7 @@
 all-reduce by a codec (Wang et al., HPDC'20, and the baselines in ``superneurons.compress``).
 It takes ONE object: a codec, ``PowerSGD``, a PyTorch anchor or ``Auto``, inside any wrappers
 (``ErrorFeedback(Warmup(TopKCodec(), steps=100))``), or a spec string naming one (a string gets
-error feedback by default, see :func:`~superneurons.compress.compose.with_defaults`):
+error feedback by default, see :func:`~superneurons.spec.compose.with_defaults`):
 
 * summable payloads (identity, fp16, bf16) are divided by the world size, encoded and
   all-reduced; every other codec's fixed-size ``uint8`` payloads are all-gathered and turned
@@ -51,16 +51,16 @@ from torch.nn.parallel import DistributedDataParallel
 from superneurons.codecs.codec import Codec
 from superneurons.codecs.powersgd import PowerSGD
 from superneurons.compat import all_gather_into_tensor
-from superneurons.compress.anchors import TorchDense, TorchFp16, TorchPowerSGD
-from superneurons.compress.auto import Auto
 from superneurons.compress.bucket import Route, pieces_of
-from superneurons.compress.compose import Compression, Pipeline, unwrap, with_defaults
 from superneurons.compress.hookstate import CompressionState
 from superneurons.compress.powersgd import PowerSGDState
 from superneurons.compress.reduce import reduce_bucket
-from superneurons.compress.spec import parse_spec
 from superneurons.compress.torch_hooks import as_comm_hook, register_anchor
 from superneurons.errors import ConfigError
+from superneurons.spec.anchors import TorchDense, TorchFp16, TorchPowerSGD
+from superneurons.spec.auto import Auto
+from superneurons.spec.compose import Compression, Pipeline, unwrap, with_defaults
+from superneurons.spec.grammar import parse_spec
 
 __all__ = ["CompressionState", "build_state", "register_compression", "resolve"]
 

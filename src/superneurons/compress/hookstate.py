@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from superneurons.compress.compose import Base, Compression, Pipeline
 from superneurons.compress.powersgd import PowerSGDState
 from superneurons.errors import ConfigError
+from superneurons.spec.compose import Base, Compression, Pipeline
 
 if TYPE_CHECKING:
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (

@@ -9,7 +9,7 @@ Benchmarks compare our codecs against what a PyTorch user already has:
   and crashed with more than one bucket on gloo in 2 of 3 runs (CONTEXT §4); use a large
   ``bucket_cap_mb`` with it on gloo, or our ``powersgd`` which is multi-bucket safe.
 
-Their names are in the one spec table (:mod:`superneurons.compress.spec`); ``torch-allreduce``
+Their names are in the one spec table (:mod:`superneurons.spec.grammar`); ``torch-allreduce``
 is an alias of ``dense``.
 """
 
@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from superneurons.codecs.powersgd import PowerSGD
-from superneurons.compress.anchors import TorchDense, TorchFp16, TorchPowerSGD
 from superneurons.compress.hookstate import CompressionState
+from superneurons.spec.anchors import TorchDense, TorchFp16, TorchPowerSGD
 
 __all__ = ["as_comm_hook", "register_anchor"]
 

@@ -30,9 +30,9 @@ from superneurons.compress.adam import (
     register_local_gradients,
 )
 from superneurons.compress.autoadam import AdamDecision, decide_adam_scheme, parse_adam_auto
-from superneurons.compress.compose import compose
 from superneurons.compress.hook import register_compression
 from superneurons.errors import ConfigError
+from superneurons.spec.compose import compose
 from superneurons.train.config import TrainConfig
 
 __all__ = ["Synchronisation", "attach_synchronisation", "check_compress", "decide_scheme"]

@@ -22,10 +22,10 @@ from superneurons.codecs.feedback import ErrorFeedback
 from superneurons.codecs.powersgd import PowerSGD
 from superneurons.codecs.rowsparse import RowSparse
 from superneurons.codecs.schedule import Scheduled, ThetaSchedule, Warmup, with_theta
-from superneurons.compress.anchors import TorchAnchor, TorchDense, TorchFp16
-from superneurons.compress.auto import Auto
-from superneurons.compress.spec import Base, Compression, parse_spec
 from superneurons.errors import ConfigError
+from superneurons.spec.anchors import TorchAnchor, TorchDense, TorchFp16
+from superneurons.spec.auto import Auto
+from superneurons.spec.grammar import Base, Compression, parse_spec
 
 __all__ = ["Base", "Compression", "Pipeline", "compose", "unwrap", "with_defaults"]
 

@@ -41,9 +41,9 @@ from superneurons.codecs.schedule import Scheduled, Warmup
 from superneurons.codecs.sign import SignSGDCodec
 from superneurons.codecs.terngrad import TernGradCodec
 from superneurons.codecs.topk import TopKCodec
-from superneurons.compress.anchors import TorchDense, TorchFp16, TorchPowerSGD
-from superneurons.compress.auto import Auto
 from superneurons.errors import ConfigError
+from superneurons.spec.anchors import TorchDense, TorchFp16, TorchPowerSGD
+from superneurons.spec.auto import Auto
 
 __all__ = [
     "Base",
