@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from superneurons.codecs.powersgd import PowerSGD, orthogonalize_, orthogonalize_rows_
-from superneurons.compress.powersgd import PowerSGDState, powersgd_reduce
+from superneurons.ddp.powersgd import PowerSGDState, powersgd_reduce
 from superneurons.errors import ConfigError
 from superneurons.spec.anchors import TorchDense, TorchPowerSGD
 from superneurons.spec.grammar import parse_spec

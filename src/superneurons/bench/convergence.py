@@ -279,7 +279,7 @@ def _setup(
     if update is not None:
         if task.optimizer == "sgd":
             raise ConfigError(f"{label!r} replaces Adam/AdamW; task {task.task} uses SGD")
-        from superneurons.compress.adam import register_local_gradients
+        from superneurons.ddp.local import register_local_gradients
 
         register_local_gradients(ddp)
         opt = CompressedAdamW(
@@ -289,7 +289,7 @@ def _setup(
     state = None
     if spec != "dense":
         from superneurons.compress import Scheduled, parse_spec
-        from superneurons.compress.hook import register_compression
+        from superneurons.ddp.hook import register_compression
         from superneurons.spec.compose import with_defaults
 
         compression = with_defaults(parse_spec(spec))

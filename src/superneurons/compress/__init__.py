@@ -37,9 +37,10 @@ from superneurons.codecs.schedule import (
 from superneurons.codecs.sign import SignSGDCodec
 from superneurons.codecs.terngrad import TernGradCodec
 from superneurons.codecs.topk import TopKCodec
-from superneurons.compress.adam import CompressedAdamW, register_local_gradients
-from superneurons.compress.deferred import DeferredCompression, deferred_compression_hook
-from superneurons.compress.hook import CompressionState, register_compression
+from superneurons.compress.adam import CompressedAdamW
+from superneurons.ddp.deferred import DeferredCompression, deferred_compression_hook
+from superneurons.ddp.hook import CompressionState, register_compression
+from superneurons.ddp.local import register_local_gradients
 from superneurons.spec.anchors import TorchDense, TorchFp16, TorchPowerSGD
 from superneurons.spec.auto import Auto
 from superneurons.spec.compose import Compression, compose

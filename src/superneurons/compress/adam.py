@@ -39,12 +39,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from superneurons.codecs.codec import Codec, Payload
 from superneurons.codecs.feedback import feedback_step
 from superneurons.compat import all_gather_into_tensor
-from superneurons.compress.torch_hooks import as_comm_hook
 from superneurons.errors import ConfigError
 
 __all__ = [
@@ -52,7 +50,6 @@ __all__ = [
     "CompressedAdamW",
     "OptimizerSpec",
     "parse_optimizer_spec",
-    "register_local_gradients",
 ]
 
 MODES = ("momentum", "update")
@@ -113,28 +110,6 @@ def parse_optimizer_spec(text: str) -> OptimizerSpec | None:
                 "'adam-momentum[warmup=20,wire=fp16]:signsgd'"
             )
     return OptimizerSpec(mode, parse_spec(codec), warmup, wire, clip)
-
-
-def register_local_gradients(ddp_model: DistributedDataParallel) -> None:
-    """Make ``ddp_model`` leave each rank's gradient local (no all-reduce in backward).
-
-    For optimizers that communicate themselves (:class:`CompressedAdamW`). DDP hands the hook
-    the bucket of unaveraged local gradients; returning it unchanged keeps them.
-    """
-    if not isinstance(ddp_model, DistributedDataParallel):
-        raise ConfigError(
-            f"register_local_gradients needs a DistributedDataParallel model, got "
-            f"{type(ddp_model).__name__}"
-        )
-
-    ddp_model.register_comm_hook(None, _local_gradients_hook)
-
-
-@as_comm_hook
-def _local_gradients_hook(_: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(bucket.buffer())
-    return fut
 
 
 class CompressedAdamW(torch.optim.Optimizer):

@@ -1,7 +1,7 @@
 """``auto`` for Adam-family optimizers: dense AdamW, or 1-bit Adam when the cost model says it pays.
 
 Why a separate decision: with AdamW the gradient codecs that ``auto`` chooses among for SGD
-(:mod:`superneurons.compress.autorun`) stall a language model (char-GPT: fft, top-k, sign
+(:mod:`superneurons.ddp.autorun`) stall a language model (char-GPT: fft, top-k, sign
 near 3.3 nats against dense's 2.46, ``benchmarks/results/convergence``). What converged within 0.05 nats at >= 8x fewer bytes is
 optimizer-side: 1-bit Adam (Tang et al., ICML 2021; :class:`~superneurons.compress.adam.
 CompressedAdamW` in mode ``momentum``) with a warm-up of 10% of the run on an fp16 wire. So

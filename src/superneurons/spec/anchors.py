@@ -2,7 +2,7 @@
 
 Benchmarks compare our codecs against what a PyTorch user already has; these frozen configs name
 them in the one spec table (:mod:`superneurons.spec.grammar`) and
-:func:`superneurons.compress.torch_hooks.register_anchor` installs them.
+:func:`superneurons.ddp.torch_hooks.register_anchor` installs them.
 """
 
 from __future__ import annotations

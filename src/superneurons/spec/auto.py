@@ -6,7 +6,7 @@ measure each candidate codec's encode/decode time on this device, observe when e
 becomes ready in backward during ``observe_steps`` dense steps, then choose per bucket the codec
 with the least predicted *exposed* step time (pure functions in :mod:`superneurons.strategy`).
 This module is the hook's side: :class:`Auto` is the frozen config (spec ``auto:...``) and
-:class:`AutoController` carries the decision out (see :mod:`superneurons.compress.autorun`).
+:class:`AutoController` carries the decision out (see :mod:`superneurons.ddp.autorun`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Three ways, chosen from ``--compress`` and ``--optimizer``:
 
 * a gradient codec or anchor (``fft``, ``powersgd:rank=4``, ``torch-fp16``, ``auto`` with SGD):
-  DDP's comm hook (:func:`superneurons.compress.hook.register_compression`), any optimizer;
+  DDP's comm hook (:func:`superneurons.ddp.hook.register_compression`), any optimizer;
 * ``adam-momentum[warmup=N,wire=W]:CODEC`` / ``adam-update[...]:CODEC``: the optimizer itself
   communicates (:class:`~superneurons.compress.adam.CompressedAdamW`, 1-bit Adam: Tang et al.,
   ICML 2021), DDP leaves gradients local; Adam-family optimizers only;
@@ -24,13 +24,10 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from superneurons.compress.adam import (
-    CompressedAdamW,
-    parse_optimizer_spec,
-    register_local_gradients,
-)
+from superneurons.compress.adam import CompressedAdamW, parse_optimizer_spec
 from superneurons.compress.autoadam import AdamDecision, decide_adam_scheme, parse_adam_auto
-from superneurons.compress.hook import register_compression
+from superneurons.ddp.hook import register_compression
+from superneurons.ddp.local import register_local_gradients
 from superneurons.errors import ConfigError
 from superneurons.spec.compose import compose
 from superneurons.train.config import TrainConfig

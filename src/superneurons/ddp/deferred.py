@@ -6,8 +6,8 @@ comm hook themselves — PyTorch Lightning's ``DDPStrategy(ddp_comm_hook=...)``:
 
 The options are validated at construction (a bad spec fails before any process starts). At the
 first backward, the hook binds to the default process group: it builds the
-:class:`~superneurons.compress.hookstate.CompressionState` and runs the same cross-rank
-configuration check as :func:`~superneurons.compress.hook.register_compression` — from the hook
+:class:`~superneurons.ddp.state.CompressionState` and runs the same cross-rank
+configuration check as :func:`~superneurons.ddp.hook.register_compression` — from the hook
 body of bucket 0, which every rank reaches first, so the collective order is fixed.
 PyTorch's own hooks (``torch-*`` anchors, ``dense``) register themselves; use them directly.
 """
@@ -19,14 +19,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from superneurons.compress.hook import (
+from superneurons.ddp.hook import (
     build_state,
     check_config_across_ranks,
     compression_hook,
     resolve,
 )
-from superneurons.compress.hookstate import CompressionState
-from superneurons.compress.torch_hooks import as_comm_hook
+from superneurons.ddp.state import CompressionState
+from superneurons.ddp.torch_hooks import as_comm_hook
 from superneurons.errors import ConfigError
 from superneurons.spec.anchors import TorchDense, TorchFp16, TorchPowerSGD
 from superneurons.spec.compose import Compression, unwrap
@@ -39,7 +39,7 @@ class DeferredCompression:
 
     Args:
         module: the model DDP will wrap (parameter names key the error-feedback state).
-        compression, seed: as for :func:`~superneurons.compress.hook.register_compression`.
+        compression, seed: as for :func:`~superneurons.ddp.hook.register_compression`.
     """
 
     def __init__(

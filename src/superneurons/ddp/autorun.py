@@ -11,7 +11,7 @@ docs/CONTRACTS.md):
 3. at bucket 0 of the next step rank 0 measures the candidate codecs on a real gradient of the
    largest bucket, calls ``select`` and broadcasts the :class:`Assignment` JSON (length, then
    bytes); every rank applies it: per parameter, a route for
-   :func:`~superneurons.compress.reduce.reduce_bucket`;
+   :func:`~superneurons.ddp.reduce.reduce_bucket`;
 4. every ``drift_steps`` steps the ranks agree (all-reduce MAX) whether the measured exposed
    step time left ``predicted_step_s`` by more than ``drift`` on each of the last
    ``drift_steps`` steps; if so every rank re-measures the network and observes again.
@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from superneurons.codecs.codec import Codec
 from superneurons.codecs.powersgd import PowerSGD
-from superneurons.compress.bucket import Route
+from superneurons.ddp.bucket import Route
 from superneurons.errors import ConfigError
 from superneurons.spec.auto import Auto
 
@@ -338,7 +338,7 @@ def _with_feedback(cost: CodecCost) -> CodecCost:
     """``cost`` as the hook pays it with error feedback: gathered codecs and PowerSGD add the
     residual in and compute the new one before the collective's result is needed (measured
     as ``feedback_s_per_byte``); cast routes and dense carry none under auto (see
-    :func:`~superneurons.compress.reduce.reduce_bucket`)."""
+    :func:`~superneurons.ddp.reduce.reduce_bucket`)."""
     import dataclasses
 
     if cost.spec == "dense" or (cost.summable and not cost.spec.startswith("powersgd")):

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from superneurons.codecs.powersgd import PowerSGD
-from superneurons.compress.hookstate import CompressionState
+from superneurons.ddp.state import CompressionState
 from superneurons.spec.anchors import TorchDense, TorchFp16, TorchPowerSGD
 
 __all__ = ["as_comm_hook", "register_anchor"]

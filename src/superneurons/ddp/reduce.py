@@ -34,11 +34,11 @@ from superneurons.codecs.codec import Codec, Payload
 from superneurons.codecs.coding.finite import all_finite
 from superneurons.codecs.powersgd import PowerSGD
 from superneurons.compat import all_gather_into_tensor
-from superneurons.compress.bucket import Piece, Route, pieces_of
-from superneurons.compress.callbacks import then_same_threads
-from superneurons.compress.hookstate import CompressionState, WireBuffers
-from superneurons.compress.powersgd import PowerSGDState, powersgd_reduce
-from superneurons.compress.rowblocks import RowBlock, decide_rows, gather_row_counts
+from superneurons.ddp.bucket import Piece, Route, pieces_of
+from superneurons.ddp.callbacks import then_same_threads
+from superneurons.ddp.powersgd import PowerSGDState, powersgd_reduce
+from superneurons.ddp.rowblocks import RowBlock, decide_rows, gather_row_counts
+from superneurons.ddp.state import CompressionState, WireBuffers
 
 __all__ = ["reduce_bucket"]
 

@@ -17,7 +17,7 @@ error feedback by default, see :func:`~superneurons.spec.compose.with_defaults`)
 * PyTorch's own hooks (``dense``, ``torch-fp16``, ``torch-powersgd``) are anchors
   (see :mod:`.torch_hooks`);
 * ``auto`` chooses per bucket (see :mod:`.auto`, :mod:`.autorun`); every bucket, whatever its
-  routes, is averaged by :func:`~superneurons.compress.reduce.reduce_bucket`.
+  routes, is averaged by :func:`~superneurons.ddp.reduce.reduce_bucket`.
 
 Safety rules, all of them learned from PyTorch's own hooks (CONTEXT §4):
 
@@ -51,11 +51,11 @@ from torch.nn.parallel import DistributedDataParallel
 from superneurons.codecs.codec import Codec
 from superneurons.codecs.powersgd import PowerSGD
 from superneurons.compat import all_gather_into_tensor
-from superneurons.compress.bucket import Route, pieces_of
-from superneurons.compress.hookstate import CompressionState
-from superneurons.compress.powersgd import PowerSGDState
-from superneurons.compress.reduce import reduce_bucket
-from superneurons.compress.torch_hooks import as_comm_hook, register_anchor
+from superneurons.ddp.bucket import Route, pieces_of
+from superneurons.ddp.powersgd import PowerSGDState
+from superneurons.ddp.reduce import reduce_bucket
+from superneurons.ddp.state import CompressionState
+from superneurons.ddp.torch_hooks import as_comm_hook, register_anchor
 from superneurons.errors import ConfigError
 from superneurons.spec.anchors import TorchDense, TorchFp16, TorchPowerSGD
 from superneurons.spec.auto import Auto
@@ -159,7 +159,7 @@ def build_state(
         powersgd=PowerSGDState(seed=seed) if isinstance(pipeline.base, PowerSGD) else None,
     )
     if isinstance(pipeline.base, Auto):
-        from superneurons.compress.autorun import AutoController
+        from superneurons.ddp.autorun import AutoController
 
         state.auto = AutoController(pipeline.base, error_feedback=pipeline.error_feedback)
     return state

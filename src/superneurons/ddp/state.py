@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from superneurons.compress.powersgd import PowerSGDState
+from superneurons.ddp.powersgd import PowerSGDState
 from superneurons.errors import ConfigError
 from superneurons.spec.compose import Base, Compression, Pipeline
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
         PowerSGDState as TorchPowerSGDState,
     )
 
-    from superneurons.compress.autorun import AutoController
+    from superneurons.ddp.autorun import AutoController
 
 __all__ = ["CompressionState", "WireBuffers"]
 

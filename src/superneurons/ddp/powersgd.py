@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from superneurons.codecs.coding.finite import all_finite
 from superneurons.codecs.powersgd import PowerSGD, orthogonalize_rows_
-from superneurons.compress.callbacks import then_same_threads
+from superneurons.ddp.callbacks import then_same_threads
 
 __all__ = ["PowerSGDState", "powersgd_reduce"]
 

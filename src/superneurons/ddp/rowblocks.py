@@ -19,10 +19,10 @@ import torch.distributed as dist
 
 from superneurons.codecs.codec import Codec
 from superneurons.codecs.powersgd import PowerSGD
-from superneurons.compress.bucket import Piece, Route
+from superneurons.ddp.bucket import Piece, Route
 
 if TYPE_CHECKING:
-    from superneurons.compress.hookstate import CompressionState
+    from superneurons.ddp.state import CompressionState
 
 __all__ = ["RowBlock", "decide_rows", "gather_row_counts"]
 
