@@ -14,7 +14,7 @@ from torch import nn
 from superneurons.codecs.powersgd import PowerSGD, orthogonalize_
 from superneurons.data import fashion_mnist
 from superneurons.models.zoo import build_model
-from superneurons.spec.grammar import parse_spec
+from superneurons.schemes.grammar import parse_spec
 
 MODEL = {"depth": 18, "small_input": True, "in_channels": 1, "num_classes": 10, "width": 32}
 SPECS = ["fp16", "powersgd:rank=1", "powersgd:rank=4", "topk:ratio=0.1", "topk:ratio=0.01", "qsgd"]

@@ -1,4 +1,4 @@
-"""Kept CPU work buffers (compress/workspace.py) and the numpy CPU scans: reuse, bounds, no leak
+"""Kept CPU work buffers (codecs/coding/workspace.py) and the numpy CPU scans: reuse, bounds, no leak
 into results, results equal to the torch definitions."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from superneurons.codecs.coding import workspace as ws
-from superneurons.spec.grammar import parse_codec
+from superneurons.schemes.grammar import parse_codec
 
 CPU = torch.device("cpu")
 

@@ -107,7 +107,7 @@ _LOSSY: list[Any] = [
 def _lossy_runs(rank: int, world_size: int) -> list[tuple[str, list[torch.Tensor], int, int]]:
     from superneurons.compress import Warmup, parse_spec
     from superneurons.ddp.hook import register_compression
-    from superneurons.spec.compose import with_defaults
+    from superneurons.schemes.compose import with_defaults
 
     out = []
     for codec in _LOSSY:

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from superneurons.codecs.powersgd import PowerSGD, orthogonalize_, orthogonalize_rows_
 from superneurons.ddp.powersgd import PowerSGDState, powersgd_reduce
 from superneurons.errors import ConfigError
-from superneurons.spec.anchors import TorchDense, TorchPowerSGD
-from superneurons.spec.grammar import parse_spec
+from superneurons.schemes.anchors import TorchDense, TorchPowerSGD
+from superneurons.schemes.grammar import parse_spec
 
 
 @pytest.fixture(scope="module")

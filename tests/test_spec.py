@@ -20,7 +20,7 @@ from superneurons.compress import (
     parse_spec,
 )
 from superneurons.errors import ConfigError
-from superneurons.spec import grammar as spec_module
+from superneurons.schemes import grammar as spec_module
 
 
 @pytest.mark.parametrize(

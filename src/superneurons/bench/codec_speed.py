@@ -22,7 +22,7 @@ import torch
 
 from superneurons.bench.artifacts import markdown_table, write_json, write_markdown
 from superneurons.errors import ConfigError
-from superneurons.spec.grammar import parse_codec
+from superneurons.schemes.grammar import parse_codec
 
 __all__ = ["SPEED_SPECS", "SpeedConfig", "measure_codec_speed", "write_speed_artifacts"]
 

@@ -45,7 +45,7 @@ from superneurons.bench.gradients import DDP_BUCKET_BYTES, GradientCapture, buck
 from superneurons.codecs.codec import Codec
 from superneurons.codecs.feedback import feedback_step
 from superneurons.errors import ConfigError
-from superneurons.spec.grammar import parse_codec as parse_spec
+from superneurons.schemes.grammar import parse_codec as parse_spec
 
 __all__ = [
     "BUDGETS_BITS",

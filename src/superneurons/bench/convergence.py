@@ -15,9 +15,9 @@ final metric, its delta to dense, the bytes vs dense, step times and the curve f
 
 Codec labels (:mod:`.convergence_labels`): ``dense``; any hook spec (``fft``,
 ``powersgd:rank=4``, ``torch-fp16``, ``auto`` on SGD tasks); ``auto`` / ``auto:link=RATE`` on
-Adam tasks choose dense AdamW or 1-bit Adam (:mod:`superneurons.compress.autoadam`; the record's
+Adam tasks choose dense AdamW or 1-bit Adam (:mod:`superneurons.optim.autoadam`; the record's
 ``decision`` holds the choice and its predictions); ``adam-momentum[warmup=N,wire=W]:SPEC`` and
-``adam-update[...]:SPEC`` train with :class:`~superneurons.compress.adam.CompressedAdamW`; a
+``adam-update[...]:SPEC`` train with :class:`~superneurons.optim.adam.CompressedAdamW`; a
 suffix ``|diminishing:start=S,floor=F,drops=D,until=U`` gives the hook a
 :class:`~superneurons.codecs.schedule.DiminishingTheta` (HPDC'20's two θ claims).
 """
@@ -212,7 +212,7 @@ def _train_one(
     decision, label = None, codec
     auto = adam_auto(task.optimizer, codec)
     if auto is not None:  # Adam's auto: dense AdamW or 1-bit Adam, decided before DDP wraps
-        from superneurons.compress.autoadam import decide_adam_scheme
+        from superneurons.optim.autoadam import decide_adam_scheme
 
         first = order[rank * shard :][: task.batch_size]
         decision = decide_adam_scheme(
@@ -271,7 +271,7 @@ def _setup(
     ddp: DistributedDataParallel, task: TaskConfig, label: str, total: int, seed: int
 ) -> tuple[Any, torch.optim.Optimizer]:
     """The compression state (or None) and the optimizer for one codec label."""
-    from superneurons.compress.adam import CompressedAdamW, parse_optimizer_spec
+    from superneurons.optim.adam import CompressedAdamW, parse_optimizer_spec
 
     spec, schedule = split_label(label)
     decay = 0.01 if task.optimizer == "adamw" else 0.0
@@ -290,7 +290,7 @@ def _setup(
     if spec != "dense":
         from superneurons.compress import Scheduled, parse_spec
         from superneurons.ddp.hook import register_compression
-        from superneurons.spec.compose import with_defaults
+        from superneurons.schemes.compose import with_defaults
 
         compression = with_defaults(parse_spec(spec))
         if schedule is not None:

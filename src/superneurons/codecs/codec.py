@@ -54,7 +54,7 @@ class Specced(Protocol):
     """What every node of a composed compression has: a canonical spec string that
     :func:`~superneurons.compress.parse_spec` parses back. Wrappers (``ErrorFeedback``,
     ``Warmup``, ``Scheduled``, ``RowSparse``) hold their ``inner`` as one;
-    :func:`superneurons.spec.compose.unwrap` checks the real types."""
+    :func:`superneurons.schemes.compose.unwrap` checks the real types."""
 
     @property
     def spec(self) -> str: ...

@@ -1,5 +1,10 @@
 """Gradient compression: codecs, error feedback, θ schedules and the DDP comm hook.
 
+The public import path of four packages, lowest first: :mod:`superneurons.codecs` (pure:
+config -> bytes), :mod:`superneurons.schemes` (the spec grammar and what it names),
+:mod:`superneurons.ddp` (the comm hook and everything that touches a process group) and
+:mod:`superneurons.optim` (1-bit Adam); ``auto``'s decisions are :mod:`superneurons.strategy`.
+
 The codec interface is :class:`Codec` (frozen hyper-parameters, pure ``encode``/``decode``,
 exact ``payload_bytes``); codecs are named by spec strings (``parse_spec("fft:theta=0.9")``).
 The paper's codec is HPDC'20's FFT sparsification with range-based floats (:class:`FFTCodec`);
@@ -37,14 +42,14 @@ from superneurons.codecs.schedule import (
 from superneurons.codecs.sign import SignSGDCodec
 from superneurons.codecs.terngrad import TernGradCodec
 from superneurons.codecs.topk import TopKCodec
-from superneurons.compress.adam import CompressedAdamW
 from superneurons.ddp.deferred import DeferredCompression, deferred_compression_hook
 from superneurons.ddp.hook import CompressionState, register_compression
 from superneurons.ddp.local import register_local_gradients
-from superneurons.spec.anchors import TorchDense, TorchFp16, TorchPowerSGD
-from superneurons.spec.auto import Auto
-from superneurons.spec.compose import Compression, compose
-from superneurons.spec.grammar import CODECS, SPECS, describe_codecs, parse_spec
+from superneurons.optim.adam import CompressedAdamW
+from superneurons.schemes.anchors import TorchDense, TorchFp16, TorchPowerSGD
+from superneurons.schemes.auto import Auto
+from superneurons.schemes.compose import Compression, compose
+from superneurons.schemes.grammar import CODECS, SPECS, describe_codecs, parse_spec
 
 __all__ = [
     # optimizer-side compression for AdamW (1-bit Adam style)

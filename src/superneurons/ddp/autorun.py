@@ -34,7 +34,7 @@ from superneurons.codecs.codec import Codec
 from superneurons.codecs.powersgd import PowerSGD
 from superneurons.ddp.bucket import Route
 from superneurons.errors import ConfigError
-from superneurons.spec.auto import Auto
+from superneurons.schemes.auto import Auto
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
@@ -169,7 +169,7 @@ class AutoController:
     def _route(self, spec: str) -> Route:
         route = self._routes.get(spec)
         if route is None and spec != "dense":
-            from superneurons.spec.grammar import parse_spec
+            from superneurons.schemes.grammar import parse_spec
 
             parsed = parse_spec(spec)
             if not isinstance(parsed, (Codec, PowerSGD)):

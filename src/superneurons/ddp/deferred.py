@@ -28,8 +28,8 @@ from superneurons.ddp.hook import (
 from superneurons.ddp.state import CompressionState
 from superneurons.ddp.torch_hooks import as_comm_hook
 from superneurons.errors import ConfigError
-from superneurons.spec.anchors import TorchDense, TorchFp16, TorchPowerSGD
-from superneurons.spec.compose import Compression, unwrap
+from superneurons.schemes.anchors import TorchDense, TorchFp16, TorchPowerSGD
+from superneurons.schemes.compose import Compression, unwrap
 
 __all__ = ["DeferredCompression", "deferred_compression_hook"]
 

@@ -4,7 +4,7 @@
 all-reduce by a codec (Wang et al., HPDC'20, and the baselines in ``superneurons.compress``).
 It takes ONE object: a codec, ``PowerSGD``, a PyTorch anchor or ``Auto``, inside any wrappers
 (``ErrorFeedback(Warmup(TopKCodec(), steps=100))``), or a spec string naming one (a string gets
-error feedback by default, see :func:`~superneurons.spec.compose.with_defaults`):
+error feedback by default, see :func:`~superneurons.schemes.compose.with_defaults`):
 
 * summable payloads (identity, fp16, bf16) are divided by the world size, encoded and
   all-reduced; every other codec's fixed-size ``uint8`` payloads are all-gathered and turned
@@ -57,10 +57,10 @@ from superneurons.ddp.reduce import reduce_bucket
 from superneurons.ddp.state import CompressionState
 from superneurons.ddp.torch_hooks import as_comm_hook, register_anchor
 from superneurons.errors import ConfigError
-from superneurons.spec.anchors import TorchDense, TorchFp16, TorchPowerSGD
-from superneurons.spec.auto import Auto
-from superneurons.spec.compose import Compression, Pipeline, unwrap, with_defaults
-from superneurons.spec.grammar import parse_spec
+from superneurons.schemes.anchors import TorchDense, TorchFp16, TorchPowerSGD
+from superneurons.schemes.auto import Auto
+from superneurons.schemes.compose import Compression, Pipeline, unwrap, with_defaults
+from superneurons.schemes.grammar import parse_spec
 
 __all__ = ["CompressionState", "build_state", "register_compression", "resolve"]
 

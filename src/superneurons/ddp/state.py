@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from superneurons.ddp.powersgd import PowerSGDState
 from superneurons.errors import ConfigError
-from superneurons.spec.compose import Base, Compression, Pipeline
+from superneurons.schemes.compose import Base, Compression, Pipeline
 
 if TYPE_CHECKING:
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (

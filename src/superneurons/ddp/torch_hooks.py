@@ -9,7 +9,7 @@ Benchmarks compare our codecs against what a PyTorch user already has:
   and crashed with more than one bucket on gloo in 2 of 3 runs (CONTEXT §4); use a large
   ``bucket_cap_mb`` with it on gloo, or our ``powersgd`` which is multi-bucket safe.
 
-Their names are in the one spec table (:mod:`superneurons.spec.grammar`); ``torch-allreduce``
+Their names are in the one spec table (:mod:`superneurons.schemes.grammar`); ``torch-allreduce``
 is an alias of ``dense``.
 """
 
@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from superneurons.codecs.powersgd import PowerSGD
 from superneurons.ddp.state import CompressionState
-from superneurons.spec.anchors import TorchDense, TorchFp16, TorchPowerSGD
+from superneurons.schemes.anchors import TorchDense, TorchFp16, TorchPowerSGD
 
 __all__ = ["as_comm_hook", "register_anchor"]
 

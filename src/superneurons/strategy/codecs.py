@@ -104,7 +104,7 @@ def candidate_codecs(specs: Sequence[str]) -> list[Codec | PowerSGD]:
     Raises:
         ConfigError: an unknown name or a bad option (the spec grammar's own message).
     """
-    from superneurons.spec.grammar import parse_codec, parse_spec
+    from superneurons.schemes.grammar import parse_codec, parse_spec
 
     out: list[Codec | PowerSGD] = []
     for spec in specs:

@@ -42,8 +42,8 @@ from superneurons.codecs.sign import SignSGDCodec
 from superneurons.codecs.terngrad import TernGradCodec
 from superneurons.codecs.topk import TopKCodec
 from superneurons.errors import ConfigError
-from superneurons.spec.anchors import TorchDense, TorchFp16, TorchPowerSGD
-from superneurons.spec.auto import Auto
+from superneurons.schemes.anchors import TorchDense, TorchFp16, TorchPowerSGD
+from superneurons.schemes.auto import Auto
 
 __all__ = [
     "Base",

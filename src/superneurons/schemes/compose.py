@@ -23,9 +23,9 @@ from superneurons.codecs.powersgd import PowerSGD
 from superneurons.codecs.rowsparse import RowSparse
 from superneurons.codecs.schedule import Scheduled, ThetaSchedule, Warmup, with_theta
 from superneurons.errors import ConfigError
-from superneurons.spec.anchors import TorchAnchor, TorchDense, TorchFp16
-from superneurons.spec.auto import Auto
-from superneurons.spec.grammar import Base, Compression, parse_spec
+from superneurons.schemes.anchors import TorchAnchor, TorchDense, TorchFp16
+from superneurons.schemes.auto import Auto
+from superneurons.schemes.grammar import Base, Compression, parse_spec
 
 __all__ = ["Base", "Compression", "Pipeline", "compose", "unwrap", "with_defaults"]
 

@@ -1,7 +1,7 @@
 """PyTorch's own DDP reductions as configs: ``dense``, ``torch-fp16``, ``torch-powersgd``.
 
 Benchmarks compare our codecs against what a PyTorch user already has; these frozen configs name
-them in the one spec table (:mod:`superneurons.spec.grammar`) and
+them in the one spec table (:mod:`superneurons.schemes.grammar`) and
 :func:`superneurons.ddp.torch_hooks.register_anchor` installs them.
 """
 

@@ -83,7 +83,7 @@ def parse_optimizer_spec(text: str) -> OptimizerSpec | None:
     """``"adam-momentum[warmup=20,wire=fp16]:signsgd"`` -> :class:`OptimizerSpec`; text not
     starting with ``adam-momentum``/``adam-update`` -> None.
 
-    ``CODEC`` and ``wire`` are specs of :func:`superneurons.spec.grammar.parse_spec`
+    ``CODEC`` and ``wire`` are specs of :func:`superneurons.schemes.grammar.parse_spec`
     (``wire``: the summable codec of the warm-up, default fp32).
 
     Raises:
@@ -92,7 +92,7 @@ def parse_optimizer_spec(text: str) -> OptimizerSpec | None:
     match = _OPTIMIZER_SPEC.match(text.strip())
     if match is None:
         return None
-    from superneurons.spec.grammar import parse_codec as parse_spec
+    from superneurons.schemes.grammar import parse_codec as parse_spec
 
     mode, options, codec = match.groups()
     warmup, wire, clip = 0, None, None

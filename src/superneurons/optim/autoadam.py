@@ -3,7 +3,7 @@
 Why a separate decision: with AdamW the gradient codecs that ``auto`` chooses among for SGD
 (:mod:`superneurons.ddp.autorun`) stall a language model (char-GPT: fft, top-k, sign
 near 3.3 nats against dense's 2.46, ``benchmarks/results/convergence``). What converged within 0.05 nats at >= 8x fewer bytes is
-optimizer-side: 1-bit Adam (Tang et al., ICML 2021; :class:`~superneurons.compress.adam.
+optimizer-side: 1-bit Adam (Tang et al., ICML 2021; :class:`~superneurons.optim.adam.
 CompressedAdamW` in mode ``momentum``) with a warm-up of 10% of the run on an fp16 wire. So
 with Adam(W), ``auto`` chooses between exactly two schemes — dense AdamW (DDP's fp32
 all-reduce) and :data:`ONE_BIT_ADAM` — by the predicted step time:
@@ -59,7 +59,7 @@ __all__ = [
     "warmup_steps_for",
 ]
 
-logger = logging.getLogger("superneurons.compress.autoadam")
+logger = logging.getLogger("superneurons.optim.autoadam")
 
 # The scheme that met the LM target at 3 seeds (benchmarks/results/convergence/README.md).
 ONE_BIT_ADAM = "adam-momentum[warmup={warmup},wire=fp16]:signsgd"
@@ -266,8 +266,8 @@ def _optimizer_times(
     """Time each optimizer on copies of ``params`` (with their gradients) on a one-rank group,
     so nothing is sent; 1-bit Adam decodes one payload instead of ``world`` (its decode of
     the others is added from a second decode of the same payloads, ``world - 1`` times)."""
-    from superneurons.compress.adam import CompressedAdamW
-    from superneurons.spec.grammar import parse_codec
+    from superneurons.optim.adam import CompressedAdamW
+    from superneurons.schemes.grammar import parse_codec
     from superneurons.strategy.timing import time_call_s
 
     device = params[0].device
@@ -330,7 +330,7 @@ def decide_adam_scheme(
     gradients are cleared and the RNG streams restored, so the training that follows is the
     same as without this call.
     """
-    from superneurons.spec.grammar import parse_codec
+    from superneurons.schemes.grammar import parse_codec
     from superneurons.strategy.codecs import measure_codecs
     from superneurons.strategy.netmodel import measure_network, ring_network
 
