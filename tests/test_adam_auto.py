@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from superneurons.compress.autoadam import (
+from superneurons.errors import ConfigError
+from superneurons.optim.autoadam import (
     AdamAuto,
     AdamDecision,
     OptimizerTimes,
@@ -16,7 +17,6 @@ from superneurons.compress.autoadam import (
     predict_adam_schemes,
     warmup_steps_for,
 )
-from superneurons.errors import ConfigError
 from superneurons.strategy.codecs import CodecCost
 from superneurons.strategy.netmodel import ring_network
 

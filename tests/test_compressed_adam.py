@@ -10,12 +10,9 @@ from torch import nn
 
 from distributed import shared_ranks
 from superneurons.compress import parse_spec
-from superneurons.compress.adam import (
-    CompressedAdamW,
-    parse_optimizer_spec,
-    register_local_gradients,
-)
+from superneurons.ddp.local import register_local_gradients
 from superneurons.errors import ConfigError
+from superneurons.optim.adam import CompressedAdamW, parse_optimizer_spec
 
 
 def _model() -> nn.Module:

@@ -164,8 +164,8 @@ def test_outside_time_starts_at_the_latest_bucket_average_not_the_last_launched(
     """gloo finishes collectives out of order: a small last bucket can be averaged while a big
     one is still on the wire, so the step ends at its latest average (run 9's 100 Mbit/s
     fc-heavy read 12.5 s 'outside backward' from the last bucket's stamp)."""
-    from superneurons.compress.auto import Auto
-    from superneurons.compress.autorun import AutoController, _Clock
+    from superneurons.ddp.autorun import AutoController, _Clock
+    from superneurons.schemes.auto import Auto
 
     controller = AutoController(Auto(), error_feedback=True)
     controller._clock = _Clock(torch.device("cpu"))

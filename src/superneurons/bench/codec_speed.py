@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from superneurons.bench.artifacts import markdown_table, write_json, write_markdown
-from superneurons.compress.spec import parse_codec
 from superneurons.errors import ConfigError
+from superneurons.schemes.grammar import parse_codec
 
 __all__ = ["SPEED_SPECS", "SpeedConfig", "measure_codec_speed", "write_speed_artifacts"]
 

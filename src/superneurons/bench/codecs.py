@@ -5,7 +5,7 @@ The question: does HPDC'20's FFT sparsification (Wang et al., arXiv 1811.08596) 
 gradients with less error than Top-k at equal communication, and does our transform-adaptive
 codec beat both? Bits per element decide nothing unless both sides pay the same coding
 (CONTEXT.md section 6), so every sparsifier here sends its kept coefficients the same way
-(:mod:`superneurons.compress.sparsecode`: 8-bit range-float values, bitmap or Elias-Fano index,
+(:mod:`superneurons.codecs.coding.sparsecode`: 8-bit range-float values, bitmap or Elias-Fano index,
 whichever is smaller) and only the basis differs:
 
 * ``ctopk``: compactly coded Top-k (spatial basis);
@@ -42,10 +42,10 @@ import torch
 
 from superneurons.bench.artifacts import markdown_table, pyplot, write_json, write_markdown
 from superneurons.bench.gradients import DDP_BUCKET_BYTES, GradientCapture, bucket_bounds
-from superneurons.compress.codec import Codec
-from superneurons.compress.feedback import feedback_step
-from superneurons.compress.spec import parse_codec as parse_spec
+from superneurons.codecs.codec import Codec
+from superneurons.codecs.feedback import feedback_step
 from superneurons.errors import ConfigError
+from superneurons.schemes.grammar import parse_codec as parse_spec
 
 __all__ = [
     "BUDGETS_BITS",

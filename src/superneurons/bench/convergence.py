@@ -15,11 +15,11 @@ final metric, its delta to dense, the bytes vs dense, step times and the curve f
 
 Codec labels (:mod:`.convergence_labels`): ``dense``; any hook spec (``fft``,
 ``powersgd:rank=4``, ``torch-fp16``, ``auto`` on SGD tasks); ``auto`` / ``auto:link=RATE`` on
-Adam tasks choose dense AdamW or 1-bit Adam (:mod:`superneurons.compress.autoadam`; the record's
+Adam tasks choose dense AdamW or 1-bit Adam (:mod:`superneurons.optim.autoadam`; the record's
 ``decision`` holds the choice and its predictions); ``adam-momentum[warmup=N,wire=W]:SPEC`` and
-``adam-update[...]:SPEC`` train with :class:`~superneurons.compress.adam.CompressedAdamW`; a
+``adam-update[...]:SPEC`` train with :class:`~superneurons.optim.adam.CompressedAdamW`; a
 suffix ``|diminishing:start=S,floor=F,drops=D,until=U`` gives the hook a
-:class:`~superneurons.compress.schedule.DiminishingTheta` (HPDC'20's two θ claims).
+:class:`~superneurons.codecs.schedule.DiminishingTheta` (HPDC'20's two θ claims).
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ def _train_one(
     decision, label = None, codec
     auto = adam_auto(task.optimizer, codec)
     if auto is not None:  # Adam's auto: dense AdamW or 1-bit Adam, decided before DDP wraps
-        from superneurons.compress.autoadam import decide_adam_scheme
+        from superneurons.optim.autoadam import decide_adam_scheme
 
         first = order[rank * shard :][: task.batch_size]
         decision = decide_adam_scheme(
@@ -271,7 +271,7 @@ def _setup(
     ddp: DistributedDataParallel, task: TaskConfig, label: str, total: int, seed: int
 ) -> tuple[Any, torch.optim.Optimizer]:
     """The compression state (or None) and the optimizer for one codec label."""
-    from superneurons.compress.adam import CompressedAdamW, parse_optimizer_spec
+    from superneurons.optim.adam import CompressedAdamW, parse_optimizer_spec
 
     spec, schedule = split_label(label)
     decay = 0.01 if task.optimizer == "adamw" else 0.0
@@ -279,7 +279,7 @@ def _setup(
     if update is not None:
         if task.optimizer == "sgd":
             raise ConfigError(f"{label!r} replaces Adam/AdamW; task {task.task} uses SGD")
-        from superneurons.compress.adam import register_local_gradients
+        from superneurons.ddp.local import register_local_gradients
 
         register_local_gradients(ddp)
         opt = CompressedAdamW(
@@ -289,8 +289,8 @@ def _setup(
     state = None
     if spec != "dense":
         from superneurons.compress import Scheduled, parse_spec
-        from superneurons.compress.compose import with_defaults
-        from superneurons.compress.hook import register_compression
+        from superneurons.ddp.hook import register_compression
+        from superneurons.schemes.compose import with_defaults
 
         compression = with_defaults(parse_spec(spec))
         if schedule is not None:

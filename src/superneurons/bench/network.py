@@ -17,7 +17,7 @@ A bandwidth of ``None`` (``--bandwidth loopback``) runs the ranks on loopback in
 namespace, unshaped, next to the shaped links of the same run; ``shaping=False`` runs every
 setting that way (no root needed): the numbers then measure codec cost, not a network.
 
-``auto`` (:mod:`superneurons.compress.auto`) is one more codec here; its worker extends the
+``auto`` (:mod:`superneurons.schemes.auto`) is one more codec here; its worker extends the
 untimed warm-up until its first decision is made, so the timed steps measure the decision.
 """
 
@@ -123,7 +123,7 @@ _TORCH_ONLY = ("dense", "torch-fp16", "torch-powersgd")
 def check_codec(codec: str) -> None:
     """Fail before starting any rank if ``codec`` is not a spec the hook understands."""
     try:
-        from superneurons.compress.spec import parse_spec
+        from superneurons.schemes.grammar import parse_spec
     except ImportError:  # no compression subsystem: the worker uses torch's hooks directly
         if codec.partition(":")[0] not in _TORCH_ONLY:
             raise ConfigError(

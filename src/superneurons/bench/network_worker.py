@@ -172,7 +172,7 @@ def _register(ddp: DistributedDataParallel, codec: str, warmup_steps: int) -> An
     if codec == "dense":
         return None
     try:
-        from superneurons.compress.hook import register_compression
+        from superneurons.ddp.hook import register_compression
     except ImportError:  # the compression subsystem is not installed: torch's own hooks only
         return _register_torch(ddp, codec, warmup_steps)
     return register_compression(ddp, codec)
@@ -201,7 +201,7 @@ def _register_torch(ddp: DistributedDataParallel, codec: str, warmup_steps: int)
         ddp.register_comm_hook(state, psgd.powerSGD_hook)
         return state
     raise ConfigError(
-        f"codec {codec!r} needs superneurons.compress.hook (not importable here); "
+        f"codec {codec!r} needs superneurons.ddp.hook (not importable here); "
         "available without it: dense, torch-fp16, torch-powersgd:rank=R"
     )
 

@@ -111,7 +111,7 @@ class CompressedDDPStrategy(DDPStrategy):
 
 def _validate(compression: Any) -> None:
     """Parse/validate ``compression`` with the hook's own resolver (no process group needed)."""
-    from superneurons.compress import hook
+    from superneurons.ddp import hook
 
     # NOTE: `resolve` accepts a spec string or a composed object and raises ConfigError.
     hook.resolve(compression)

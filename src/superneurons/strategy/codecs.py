@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from superneurons.compress.codec import Codec
-from superneurons.compress.powersgd import PowerSGD, orthogonalize_
+from superneurons.codecs.codec import Codec
+from superneurons.codecs.powersgd import PowerSGD, orthogonalize_
 from superneurons.errors import ConfigError
 from superneurons.strategy.timing import time_call_s
 
@@ -63,7 +63,7 @@ class CodecCost:
     ``collectives`` is the number of collective calls per bucket (PowerSGD: 2 all-reduces),
     each paying the link's latency α. ``feedback_s_per_byte`` is what error feedback adds to
     the encode when it is on (adding the residual in, computing the new one), measured with
-    the hook's own operations (see :mod:`superneurons.compress.reduce`).
+    the hook's own operations (see :mod:`superneurons.ddp.reduce`).
     """
 
     spec: str
@@ -104,7 +104,7 @@ def candidate_codecs(specs: Sequence[str]) -> list[Codec | PowerSGD]:
     Raises:
         ConfigError: an unknown name or a bad option (the spec grammar's own message).
     """
-    from superneurons.compress.spec import parse_codec, parse_spec
+    from superneurons.schemes.grammar import parse_codec, parse_spec
 
     out: list[Codec | PowerSGD] = []
     for spec in specs:
@@ -141,7 +141,7 @@ def _as_matrix(sample: torch.Tensor) -> torch.Tensor:
 
 def _measure_powersgd(config: PowerSGD, sample: torch.Tensor, repeats: int) -> CodecCost:
     """PowerSGD timed with the operations, layouts and in-place writes of
-    :func:`~superneurons.compress.powersgd.powersgd_reduce` (issue 11: run 3 predicted 0.52 s
+    :func:`~superneurons.ddp.powersgd.powersgd_reduce` (issue 11: run 3 predicted 0.52 s
     for a route that then measured 0.93 s because this timed other products)."""
     matrix = _as_matrix(sample.float()).contiguous()  # (n, m)
     n, m = matrix.shape

@@ -3,12 +3,12 @@
 Three ways, chosen from ``--compress`` and ``--optimizer``:
 
 * a gradient codec or anchor (``fft``, ``powersgd:rank=4``, ``torch-fp16``, ``auto`` with SGD):
-  DDP's comm hook (:func:`superneurons.compress.hook.register_compression`), any optimizer;
+  DDP's comm hook (:func:`superneurons.ddp.hook.register_compression`), any optimizer;
 * ``adam-momentum[warmup=N,wire=W]:CODEC`` / ``adam-update[...]:CODEC``: the optimizer itself
-  communicates (:class:`~superneurons.compress.adam.CompressedAdamW`, 1-bit Adam: Tang et al.,
+  communicates (:class:`~superneurons.optim.adam.CompressedAdamW`, 1-bit Adam: Tang et al.,
   ICML 2021), DDP leaves gradients local; Adam-family optimizers only;
 * ``auto`` with ``--optimizer adam``/``adamw``: dense AdamW or 1-bit Adam, decided once at the
-  start from the cost model (:func:`~superneurons.compress.autoadam.decide_adam_scheme`), rank 0
+  start from the cost model (:func:`~superneurons.optim.autoadam.decide_adam_scheme`), rank 0
   deciding for all; a resumed run keeps the decision from its checkpoint.
 
 :class:`Synchronisation` gives the loop the same surface in every case: bytes this step, the
@@ -24,15 +24,12 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from superneurons.compress.adam import (
-    CompressedAdamW,
-    parse_optimizer_spec,
-    register_local_gradients,
-)
-from superneurons.compress.autoadam import AdamDecision, decide_adam_scheme, parse_adam_auto
-from superneurons.compress.compose import compose
-from superneurons.compress.hook import register_compression
+from superneurons.ddp.hook import register_compression
+from superneurons.ddp.local import register_local_gradients
 from superneurons.errors import ConfigError
+from superneurons.optim.adam import CompressedAdamW, parse_optimizer_spec
+from superneurons.optim.autoadam import AdamDecision, decide_adam_scheme, parse_adam_auto
+from superneurons.schemes.compose import compose
 from superneurons.train.config import TrainConfig
 
 __all__ = ["Synchronisation", "attach_synchronisation", "check_compress", "decide_scheme"]
