@@ -14,10 +14,11 @@
 the first backward, :func:`prepare_superneurons`
 
 1. plans memory (:func:`~superneurons.integrations.hf.plan_for_batch`: one profiled step of
-   ``model(**batch).loss`` on a copy, SuperNeurons' keep / offload / recompute per block, Wang
-   et al. PPoPP'18) on rank 0 and broadcasts the plan, so every rank runs the same one
-   (measured step times differ across ranks, and so could cost-aware choices), then applies it
-   to the unwrapped model with ``use_cache`` off;
+   ``model(**batch).loss``, isolated so that nothing of the training state changes,
+   SuperNeurons' keep / offload / recompute per block, Wang et al. PPoPP'18) on rank 0 and
+   broadcasts the plan, so every rank runs the same one (measured step times differ across
+   ranks, and so could cost-aware choices), then applies it to the unwrapped model with
+   ``use_cache`` and HF's own activation checkpointing off (both restored by ``remove()``);
 2. registers gradient compression on the DDP model
    (:func:`~superneurons.compress.register_compression`, Wang et al. HPDC'20 and the baselines;
    a collective that checks every rank is configured alike).
@@ -40,8 +41,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from superneurons.compress import CompressionState, register_compression
 from superneurons.errors import ConfigError
-from superneurons.integrations.hf import plan_for_batch, training_without_kv_cache
+from superneurons.integrations.hf import (
+    LossOf,
+    hf_checkpointing_off,
+    model_loss,
+    plan_for_batch,
+    training_without_kv_cache,
+)
 from superneurons.memory import Plan, PlanHandle, apply_plan
+from superneurons.memory.isolate import unwrapped
 
 __all__ = ["SuperNeuronsSetup", "prepare_superneurons"]
 
@@ -87,6 +95,7 @@ def prepare_superneurons(
     budget_fraction: float | None = None,
     optimizer: Any = None,
     strategy: str = "auto",
+    loss_of: LossOf = model_loss,
     **compression_options: Any,
 ) -> SuperNeuronsSetup:
     """Apply a memory plan and gradient compression to a model ``accelerator.prepare`` returned.
@@ -104,6 +113,8 @@ def prepare_superneurons(
             :func:`~superneurons.integrations.hf.plan_for_batch`); neither: no memory plan.
         optimizer: the (prepared) optimizer, so its state counts in the profiled peak.
         strategy: the planner's strategy (``auto`` by default).
+        loss_of: how the training loop gets the loss, ``loss_of(model, batch)`` (default
+            ``model(**batch)``), so the profile runs the forward training will call.
         compression_options: ``register_compression`` options (``seed``, ``process_group``);
             error feedback, warm-up and θ schedules are wrappers in ``compression`` itself
             (``"ef(warmup(steps=100,topk:ratio=0.01))"``).
@@ -119,9 +130,18 @@ def prepare_superneurons(
     if compression is not None:
         _check_can_compress(accelerator, ddp)
     setup = SuperNeuronsSetup()
-    inner = _uncompiled(ddp.module if ddp is not None else model)
+    inner = unwrapped(model)
     if budget_given:
         batch: Mapping[str, Any] = sample_batch or {}
+        turned_off = setup._undo.enter_context(hf_checkpointing_off(inner))
+        if turned_off:
+            logger.info(
+                "%s had HF activation checkpointing on in %d modules (TRL's SFTConfig turns "
+                "gradient_checkpointing on by default): off while the memory plan runs, which "
+                "recomputes per block where the budget needs it; setup.remove() restores it",
+                type(inner).__name__,
+                turned_off,
+            )
         setup.plan = _planned_on_rank_zero(
             lambda: plan_for_batch(
                 inner,
@@ -130,6 +150,7 @@ def prepare_superneurons(
                 budget_fraction=budget_fraction,
                 optimizer=optimizer,
                 strategy=strategy,
+                loss_of=loss_of,
             )
         )
         setup._undo.enter_context(training_without_kv_cache(inner))
@@ -141,14 +162,11 @@ def prepare_superneurons(
 
 def _find_ddp(model: nn.Module) -> DistributedDataParallel | None:
     """The DDP module inside ``model`` (it may sit under ``torch.compile``'s wrapper)."""
-    model = _uncompiled(model)
-    return model if isinstance(model, DistributedDataParallel) else None
-
-
-def _uncompiled(model: nn.Module) -> nn.Module:
-    """``model`` without ``torch.compile``'s ``OptimizedModule`` wrappers (``_orig_mod``)."""
-    while isinstance(getattr(model, "_orig_mod", None), nn.Module):
-        model = model._orig_mod  # type: ignore[assignment]
+    while not isinstance(model, DistributedDataParallel):
+        inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return None
+        model = inner
     return model
 
 
