@@ -21,7 +21,10 @@ the first backward, :func:`prepare_superneurons`
    ``use_cache`` and HF's own activation checkpointing off (both restored by ``remove()``);
 2. registers gradient compression on the DDP model
    (:func:`~superneurons.compress.register_compression`, Wang et al. HPDC'20 and the baselines;
-   a collective that checks every rank is configured alike).
+   a collective that checks every rank is configured alike);
+3. checks that every rank holds the same parameters, buffers and optimizer state
+   (:func:`~superneurons.replicas.check_replicas`, one all-gather of fingerprints), so a setup
+   that changed one rank fails here, naming the tensor, instead of training diverged replicas.
 
 Accelerate's own ``DistributedDataParallelKwargs(comm_hook=...)`` registers a PyTorch hook at
 ``prepare``; a DDP model takes one hook only, so combining both is refused. FSDP and DeepSpeed
@@ -50,6 +53,7 @@ from superneurons.integrations.hf import (
 )
 from superneurons.memory import Plan, PlanHandle, apply_plan
 from superneurons.memory.isolate import unwrapped
+from superneurons.replicas import check_replicas
 
 __all__ = ["SuperNeuronsSetup", "prepare_superneurons"]
 
@@ -122,6 +126,7 @@ def prepare_superneurons(
     Raises:
         ConfigError: compression without DDP (FSDP, DeepSpeed) or besides accelerate's own
             comm hook; a budget without ``sample_batch``; and the errors of the two verbs.
+        ReplicaMismatchError: the ranks' parameters or optimizer state differ after setup.
     """
     budget_given = budget_bytes is not None or budget_fraction is not None
     if budget_given and sample_batch is None:
@@ -157,6 +162,9 @@ def prepare_superneurons(
         setup.plan_handle = setup._undo.enter_context(apply_plan(inner, setup.plan))
     if compression is not None and ddp is not None:
         setup.compression = register_compression(ddp, compression, **compression_options)
+    if ddp is not None:  # replicas: the same state on every rank, or an error naming a tensor
+        optimizers = [optimizer] if optimizer is not None else []
+        check_replicas(ddp, optimizers=optimizers, process_group=ddp.process_group)
     return setup
 
 
