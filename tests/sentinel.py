@@ -75,6 +75,16 @@ def fingerprint(model: nn.Module, optimizer: Any = None, scheduler: Any = None) 
     return record
 
 
+def training_state(
+    model: nn.Module, optimizer: Any = None, scheduler: Any = None
+) -> dict[str, Any]:
+    """The fingerprint without the modules' attributes and hooks (which applying a plan
+    legitimately adds): parameters, gradients, buffers, optimizer, scheduler, RNG."""
+    record = fingerprint(model, optimizer, scheduler)
+    record.pop("modules")
+    return record
+
+
 def assert_same(before: dict[str, Any], after: dict[str, Any]) -> None:
     """Equal fingerprints, or an assertion naming the first part that differs."""
     for key in before.keys() | after.keys():

@@ -28,6 +28,7 @@ LAYERS: dict[str, int] = {
     "memory": 2,
     "compress": 2,
     "strategy": 2,
+    "replicas": 2,
     "train": 3,
     "integrations": 3,
     "bench": 4,

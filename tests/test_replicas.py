@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distributed import Ranks, shared_ranks
 from integrations_support import TinyLM, batch
+from sentinel import training_state
 from superneurons.errors import ReplicaMismatchError
 from superneurons.replicas import check_replicas, fingerprints
 from train_support import mlp_config, needs_data
@@ -123,8 +124,12 @@ def _lightning(rank: int, world_size: int, nudge: bool) -> str:
     torch.manual_seed(0)
     ddp = DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)))
     strategy = CompressedDDPStrategy("topk:ratio=0.5")
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    ddp.module(torch.ones(2, 8)).sum().backward()  # not through DDP: hooks come first
+    optimizer.step()  # momentum buffers exist
+    before = training_state(ddp.module, optimizer)
     strategy.model = ddp  # what DDPStrategy.setup sets before on_train_start
-    strategy.optimizers = [torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)]
+    strategy.optimizers = [optimizer]
     strategy._register_ddp_hooks()
     if nudge and rank == 1:
         _nudge(ddp.module)
@@ -132,6 +137,8 @@ def _lightning(rank: int, world_size: int, nudge: bool) -> str:
         strategy.on_train_start()
     except ReplicaMismatchError as exc:
         return str(exc)
+    # the sentinel: registering the hook and checking left the run as it was
+    assert training_state(ddp.module, optimizer) == before
     return "ok"
 
 

@@ -106,6 +106,7 @@ def plan_for_batch(
     strategy: str = "auto",
     units: list[str] | None = None,
     loss_of: LossOf = model_loss,
+    reserved_bytes: int = 0,
     **plan_options: Any,
 ) -> Plan:
     """Profile one step of ``model(**batch).loss`` and plan it under a device-memory budget.
@@ -118,11 +119,15 @@ def plan_for_batch(
         budget_fraction: the budget as a fraction in (0, 1] of the profiled eager peak.
         optimizer: the optimizer the trainer steps (accelerate's wrapper is fine), so its
             state counts in the peak (optional); a shadow of it steps, never it.
-        strategy: as for :func:`superneurons.memory.make_plan` (``auto`` by default).
+        strategy: as for :func:`superneurons.memory.make_plan` (``auto`` by default; on a CPU
+            device ``auto`` means ``recompute``: there the host pool is the same memory).
         units: module fqns a plan decides for (default: the blocks of ``nn.ModuleList``s, e.g.
             ``transformer.h.0`` ... for GPT-2).
         loss_of: how the trainer computes the loss, ``loss_of(model, batch)`` (default
             ``model(**batch)``, its ``loss``): profile the forward the trainer really calls.
+        reserved_bytes: device bytes the step holds besides what the profile sees (DDP's
+            gradient buckets): part of the eager peak a fraction refers to, and left out of
+            the budget the plan gets (``plan.budget_bytes`` is the budget minus them).
         plan_options: further ``make_plan`` options (e.g. ``bandwidth_bytes_per_s``).
 
     Returns:
@@ -155,11 +160,21 @@ def plan_for_batch(
             units=[_PREFIX + fqn for fqn in chosen],
         )
     _check_observed(profile, model, chosen)
-    eager_bytes = profile.predicted_peak_bytes()
+    eager_bytes = profile.predicted_peak_bytes() + reserved_bytes
     if budget_bytes is None:
         assert budget_fraction is not None
         budget_bytes = max(1, int(budget_fraction * eager_bytes))
+    if budget_bytes <= reserved_bytes:
+        raise ConfigError(
+            f"a budget of {budget_bytes} B leaves nothing for the step beside the "
+            f"{reserved_bytes} B reserved (DDP's gradient buckets): raise the budget"
+        )
+    budget_bytes -= reserved_bytes
     plan_options.setdefault("allow_optimizer_in_backward", False)
+    first = next(iter(model.parameters()), None)
+    if strategy == "auto" and first is not None and first.device.type == "cpu":
+        # NOTE: on a CPU device the host pool is the same memory: offloading frees nothing
+        strategy = "recompute"
     try:
         plan = make_plan(profile, budget_bytes=budget_bytes, strategy=strategy, **plan_options)
     except InfeasibleBudgetError as exc:
@@ -171,12 +186,13 @@ def plan_for_batch(
             "(HF's is turned off by prepare_superneurons and the HF callback)"
         ) from exc
     logger.info(
-        "plan for %s: eager peak %d B, budget %d B -> predicted %d B (%s: %d recompute, "
-        "%d offload units)",
+        "plan for %s: eager peak %d B (%d B of it reserved), budget %d B -> predicted %d B "
+        "(%s: %d recompute, %d offload units)",
         type(model).__name__,
         eager_bytes,
-        budget_bytes,
-        plan.predicted_peak_bytes,
+        reserved_bytes,
+        budget_bytes + reserved_bytes,
+        plan.predicted_peak_bytes + reserved_bytes,
         plan.strategy,
         plan.count("recompute"),
         plan.count("offload"),

@@ -199,13 +199,22 @@ def isolated(
     ``fake_mode`` (a ``FakeTensorMode``) the clones are fake and so is every tensor attribute
     of the modules. See the module docstring for the guarantee.
 
+    A model whose parameters are fake already is the caller's own scratch copy (e.g.
+    ``simulate_plan``'s): it is yielded as it is, with its gradients reset to None, and with
+    the optimizer given (which may be any object with ``step()`` and ``state``).
+
     Raises:
         ConfigError: ``optimizer`` is not a torch optimizer (nor wraps one).
         IsolationError: on exit, when the step changed an original tensor in place.
     """
-    from torch._subclasses.fake_tensor import FakeCopyMode
+    from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensor
 
     root = unwrapped(model)
+    if isinstance(next(iter(root.parameters()), None), FakeTensor):
+        for fake_param in root.parameters():
+            fake_param.grad = None
+        yield root, optimizer
+        return
     inner = inner_optimizer(optimizer)
     fake = fake_mode is not None
     copying = FakeCopyMode(fake_mode) if fake else contextlib.nullcontext()

@@ -1,8 +1,7 @@
 """Profile one training step: every saved activation, its liveness, and the memory timeline.
 
-:func:`profile_step` runs forward, backward and the optimizer step of any ``nn.Module``
-(isolated: :mod:`superneurons.memory.isolate`, so the caller's state is untouched) with three
-observers:
+:func:`profile_step` runs forward, backward and the optimizer step of any ``nn.Module``,
+isolated (:mod:`.isolate`: the caller's state is untouched), with three observers:
 
 * :class:`~superneurons.memory.tracker.LiveStorageTracker` counts live storages op by op (the
   *events* of the execution route) and gives each storage its birth and death event;
@@ -234,14 +233,11 @@ def profile_step(
 ) -> Profile:
     """Profile one training step (forward, ``loss_fn(output, targets)``, backward, optimizer step).
 
-    The step runs on the caller's own module tree (instance-level forwards, adapters and
-    patches included; DDP and ``torch.compile`` wrappers taken off) with its trainable
-    parameters and buffers swapped for clones, and on a shadow of the innermost optimizer
-    (:func:`~superneurons.memory.isolate.isolated`): gradients start at ``None``
-    (``zero_grad(set_to_none=True)`` semantics), and the caller's parameters, gradients,
-    buffers, optimizer, LR scheduler and RNG states are unchanged afterwards. A real profile
-    needs room for a second copy of the trainable parameters and the optimizer state; use
-    ``fake=True`` for large models.
+    The step runs isolated (:func:`~superneurons.memory.isolate.isolated`): on the caller's own
+    module tree with its trainable parameters and buffers swapped for clones, gradients from
+    ``None``, and a shadow of the innermost optimizer; afterwards the caller's parameters,
+    gradients, buffers, optimizer, LR scheduler and RNG are as they were. A real profile needs
+    room for a copy of the trainable parameters and optimizer state (``fake=True`` does not).
 
     Args:
         units: fqns of the modules a plan decides for; default :func:`default_units` (the
@@ -278,18 +274,11 @@ def profile_step(
         raise ConfigError("the model's parameters are fake: pass the FakeTensorMode as fake_mode=")
     if mode is not None and not already_fake:
         inputs, targets = tree_map(_to_fake(mode), (inputs, targets))
-    # NOTE: a model that is already fake is the caller's own scratch copy (simulate_plan,
-    # profile_zoo): profiled in place, as the caller expects of it.
-    isolation = (
-        contextlib.nullcontext((model, optimizer))
-        if already_fake
-        else isolated(model, optimizer, fake_mode=mode)
-    )
     try:
-        with isolation as (model_c, opt_c), mode if mode is not None else contextlib.nullcontext():
-            if already_fake:
-                for p in model_c.parameters():
-                    p.grad = None
+        with (
+            isolated(model, optimizer, fake_mode=mode) as (model_c, opt_c),
+            mode if mode is not None else contextlib.nullcontext(),
+        ):
             return _run(
                 model_c,
                 opt_c,
