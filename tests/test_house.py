@@ -34,6 +34,7 @@ LAYERS: dict[str, int] = {
     "strategy": 5,
     "ddp": 6,
     "optim": 6,
+    "replicas": 6,  # the cross-rank consistency check (a collective)
     "compress": 7,  # the public import path: re-exports of codecs, spec, ddp and optim
     "train": 8,
     "integrations": 8,
