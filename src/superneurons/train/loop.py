@@ -36,7 +36,7 @@ from superneurons.train.checkpoint import (
 )
 from superneurons.train.config import TrainConfig
 from superneurons.train.metrics import MetricsLog, summarize, write_summary
-from superneurons.train.rank import init_distributed
+from superneurons.train.rank import init_distributed, leave_process_group
 from superneurons.train.sync import attach_synchronisation, decide_scheme
 from superneurons.train.task import Task, build_task
 
@@ -46,13 +46,20 @@ logger = logging.getLogger("superneurons.train")
 
 
 def train(config: TrainConfig) -> dict[str, Any]:
-    """Run ``config`` on this rank (inside torchrun); returns the summary (rank 0 writes it)."""
+    """Run ``config`` on this rank (inside torchrun); returns the summary (rank 0 writes it).
+
+    Joins the process group and leaves it (:func:`~superneurons.train.rank.leave_process_group`);
+    a process that ends after it should end through :func:`~superneurons.train.rank.exit_rank`,
+    as ``superneurons train``'s ranks do."""
     torch.set_num_threads(1)  # NOTE: ranks share the cores; more threads made small ops 30x slower
     placement = init_distributed(config.backend)
+    finished = False
     try:
-        return run_training(config, placement)
-    finally:
-        dist.destroy_process_group()
+        summary = run_training(config, placement)
+        finished = True
+        return summary
+    finally:  # NOTE: no barrier after a failure: a peer may never arrive
+        leave_process_group(barrier=finished)
 
 
 def run_training(config: TrainConfig, device: Placement | torch.device) -> dict[str, Any]:
