@@ -38,13 +38,13 @@ from typing import Any
 
 from superneurons.bench.netns import (
     Topology,
-    format_rate,
     measure_throughput_bit_s,
     network_namespaces,
 )
 from superneurons.bench.network_data import DATA_CHOICES
 from superneurons.data.fashion_mnist import DEFAULT_ROOT as FASHION_MNIST_ROOT
 from superneurons.errors import ConfigError
+from superneurons.rates import format_rate
 from superneurons.train.launch import free_port
 
 __all__ = [

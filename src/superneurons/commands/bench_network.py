@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from superneurons.bench.artifacts import markdown_table, pyplot, write_json, write_markdown
-from superneurons.bench.netns import parse_rate
+from superneurons.bench.netns import check_shaping_rate
 from superneurons.bench.network import (
     ALL_CODECS,
     DEFAULT_MODELS,
@@ -29,6 +29,7 @@ from superneurons.bench.network import (
     run_network_bench,
 )
 from superneurons.errors import ConfigError
+from superneurons.rates import parse_rate
 
 __all__ = ["HELP", "add_arguments", "run", "summary_lines", "write_artifacts"]
 
@@ -100,7 +101,9 @@ def _config(args: argparse.Namespace) -> NetworkBenchConfig:
         bandwidths: tuple[int | None, ...] = (None,)
     else:
         bandwidths = tuple(
-            None if text.strip().lower() == "loopback" else parse_rate(text.strip())
+            None
+            if text.strip().lower() == "loopback"
+            else check_shaping_rate(parse_rate(text.strip()))
             for text in args.bandwidth.split(",")
             if text.strip()
         )

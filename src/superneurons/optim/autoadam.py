@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -45,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from superneurons.errors import ConfigError
+from superneurons.rates import format_rate, parse_rate
 
 __all__ = [
     "ONE_BIT_ADAM",
@@ -63,24 +63,10 @@ logger = logging.getLogger("superneurons.optim.autoadam")
 
 # The scheme that met the LM target at 3 seeds (benchmarks/results/convergence/README.md).
 ONE_BIT_ADAM = "adam-momentum[warmup={warmup},wire=fp16]:signsgd"
-_RATE = re.compile(r"^([0-9]*\.?[0-9]+)(bit|kbit|mbit|gbit)$", re.IGNORECASE)
-_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
 _DECISION_VERSION = 1
 # NOTE: 1-bit Adam ran up to ~40% above its predicted step here (char-GPT, 100 Mbit/s), and a
 # 9% predicted gain was a 1.26x loss: choose it only when predicted >= 20% faster.
 DEFAULT_MARGIN = 0.2
-
-
-def _parse_rate_bit_s(text: str) -> int:
-    match = _RATE.match(text.strip())
-    if match is None or float(match.group(1)) <= 0:
-        raise ConfigError(f"auto: link must be a rate like 100mbit or 1gbit, got {text!r}")
-    return round(float(match.group(1)) * _RATE_UNITS[match.group(2).lower()])
-
-
-def _format_rate(rate_bit_s: int) -> str:
-    unit = next(u for u in ("gbit", "mbit", "kbit", "bit") if rate_bit_s % _RATE_UNITS[u] == 0)
-    return f"{rate_bit_s // _RATE_UNITS[unit]}{unit}"
 
 
 @dataclass(frozen=True)
@@ -112,7 +98,7 @@ class AdamAuto:
 
     @property
     def spec(self) -> str:
-        options = [] if self.link_bit_s is None else [f"link={_format_rate(self.link_bit_s)}"]
+        options = [] if self.link_bit_s is None else [f"link={format_rate(self.link_bit_s)}"]
         if self.margin != DEFAULT_MARGIN:
             options.append(f"margin={self.margin!r}")
         return "auto" + (":" + ",".join(options) if options else "")
@@ -133,7 +119,7 @@ def parse_adam_auto(text: str) -> AdamAuto | None:
     for item in filter(None, (part.strip() for part in rest.split(","))):
         key, _, value = item.partition("=")
         if key == "link":
-            link = _parse_rate_bit_s(value)
+            link = parse_rate(value)
         elif key == "margin":
             try:
                 margin = float(value)
@@ -344,7 +330,7 @@ def decide_adam_scheme(
             alpha_s=network.all_reduce.alpha_s,
             bandwidth_bytes_per_s=config.link_bit_s / 8,
         )
-        link = f"stated: {_format_rate(config.link_bit_s)} (ring model, not measured)"
+        link = f"stated: {format_rate(config.link_bit_s)} (ring model, not measured)"
     warmup = warmup_steps_for(total_steps, config)
     decision: list[Any] = [None]
     leader = dist.get_global_rank(group, 0) if group is not None else 0
