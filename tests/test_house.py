@@ -22,6 +22,7 @@ MAX_LINES = 400
 LAYERS: dict[str, int] = {
     "errors": 0,
     "bytesize": 0,
+    "rates": 0,
     "compat": 0,
     "device": 0,
     "version": 0,

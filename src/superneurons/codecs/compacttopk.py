@@ -25,6 +25,7 @@ from typing import ClassVar
 
 import torch
 
+from superneurons.codecs.canonical import Canonical
 from superneurons.codecs.codec import Payload, check_gradient, common_numel
 from superneurons.codecs.coding.finite import finite_flag, nan_unless_
 from superneurons.codecs.coding.rangefloat import check_bits
@@ -44,7 +45,7 @@ __all__ = ["CompactTopKCodec"]
 
 
 @dataclass(frozen=True)
-class CompactTopKCodec:
+class CompactTopKCodec(Canonical):
     """Keep the ``1 - theta`` largest-magnitude elements, coded like ``fft`` (range-float values
     at ``bits``, bitmap or Elias-Fano index).
 
@@ -63,16 +64,6 @@ class CompactTopKCodec:
         object.__setattr__(self, "theta", check_theta(self.theta, owner=self.NAME))
         check_bits(self.bits, owner=self.NAME)
         check_select_index(self.select, self.index, owner=self.NAME)
-
-    def __str__(self) -> str:  # the spec string, so str(parse_spec(s)) round-trips
-        return self.spec
-
-    @property
-    def spec(self) -> str:
-        return (
-            f"{self.NAME}:theta={self.theta!r},bits={self.bits},select={self.select},"
-            f"index={self.index}"
-        )
 
     @property
     def summable(self) -> bool:

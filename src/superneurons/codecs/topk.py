@@ -30,6 +30,7 @@ from typing import ClassVar
 
 import torch
 
+from superneurons.codecs.canonical import Canonical
 from superneurons.codecs.codec import Payload, check_gradient, check_payload
 from superneurons.codecs.coding.finite import finite_flag, nan_unless_
 from superneurons.codecs.coding.sparsecode import select_indices
@@ -49,7 +50,7 @@ _MAX_NUMEL = 2**31 - 1  # int32 indices on the wire
 
 
 @dataclass(frozen=True)
-class TopKCodec:
+class TopKCodec(Canonical):
     """Keep the ``ratio`` fraction of largest-magnitude elements (fp32 value + int32 index).
 
     Args:
@@ -74,13 +75,6 @@ class TopKCodec:
         object.__setattr__(self, "ratio", float(self.ratio))
         if self.select not in SELECTS:
             raise ConfigError(f"topk: select must be one of {SELECTS}, got {self.select!r}")
-
-    def __str__(self) -> str:  # the spec string, so str(parse_spec(s)) round-trips
-        return self.spec
-
-    @property
-    def spec(self) -> str:
-        return f"{self.NAME}:ratio={self.ratio!r},select={self.select}"
 
     @property
     def summable(self) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from superneurons.codecs.canonical import Canonical
 from superneurons.errors import ConfigError
 
 __all__ = ["GENERAL_BUDGET", "Auto"]
@@ -32,7 +33,7 @@ GENERAL_BUDGET = 0.6
 
 
 @dataclass(frozen=True)
-class Auto:
+class Auto(Canonical):
     """Per-bucket choice among dense and the candidate codecs, re-decided on drift.
 
     Args:
@@ -68,16 +69,5 @@ class Auto:
             raise ConfigError(f"auto: drift must be > 0, got {self.drift}")
 
     @property
-    def spec(self) -> str:
-        return (
-            f"{self.NAME}:observe_steps={self.observe_steps},max_rel_error="
-            f"{self.max_rel_error!r},max_rel_error_lowrank={self.max_rel_error_lowrank!r},"
-            f"drift={self.drift!r},drift_steps={self.drift_steps}"
-        )
-
-    @property
     def summable(self) -> bool:
         return False
-
-    def __str__(self) -> str:
-        return self.spec

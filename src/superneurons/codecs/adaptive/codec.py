@@ -63,6 +63,7 @@ from superneurons.codecs.adaptive.switches import (
     read_basis,
     relative_error,
 )
+from superneurons.codecs.canonical import Canonical
 from superneurons.codecs.codec import Payload, check_gradient, common_numel
 from superneurons.codecs.coding.bitpack import pack_bits, packed_bytes, unpack_bits
 from superneurons.codecs.coding.finite import finite_flag, nan_unless
@@ -99,7 +100,7 @@ def adaptive_layout(numel: int, chunk: int) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
-class AdaptiveCodec:
+class AdaptiveCodec(Canonical):
     """Per chunk the most compact of spatial / Fourier / DCT bases, then the ``1 - theta``
     largest coefficients, coded like ``fft`` (range-float values, compact index).
 
@@ -163,17 +164,6 @@ class AdaptiveCodec:
                 f"{self.NAME}: scope=chunk keeps a fixed share per chunk, so it needs "
                 "header=fixed (header=sparse varies the kept count per message)"
             )
-
-    def __str__(self) -> str:  # the spec string, so str(parse_spec(s)) round-trips
-        return self.spec
-
-    @property
-    def spec(self) -> str:
-        return (
-            f"{self.NAME}:theta={self.theta!r},bits={self.bits},chunk={self.chunk},"
-            f"bases={self.bases},scope={self.scope},choice={self.choice},select={self.select},index={self.index},"
-            f"margin={self.margin!r},header={self.header}"
-        )
 
     @property
     def summable(self) -> bool:
