@@ -6,6 +6,8 @@ from typing import Any
 
 import pytest
 
+from superneurons.codecs.cast import Fp16Codec
+from superneurons.codecs.sign import SignSGDCodec
 from superneurons.errors import ConfigError
 from superneurons.optim.autoadam import (
     AdamDecision,
@@ -21,8 +23,8 @@ from superneurons.strategy.codecs import CodecCost
 from superneurons.strategy.netmodel import ring_network
 
 # Free codecs (no encode/decode time): only the wire differs.
-SIGN = CodecCost("signsgd", False, 0.0, 0.0, 1.0, 0.5)
-FP16 = CodecCost("fp16", True, 0.0, 0.0, 16.0, 0.0)
+SIGN = CodecCost(SignSGDCodec(), False, 0.0, 0.0, 1.0, 0.5)
+FP16 = CodecCost(Fp16Codec(), True, 0.0, 0.0, 16.0, 0.0)
 
 
 def _predict(sizes: list[int], **overrides: Any) -> tuple[float, float]:
@@ -107,8 +109,8 @@ def test_a_fast_link_predicts_dense_faster() -> None:
     # 1 TB/s: the wire is free; dense overlaps its all-reduce with backward, while 1-bit Adam
     # pays its encode (1 ns per byte = 4 ms on 4 MB) after backward.
     network = ring_network(2, alpha_s=0.0, bandwidth_bytes_per_s=1e12)
-    sign = CodecCost("signsgd", False, 1e-9, 0.0, 1.0, 0.5)
-    fp16 = CodecCost("fp16", True, 1e-9, 0.0, 16.0, 0.0)
+    sign = CodecCost(SignSGDCodec(), False, 1e-9, 0.0, 1.0, 0.5)
+    fp16 = CodecCost(Fp16Codec(), True, 1e-9, 0.0, 16.0, 0.0)
     dense_s, compressed_s = _predict(
         [1_000_000],
         backward_s=0.1,
