@@ -1,5 +1,5 @@
-"""The house rules the code keeps (../shared/STYLE.md): modules stay small, imports flow one way,
-no import cycles, no printing inside the library.
+"""The house rules the code keeps: modules stay small, folders hold one feature, imports flow one
+way, no import cycles, no printing inside the library.
 
 Read from the source with ``ast``; nothing is imported, so this runs in well under a second.
 """
@@ -13,6 +13,8 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "superneurons"
 MAX_LINES = 400
+# Modules over MAX_LINES, each with the one-line reason its concept needs the length (none now).
+LINE_ALLOWANCE: dict[str, str] = {}
 
 # Layers, lowest first. A module may import its own layer or any lower one, never a higher one.
 # A module's layer is that of the longest dotted prefix below (relative to ``superneurons``):
@@ -111,7 +113,12 @@ GRAPH = {module: _imports(module, path) for module, path in MODULES.items()}
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_module_stays_within_the_line_budget(module: str) -> None:
     lines = len(MODULES[module].read_text(encoding="utf-8").splitlines())
-    assert lines <= MAX_LINES, f"{module} has {lines} lines (> {MAX_LINES}): split it by concept"
+    if module in LINE_ALLOWANCE:
+        return
+    assert lines <= MAX_LINES, (
+        f"{module} has {lines} lines (> {MAX_LINES}): split it by concept, or say in "
+        "LINE_ALLOWANCE why this one concept needs them"
+    )
 
 
 def test_folders_hold_one_feature_each() -> None:
