@@ -167,7 +167,7 @@ def test_bad_inputs_are_config_errors() -> None:
 
 def test_outside_time_starts_at_the_latest_bucket_average_not_the_last_launched() -> None:
     """gloo finishes collectives out of order: a small last bucket can be averaged while a big
-    one is still on the wire, so the step ends at its latest average (run 9's 100 Mbit/s
+    one is still on the wire, so the step ends at its latest average (a 100 Mbit/s
     fc-heavy read 12.5 s 'outside backward' from the last bucket's stamp)."""
     from superneurons.ddp.autorun import AutoController, _Clock
     from superneurons.schemes.auto import Auto

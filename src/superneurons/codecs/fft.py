@@ -3,9 +3,9 @@
 Wang et al., "FFT-based Gradient Sparsification for the Distributed Training of Deep Neural
 Networks", HPDC 2020 (arXiv 1811.08596): transform the flat gradient with a real FFT, drop the
 ``theta`` fraction of frequency coefficients with the smallest magnitude, quantize the kept
-real/imaginary parts with a range-based float (:mod:`superneurons.codecs.rangefloat`) and send
+real/imaginary parts with a range-based float (:mod:`superneurons.codecs.coding.rangefloat`) and send
 them with a fixed-size index code (:mod:`superneurons.codecs.coding.indexcode`). The paper gives no
-code; the pipeline below is our reconstruction (CONTEXT.md section 2).
+code; the pipeline below is our reconstruction.
 
 Pipeline for ``numel = n``: split into ``C`` chunks of length ``L`` (``chunk = 0``: one chunk of
 ``n``; otherwise ``L = min(chunk, n)``, the last chunk zero-padded), ``rfft`` each chunk to

@@ -8,7 +8,8 @@ Wire format (``k = max(1, round(ratio * numel))``, fixed for a given ``numel``):
 
     k float32 values | k int32 indices          -> 8 * k bytes (64 bits per kept element)
 
-64 bits per kept element is how the baseline is usually counted (CONTEXT §2); no index coding.
+64 bits per kept element (a float32 value and an int32 index) is how the baseline is usually
+counted; no index coding.
 
 ``select="sampled"`` follows DGC's threshold estimation: the magnitude quantile is estimated on
 a random sample (``generator`` drives it), deliberately set at ~2k expected survivors, and the
@@ -99,7 +100,7 @@ class TopKCodec(Canonical):
         magnitude = flat.abs()
         if self.select == "sampled" and flat.device.type == "cpu":
             # NOTE: the sampled threshold sizes tensors from data (free on the CPU, a sync on a
-            # GPU, where torch.topk is fast anyway: 115-127 GB/s on an H100, CONTEXT.md 5).
+            # GPU, where torch.topk is fast anyway: 115-127 GB/s measured on an H100).
             indices = _sampled_topk(magnitude, k, generator)
         elif flat.device.type == "cpu":
             # NOTE: the same k as torch.topk (ties aside), found by bracketing the k-th largest

@@ -45,8 +45,8 @@ logger = logging.getLogger("superneurons.compress")
 
 _STATE_VERSION = 1
 # Elements of the real gradient the candidates are timed on: 16 MB, because per-byte costs
-# measured on 4 MB under-predicted top-k's encode of a 100 MB bucket (run 2 of
-# benchmarks/results/network/auto: predicted 0.48 s, measured 2.9 s per step).
+# measured on 4 MB under-predicted top-k's encode of a 100 MB bucket (predicted 0.48 s, measured
+# 2.9 s per step: benchmarks/results/network/auto/2026-11-22-1820-cpu2-random-data).
 _SAMPLE_NUMEL = 2**22
 
 
@@ -151,7 +151,7 @@ class AutoController:
 
         NOTE: every bucket, not only the last one: gloo runs collectives on several threads, so
         the last-launched (often small) bucket can finish while a big one is still on the wire
-        (run 9: at 100 Mbit/s the last bucket's stamp came ~10 s before the step's end).
+        (at 100 Mbit/s the last bucket's stamp came ~10 s before the step's end).
         """
         clock, step, t0 = self._clock, state.step, self._t0
         if clock is None or t0 is None:
@@ -212,8 +212,9 @@ class AutoController:
         """Median seconds per observed step outside backward and its communication: from the
         last bucket's average to the next step's forward end (optimizer, data, forward).
 
-        issue 11, run 7: the prediction counts from backward's start, the bench times whole
-        steps; without this the ResNet's qsgd route read as predicted 0.519 s, measured 0.769 s.
+        The prediction counts from backward's start, the bench times whole steps; without this
+        the ResNet's qsgd route read as predicted 0.519 s, measured 0.769 s
+        (benchmarks/results/network/auto/2026-11-23-0000-cpu2-random-data).
         """
         if self._clock is None:
             return 0.0

@@ -19,7 +19,7 @@ error feedback by default, see :func:`~superneurons.schemes.compose.with_default
 * ``auto`` chooses per bucket (see :mod:`.auto`, :mod:`.autorun`); every bucket, whatever its
   routes, is averaged by :func:`~superneurons.ddp.reduce.reduce_bucket`.
 
-Safety rules, all of them learned from PyTorch's own hooks (CONTEXT §4):
+Safety rules, all of them learned from PyTorch's own hooks:
 
 * every collective is issued from the hook body, in the same order on every rank; the
   returned future only chains local work, so any number of buckets is safe on gloo;

@@ -19,14 +19,14 @@ from superneurons.errors import ConfigError
 
 __all__ = ["GENERAL_BUDGET", "Auto"]
 
-# The one-shot error budgets (issue 11), calibrated on the benchmark ResNet (Fashion-MNIST, 2
+# The one-shot error budgets, calibrated on the benchmark ResNet (Fashion-MNIST, 2
 # ranks, 100 SGD steps, error feedback, 2-3 seeds; benchmarks/results/network/auto/
 # error_budget.json): qsgd (one-shot 0.58) tracked dense (training loss 0.02-0.05 below it),
 # top-k 10% (0.68) did not (+0.35 to +0.67 loss, 9-16 test points), so the general budget is
 # 0.6. PowerSGD rank 4 (0.74) ended 0.08-0.20 above dense's loss and 6.8 test points below it on
 # average (PyTorch's hook alike), rank 1 (0.86) far behind: PowerSGD gets the general budget
 # by default (``max_rel_error_lowrank=None``); ``auto:max_rel_error_lowrank=0.8`` admits rank 4
-# where that cost is acceptable. At 400 steps (session 4, error_budget_400.json, seeds 0 and 1)
+# where that cost is acceptable. At 400 steps (error_budget_400.json, seeds 0 and 1)
 # rank 4's gap narrowed but stayed above 0.03 in loss: +0.03 and +0.06 (last 100 steps +0.05
 # and +0.06; test accuracy +1.95 and -1.45 points), so the default stays None.
 GENERAL_BUDGET = 0.6

@@ -136,8 +136,8 @@ def _as_matrix(sample: torch.Tensor) -> torch.Tensor:
 
 def _measure_powersgd(config: PowerSGD, sample: torch.Tensor, repeats: int) -> CodecCost:
     """PowerSGD timed with the operations, layouts and in-place writes of
-    :func:`~superneurons.ddp.powersgd.powersgd_reduce` (issue 11: run 3 predicted 0.52 s
-    for a route that then measured 0.93 s because this timed other products)."""
+    :func:`~superneurons.ddp.powersgd.powersgd_reduce` (when it timed other products, a route
+    predicted at 0.52 s measured 0.93 s)."""
     matrix = _as_matrix(sample.float()).contiguous()  # (n, m)
     n, m = matrix.shape
     input_bytes = matrix.numel() * 4
@@ -274,7 +274,7 @@ def measure_codecs(
             else:
                 costs.append(_measure_codec(codec, flat, repeats, world_size))
         except (RuntimeError, ConfigError) as exc:
-            # NOTE: a codec that cannot run here (e.g. a CPU-only decode on CUDA, CONTEXT §5)
+            # NOTE: a codec that cannot run here (e.g. a CPU-only decode on CUDA)
             # is not a candidate; the others still are.
             logger.warning("strategy: candidate %s skipped: %s", codec.spec, exc)
     return costs
