@@ -11,8 +11,7 @@ Two things HF models need that plain modules do not:
 
 * **The key/value cache.** With ``config.use_cache=True`` (GPT-2's default) a training forward
   also fills a ``DynamicCache``; a recomputed block appends its keys and values a second time
-  (on CUDA this crashed with 2048 vs 1024 positions, and on CPU it exceeded the budget; CONTEXT
-  §5). Measured here in one run (GPT-2, 6 layers, width 256, batch 8 x 256, AdamW, recompute
+  (on CUDA this crashed with 2048 vs 1024 positions, and on CPU it exceeded the budget). Measured here in one run (GPT-2, 6 layers, width 256, batch 8 x 256, AdamW, recompute
   plans): without the cache the measured step peak equals the plan's prediction to the byte;
   with it, the peak exceeds the prediction by 8.6% at a 70% budget and 19% at 50% (the budget
   itself by 4%). :func:`training_without_kv_cache` sets ``use_cache=False`` while training, as
