@@ -13,8 +13,6 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "superneurons"
 MAX_LINES = 400
-# Modules over MAX_LINES, each with the one-line reason its concept needs the length (none now).
-LINE_ALLOWANCE: dict[str, str] = {}
 
 # Layers, lowest first. A module may import its own layer or any lower one, never a higher one.
 # A module's layer is that of the longest dotted prefix below (relative to ``superneurons``):
@@ -37,6 +35,7 @@ LAYERS: dict[str, int] = {
     "strategy": 5,
     "ddp": 6,
     "optim": 6,
+    "replicas": 6,  # the cross-rank consistency check (a collective)
     "compress": 7,  # the public import path: re-exports of codecs, spec, ddp and optim
     "train": 8,
     "integrations": 8,
@@ -108,6 +107,12 @@ def _imports(module: str, path: Path) -> set[str]:
 
 
 GRAPH = {module: _imports(module, path) for module, path in MODULES.items()}
+
+
+# Modules over it, each with the one-line reason it holds one concept all the same.
+LINE_ALLOWANCE: dict[str, str] = {
+    "superneurons.bench.convergence": "one benchmark: its config, its rank's body and its launcher",
+}
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
