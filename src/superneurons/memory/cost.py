@@ -100,7 +100,7 @@ GIB = 1024**3
 # NOTE: literal table; each figure says where it comes from. Memory: the datasheet capacity
 # ("80GB" HBM is 80 GiB); the CUDA context and allocator reserve take a few hundred MiB of it.
 DEVICE_PRESETS: dict[str, CostModel] = {
-    # Copies: pinned host<->device measured on an H100 80GB (torch 2.11+cu130, CONTEXT.md §5):
+    # Copies: pinned host<->device measured on an H100 80GB (torch 2.11+cu130):
     # 41.7 GB/s to host, 54.6 GB/s back. Compute: H100 SXM5 datasheet, fp32 67 TFLOP/s,
     # HBM3 3.35 TB/s, 80 GB.
     "h100": CostModel(
