@@ -139,7 +139,7 @@ class Plan:
         optimizer_copy_s: predicted copy time of that state per step (both directions).
         predicted_peak_bytes: predicted device peak of one training step under the plan.
         peak_at: where that peak is: ``{"unit", "phase", "event"}``
-            (:func:`superneurons.memory.predict.locate`).
+            (:func:`superneurons.memory.where.locate`).
         breakdown: the live bytes at that peak by what they are
             (:data:`superneurons.memory.predict.BREAKDOWN`); they sum to the peak.
         min_budget_bytes: the smallest peak any strategy reaches for this profile.

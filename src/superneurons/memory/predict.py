@@ -25,8 +25,9 @@ from superneurons.memory.optim_backward import host_state_timeline
 from superneurons.memory.plan import OFFLOADING, RECOMPUTING
 from superneurons.memory.pool import MIN_OFFLOAD_BYTES
 from superneurons.memory.profile_types import CATEGORIES, Profile, StorageLife
+from superneurons.memory.where import locate
 
-__all__ = ["BREAKDOWN", "CostModel", "Outcome", "evaluate", "locate", "segment_runs"]
+__all__ = ["BREAKDOWN", "CostModel", "Outcome", "evaluate", "segment_runs"]
 
 # What the live bytes at a plan's peak are (docs/CONTRACTS.md, ``plan --json``): they sum to
 # the predicted peak exactly.
@@ -45,7 +46,8 @@ class Outcome:
     """What :func:`evaluate` predicts for one set of actions.
 
     ``breakdown`` (keys :data:`BREAKDOWN`) is the live bytes at the peak by what they are and
-    sums to ``peak_bytes``; ``peak_at`` is where the peak is (:func:`locate`).
+    sums to ``peak_bytes``; ``peak_at`` is where the peak is
+    (:func:`~superneurons.memory.where.locate`).
     """
 
     peak_bytes: int
@@ -253,6 +255,8 @@ def evaluate(
             # the recompute snapshots running statistics (once more for a segment's outer pass)
             spike += unit.norm_state_bytes * (2 if fqn in segments else 1)
             spike += _forward_scratch(profile, unit)  # its ops' own scratch, run again
+            # the recompute forks the generator: one more state held while it runs
+            spike += profile.rng_state_bytes
             for call in range(max(len(unit.calls), 1)):  # each call recomputes in its backward
                 bwd_start = unit.window(call)[2]
                 if 0 <= bwd_start < profile.num_events - 1:
@@ -349,37 +353,6 @@ def _per_unit_inputs(profile: Profile) -> list[StorageLife]:
         for u in profile.units
         if u.unsaved_input_bytes > 0
     ]
-
-
-def locate(profile: Profile, event: int) -> dict[str, Any]:
-    """Where event ``event`` of the step is: ``{"unit", "phase", "event"}`` (``plan --json``
-    ``peak_at``).
-
-    Phases: ``forward`` (inside a unit call, or "" between units), ``loss`` (after the last
-    unit's forward up to the loss, and backward before it enters a unit: unit ``"<loss>"``),
-    ``backward`` (the unit backward entered last), ``step`` (the optimizer: ``"<optimizer>"``).
-    """
-    where: dict[str, Any] = {"unit": "", "phase": "forward", "event": int(event)}
-    if event < 0:
-        return where
-    calls = [(u.fqn, u.window(c), c, u) for u in profile.units for c in range(max(len(u.calls), 1))]
-    if event > profile.backward_end_event:
-        return {**where, "unit": "<optimizer>", "phase": "step"}
-    if event <= profile.forward_end_event:
-        last_end = max((w[1] for _, w, _, _ in calls), default=-1)
-        if event > last_end:
-            return {**where, "unit": "<loss>", "phase": "loss"}
-        inside = [(w[1] - w[0], f) for f, w, _, _ in calls if w[0] <= event <= w[1]]
-        return {**where, "unit": min(inside)[1] if inside else ""}
-    entered = []
-    for fqn, window, call, unit in calls:
-        edge = unit.edges[call][0] if call < len(unit.edges) else -1
-        start = min(e for e in (edge, window[2]) if e >= 0) if max(edge, window[2]) >= 0 else -1
-        if 0 <= start <= event:
-            entered.append((start, fqn))
-    if not entered:
-        return {**where, "unit": "<loss>", "phase": "loss"}
-    return {**where, "unit": max(entered)[1], "phase": "backward"}
 
 
 def segment_runs(profile: Profile, actions: dict[str, str]) -> dict[str, int]:

@@ -34,6 +34,7 @@ from superneurons.errors import ConfigError
 from superneurons.memory.cost import EventTimer, measure_copy_bandwidth
 from superneurons.memory.isolate import IsolationError, isolated, unwrapped
 from superneurons.memory.profile_types import (
+    ALLOCATOR_MARGIN_BYTES,
     CATEGORIES,
     Profile,
     SavedTensor,
@@ -279,6 +280,7 @@ def _run(
         # NOTE: checkpoint stashes the cpu generator's state per call (preserve_rng_state);
         # on a cuda device that tensor is host memory
         rng_state_bytes=int(torch.get_rng_state().numel()) if on_cpu else 0,
+        margin_bytes=ALLOCATOR_MARGIN_BYTES if on_cpu else 0,
     )
 
 

@@ -35,6 +35,11 @@ __all__ = [
 GRANULARITIES: tuple[str, ...] = ("block", "layer", "split")
 
 CATEGORIES: tuple[str, ...] = ("params", "grads", "optimizer", "saved", "temporaries")
+# NOTE: what a real cpu profile reserves for allocations below the dispatcher outside any op's
+# profiler range (scalars made into tensors, generator states): a tiny GPT-2 with dropout under
+# a recompute plan held 24 B no range explained (the c10 allocator's view,
+# tests/test_memory_budget_matrix.py); 4 KiB states the margin with room
+ALLOCATOR_MARGIN_BYTES = 4096
 
 
 def default_units(model: nn.Module) -> list[str]:
@@ -268,6 +273,9 @@ class Profile:
     # checkpoint stashes per recomputed call
     scratch: tuple[tuple[int, int], ...] = ()
     rng_state_bytes: int = 0
+    # a stated margin, counted at every event, for the few bytes allocated below the dispatcher
+    # outside any op's range (``ALLOCATOR_MARGIN_BYTES`` on real cpu profiles, else 0)
+    margin_bytes: int = 0
 
     @property
     def scratch_bytes(self) -> int:
@@ -300,6 +308,7 @@ class Profile:
             table[row, : max(birth, 0)] += nbytes
         for event, nbytes in self.scratch:  # what the op allocated for itself, inside it
             table[CATEGORIES.index("temporaries"), event] += nbytes
+        table[CATEGORIES.index("temporaries")] += self.margin_bytes
         # the previous step's output, until the model's forward returns the new one
         table[CATEGORIES.index("temporaries"), : self.model_end_event + 1] += (
             self.carried_output_bytes

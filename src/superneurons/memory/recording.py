@@ -227,6 +227,7 @@ def build_profile(
     carried_storages: set[int] | None = None,
     scratch: Mapping[int, int] | None = None,
     rng_state_bytes: int = 0,
+    margin_bytes: int = 0,
 ) -> Profile:
     """The :class:`Profile` of one recorded step (the tracker's live intervals, the recorder's
     saved tensors and unit windows)."""
@@ -393,6 +394,7 @@ def build_profile(
         unsaved_inputs=unsaved_inputs,
         scratch=tuple(sorted((scratch or {}).items())),
         rng_state_bytes=rng_state_bytes,
+        margin_bytes=margin_bytes,
         carried_output_bytes=carried["all"],
         carried_head_bytes=carried["head"],
     )

@@ -325,12 +325,6 @@ def _offloaded_forward(
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        if torch.compiler.is_compiling():
-            raise ConfigError(
-                "offload units cannot run under torch.compile (the tensor pool's saved-tensor "
-                "hooks and prefetch callbacks are not traceable): plan with strategy "
-                "'recompute' or 'checkpoint' for a compiled model, or run it eagerly"
-            )
         chained = trace.previous in OFFLOADING  # the unit call just before this one
         with pool.offloading() as group:
             out = forward(*args, **kwargs)
