@@ -21,6 +21,7 @@ dropout and BatchNorm need no special cases. With ``fake=True`` the step runs un
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -293,9 +294,19 @@ def _storages(tracker: LiveStorageTracker, value: Any) -> set[int]:
 
 
 def _call(model: nn.Module, inputs: Any) -> Any:
-    if isinstance(inputs, Mapping):
+    if isinstance(inputs, Mapping) and _takes(model, inputs):  # ``model(**batch)``
         return model(**inputs)
     return model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+
+
+def _takes(model: nn.Module, batch: Mapping[str, Any]) -> bool:
+    """The forward names the batch's keys (HF models): called with them as keywords; else the
+    mapping is the one positional input (a step wrapper's ``forward(batch)``)."""
+    try:
+        names = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+        return False
+    return any(key in names for key in batch)
 
 
 def _device_type(model: nn.Module, *, fake: bool) -> str:
