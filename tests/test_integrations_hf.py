@@ -16,6 +16,7 @@ from integrations_support import ROOT, TinyLM, batch, check_example_ranks, torch
 from superneurons.errors import ConfigError
 from superneurons.integrations.hf import plan_for_batch, training_without_kv_cache
 from superneurons.memory import apply_plan
+from superneurons.memory.profile_types import ALLOCATOR_MARGIN_BYTES
 
 needs_hf = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None, reason="transformers not installed"
@@ -186,10 +187,10 @@ def test_plan_for_batch_on_cuda_keeps_gradients_exact() -> None:
 
 def _hf_step_peak(*, use_cache: bool) -> tuple[int, int]:
     """(predicted, measured) peak bytes of a steady-state step of a tiny HF GPT-2 under a
-    recompute plan; measured with the same live-storage tracker the profile uses."""
+    recompute plan; measured in the c10 allocator's view, which a real cpu profile predicts."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from superneurons.memory import LiveStorageTracker
+    from superneurons.bench.memory_meter import allocator_peak_bytes
 
     torch.manual_seed(0)
     config = GPT2Config(
@@ -200,26 +201,31 @@ def _hf_step_peak(*, use_cache: bool) -> tuple[int, int]:
     ids = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(0))
     data = {"input_ids": ids, "labels": ids}
     optimizer = torch.optim.AdamW(model.parameters())
-    model(**data).loss.backward()
-    optimizer.step()  # steady state: the optimizer's moments exist, as the plan predicts
+
+    def step() -> None:
+        model(**data).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def resident() -> list[torch.Tensor]:
+        state = [t for s in optimizer.state.values() for t in s.values()]
+        return [*model.parameters(), *model.buffers(), ids, *state]
+
+    step()  # steady state: the optimizer's moments exist, as the plan predicts
     plan = plan_for_batch(
         model, data, budget_fraction=0.8, optimizer=optimizer, strategy="checkpoint"
     )
-    optimizer.zero_grad(set_to_none=True)
-    tracker = LiveStorageTracker()
-    tracker.register([*model.parameters(), *model.buffers(), ids])
-    tracker.register([t for s in optimizer.state.values() for t in s.values()])
-    with apply_plan(model, plan), tracker:
-        model(**data).loss.backward()
-        optimizer.step()
-    return plan.predicted_peak_bytes, tracker.peak_bytes
+    with apply_plan(model, plan):
+        return plan.predicted_peak_bytes, allocator_peak_bytes(step, resident=resident)
 
 
 @needs_hf
 def test_hf_plan_peak_is_exact_with_and_without_kv_cache() -> None:
+    # exact up to the stated margin for what the allocator serves outside any op
     predicted, measured = _hf_step_peak(use_cache=False)
-    assert measured == predicted
+    assert predicted - ALLOCATOR_MARGIN_BYTES <= measured <= predicted
     # HF's default use_cache=True: under a plan the cache is off in training (as HF's own
     # gradient checkpointing does), so recomputed blocks cannot append to it again
-    predicted, measured = _hf_step_peak(use_cache=True)
-    assert measured == predicted
+    predicted_cached, measured = _hf_step_peak(use_cache=True)
+    assert predicted_cached == predicted
+    assert predicted - ALLOCATOR_MARGIN_BYTES <= measured <= predicted

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
-from torch.utils.checkpoint import checkpoint, noop_context_fn, set_checkpoint_early_stop
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from superneurons.errors import ConfigError
 
@@ -119,7 +119,7 @@ def checkpointed_forward(
                 *args,
                 use_reentrant=False,
                 preserve_rng_state=True,
-                context_fn=context_fn if norms else noop_context_fn,
+                context_fn=context_fn,
                 **kwargs,
             )
 
