@@ -8,7 +8,9 @@ samples its peak); storages alive before the step have birth 0, those alive afte
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from torch import nn
@@ -241,3 +243,156 @@ class Profile:
         table = self.timeline_array(steady_state=steady_state)
         at = int(table.sum(axis=0).argmax())
         return {name: int(table[i, at]) for i, name in enumerate(CATEGORIES)}
+
+    @classmethod
+    def from_recording(
+        cls,
+        *,
+        tracker: Any,
+        saved_rows: list[dict[str, Any]],
+        unit_rows: Mapping[str, Mapping[str, Any]],
+        unit_order: Iterable[str],
+        param_storages: set[int],
+        grad_storages: set[int],
+        opt_storages: set[int],
+        op_of_storage: Mapping[int, str],
+        events: Mapping[str, int],
+        fake: bool,
+        step_s: float,
+        copy_bytes_per_s: tuple[float, float] = (0.0, 0.0),
+    ) -> Profile:
+        num_events = max(tracker.event + 1, 1)
+        last = num_events - 1
+        saved_sids = {row["sid"] for row in saved_rows}
+        delta = np.zeros((len(CATEGORIES), num_events + 1), dtype=np.int64)
+        totals = dict.fromkeys(("params", "grads", "optimizer"), 0)
+        opt_births: list[tuple[int, int]] = []
+        grad_births: list[tuple[int, int]] = []
+        for sid, nbytes in tracker.nbytes.items():
+            if sid in param_storages:
+                cat = "params"
+            elif sid in opt_storages:
+                cat = "optimizer"
+            elif sid in grad_storages:
+                cat = "grads"
+            elif sid in saved_sids:
+                cat = "saved"
+            else:
+                cat = "temporaries"
+            birth = max(tracker.births[sid], 0)
+            death = tracker.deaths.get(sid, last) if not tracker.is_live(sid) else last
+            if cat in totals:
+                totals[cat] += nbytes
+            if cat == "optimizer" and tracker.births[sid] >= 0:
+                opt_births.append((birth, nbytes))
+            if cat == "grads":
+                grad_births.append((birth, nbytes))
+            cat_row = CATEGORIES.index(cat)
+            delta[cat_row, birth] += nbytes
+            delta[cat_row, min(death, last) + 1] -= nbytes
+        timeline = np.cumsum(delta[:, :num_events], axis=1)
+        index_of: dict[int, int] = {}
+        lives: list[dict[str, Any]] = []
+        saved: list[SavedTensor] = []
+        for row in saved_rows:
+            sid = row["sid"]
+            if sid not in index_of:
+                index_of[sid] = len(lives)
+                death = last if tracker.is_live(sid) else tracker.deaths.get(sid, last)
+                lives.append(
+                    dict(
+                        nbytes=row["nbytes"],
+                        birth=max(tracker.births.get(sid, 0), 0),
+                        from_caller=tracker.births.get(sid, 0) < 0,
+                        death=death,
+                        units=[],
+                        calls=[],
+                    )
+                )
+            life = lives[index_of[sid]]
+            if row["unit"] not in life["units"]:
+                life["units"].append(row["unit"])
+                life["calls"].append(int(row.get("unit_call", 0)))
+            saved.append(
+                SavedTensor(
+                    key=row["key"],
+                    module=row["module"],
+                    op=op_of_storage.get(sid, "input"),
+                    unit=row["unit"],
+                    nbytes=row["nbytes"] if row["first"] else 0,
+                    storage=index_of[sid],
+                    created_event=life["birth"],
+                    last_use_event=row["last_use"],
+                )
+            )
+        storages = tuple(
+            StorageLife(
+                v["nbytes"],
+                v["birth"],
+                v["death"],
+                tuple(v["units"]),
+                tuple(v["calls"]),
+                from_caller=v["from_caller"],
+            )
+            for v in lives
+        )
+        units = []
+        for fqn in unit_order:
+            u = unit_rows[fqn]
+            units.append(
+                UnitProfile(
+                    fqn=fqn,
+                    fwd_start_event=u["fwd_start"],
+                    fwd_end_event=u["fwd_end"],
+                    bwd_start_event=u["bwd_start"],
+                    flops=u["flops"],
+                    bytes_written=u["written"],
+                    fwd_time_s=u["time_s"],
+                    temp_peak_bytes=u["temp_peak"],
+                    saved_bytes=sum(s.nbytes for s in storages if fqn in s.units),
+                    output_bytes=int(u.get("out_bytes", 0)),
+                    input_bytes=sum(
+                        s.nbytes
+                        for s in storages
+                        if fqn in s.units and not s.from_caller and s.birth < u["fwd_start"]
+                    ),
+                    bwd_end_event=int(u.get("bwd_end", -1)),
+                    inplace=bool(u.get("inplace", False)),
+                    norm_state_bytes=int(u.get("norm_state_bytes", 0)),
+                    in_sequential=bool(u.get("in_sequential", False)),
+                    calls=tuple(
+                        (int(a), int(b), int(c), int(d)) for a, b, c, d in u.get("calls", ())
+                    ),
+                    edges=tuple((int(a), int(b)) for a, b in u.get("edges", ())),
+                    recompute_peak_bytes=int(u.get("recompute_peak", -1)),
+                    unsaved_input_bytes=sum(
+                        tracker.nbytes[sid]
+                        for sid in u.get("first_in_sids", ())
+                        if sid not in saved_sids
+                        and sid not in param_storages
+                        and tracker.births.get(sid, -1) >= 0
+                    ),
+                )
+            )
+        return cls(
+            fake=fake,
+            num_events=num_events,
+            forward_end_event=events.get("forward_end", last),
+            backward_end_event=events.get("backward_end", last),
+            model_end_event=events.get("model_end", -1),
+            copy_bytes_per_s=copy_bytes_per_s,
+            step_s=step_s,
+            param_bytes=totals["params"],
+            grad_bytes=totals["grads"],
+            optimizer_state_bytes=totals["optimizer"],
+            measured_peak_bytes=int(tracker.peak_bytes),
+            timeline=tuple(tuple(int(v) for v in r) for r in timeline),
+            saved=tuple(saved),
+            storages=storages,
+            units=tuple(units),
+            optimizer_births=tuple(opt_births),
+            grad_births=tuple(grad_births),
+            largest_param_bytes=max(
+                (tracker.nbytes[sid] for sid in param_storages if sid in tracker.nbytes), default=0
+            ),
+        )
