@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -229,3 +230,46 @@ def test_hf_plan_peak_is_exact_with_and_without_kv_cache() -> None:
     predicted_cached, measured = _hf_step_peak(use_cache=True)
     assert predicted_cached == predicted
     assert predicted - ALLOCATOR_MARGIN_BYTES <= measured <= predicted
+
+
+@needs_hf
+def test_keep_outputs_plans_the_no_trainer_loop_within_budget() -> None:
+    """HF's ``no_trainer`` loop keeps ``outputs`` (the logits) until the next step reassigns
+    them: ``plan_for_batch(..., keep_outputs=True)`` counts them, and the loop stays within."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from superneurons.bench.memory_meter import allocator_peak_bytes
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=3, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0,
+        eos_token_id=0, use_cache=False,
+    )  # fmt: skip
+    model = GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(0))
+    data = {"input_ids": ids, "labels": ids}
+    optimizer = torch.optim.AdamW(model.parameters())
+    kept: dict[str, Any] = {}
+
+    def step() -> None:
+        outputs = model(**data)
+        outputs.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        kept["outputs"] = outputs  # alive until the next step's outputs replace it
+
+    def resident() -> list[torch.Tensor]:
+        state = [t for s in optimizer.state.values() for t in s.values()]
+        logits = [kept["outputs"].logits] if kept else []
+        return [*model.parameters(), *model.buffers(), ids, *state, *logits]
+
+    step()
+    loss_only = plan_for_batch(model, data, budget_fraction=1.0, optimizer=optimizer)
+    eager = plan_for_batch(model, data, budget_fraction=1.0, optimizer=optimizer, keep_outputs=True)
+    assert eager.predicted_peak_bytes > loss_only.predicted_peak_bytes  # the logits count
+    budget = eager.predicted_peak_bytes - 1  # a plan that must act
+    plan = plan_for_batch(model, data, budget_bytes=budget, optimizer=optimizer, keep_outputs=True)
+    with apply_plan(model, plan):
+        measured = allocator_peak_bytes(step, resident=resident)
+    assert measured <= budget
+    assert plan.predicted_peak_bytes - ALLOCATOR_MARGIN_BYTES <= measured

@@ -182,3 +182,11 @@ def test_bad_inputs_are_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFi
     assert "128 positions" in _error(capsys, "--model", f"hf:{path}", "--seq-len", "4096")
     message = _error(capsys, "--model", f"hf:{path}", "--seq-len", "64", "--budget", "1MiB")
     assert "minimum" in message and "budget" in message
+
+
+def test_bandwidth_reads_rates_and_byte_sizes() -> None:
+    from superneurons.commands.plan_target import bandwidth_bytes_per_s
+
+    # a rate (bits or bytes per second), or a byte size per second as the flag first read it
+    assert bandwidth_bytes_per_s("128gbit") == bandwidth_bytes_per_s("16GB/s") == 16e9
+    assert bandwidth_bytes_per_s("16GB") == 16e9

@@ -77,7 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "default a100)",
     )
     parser.add_argument(
-        "--bandwidth", default=None, help="host<->device bytes/s (default: the preset's)"
+        "--bandwidth",
+        default=None,
+        help="host<->device rate: 16GB/s, 128gbit, or a byte size per second (default: the "
+        "preset's)",
     )
     parser.add_argument(
         "--granularity",

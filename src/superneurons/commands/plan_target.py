@@ -5,6 +5,7 @@ device (cost model and memory size) and the budget. Shared by the one-plan repor
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import Any
 
@@ -18,6 +19,7 @@ from superneurons.memory.llm import (
     load_config,
     max_positions,
 )
+from superneurons.rates import parse_rate
 
 __all__ = [
     "HF",
@@ -53,8 +55,16 @@ def progress(message: str) -> None:
 def device_cost(args: argparse.Namespace) -> CostModel:
     if args.bandwidth is None:
         return cost_model(args.device_preset)
-    rate = float(parse_bytes(args.bandwidth))
+    rate = bandwidth_bytes_per_s(args.bandwidth)
     return cost_model(args.device_preset, bandwidth_bytes_per_s=rate, h2d_bytes_per_s=rate)
+
+
+def bandwidth_bytes_per_s(text: str) -> float:
+    """``--bandwidth``: a rate as :func:`superneurons.rates.parse_rate` reads it (``100gbit``,
+    ``12GB/s``), or a byte size taken as bytes per second (``12GB``, as the flag first read)."""
+    if re.search(r"bit|/s", text, re.IGNORECASE):
+        return parse_rate(text) / 8
+    return float(parse_bytes(text))
 
 
 def budget_bytes_of(args: argparse.Namespace, cost: CostModel) -> int:
