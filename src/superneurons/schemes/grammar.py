@@ -41,6 +41,7 @@ from superneurons.codecs.schedule import Scheduled, Warmup
 from superneurons.codecs.sign import SignSGDCodec
 from superneurons.codecs.terngrad import TernGradCodec
 from superneurons.codecs.topk import TopKCodec
+from superneurons.codecs.twophase import TwoPhase
 from superneurons.errors import ConfigError
 from superneurons.schemes.anchors import TorchDense, TorchFp16, TorchPowerSGD
 from superneurons.schemes.auto import Auto
@@ -75,6 +76,7 @@ CODECS: dict[str, type[Codec]] = {
 SPECS: dict[str, type] = {
     **CODECS,
     "powersgd": PowerSGD,
+    "twophase": TwoPhase,
     "dense": TorchDense,
     "torch-allreduce": TorchDense,  # an alias: str() gives "dense"
     "torch-fp16": TorchFp16,
@@ -83,7 +85,7 @@ SPECS: dict[str, type] = {
 }
 
 # What a spec names: a base reduction, or wrappers around one (``Scheduled`` has no spec name).
-Base = Codec | PowerSGD | TorchDense | TorchFp16 | TorchPowerSGD | Auto
+Base = Codec | PowerSGD | TwoPhase | TorchDense | TorchFp16 | TorchPowerSGD | Auto
 Compression = Base | ErrorFeedback | Warmup | Scheduled | RowSparse
 
 WRAPPERS: dict[str, type] = {

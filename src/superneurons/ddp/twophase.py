@@ -1,0 +1,363 @@
+"""The two-phase compressed all-reduce across ranks: all-to-all, owner re-quantisation,
+all-gather, with error feedback at the worker and at the owner (see
+:mod:`superneurons.codecs.twophase` for the algorithm, its sources and the layout).
+
+:func:`exchange` averages named flat tensors in place; the DDP hook passes a bucket's
+parameters (:mod:`.reduce`), and anything else that averages a flat vector with error
+feedback (an outer gradient, an optimizer's momentum) calls :func:`average_` with its own
+:class:`TwoPhaseState`. The message one rank sends to owner ``j`` (its *segment*) is the
+concatenation of every tensor's slice ``j`` in the order given, which must be the same on
+every rank; each tensor's residuals are keyed by its name, so they do not depend on DDP's
+bucket layout (rebuilt after the first step and on resume).
+
+Collectives, issued from the caller's thread in this order on every rank: ONE
+``all_to_all_single`` (waited for: the owners need it), then ONE ``all_gather``
+(asynchronous; the decode runs when it completes). gloo and NCCL both implement
+``all_to_all_single`` (gloo's was checked on torch 2.13: ``alltoall_base``); both buffers
+are fixed-size, so no sizes are exchanged.
+
+Non-finite values (the project's policy): a rank whose compensated tensor holds NaN/Inf
+sends NaN scales, every owner's average of that tensor is NaN, and so is the result on
+every rank; residuals are only updated from finite values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from superneurons.codecs.coding.chunkquant import (
+    dequantize_rows,
+    quantize_rows,
+    read_rows,
+    write_rows,
+)
+from superneurons.codecs.coding.finite import all_finite
+from superneurons.codecs.coding.orthogonal import forward_, inverse_, rademacher
+from superneurons.codecs.twophase import SliceLayout, TwoPhase
+from superneurons.compat import all_gather_into_tensor
+from superneurons.ddp.callbacks import then_same_threads
+from superneurons.errors import ConfigError
+
+__all__ = ["Exchange", "TwoPhaseState", "average_", "exchange"]
+
+_STATE_VERSION = 1
+Generators = Callable[[str], torch.Generator]
+
+
+@dataclass
+class TwoPhaseState:
+    """Error-feedback residuals of the two-phase all-reduce, by tensor name.
+
+    ``worker[name]``: this rank's residual of the whole (padded) tensor, in the transformed
+    domain, ``(P * slice_numel,)``; ``owner[name]``: the residual of the slice this rank owns,
+    ``(slice_numel,)``. Both depend on the world size (the layout does), so a state loads
+    only into a group of the same size. Buffers and the transform's signs are caches, not
+    state.
+    """
+
+    seed: int = 0
+    world_size: int | None = None
+    worker: dict[str, torch.Tensor] = field(default_factory=dict)
+    owner: dict[str, torch.Tensor] = field(default_factory=dict)
+    # the config each residual was made under (its layout and transform), by name
+    configs: dict[str, TwoPhase] = field(default_factory=dict)
+    _signs: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict, repr=False)
+    _buffers: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def signs(self, name: str, cols: int, device: torch.device) -> torch.Tensor:
+        """The transform's seeded ±1 vector for ``name`` (the same on every rank)."""
+        key = (name, cols)
+        signs = self._signs.get(key)
+        if signs is None or signs.device != device:
+            signs = self._signs[key] = rademacher(self.seed, name, cols, device)
+        return signs
+
+    def buffer(
+        self, key: tuple[Any, ...], numel: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """The first ``numel`` elements of a zeroed buffer kept under ``key``, grown (never
+        shrunk) to the largest request, so tensors of different sizes share one scratch."""
+        kept = self._buffers.get(key)
+        if kept is None or kept.numel() < numel or kept.dtype != dtype or kept.device != device:
+            kept = self._buffers[key] = torch.zeros(numel, dtype=dtype, device=device)
+        return kept[:numel]
+
+    def release(self, name: str, numel: int, rank: int) -> torch.Tensor | None:
+        """Remove ``name``'s residuals and return what they still owe as one flat tensor of
+        ``numel`` values in the gradient's own domain, for a route that averages by a plain
+        sum / P (``auto`` moved the parameter): the worker residual, plus P times the owned
+        slice's residual at this rank's slice (the owner's residual is already averaged).
+        None when there is nothing."""
+        worker, owner = self.worker.pop(name, None), self.owner.pop(name, None)
+        config = self.configs.pop(name, None)
+        if config is None or (worker is None and owner is None):
+            return None
+        assert self.world_size is not None
+        layout = config.layout(numel, self.world_size)
+        device = worker.device if worker is not None else owner.device  # type: ignore[union-attr]
+        owed = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
+        if worker is not None:
+            owed += worker
+        if owner is not None:
+            at = rank * layout.slice_numel
+            owed[at : at + layout.slice_numel].add_(owner, alpha=layout.world_size)
+        rows = owed.view(-1, layout.cols)
+        signs = self.signs(name, layout.cols, owed.device)
+        return inverse_(rows, config.transform, signs).reshape(-1)[:numel].clone()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": _STATE_VERSION,
+            "seed": self.seed,
+            "world_size": self.world_size,
+            "worker": {k: v.detach().clone() for k, v in self.worker.items()},
+            "owner": {k: v.detach().clone() for k, v in self.owner.items()},
+            "configs": {k: dataclasses.asdict(v) for k, v in self.configs.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != _STATE_VERSION:
+            raise ConfigError(
+                f"two-phase state version {state.get('version')!r} is not supported "
+                f"(expected {_STATE_VERSION}); start without --resume"
+            )
+        saved = state["world_size"]
+        if saved is not None and self.world_size is not None and saved != self.world_size:
+            raise ConfigError(
+                f"the two-phase residuals were saved by {saved} ranks, this group has "
+                f"{self.world_size}: resume with the same number of ranks"
+            )
+        self.seed = int(state["seed"])
+        self.world_size = saved if saved is not None else self.world_size
+        self.worker = {str(k): v.clone() for k, v in state["worker"].items()}
+        self.owner = {str(k): v.clone() for k, v in state["owner"].items()}
+        self.configs = {str(k): TwoPhase(**v) for k, v in state["configs"].items()}
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """A started exchange: ``future`` completes when the all-gather is done; ``finish()``
+    then decodes every owner's slice into the tensors (call it once, after ``future``)."""
+
+    future: torch.futures.Future[Any]
+    finish: Callable[[], None]
+    bytes_sent: int  # the inputs of the two collectives: P segments, then one
+
+
+@dataclass(frozen=True)
+class _Item:
+    name: str
+    flat: torch.Tensor  # (numel,) float32, contiguous: averaged in place
+    config: TwoPhase
+    layout: SliceLayout
+    offset: int  # byte offset of this tensor's slice in a segment
+
+
+def exchange(
+    tensors: Sequence[tuple[str, torch.Tensor, TwoPhase]],
+    state: TwoPhaseState,
+    *,
+    group: dist.ProcessGroup | None,
+    error_feedback: bool,
+    generators: Generators | None = None,
+) -> Exchange:
+    """Start averaging ``(name, flat float32 tensor, config)`` across ``group`` in place.
+
+    Collective (see the module docs). ``tensors`` may be overwritten as scratch before the
+    result arrives. ``generators(key)`` draws the stochastic rounding of ``key`` (a tensor's
+    name, ``name + "/owner"`` for the owner's stage): derive it from (seed, rank, step, key)
+    for reproducible runs; None uses torch's default generator.
+    """
+    world_size = dist.get_world_size(group)
+    if state.world_size is None:
+        state.world_size = world_size
+    elif state.world_size != world_size:
+        raise ConfigError(
+            f"this two-phase state belongs to a group of {state.world_size} ranks, not {world_size}"
+        )
+    items, offset = [], 0
+    for name, flat, config in tensors:
+        if flat.dtype != torch.float32 or not flat.is_contiguous() or flat.dim() != 1:
+            raise ConfigError(f"two-phase: {name!r} must be a flat contiguous float32 tensor")
+        if state.configs.get(name, config) != config:  # another layout: send what it owes
+            owed = state.release(name, flat.numel(), dist.get_rank(group))
+            if owed is not None:
+                flat.add_(owed)
+        layout = config.layout(flat.numel(), world_size)
+        items.append(_Item(name, flat, config, layout, offset))
+        if error_feedback:
+            state.configs[name] = config
+        offset += layout.slice_bytes
+    segment = offset
+    device = tensors[0][1].device if tensors else torch.device("cpu")
+    key = tuple((i.name, i.config.spec, i.flat.numel()) for i in items)
+    send = state.buffer(("send", *key), world_size * segment, torch.uint8, device)
+    received = state.buffer(("received", *key), world_size * segment, torch.uint8, device)
+    for item in items:
+        _encode(item, state, send.view(world_size, segment), error_feedback, generators)
+    dist.all_to_all_single(received, send, group=group)
+    owned = state.buffer(("owned", *key), segment, torch.uint8, device)
+    for item in items:
+        _reduce_owned(
+            item, state, received.view(world_size, segment), owned, error_feedback, generators
+        )
+    gathered = state.buffer(("gathered", *key), world_size * segment, torch.uint8, device)
+    work = all_gather_into_tensor(gathered, owned, group=group, async_op=True)
+
+    def finish() -> None:
+        table = gathered.view(world_size, segment)
+        for item in items:
+            _decode(item, state, table, key)
+
+    return Exchange(work.get_future(), finish, send.numel() + owned.numel())
+
+
+def average_(
+    tensors: Sequence[tuple[str, torch.Tensor, TwoPhase]],
+    state: TwoPhaseState,
+    *,
+    group: dist.ProcessGroup | None = None,
+    error_feedback: bool = True,
+    generators: Generators | None = None,
+) -> int:
+    """:func:`exchange`, waited for: every tensor holds the average when it returns.
+    Returns the bytes this rank put into the two collectives."""
+    started = exchange(
+        tensors, state, group=group, error_feedback=error_feedback, generators=generators
+    )
+    then_same_threads(started.future, lambda _: started.finish()).wait()
+    return started.bytes_sent
+
+
+def _part(table: torch.Tensor, item: _Item) -> torch.Tensor:
+    """This tensor's part of every segment: ``(rows of table, slice_bytes)`` uint8 view."""
+    return table[:, item.offset : item.offset + item.layout.slice_bytes]
+
+
+def _generator(generators: Generators | None, key: str) -> torch.Generator | None:
+    return generators(key) if generators is not None else None
+
+
+def _encode(
+    item: _Item,
+    state: TwoPhaseState,
+    send: torch.Tensor,
+    error_feedback: bool,
+    generators: Generators | None,
+) -> None:
+    """Worker side: compensate, transform, quantise; write slice j into segment j."""
+    layout, config, name = item.layout, item.config, item.name
+    if layout.padded_numel == layout.numel and config.transform == "none":
+        x = item.flat  # NOTE: in place: the caller's tensor is overwritten by the average
+    else:
+        # NOTE: one scratch for every tensor's encode and owner stage: they run one after
+        # another on the caller's thread; decodes may run on the backend's thread meanwhile,
+        # so they have their own (per exchange, see _decode).
+        x = state.buffer(("encode",), layout.padded_numel, torch.float32, item.flat.device)
+        x[: layout.numel].copy_(item.flat)
+        x[layout.numel :].zero_()
+    rows = x.view(-1, layout.cols)  # (P * rows, cols)
+    if config.transform != "none":
+        rows = forward_(rows, config.transform, state.signs(name, layout.cols, x.device))
+    residual = state.worker.get(name) if error_feedback else None
+    if residual is not None:
+        rows.add_(residual.view_as(rows))
+    finite = all_finite(rows)
+    part = _part(send, item)
+    if config.bits == 32:
+        part.view(torch.float32).copy_(rows.view(layout.world_size, layout.slice_numel))
+        return
+    if not finite:  # NaN scales: the tensor decodes to NaN everywhere (codes are harmless)
+        rows.zero_()
+    codes, scales = quantize_rows(
+        rows, bits=config.bits, rounding=config.rounding, generator=_generator(generators, name)
+    )
+    if not finite:
+        scales.fill_(float("nan"))
+    world_size = layout.world_size
+    write_rows(
+        codes.view(world_size, layout.rows, layout.cols),
+        scales.view(world_size, layout.rows),
+        bits=config.bits,
+        out=part,
+    )
+    if error_feedback and finite:
+        if residual is None or residual.numel() != layout.padded_numel:
+            residual = state.worker[name] = torch.empty(layout.padded_numel, device=x.device)
+        error = dequantize_rows(codes, scales, bits=config.bits, out=residual.view_as(rows))
+        torch.sub(rows, error, out=error)  # new residual = compensated - decoded
+
+
+def _reduce_owned(
+    item: _Item,
+    state: TwoPhaseState,
+    received: torch.Tensor,
+    owned: torch.Tensor,
+    error_feedback: bool,
+    generators: Generators | None,
+) -> None:
+    """Owner side: average the P copies of this rank's slice, compensate, re-quantise."""
+    layout, config, name = item.layout, item.config, item.name
+    world_size, device = layout.world_size, received.device
+    copies = state.buffer(("encode",), layout.padded_numel, torch.float32, device)
+    parts = _part(received, item)
+    if config.bits == 32:
+        copies.view(world_size, -1).copy_(parts.view(torch.float32))
+    else:
+        read_rows(
+            parts, layout.rows, layout.cols, bits=config.bits, out=copies.view(-1, layout.cols)
+        )
+    average = copies.view(world_size, layout.slice_numel).sum(dim=0).div_(world_size)
+    residual = state.owner.get(name) if error_feedback else None
+    if residual is not None:
+        average.add_(residual)
+    out = owned[item.offset : item.offset + layout.slice_bytes].view(1, -1)
+    if config.bits == 32:
+        out.view(torch.float32).copy_(average.view(1, -1))
+        return
+    finite = all_finite(average)
+    rows = average.view(layout.rows, layout.cols)
+    if not finite:
+        rows.zero_()
+    codes, scales = quantize_rows(
+        rows,
+        bits=config.bits,
+        rounding=config.rounding,
+        generator=_generator(generators, name + "/owner"),
+    )
+    if not finite:
+        scales.fill_(float("nan"))
+    write_rows(
+        codes.view(1, layout.rows, layout.cols), scales.view(1, -1), bits=config.bits, out=out
+    )
+    if error_feedback and finite:
+        if residual is None or residual.numel() != layout.slice_numel:
+            residual = state.owner[name] = torch.empty(layout.slice_numel, device=device)
+        error = dequantize_rows(codes, scales, bits=config.bits, out=residual.view_as(rows))
+        torch.sub(rows, error, out=error)
+
+
+def _decode(item: _Item, state: TwoPhaseState, table: torch.Tensor, key: tuple[Any, ...]) -> None:
+    """Every rank: decode every owner's slice, undo the transform, write the average."""
+    layout, config, name = item.layout, item.config, item.name
+    parts = _part(table, item)
+    in_place = layout.padded_numel == layout.numel and config.transform == "none"
+    if in_place:
+        x = item.flat
+    else:
+        x = state.buffer(("decode", *key), layout.padded_numel, torch.float32, item.flat.device)
+    rows = x.view(-1, layout.cols)
+    if config.bits == 32:
+        x.view(layout.world_size, -1).copy_(parts.view(torch.float32))
+    else:
+        read_rows(parts, layout.rows, layout.cols, bits=config.bits, out=rows)
+    if config.transform != "none":
+        rows = inverse_(rows, config.transform, state.signs(name, layout.cols, x.device))
+    if not in_place:
+        item.flat.copy_(rows.reshape(-1)[: layout.numel])
