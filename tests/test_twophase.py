@@ -11,12 +11,13 @@ import torch
 import torch.distributed as dist
 
 from distributed import shared_ranks
+from superneurons.codecs.coding.bitpack import pack_bits
 from superneurons.codecs.coding.chunkquant import (
     dequantize_rows,
     quantize_rows,
     quantized_bytes,
     read_rows,
-    write_rows,
+    write_rows_,
 )
 from superneurons.codecs.coding.orthogonal import forward_, inverse_, rademacher
 from superneurons.codecs.twophase import TwoPhase
@@ -60,15 +61,20 @@ def test_write_read_round_trip_through_strided_segments() -> None:
     x = torch.randn(3 * 5, 24)
     for bits in (1, 2, 4, 8):
         codes, scales = quantize_rows(x, bits=bits, rounding="nearest")
+        decoded = dequantize_rows(codes, scales, bits=bits)
+        original = codes.clone()  # write_rows_ packs in place
         nbytes = quantized_bytes(5, 24, bits)
         width = 8 + -(-nbytes // 4) * 4 + 4  # other parts around it, rows 4-byte aligned
         message = torch.zeros(3, width, dtype=torch.uint8)
-        write_rows(
+        write_rows_(
             codes.view(3, 5, 24), scales.view(3, 5), bits=bits, out=message[:, 8 : 8 + nbytes]
         )
         out = torch.empty(15, 24)
         read_rows(message[:, 8 : 8 + nbytes], 5, 24, bits=bits, out=out)
-        assert torch.equal(out, dequantize_rows(codes, scales, bits=bits))
+        assert torch.equal(out, decoded)
+        for block in range(3):  # the byte-operation packing is bitpack's layout
+            expected = pack_bits(original.view(3, -1)[block], bits)
+            assert torch.equal(message[block, 8 + 4 * 5 : 8 + nbytes], expected)
         assert int(message[:, :8].sum()) == 0 and int(message[:, 8 + nbytes :].sum()) == 0
 
 
@@ -193,9 +199,8 @@ def _transport_cases(rank: int, world_size: int) -> dict[str, Any]:
         (world_size + 1) * segment,
         config.message_bytes(list(_SIZES), world_size),
     )
-    out["buffers"] = sorted(
-        t.numel() for k, t in state._buffers.items() if k[0] != "encode" and k[0] != "decode"
-    )
+    wire = ("send", "received", "owned", "gathered")  # what the collectives move
+    out["buffers"] = sorted(t.numel() for k, t in state._buffers.items() if k[0] in wire)
     out["segment"] = segment
     # 3. error feedback at both stages, carried across steps; identical results on every rank
     for spec in (

@@ -35,9 +35,8 @@ from superneurons.codecs.coding.chunkquant import (
     dequantize_rows,
     quantize_rows,
     read_rows,
-    write_rows,
+    write_rows_,
 )
-from superneurons.codecs.coding.finite import all_finite
 from superneurons.codecs.coding.orthogonal import forward_, inverse_, rademacher
 from superneurons.codecs.twophase import SliceLayout, TwoPhase
 from superneurons.compat import all_gather_into_tensor
@@ -244,6 +243,46 @@ def _generator(generators: Generators | None, key: str) -> torch.Generator | Non
     return generators(key) if generators is not None else None
 
 
+def _quantize(
+    rows: torch.Tensor, item: _Item, state: TwoPhaseState, *, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Codes and scales of ``rows`` in the shared scratch, and whether ``rows`` was finite.
+
+    NOTE: the per-chunk scales are maxima (or L1 norms) that NaN and ±inf propagate into, so
+    they say whether every value was finite without another pass. When one was not, every
+    scale is NaN (the tensor decodes to NaN on every rank) and the codes are zeros.
+    """
+    numel, device = rows.numel(), rows.device
+    codes, scales = quantize_rows(
+        rows,
+        bits=item.config.bits,
+        rounding=item.config.rounding,
+        generator=generator,
+        codes=state.buffer(("codes",), numel, torch.uint8, device),
+        work=state.buffer(("work",), numel, torch.float32, device),
+    )
+    finite = bool(torch.isfinite(scales).all())
+    if not finite:
+        scales.fill_(float("nan"))
+        codes.zero_()
+    return codes, scales, finite
+
+
+def _keep_error(
+    store: dict[str, torch.Tensor],
+    item: _Item,
+    rows: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+) -> None:
+    """``store[name] = rows - decode(codes, scales)``, in the old residual's storage."""
+    residual = store.get(item.name)
+    if residual is None or residual.numel() != rows.numel():
+        residual = store[item.name] = torch.empty(rows.numel(), device=rows.device)
+    error = dequantize_rows(codes, scales, bits=item.config.bits, out=residual.view_as(rows))
+    torch.sub(rows, error, out=error)
+
+
 def _encode(
     item: _Item,
     state: TwoPhaseState,
@@ -256,10 +295,10 @@ def _encode(
     if layout.padded_numel == layout.numel and config.transform == "none":
         x = item.flat  # NOTE: in place: the caller's tensor is overwritten by the average
     else:
-        # NOTE: one scratch for every tensor's encode and owner stage: they run one after
+        # NOTE: scratch shared by every tensor's encode and owner stage: they run one after
         # another on the caller's thread; decodes may run on the backend's thread meanwhile,
         # so they have their own (per exchange, see _decode).
-        x = state.buffer(("encode",), layout.padded_numel, torch.float32, item.flat.device)
+        x = state.buffer(("x",), layout.padded_numel, torch.float32, item.flat.device)
         x[: layout.numel].copy_(item.flat)
         x[layout.numel :].zero_()
     rows = x.view(-1, layout.cols)  # (P * rows, cols)
@@ -268,30 +307,20 @@ def _encode(
     residual = state.worker.get(name) if error_feedback else None
     if residual is not None:
         rows.add_(residual.view_as(rows))
-    finite = all_finite(rows)
     part = _part(send, item)
-    if config.bits == 32:
-        part.view(torch.float32).copy_(rows.view(layout.world_size, layout.slice_numel))
-        return
-    if not finite:  # NaN scales: the tensor decodes to NaN everywhere (codes are harmless)
-        rows.zero_()
-    codes, scales = quantize_rows(
-        rows, bits=config.bits, rounding=config.rounding, generator=_generator(generators, name)
-    )
-    if not finite:
-        scales.fill_(float("nan"))
     world_size = layout.world_size
-    write_rows(
+    if config.bits == 32:  # NaN and ±inf travel as they are
+        part.view(torch.float32).copy_(rows.view(world_size, layout.slice_numel))
+        return
+    codes, scales, finite = _quantize(rows, item, state, generator=_generator(generators, name))
+    if error_feedback and finite:
+        _keep_error(state.worker, item, rows, codes, scales)
+    write_rows_(
         codes.view(world_size, layout.rows, layout.cols),
         scales.view(world_size, layout.rows),
         bits=config.bits,
         out=part,
     )
-    if error_feedback and finite:
-        if residual is None or residual.numel() != layout.padded_numel:
-            residual = state.worker[name] = torch.empty(layout.padded_numel, device=x.device)
-        error = dequantize_rows(codes, scales, bits=config.bits, out=residual.view_as(rows))
-        torch.sub(rows, error, out=error)  # new residual = compensated - decoded
 
 
 def _reduce_owned(
@@ -305,15 +334,22 @@ def _reduce_owned(
     """Owner side: average the P copies of this rank's slice, compensate, re-quantise."""
     layout, config, name = item.layout, item.config, item.name
     world_size, device = layout.world_size, received.device
-    copies = state.buffer(("encode",), layout.padded_numel, torch.float32, device)
+    copies = state.buffer(("copies",), layout.padded_numel, torch.float32, device)
     parts = _part(received, item)
     if config.bits == 32:
         copies.view(world_size, -1).copy_(parts.view(torch.float32))
     else:
+        codes = state.buffer(("codes",), layout.padded_numel, torch.uint8, device)
         read_rows(
-            parts, layout.rows, layout.cols, bits=config.bits, out=copies.view(-1, layout.cols)
+            parts,
+            layout.rows,
+            layout.cols,
+            bits=config.bits,
+            out=copies.view(-1, layout.cols),
+            codes=codes,
         )
-    average = copies.view(world_size, layout.slice_numel).sum(dim=0).div_(world_size)
+    average = state.buffer(("average",), layout.slice_numel, torch.float32, device)
+    torch.sum(copies.view(world_size, layout.slice_numel), dim=0, out=average).div_(world_size)
     residual = state.owner.get(name) if error_feedback else None
     if residual is not None:
         average.add_(residual)
@@ -321,42 +357,31 @@ def _reduce_owned(
     if config.bits == 32:
         out.view(torch.float32).copy_(average.view(1, -1))
         return
-    finite = all_finite(average)
     rows = average.view(layout.rows, layout.cols)
-    if not finite:
-        rows.zero_()
-    codes, scales = quantize_rows(
-        rows,
-        bits=config.bits,
-        rounding=config.rounding,
-        generator=_generator(generators, name + "/owner"),
-    )
-    if not finite:
-        scales.fill_(float("nan"))
-    write_rows(
+    generator = _generator(generators, name + "/owner")
+    codes, scales, finite = _quantize(rows, item, state, generator=generator)
+    if error_feedback and finite:
+        _keep_error(state.owner, item, rows, codes, scales)
+    write_rows_(
         codes.view(1, layout.rows, layout.cols), scales.view(1, -1), bits=config.bits, out=out
     )
-    if error_feedback and finite:
-        if residual is None or residual.numel() != layout.slice_numel:
-            residual = state.owner[name] = torch.empty(layout.slice_numel, device=device)
-        error = dequantize_rows(codes, scales, bits=config.bits, out=residual.view_as(rows))
-        torch.sub(rows, error, out=error)
 
 
 def _decode(item: _Item, state: TwoPhaseState, table: torch.Tensor, key: tuple[Any, ...]) -> None:
     """Every rank: decode every owner's slice, undo the transform, write the average."""
     layout, config, name = item.layout, item.config, item.name
-    parts = _part(table, item)
+    parts, device = _part(table, item), item.flat.device
     in_place = layout.padded_numel == layout.numel and config.transform == "none"
     if in_place:
         x = item.flat
     else:
-        x = state.buffer(("decode", *key), layout.padded_numel, torch.float32, item.flat.device)
+        x = state.buffer(("decode", *key), layout.padded_numel, torch.float32, device)
     rows = x.view(-1, layout.cols)
     if config.bits == 32:
         x.view(layout.world_size, -1).copy_(parts.view(torch.float32))
     else:
-        read_rows(parts, layout.rows, layout.cols, bits=config.bits, out=rows)
+        codes = state.buffer(("decode codes", *key), layout.padded_numel, torch.uint8, device)
+        read_rows(parts, layout.rows, layout.cols, bits=config.bits, out=rows, codes=codes)
     if config.transform != "none":
         rows = inverse_(rows, config.transform, state.signs(name, layout.cols, x.device))
     if not in_place:
