@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -68,7 +69,7 @@ def test_loopback_run_records_and_artifacts(tmp_path: Path) -> None:
     assert {p.name for p in paths} == {"network.json", "network.md", "network.png"}
     body = json.loads((tmp_path / "network.json").read_text())
     assert body["records"][1]["codec"] == "torch-fp16" and "environment" in body
-    assert "| loopback | mlp | torch-fp16 |" in (tmp_path / "network.md").read_text()
+    assert "| loopback | 2 | mlp | torch-fp16 |" in (tmp_path / "network.md").read_text()
 
 
 @pytest.mark.slow
@@ -85,6 +86,33 @@ def test_shaped_run_between_namespaces() -> None:
     assert 50e6 < record["measured_link_bit_s"] < 101e6
 
 
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.netns
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("tc") is None, reason="needs root with ip and tc"
+)
+def test_bytes_received_per_rank_are_measured_on_each_ranks_interface() -> None:
+    """2 and 3 ranks (a direct veth pair, then a bridge): the interface counters see what the
+    transports move per rank: a ring all-reduce 2 (P-1)/P of 4 bytes per value, the two-phase
+    exchange about 2 (P-1)/P of its segment per owner, both plus TCP/IP headers."""
+    codecs = ("dense", "twophase:bits=8,chunk=64")
+    config = _tiny(bandwidths_bit_s=(1_000_000_000,), codecs=codecs, shaping=True, nprocs=(2, 3))
+    config = dataclasses.replace(config, measure_link=False)
+    records = run_network_bench(config, progress=lambda _msg: None)
+    numel = sum(p.numel() for p in build_model("mlp", **TINY["mlp"]).parameters())
+    assert [(r["nproc"], r["codec"]) for r in records] == [(p, c) for p in (2, 3) for c in codecs]
+    for record in records:
+        assert record["status"] == "ok", record.get("error")
+        p = record["nproc"]
+        ring = 2 * (p - 1) / p * 4 * numel  # dense: what each rank receives
+        received = record["bytes_received_per_rank"]
+        if record["codec"] == "dense":
+            assert ring < received < 1.3 * ring + 20_000  # headers, the barriers' bytes
+        else:
+            assert received < ring / 2  # 8 bits: a quarter of fp32 each way, plus scales
+
+
 def test_unknown_codec_fails_before_any_rank_starts() -> None:
     with pytest.raises(ConfigError):
         _tiny(codecs=("dense", "no-such-codec"))
@@ -98,7 +126,7 @@ def test_failed_codec_is_recorded_and_fresh_ranks_run_the_rest(
         ("mean_step_s", "compute_step_s", "bytes_per_step", "first_loss", "last_loss"), 1.0
     )
 
-    def fake_ranks(config, link, model, codecs, workdir):  # type: ignore[no-untyped-def]
+    def fake_ranks(config, link, nproc, model, codecs, workdir):  # type: ignore[no-untyped-def]
         calls.append(codecs)
         if "torch-fp16" in codecs:  # the ranks finish dense, then die on torch-fp16
             return [
@@ -170,7 +198,9 @@ def test_bad_cli_input_is_one_line_error(capsys: pytest.CaptureFixture[str]) -> 
     assert main(["bench", "network", "--bandwidth", "fast", "--out", "x"]) == 2
     assert "cannot parse bandwidth" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="nproc"):
-        _tiny(nproc=1)
+        _tiny(nprocs=(1,))
+    assert main(["bench", "network", "--nproc", "2,x", "--no-shaping", "--out", "x"]) == 2
+    assert "--nproc takes world sizes" in capsys.readouterr().err
 
 
 def test_from_partial_writes_artifacts_of_an_interrupted_run(tmp_path: Path) -> None:

@@ -15,7 +15,10 @@ ops 30-50x slower here, CONTEXT section 4), joins a gloo group over the shaped l
 Rank 0 appends one JSON line per finished codec to ``out``, so a crash or hang in one codec
 loses nothing measured before it (the parent restarts the ranks for the codecs after it). Bytes per step come from the hook's counter where
 the hook keeps one, otherwise from the analytic volume of a ring all-reduce (stated in the
-record's ``bytes_source``).
+record's ``bytes_source``). Inside a network namespace every rank also reads its own
+interface's byte counters (``/proc/net/dev``, which shows the namespace's interfaces) around
+the timed steps: ``bytes_received_per_rank`` is what the wire delivered to a rank per step
+(the mean over ranks; payload plus TCP/IP headers), measured, not computed from sizes.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -215,6 +219,44 @@ def _bytes_counter(state: Any) -> int | None:
     return None
 
 
+def interface_bytes(ifname: str) -> tuple[int, int] | None:
+    """``(received, sent)`` bytes so far on ``ifname`` in this network namespace, or None for
+    loopback (every rank shares it, so it cannot tell one rank's bytes) or an unknown name."""
+    if not ifname or ifname == "lo":
+        return None
+    try:
+        lines = Path("/proc/net/dev").read_text(encoding="ascii").splitlines()[2:]
+    except OSError:
+        return None
+    for line in lines:
+        name, _, fields = line.partition(":")
+        if name.strip() == ifname:
+            values = fields.split()
+            return int(values[0]), int(values[8])  # rx_bytes, tx_bytes
+    return None
+
+
+def _wire_bytes_per_rank(before: tuple[int, int] | None, steps: int) -> dict[str, Any]:
+    """Every rank's interface bytes per step since ``before``, agreed by an all-gather (so rank
+    0 can write them): mean and max received and sent, or Nones on loopback."""
+    after = interface_bytes(os.environ.get("GLOO_SOCKET_IFNAME", ""))
+    mine = [-1.0, -1.0]
+    if before is not None and after is not None:
+        mine = [(after[0] - before[0]) / steps, (after[1] - before[1]) / steps]
+    gathered = [torch.zeros(2, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, torch.tensor(mine, dtype=torch.float64))
+    received = [float(t[0]) for t in gathered]
+    sent = [float(t[1]) for t in gathered]
+    if min(received) < 0:
+        return {"bytes_received_per_rank": None, "bytes_received_max_rank": None,
+                "bytes_sent_wire_per_rank": None}  # fmt: skip
+    return {
+        "bytes_received_per_rank": sum(received) / len(received),
+        "bytes_received_max_rank": max(received),
+        "bytes_sent_wire_per_rank": sum(sent) / len(sent),
+    }
+
+
 def run_worker(config: WorkerConfig) -> None:
     """Run this rank: join the group, measure every codec, leave the group."""
     torch.set_num_threads(1)
@@ -302,9 +344,11 @@ def _run_codec(
         profiler = cProfile.Profile()
         profiler.enable()
     each: list[tuple[float, float]] = []
+    wire_before = interface_bytes(os.environ.get("GLOO_SOCKET_IFNAME", ""))
     step_s, cpu_s, last_loss = _timed_steps(
         ddp, optimizer, batches, config.steps, loss_fn=loss_fn, sync=dist.barrier, each=each
     )
+    wire = _wire_bytes_per_rank(wire_before, config.steps)
     if profiler is not None:
         profiler.disable()
         name = f"{config.model}-{codec}-{time.time_ns()}.prof".replace(":", "_")
@@ -327,6 +371,7 @@ def _run_codec(
         "cpu_step_s_each": [round(cpu, 4) for _, cpu in each],
         "bytes_per_step": bytes_per_step,
         "bytes_source": source,
+        **wire,
         "ddp_bucket_cap_mb": bucket_cap_mb or 25,
         "first_loss": first_loss,
         "last_loss": last_loss,

@@ -43,7 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated link rates (tc syntax: 10mbit, 100mbit, 1gbit) or 'loopback' "
         "(unshaped, host namespace); default %(default)s",
     )
-    parser.add_argument("--nproc", type=int, default=2, help="ranks, one namespace each")
+    parser.add_argument(
+        "--nproc",
+        default="2",
+        help="ranks, one namespace each; a comma-separated list (2,4,8) measures every world "
+        "size in turn (more than 2 ranks join a shaped bridge); default %(default)s",
+    )
     parser.add_argument(
         "--models",
         default=None,
@@ -107,7 +112,7 @@ def _config(args: argparse.Namespace) -> NetworkBenchConfig:
     steps = args.steps if args.steps is not None else (3 if args.quick else 5)
     return NetworkBenchConfig(
         bandwidths_bit_s=bandwidths,
-        nproc=args.nproc,
+        nprocs=parse_nprocs(args.nproc),
         models={name: dict(DEFAULT_MODELS[name]) for name in model_names},
         codecs=tuple(c.strip() for c in codecs if c.strip()),
         batch_size=args.batch_size,
@@ -117,6 +122,17 @@ def _config(args: argparse.Namespace) -> NetworkBenchConfig:
         shaping=not args.no_shaping,
         data=args.data,
     )
+
+
+def parse_nprocs(text: str) -> tuple[int, ...]:
+    """``"2,4,8"`` -> ``(2, 4, 8)`` (a ConfigError that says what to write otherwise)."""
+    try:
+        values = tuple(int(part) for part in str(text).split(",") if part.strip())
+    except ValueError:
+        raise ConfigError(f"--nproc takes world sizes such as 2 or 2,4,8, got {text!r}") from None
+    if not values:
+        raise ConfigError("--nproc needs at least one world size, e.g. --nproc 2")
+    return values
 
 
 def run(args: argparse.Namespace) -> int:
@@ -167,7 +183,9 @@ def run(args: argparse.Namespace) -> int:
 def summary_lines(records: Sequence[dict[str, Any]]) -> list[str]:
     """The targets (FFT >= 4x dense and >= torch-powersgd at 100 Mbit/s, >= 1.5x at 1 Gbit/s,
     on the FC-heavy model) checked against the measurements."""
-    by_key = {(r["bandwidth"], r["model"], r["codec"]): r for r in records}
+    by_key = {
+        (r["bandwidth"], r["model"], r["codec"]): r for r in records if r.get("nproc", 2) == 2
+    }
     lines = []
     for bandwidth, target in (("100mbit", 4.0), ("1gbit", 1.5)):
         fft = by_key.get((bandwidth, "fc-heavy", "fft"))
@@ -191,9 +209,10 @@ def summary_lines(records: Sequence[dict[str, Any]]) -> list[str]:
 
 
 _COLUMNS = (
-    "bandwidth", "model", "codec", "data", "mean_step_s", "predicted_train_step_s",
-    "speedup_vs_dense", "compute_step_s", "wire_s_est", "other_s", "cpu_step_s", "idle_step_s_est", "idle_speedup_est",
-    "bytes_per_step", "bytes_source", "status",
+    "bandwidth", "nproc", "model", "codec", "data", "mean_step_s", "predicted_train_step_s",
+    "speedup_vs_dense", "compute_step_s", "comm_s", "wire_s_est", "other_s", "cpu_step_s",
+    "idle_step_s_est", "idle_speedup_est", "bytes_per_step", "bytes_source",
+    "bytes_received_per_rank", "status",
 )  # fmt: skip
 
 
@@ -212,7 +231,9 @@ def write_artifacts(
     )
     body = (
         (f"**{note}**\n\n" if note else "")
-        + f"{config.nproc} ranks, one thread each, gloo over veth links shaped with tbf; "
+        + f"{', '.join(map(str, config.nprocs))} ranks, one thread each, gloo over veth links "
+        "shaped with tbf (more than 2 ranks: one veth per rank into a bridge, both ends "
+        "shaped); "
         f"batch {config.batch_size} per rank; {config.warmup_steps} warm-up steps excluded "
         "(`auto`: every step up to its decision; each record's `warmup_steps`), "
         f"mean of {config.steps} timed steps. `bytes_per_step`: bytes one rank sends per step "
@@ -254,16 +275,21 @@ def _load_note(records: Sequence[dict[str, Any]]) -> str:
 
 def _plot(records: Sequence[dict[str, Any]], path: Path, plt: Any) -> Path:
     models = list(dict.fromkeys(r["model"] for r in records))
-    bandwidths = list(dict.fromkeys(r["bandwidth"] for r in records))
+    several = len({r.get("nproc", 2) for r in records}) > 1
+
+    def series(record: dict[str, Any]) -> str:
+        return (
+            f"{record['bandwidth']}, P={record.get('nproc', 2)}" if several else record["bandwidth"]
+        )
+
+    bandwidths = list(dict.fromkeys(series(r) for r in records))
     codecs = list(dict.fromkeys(r["codec"] for r in records))
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     width = 0.8 / max(len(bandwidths), 1)
     for ax, model in zip(axes[0], models, strict=True):
         for b, bandwidth in enumerate(bandwidths):
             rows = {
-                r["codec"]: r
-                for r in records
-                if r["model"] == model and r["bandwidth"] == bandwidth
+                r["codec"]: r for r in records if r["model"] == model and series(r) == bandwidth
             }
             heights = [rows.get(c, {}).get("mean_step_s") or 0.0 for c in codecs]
             xs = [i + (b - (len(bandwidths) - 1) / 2) * width for i in range(len(codecs))]
