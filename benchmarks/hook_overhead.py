@@ -108,9 +108,10 @@ def main() -> int:
         }
         with open(args.out, "w") as f:
             json.dump(record, f, indent=2)
-    dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from superneurons.train.rank import exit_rank
+
+    exit_rank(main())  # barrier, destroy, exit without racing gloo's threads

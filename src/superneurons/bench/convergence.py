@@ -53,6 +53,7 @@ from superneurons.bench.convergence_labels import (
 )
 from superneurons.errors import ConfigError
 from superneurons.train.launch import free_port
+from superneurons.train.rank import exit_rank, leave_process_group
 
 __all__ = [
     "CONVERGENCE_CODECS",
@@ -329,8 +330,10 @@ def _rank_main(
                 if rank == 0:
                     with open(out, "a", encoding="utf-8") as handle:
                         handle.write(json.dumps(record) + "\n")
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        leave_process_group(barrier=False)  # the spawner reports the traceback
+        raise
+    exit_rank(0)  # this function is the rank's whole process (spawned, or _shaped_rank)
 
 
 def run_convergence_bench(

@@ -41,6 +41,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from superneurons.errors import ConfigError
+from superneurons.train.rank import exit_rank, leave_process_group
 
 __all__ = ["WorkerConfig", "analytic_bytes_per_step", "main", "run_worker"]
 
@@ -267,10 +268,12 @@ def run_worker(config: WorkerConfig) -> None:
         world_size=config.world_size,
         timeout=timedelta(seconds=config.timeout_s),
     )
+    finished = False
     try:
         _run(config)
-    finally:
-        dist.destroy_process_group()
+        finished = True
+    finally:  # NOTE: no barrier after a failure: a peer may never arrive
+        leave_process_group(barrier=finished)
 
 
 def _run(config: WorkerConfig) -> None:
@@ -391,4 +394,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
+    exit_rank(0)  # an error above exits 1 with its traceback; see exit_rank for why

@@ -169,7 +169,9 @@ def run(args: argparse.Namespace) -> int:
         _say_backend(nproc, config.backend, first=os.environ["LOCAL_RANK"] == "0")
 
         train(config)
-        return 0
+        from superneurons.train.rank import exit_rank
+
+        exit_rank(0)  # a rank's process ends here (an abort at exit otherwise: see exit_rank)
     _say_backend(launch.nproc, config.backend, first=True)  # before any rank starts
     config_path = config.save(Path(config.out_dir) / "config.json")
     status = run_torchrun(launch, config_path)
