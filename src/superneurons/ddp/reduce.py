@@ -42,7 +42,7 @@ from superneurons.ddp.callbacks import then_same_threads
 from superneurons.ddp.powersgd import PowerSGDState, powersgd_reduce
 from superneurons.ddp.rowblocks import RowBlock, decide_rows, gather_row_counts
 from superneurons.ddp.state import CompressionState, WireBuffers
-from superneurons.ddp.twophase import TwoPhaseState, exchange
+from superneurons.ddp.twophase import release_twophase, twophase_reduce
 
 __all__ = ["reduce_bucket"]
 
@@ -112,7 +112,7 @@ def reduce_bucket(
     finishers: list[Callable[[], None]] = []
 
     if state.twophase is not None and state.twophase.configs:  # a route left two-phase
-        _release_twophase(
+        release_twophase(
             state, pieces, [i for i, r in enumerate(routes) if not isinstance(r, TwoPhase)]
         )
     rows: list[RowBlock] = []
@@ -120,7 +120,7 @@ def reduce_bucket(
         rows = decide_rows(state, pieces, routes, gather_row_counts(state, pieces))
     in_rows = {block.index for block in rows}
     if rows and state.twophase is not None:
-        _release_twophase(state, pieces, sorted(in_rows))
+        release_twophase(state, pieces, sorted(in_rows))
 
     kinds = [_kind(r) if i not in in_rows else "rows" for i, r in enumerate(routes)]
     # 1. plain fp32 all-reduce (dense routes, identity)
@@ -146,7 +146,7 @@ def reduce_bucket(
     # 4. the two-phase routes: ONE all-to-all (waited for), ONE all-gather
     two = [i for i, k in enumerate(kinds) if k == "twophase"]
     if two:
-        futures.append(_twophase_reduce(state, pieces, routes, two, finishers))
+        futures.append(twophase_reduce(state, pieces, routes, two, finishers))
 
     # 5. one all-gather: every gathered payload and row block
     gathered = [i for i, k in enumerate(kinds) if k == "gathered"]
@@ -397,51 +397,3 @@ def _gathered_reduce(
 
     finishers.append(decode)
     return work.get_future()  # type: ignore[no-any-return]
-
-
-def _release_twophase(state: CompressionState, pieces: list[Piece], indices: Sequence[int]) -> None:
-    """What two-phase residuals still owe, moved to ``state.residuals`` for the route that
-    now carries those parameters (``auto`` moved them)."""
-    assert state.twophase is not None
-    for i in indices:
-        piece = pieces[i]
-        owed = state.twophase.release(piece.name, piece.flat.numel(), state.rank)
-        if owed is not None:
-            held = state.residuals.get(piece.name)
-            state.residuals[piece.name] = owed if held is None else held + owed
-
-
-def _twophase_reduce(
-    state: CompressionState,
-    pieces: list[Piece],
-    routes: list[Route],
-    indices: list[int],
-    finishers: list[Callable[[], None]],
-) -> Future:
-    """Every two-phase parameter of the bucket in one exchange (:func:`.twophase.exchange`):
-    error feedback by :class:`TwoPhaseState`, keyed by parameter name."""
-    if state.twophase is None:
-        state.twophase = TwoPhaseState(seed=state.seed, world_size=state.world_size)
-    tensors = []
-    for i in indices:
-        piece = pieces[i]
-        flat = _compensate(state, piece)  # a residual another route left: sent now
-        state.residuals.pop(piece.name, None)
-        tensors.append((piece.name, flat, typing.cast(TwoPhase, routes[i])))
-    started = exchange(
-        tensors,
-        state.twophase,
-        group=state.process_group,
-        error_feedback=state.pipeline.error_feedback,
-        generators=state.generator_for,
-    )
-    state.count(sent_bytes=started.bytes_sent, dense_bytes=0)
-
-    def finish() -> None:
-        started.finish()
-        for i, (_, flat, _) in zip(indices, tensors, strict=True):
-            if flat is not pieces[i].flat:  # a bucket of another dtype: written back
-                pieces[i].flat.copy_(flat)
-
-    finishers.append(finish)
-    return started.future

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from superneurons.ddp.powersgd import PowerSGDState
-from superneurons.ddp.twophase import TwoPhaseState
+from superneurons.ddp.twophase_state import TwoPhaseState
 from superneurons.errors import ConfigError
 from superneurons.schemes.compose import Base, Compression, Pipeline
 

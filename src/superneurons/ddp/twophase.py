@@ -23,10 +23,9 @@ every rank; residuals are only updated from finite values.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -37,106 +36,29 @@ from superneurons.codecs.coding.chunkquant import (
     read_rows,
     write_rows_,
 )
-from superneurons.codecs.coding.orthogonal import forward_, inverse_, rademacher
+from superneurons.codecs.coding.orthogonal import forward_, inverse_
 from superneurons.codecs.twophase import SliceLayout, TwoPhase
 from superneurons.compat import all_gather_into_tensor
 from superneurons.ddp.callbacks import then_same_threads
+from superneurons.ddp.twophase_state import TwoPhaseState
 from superneurons.errors import ConfigError
 
-__all__ = ["Exchange", "TwoPhaseState", "average_", "exchange"]
+if TYPE_CHECKING:
+    from superneurons.ddp.bucket import Piece, Route
+    from superneurons.ddp.state import CompressionState
 
-_STATE_VERSION = 1
+Future = torch.futures.Future[Any]
+
+__all__ = [
+    "Exchange",
+    "TwoPhaseState",
+    "average_",
+    "exchange",
+    "release_twophase",
+    "twophase_reduce",
+]
+
 Generators = Callable[[str], torch.Generator]
-
-
-@dataclass
-class TwoPhaseState:
-    """Error-feedback residuals of the two-phase all-reduce, by tensor name.
-
-    ``worker[name]``: this rank's residual of the whole (padded) tensor, in the transformed
-    domain, ``(P * slice_numel,)``; ``owner[name]``: the residual of the slice this rank owns,
-    ``(slice_numel,)``. Both depend on the world size (the layout does), so a state loads
-    only into a group of the same size. Buffers and the transform's signs are caches, not
-    state.
-    """
-
-    seed: int = 0
-    world_size: int | None = None
-    worker: dict[str, torch.Tensor] = field(default_factory=dict)
-    owner: dict[str, torch.Tensor] = field(default_factory=dict)
-    # the config each residual was made under (its layout and transform), by name
-    configs: dict[str, TwoPhase] = field(default_factory=dict)
-    _signs: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict, repr=False)
-    _buffers: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict, repr=False)
-
-    def signs(self, name: str, cols: int, device: torch.device) -> torch.Tensor:
-        """The transform's seeded ±1 vector for ``name`` (the same on every rank)."""
-        key = (name, cols)
-        signs = self._signs.get(key)
-        if signs is None or signs.device != device:
-            signs = self._signs[key] = rademacher(self.seed, name, cols, device)
-        return signs
-
-    def buffer(
-        self, key: tuple[Any, ...], numel: int, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        """The first ``numel`` elements of a zeroed buffer kept under ``key``, grown (never
-        shrunk) to the largest request, so tensors of different sizes share one scratch."""
-        kept = self._buffers.get(key)
-        if kept is None or kept.numel() < numel or kept.dtype != dtype or kept.device != device:
-            kept = self._buffers[key] = torch.zeros(numel, dtype=dtype, device=device)
-        return kept[:numel]
-
-    def release(self, name: str, numel: int, rank: int) -> torch.Tensor | None:
-        """Remove ``name``'s residuals and return what they still owe as one flat tensor of
-        ``numel`` values in the gradient's own domain, for a route that averages by a plain
-        sum / P (``auto`` moved the parameter): the worker residual, plus P times the owned
-        slice's residual at this rank's slice (the owner's residual is already averaged).
-        None when there is nothing."""
-        worker, owner = self.worker.pop(name, None), self.owner.pop(name, None)
-        config = self.configs.pop(name, None)
-        if config is None or (worker is None and owner is None):
-            return None
-        assert self.world_size is not None
-        layout = config.layout(numel, self.world_size)
-        device = worker.device if worker is not None else owner.device  # type: ignore[union-attr]
-        owed = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
-        if worker is not None:
-            owed += worker
-        if owner is not None:
-            at = rank * layout.slice_numel
-            owed[at : at + layout.slice_numel].add_(owner, alpha=layout.world_size)
-        rows = owed.view(-1, layout.cols)
-        signs = self.signs(name, layout.cols, owed.device)
-        return inverse_(rows, config.transform, signs).reshape(-1)[:numel].clone()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "version": _STATE_VERSION,
-            "seed": self.seed,
-            "world_size": self.world_size,
-            "worker": {k: v.detach().clone() for k, v in self.worker.items()},
-            "owner": {k: v.detach().clone() for k, v in self.owner.items()},
-            "configs": {k: dataclasses.asdict(v) for k, v in self.configs.items()},
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") != _STATE_VERSION:
-            raise ConfigError(
-                f"two-phase state version {state.get('version')!r} is not supported "
-                f"(expected {_STATE_VERSION}); start without --resume"
-            )
-        saved = state["world_size"]
-        if saved is not None and self.world_size is not None and saved != self.world_size:
-            raise ConfigError(
-                f"the two-phase residuals were saved by {saved} ranks, this group has "
-                f"{self.world_size}: resume with the same number of ranks"
-            )
-        self.seed = int(state["seed"])
-        self.world_size = saved if saved is not None else self.world_size
-        self.worker = {str(k): v.clone() for k, v in state["worker"].items()}
-        self.owner = {str(k): v.clone() for k, v in state["owner"].items()}
-        self.configs = {str(k): TwoPhase(**v) for k, v in state["configs"].items()}
 
 
 @dataclass(frozen=True)
@@ -386,3 +308,55 @@ def _decode(item: _Item, state: TwoPhaseState, table: torch.Tensor, key: tuple[A
         rows = inverse_(rows, config.transform, state.signs(name, layout.cols, x.device))
     if not in_place:
         item.flat.copy_(rows.reshape(-1)[: layout.numel])
+
+
+def release_twophase(state: CompressionState, pieces: list[Piece], indices: Sequence[int]) -> None:
+    """What two-phase residuals still owe, moved to ``state.residuals`` for the route that
+    now carries those parameters (``auto`` moved them)."""
+    assert state.twophase is not None
+    for i in indices:
+        piece = pieces[i]
+        owed = state.twophase.release(piece.name, piece.flat.numel(), state.rank)
+        if owed is not None:
+            held = state.residuals.get(piece.name)
+            state.residuals[piece.name] = owed if held is None else held + owed
+
+
+def twophase_reduce(
+    state: CompressionState,
+    pieces: list[Piece],
+    routes: list[Route],
+    indices: list[int],
+    finishers: list[Callable[[], None]],
+) -> Future:
+    """A DDP bucket's two-phase parameters (``indices``) in one :func:`exchange` (the route of
+    :func:`~superneurons.ddp.reduce.reduce_bucket`); the decode joins ``finishers``."""
+    if state.twophase is None:
+        state.twophase = TwoPhaseState(seed=state.seed, world_size=state.world_size)
+    tensors = []
+    for i in indices:
+        piece = pieces[i]
+        flat = piece.flat if piece.flat.dtype == torch.float32 else piece.flat.float()
+        owed = state.residuals.pop(piece.name, None)  # what another route left: sent now
+        if owed is not None and state.pipeline.error_feedback:
+            flat.add_(owed)
+        route = routes[i]
+        assert isinstance(route, TwoPhase)
+        tensors.append((piece.name, flat, route))
+    started = exchange(
+        tensors,
+        state.twophase,
+        group=state.process_group,
+        error_feedback=state.pipeline.error_feedback,
+        generators=state.generator_for,
+    )
+    state.count(sent_bytes=started.bytes_sent, dense_bytes=0)
+
+    def finish() -> None:
+        started.finish()
+        for i, (_, flat, _) in zip(indices, tensors, strict=True):
+            if flat is not pieces[i].flat:  # a bucket of another dtype: written back
+                pieces[i].flat.copy_(flat)
+
+    finishers.append(finish)
+    return started.future
