@@ -54,6 +54,42 @@ def test_network_model_dict_round_trip_and_version() -> None:
         LinkModel(alpha_s=-1.0, beta_s_per_byte=0.0)
 
 
+def test_network_model_carried_to_another_world_size() -> None:
+    """Per-byte times scale with the bytes each rank moves, latencies with the message steps."""
+    for p in (2, 4, 8):
+        net = ring_network(p, alpha_s=1e-4, bandwidth_bytes_per_s=1.25e8)
+        for target in (2, 8, 64, 512):
+            moved = net.at_world_size(target)
+            expect = ring_network(target, alpha_s=1e-4, bandwidth_bytes_per_s=1.25e8)
+            assert moved.world_size == target
+            for kind in ("all_reduce", "all_gather", "alltoall"):
+                got, want = getattr(moved, kind), getattr(expect, kind)
+                assert got.beta_s_per_byte == pytest.approx(want.beta_s_per_byte)
+            # ring all-reduce: 2(P-1) message steps, the others P-1: the same ratio
+            assert moved.all_reduce.alpha_s == pytest.approx(1e-4 * (target - 1) / (p - 1))
+            assert moved.all_gather.alpha_s == pytest.approx(1e-4 * (target - 1) / (p - 1))
+    # a two-phase exchange (all-to-all of S, all-gather of S/P) moves a ring's bytes at any P
+    for target in (8, 512):
+        net = ring_network(2, alpha_s=0.0, bandwidth_bytes_per_s=1e8).at_world_size(target)
+        two_phase = net.alltoall.time_s(MB) + net.all_gather.time_s(MB // target)
+        assert two_phase == pytest.approx(net.all_reduce.time_s(MB), rel=1e-3)
+    with pytest.raises(ConfigError, match="at least 2"):
+        NetworkModel(1, LinkModel(0, 0), LinkModel(0, 0)).at_world_size(4)
+
+
+def test_network_model_reads_version_one_without_all_to_all() -> None:
+    old = {
+        "version": 1,
+        "world_size": 4,
+        "all_reduce": {"alpha_s": 1e-4, "beta_s_per_byte": 1e-8},
+        "all_gather": {"alpha_s": 2e-4, "beta_s_per_byte": 3e-8},
+    }
+    net = NetworkModel.from_dict(old)
+    assert net.all_to_all is None
+    # derived from the all-gather: the same cost per byte a rank receives
+    assert net.alltoall == LinkModel(2e-4, 3e-8 / 4)
+
+
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_all_gather_pays_only_when_ratio_exceeds_half_the_ranks(world: int) -> None:
     """Ring all-reduce moves 2(P−1)/P·S per rank, all-gather (P−1)·S/CR: CR > P/2 pays."""
