@@ -216,3 +216,42 @@ def test_from_partial_writes_artifacts_of_an_interrupted_run(tmp_path: Path) -> 
     assert [r["speedup_vs_dense"] for r in body["records"]] == [1.0, 4.0]
     assert "Interrupted run" in body["note"]
     assert "fft 4.00x dense (target >= 4.0x: met)" in (tmp_path / "network.md").read_text()
+
+
+def test_scale_lines_judge_bytes_and_step_targets_across_world_sizes() -> None:
+    from superneurons.bench.network_scale import exchange_kind, scale_lines
+
+    assert [exchange_kind(c) for c in ("dense", "torch-fp16", "bf16", "powersgd:rank=4")] == [
+        "dense",
+        "anchor",
+        "ring",
+        "ring",
+    ]
+    assert exchange_kind("twophase:bits=4") == "twophase"
+    assert exchange_kind("ef(ctopk)") == "gather" and exchange_kind("auto") == "auto"
+
+    def record(p: int, codec: str, received: float, step_s: float) -> dict[str, object]:
+        return {"bandwidth": "1gbit", "model": "fc-heavy", "status": "ok", "nproc": p,
+                "codec": codec, "bytes_received_per_rank": received, "mean_step_s": step_s}  # fmt: skip
+
+    records = [
+        record(2, "twophase:bits=4", 100.0, 1.0),
+        record(8, "twophase:bits=4", 105.0, 1.0),
+        record(2, "ctopk", 10.0, 1.0),
+        record(8, "ctopk", 70.0, 1.3),
+        record(8, "torch-fp16", 400.0, 1.6),
+        record(8, "auto", 50.0, 1.02),
+    ]
+    lines = scale_lines(records)
+    assert any("twophase:bits=4" in ln and "1.05x; target within 10%: met" in ln for ln in lines)
+    assert any(
+        "ctopk" in ln and "7.00x; all-gather predicts (P-1) growth: 7.00x" in ln for ln in lines
+    )
+    best = next(ln for ln in lines if "best two-phase" in ln)
+    assert "1.60x torch-fp16 (target >= 1.5x: met)" in best
+    assert "1.30x the best all-gather codec ctopk (target >= 1.2x: met)" in best
+    assert any(
+        "auto 1.020 s/step, 0.98x the best fixed choice" in ln and ": met)" in ln for ln in lines
+    )
+    records[1]["bytes_received_per_rank"] = 120.0
+    assert any("1.20x; target within 10%: NOT met" in ln for ln in scale_lines(records))

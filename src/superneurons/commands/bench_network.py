@@ -28,6 +28,7 @@ from superneurons.bench.network import (
     config_dict,
     run_network_bench,
 )
+from superneurons.bench.network_scale import scale_lines
 from superneurons.errors import ConfigError
 
 __all__ = ["HELP", "add_arguments", "run", "summary_lines", "write_artifacts"]
@@ -174,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
             value = record.get(column)
             cells.append(f"{value:>22.4g}" if isinstance(value, float) else f"{value!s:>22}")
         print("  ".join(cells))
-    for line in summary_lines(records):
+    for line in summary_lines(records) + scale_lines(records):
         print(line)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0 if all(r.get("status") == "ok" for r in records) else 1
@@ -221,6 +222,7 @@ def write_artifacts(
 ) -> list[Path]:
     """DIR/network.json, DIR/network.md (table + targets) and DIR/network.png."""
     extra: dict[str, Any] = {"note": note} if note else {}
+    scale = scale_lines(records)
     paths = [write_json(out_dir / "network.json", records, config=config_dict(config), **extra)]
     link_lines = sorted(
         {
@@ -256,6 +258,7 @@ def write_artifacts(
         + "\n## Targets\n\n"
         + ("\n".join(summary_lines(records)) or "(fc-heavy at 100mbit/1gbit not measured)")
         + "\n"
+        + ("\n## Across world sizes\n\n" + "\n".join(scale) + "\n" if scale else "")
     )
     paths.append(write_markdown(out_dir / "network.md", "Network benchmark", body))
     paths.append(_plot(records, out_dir / "network.png", pyplot()))
