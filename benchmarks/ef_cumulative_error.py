@@ -1,6 +1,6 @@
 """Error of the cumulative update under error feedback vs the one-shot error, on real gradients.
 
-For benchmarks/results/network/auto/README.md (issue 11, auto's error budget): the network
+For benchmarks/results/network/auto/README.md (auto's error budget): the network
 benchmark's ResNet-18 (width 32) on Fashion-MNIST, one process, dense SGD; the largest layer's
 gradient at steps 6-13 is compressed with error feedback (``c = g + e; s = C(c); e = c - s``)
 and ``‖Σ s − Σ g‖ / ‖Σ g‖`` is compared with the one-shot ``‖C(g) − g‖ / ‖g‖`` of the first.

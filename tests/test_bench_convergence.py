@@ -21,7 +21,7 @@ from superneurons.bench.convergence import (
 from superneurons.bench.convergence_labels import adam_auto, applies
 from superneurons.bench.convergence_report import write_artifacts
 from superneurons.errors import ConfigError
-from superneurons.optim.autoadam import AdamAuto
+from superneurons.schemes.adam import AdamAuto
 
 FMNIST_ROOT = Path(ConvergenceConfig().fashion_mnist_root)
 SHAKESPEARE_ROOT = Path(__file__).resolve().parents[1] / "data" / "shakespeare"

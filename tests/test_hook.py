@@ -302,7 +302,7 @@ def _residual_storages(rank: int, world_size: int) -> dict[str, int]:
 
 
 def test_error_feedback_reuses_its_storage(ranks: Ranks) -> None:
-    """Issue 11 (hook overhead): fp16's residuals alternate between two kept slabs, PowerSGD's
+    """Hook overhead: fp16's residuals alternate between two kept slabs, PowerSGD's
     are rewritten in place, so no step allocates gradient-sized residuals."""
     for counts in ranks.run(_residual_storages):
         assert counts["fp16"] <= 2, counts

@@ -1,5 +1,5 @@
-"""The house rules the code keeps (../shared/STYLE.md): modules stay small, imports flow one way,
-no import cycles, no printing inside the library.
+"""The house rules the code keeps: modules stay small, folders hold one feature, imports flow one
+way, no import cycles, no printing inside the library.
 
 Read from the source with ``ast``; nothing is imported, so this runs in well under a second.
 """
@@ -22,6 +22,7 @@ MAX_LINES = 400
 LAYERS: dict[str, int] = {
     "errors": 0,
     "bytesize": 0,
+    "rates": 0,
     "compat": 0,
     "device": 0,
     "version": 0,
@@ -119,7 +120,10 @@ def test_module_stays_within_the_line_budget(module: str) -> None:
     lines = len(MODULES[module].read_text(encoding="utf-8").splitlines())
     if module in LINE_ALLOWANCE:
         return
-    assert lines <= MAX_LINES, f"{module} has {lines} lines (> {MAX_LINES}): split it by concept"
+    assert lines <= MAX_LINES, (
+        f"{module} has {lines} lines (> {MAX_LINES}): split it by concept, or say in "
+        "LINE_ALLOWANCE why this one concept needs them"
+    )
 
 
 def test_folders_hold_one_feature_each() -> None:

@@ -165,3 +165,12 @@ def test_a_step_reaching_an_original_outside_the_tree_is_caught() -> None:
     with pytest.raises(IsolationError, match="hidden|fc.weight"):
         profile_step(model, torch.randn(2, 4), None, lambda o, _: o.sum())
     assert model.fc.weight.grad is None  # the gradient it received was taken off again
+
+
+def test_frozen_parameters_are_shared_but_never_stepped() -> None:
+    model = _Net()  # ``scale`` is frozen: profiled in place, not copied
+    model.scale.grad = torch.ones(16)  # stale: the user's optimizer would step it
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # frozen one included, as often
+    before = fingerprint(model, optimizer)
+    profile_step(model, _args(batch(0)), None, lambda o, _: o["loss"], optimizer)
+    assert_same(before, fingerprint(model, optimizer))

@@ -25,6 +25,7 @@ from typing import ClassVar
 
 import torch
 
+from superneurons.codecs.canonical import Canonical
 from superneurons.codecs.codec import Payload, check_gradient
 from superneurons.errors import ConfigError
 
@@ -53,18 +54,11 @@ def _decode_sum_cast(
 
 
 @dataclass(frozen=True)
-class _CastCodec:
+class _CastCodec(Canonical):
     """Every element cast to ``WIRE_DTYPE``: summable, ``itemsize`` bytes per element."""
 
     NAME: ClassVar[str]
     WIRE_DTYPE: ClassVar[torch.dtype]
-
-    def __str__(self) -> str:  # the spec string, so str(parse_spec(s)) round-trips
-        return self.spec
-
-    @property
-    def spec(self) -> str:
-        return self.NAME
 
     @property
     def summable(self) -> bool:

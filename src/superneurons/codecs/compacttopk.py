@@ -3,7 +3,7 @@
 Top-k (Aji & Heafield, EMNLP'17; Stich et al., NeurIPS'18) is usually sent as fp32 value + int32
 index, 64 bits per kept element (:class:`~superneurons.codecs.topk.TopKCodec`). HPDC'20's FFT
 codec pays ~8 bits per kept value and a compact index, so comparing the two at equal bits per
-element compares codings, not transforms (CONTEXT.md section 6). This codec keeps the Top-k
+element compares codings, not transforms (benchmarks/results/codecs/ANSWER.md). This codec keeps the Top-k
 *selection* and sends it exactly as ``fft`` sends its bins
 (:mod:`superneurons.codecs.coding.sparsecode`): ``k = n - floor(theta * n)`` largest-magnitude
 elements, values as range-floats at ``bits`` over ``[weakest kept, max]``, indices as a bitmap
@@ -25,6 +25,7 @@ from typing import ClassVar
 
 import torch
 
+from superneurons.codecs.canonical import Canonical
 from superneurons.codecs.codec import Payload, check_gradient, common_numel
 from superneurons.codecs.coding.finite import finite_flag, nan_unless_
 from superneurons.codecs.coding.rangefloat import check_bits
@@ -44,7 +45,7 @@ __all__ = ["CompactTopKCodec"]
 
 
 @dataclass(frozen=True)
-class CompactTopKCodec:
+class CompactTopKCodec(Canonical):
     """Keep the ``1 - theta`` largest-magnitude elements, coded like ``fft`` (range-float values
     at ``bits``, bitmap or Elias-Fano index).
 
@@ -63,16 +64,6 @@ class CompactTopKCodec:
         object.__setattr__(self, "theta", check_theta(self.theta, owner=self.NAME))
         check_bits(self.bits, owner=self.NAME)
         check_select_index(self.select, self.index, owner=self.NAME)
-
-    def __str__(self) -> str:  # the spec string, so str(parse_spec(s)) round-trips
-        return self.spec
-
-    @property
-    def spec(self) -> str:
-        return (
-            f"{self.NAME}:theta={self.theta!r},bits={self.bits},select={self.select},"
-            f"index={self.index}"
-        )
 
     @property
     def summable(self) -> bool:

@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from superneurons.codecs.canonical import Canonical
 from superneurons.codecs.codec import Codec, Payload, Specced, check_gradient
 from superneurons.codecs.coding.finite import all_finite
 from superneurons.errors import ConfigError
@@ -96,7 +97,7 @@ def join_flat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class ErrorFeedback:
+class ErrorFeedback(Canonical):
     """Error feedback around ``inner`` (a codec, PowerSGD, a PyTorch anchor or another wrapper).
 
     Spec form ``ef(INNER)``, e.g. ``ef(topk:ratio=0.01)``. The hook keeps one residual per
@@ -106,13 +107,6 @@ class ErrorFeedback:
 
     inner: Specced
     NAME: ClassVar[str] = "ef"
-
-    @property
-    def spec(self) -> str:
-        return f"{self.NAME}({self.inner.spec})"
-
-    def __str__(self) -> str:
-        return self.spec
 
 
 class Residuals:

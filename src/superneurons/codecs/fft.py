@@ -3,9 +3,9 @@
 Wang et al., "FFT-based Gradient Sparsification for the Distributed Training of Deep Neural
 Networks", HPDC 2020 (arXiv 1811.08596): transform the flat gradient with a real FFT, drop the
 ``theta`` fraction of frequency coefficients with the smallest magnitude, quantize the kept
-real/imaginary parts with a range-based float (:mod:`superneurons.codecs.rangefloat`) and send
+real/imaginary parts with a range-based float (:mod:`superneurons.codecs.coding.rangefloat`) and send
 them with a fixed-size index code (:mod:`superneurons.codecs.coding.indexcode`). The paper gives no
-code; the pipeline below is our reconstruction (CONTEXT.md section 2).
+code; the pipeline below is our reconstruction.
 
 Pipeline for ``numel = n``: split into ``C`` chunks of length ``L`` (``chunk = 0``: one chunk of
 ``n``; otherwise ``L = min(chunk, n)``, the last chunk zero-padded), ``rfft`` each chunk to
@@ -61,6 +61,7 @@ from typing import ClassVar
 
 import torch
 
+from superneurons.codecs.canonical import Canonical
 from superneurons.codecs.codec import Payload, check_gradient, common_numel
 from superneurons.codecs.coding.finite import finite_flag
 from superneurons.codecs.coding.indexcode import INDEX_KINDS
@@ -107,7 +108,7 @@ def _bin_score(parts: torch.Tensor, length: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class FFTCodec:
+class FFTCodec(Canonical):
     """rFFT → keep the ``1 - theta`` strongest bins → range-float values + fixed-size index.
 
     ``theta``: fraction of bins dropped, in [0, 1). ``bits``: range-float width of each kept
@@ -167,16 +168,6 @@ class FFTCodec:
     def index_kind(self, numel: int) -> str:
         """The index code used for a bucket of ``numel`` elements ("bitmap" or "gap")."""
         return self._layout(numel).index_kind
-
-    def __str__(self) -> str:  # the spec string, so str(parse_spec(s)) round-trips
-        return self.spec
-
-    @property
-    def spec(self) -> str:
-        return (
-            f"{self.NAME}:theta={self.theta!r},bits={self.bits},chunk={self.chunk},"
-            f"select={self.select},index={self.index}"
-        )
 
     @property
     def summable(self) -> bool:

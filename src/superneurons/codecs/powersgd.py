@@ -19,6 +19,7 @@ from typing import ClassVar
 
 import torch
 
+from superneurons.codecs.canonical import Canonical
 from superneurons.errors import ConfigError
 
 __all__ = ["PowerSGD", "orthogonalize_", "orthogonalize_rows_"]
@@ -29,7 +30,7 @@ _ORTHO_EPS = 1e-8
 
 
 @dataclass(frozen=True)
-class PowerSGD:
+class PowerSGD(Canonical):
     """Hyper-parameters of PowerSGD: the approximation ``rank`` (r in the paper)."""
 
     rank: int = 4
@@ -38,13 +39,6 @@ class PowerSGD:
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ConfigError(f"powersgd: rank must be a positive integer, got {self.rank!r}")
-
-    @property
-    def spec(self) -> str:
-        return f"powersgd:rank={self.rank}"
-
-    def __str__(self) -> str:
-        return self.spec
 
     @property
     def summable(self) -> bool:

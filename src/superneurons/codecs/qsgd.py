@@ -26,6 +26,7 @@ from typing import ClassVar
 
 import torch
 
+from superneurons.codecs.canonical import Canonical
 from superneurons.codecs.codec import Payload, check_gradient, check_payload, sum_of_decodes
 from superneurons.codecs.coding.bitpack import (
     pack_bits,
@@ -48,7 +49,7 @@ def _is_int(value: object) -> bool:
 
 
 @dataclass(frozen=True)
-class QSGDCodec:
+class QSGDCodec(Canonical):
     """Unbiased stochastic quantisation to ``levels`` levels per sign, one norm per bucket.
 
     Args:
@@ -73,13 +74,6 @@ class QSGDCodec:
             raise ConfigError(
                 f"qsgd: bucket (elements per norm) must be an integer >= 1, got {self.bucket!r}"
             )
-
-    def __str__(self) -> str:  # the spec string, so str(parse_spec(s)) round-trips
-        return self.spec
-
-    @property
-    def spec(self) -> str:
-        return f"{self.NAME}:levels={self.levels},bucket={self.bucket}"
 
     @property
     def summable(self) -> bool:

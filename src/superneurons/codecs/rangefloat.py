@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import torch
 
+from superneurons.codecs.canonical import Canonical
 from superneurons.codecs.codec import Payload, check_gradient, sum_of_decodes
 from superneurons.codecs.coding.bitpack import packed_bytes
 from superneurons.codecs.coding.rangefloat import (
@@ -31,7 +32,7 @@ __all__ = ["RangeFloatCodec"]
 
 
 @dataclass(frozen=True)
-class RangeFloatCodec:
+class RangeFloatCodec(Canonical):
     """Dense range-float quantization of every element (HPDC'20's value quantizer alone).
 
     ``bits`` in ``SUPPORTED_BITS``; 8 bits send 8 bits per element plus an 8-byte header.
@@ -42,13 +43,6 @@ class RangeFloatCodec:
 
     def __post_init__(self) -> None:
         check_bits(self.bits, owner=self.NAME)
-
-    def __str__(self) -> str:  # the spec string, so str(parse_spec(s)) round-trips
-        return self.spec
-
-    @property
-    def spec(self) -> str:
-        return f"{self.NAME}:bits={self.bits}"
 
     @property
     def summable(self) -> bool:

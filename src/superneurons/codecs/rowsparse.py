@@ -18,21 +18,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from superneurons.codecs.canonical import Canonical
 from superneurons.codecs.codec import Specced
 
 __all__ = ["RowSparse"]
 
 
 @dataclass(frozen=True)
-class RowSparse:
+class RowSparse(Canonical):
     """Embedding gradients as rows + indices when smaller (spec ``rowsparse(INNER)``)."""
 
     inner: Specced
     NAME: ClassVar[str] = "rowsparse"
-
-    @property
-    def spec(self) -> str:
-        return f"{self.NAME}({self.inner.spec})"
-
-    def __str__(self) -> str:
-        return self.spec

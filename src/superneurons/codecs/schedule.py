@@ -37,6 +37,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from superneurons.codecs.canonical import Canonical
 from superneurons.codecs.codec import Codec, Specced, check_gradient
 from superneurons.codecs.fft import FFTCodec, kept_count, spectrum_layout
 from superneurons.codecs.topk import TopKCodec
@@ -257,7 +258,7 @@ ThetaSchedule = ConstantTheta | DiminishingTheta | ErrorBudgetTheta
 
 
 @dataclass(frozen=True)
-class Warmup:
+class Warmup(Canonical):
     """Plain fp32 averaging for the first ``steps`` steps, then ``inner``.
 
     Spec form ``warmup(steps=N,INNER)``, e.g. ``warmup(steps=100,topk:ratio=0.01)`` (the
@@ -271,13 +272,6 @@ class Warmup:
     def __post_init__(self) -> None:
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
             raise ConfigError(f"warmup: steps must be an integer >= 0, got {self.steps!r}")
-
-    @property
-    def spec(self) -> str:
-        return f"{self.NAME}(steps={self.steps},{self.inner.spec})"
-
-    def __str__(self) -> str:
-        return self.spec
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from typing import ClassVar
 
 import torch
 
+from superneurons.codecs.canonical import Canonical
 from superneurons.codecs.codec import Payload, check_gradient, check_payload, sum_of_decodes
 from superneurons.codecs.coding.bitpack import byte_codes, pack_bits, packed_bytes
 from superneurons.codecs.coding.finite import finite_flag
@@ -31,17 +32,10 @@ __all__ = ["SignSGDCodec"]
 
 
 @dataclass(frozen=True)
-class SignSGDCodec:
+class SignSGDCodec(Canonical):
     """``mean(|g|) * sign(g)``: 1 bit per element + 4 bytes."""
 
     NAME: ClassVar[str] = "signsgd"
-
-    def __str__(self) -> str:  # the spec string, so str(parse_spec(s)) round-trips
-        return self.spec
-
-    @property
-    def spec(self) -> str:
-        return self.NAME
 
     @property
     def summable(self) -> bool:

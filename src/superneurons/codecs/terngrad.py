@@ -29,6 +29,7 @@ from typing import ClassVar
 
 import torch
 
+from superneurons.codecs.canonical import Canonical
 from superneurons.codecs.codec import (
     Payload,
     check_gradient,
@@ -45,7 +46,7 @@ _BITS = 2
 
 
 @dataclass(frozen=True)
-class TernGradCodec:
+class TernGradCodec(Canonical):
     """Stochastic ternary codes with one shared fp32 scale; clipping at ``clip`` sigma.
 
     Args:
@@ -65,13 +66,6 @@ class TernGradCodec:
                 f"disables clipping), got {self.clip}"
             )
         object.__setattr__(self, "clip", float(self.clip))
-
-    def __str__(self) -> str:  # the spec string, so str(parse_spec(s)) round-trips
-        return self.spec
-
-    @property
-    def spec(self) -> str:
-        return f"{self.NAME}:clip={self.clip!r}"
 
     @property
     def summable(self) -> bool:

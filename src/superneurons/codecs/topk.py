@@ -8,7 +8,8 @@ Wire format (``k = max(1, round(ratio * numel))``, fixed for a given ``numel``):
 
     k float32 values | k int32 indices          -> 8 * k bytes (64 bits per kept element)
 
-64 bits per kept element is how the baseline is usually counted (CONTEXT §2); no index coding.
+64 bits per kept element (a float32 value and an int32 index) is how the baseline is usually
+counted; no index coding.
 
 ``select="sampled"`` follows DGC's threshold estimation: the magnitude quantile is estimated on
 a random sample (``generator`` drives it), deliberately set at ~2k expected survivors, and the
@@ -30,6 +31,7 @@ from typing import ClassVar
 
 import torch
 
+from superneurons.codecs.canonical import Canonical
 from superneurons.codecs.codec import Payload, check_gradient, check_payload
 from superneurons.codecs.coding.finite import finite_flag, nan_unless_
 from superneurons.codecs.coding.sparsecode import select_indices
@@ -49,7 +51,7 @@ _MAX_NUMEL = 2**31 - 1  # int32 indices on the wire
 
 
 @dataclass(frozen=True)
-class TopKCodec:
+class TopKCodec(Canonical):
     """Keep the ``ratio`` fraction of largest-magnitude elements (fp32 value + int32 index).
 
     Args:
@@ -75,13 +77,6 @@ class TopKCodec:
         if self.select not in SELECTS:
             raise ConfigError(f"topk: select must be one of {SELECTS}, got {self.select!r}")
 
-    def __str__(self) -> str:  # the spec string, so str(parse_spec(s)) round-trips
-        return self.spec
-
-    @property
-    def spec(self) -> str:
-        return f"{self.NAME}:ratio={self.ratio!r},select={self.select}"
-
     @property
     def summable(self) -> bool:
         return False
@@ -105,7 +100,7 @@ class TopKCodec:
         magnitude = flat.abs()
         if self.select == "sampled" and flat.device.type == "cpu":
             # NOTE: the sampled threshold sizes tensors from data (free on the CPU, a sync on a
-            # GPU, where torch.topk is fast anyway: 115-127 GB/s on an H100, CONTEXT.md 5).
+            # GPU, where torch.topk is fast anyway: 115-127 GB/s measured on an H100).
             indices = _sampled_topk(magnitude, k, generator)
         elif flat.device.type == "cpu":
             # NOTE: the same k as torch.topk (ties aside), found by bracketing the k-th largest

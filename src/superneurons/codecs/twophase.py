@@ -31,8 +31,9 @@ against.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar
 
+from superneurons.codecs.canonical import Canonical
 from superneurons.codecs.coding.chunkquant import quantized_bytes
 from superneurons.errors import ConfigError
 
@@ -74,7 +75,7 @@ class SliceLayout:
 
 
 @dataclass(frozen=True)
-class TwoPhase:
+class TwoPhase(Canonical):
     """Two-phase compressed all-reduce: ``bits``-bit codes with one fp32 scale per ``chunk``
     values, exchanged by all-to-all, re-quantised by each slice's owner, then all-gathered.
 
@@ -89,8 +90,8 @@ class TwoPhase:
 
     bits: int = 4
     chunk: int = 512
-    rounding: Literal["nearest", "stochastic"] = "nearest"
-    transform: Literal["none", "hadamard", "dct"] = "none"
+    rounding: str = "nearest"  # nearest | stochastic
+    transform: str = "none"  # none | hadamard | dct
     NAME: ClassVar[str] = "twophase"
 
     def __post_init__(self) -> None:
@@ -116,16 +117,6 @@ class TwoPhase:
             raise ConfigError(
                 f"twophase: transform must be none, hadamard or dct, got {self.transform!r}"
             )
-
-    @property
-    def spec(self) -> str:
-        return (
-            f"{self.NAME}:bits={self.bits},chunk={self.chunk},rounding={self.rounding},"
-            f"transform={self.transform}"
-        )
-
-    def __str__(self) -> str:
-        return self.spec
 
     @property
     def summable(self) -> bool:

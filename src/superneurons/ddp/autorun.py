@@ -30,8 +30,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.distributed as dist
 
-from superneurons.codecs.codec import Codec
-from superneurons.codecs.powersgd import PowerSGD
 from superneurons.ddp.bucket import Route
 from superneurons.errors import ConfigError
 from superneurons.schemes.auto import Auto
@@ -47,8 +45,8 @@ logger = logging.getLogger("superneurons.compress")
 
 _STATE_VERSION = 1
 # Elements of the real gradient the candidates are timed on: 16 MB, because per-byte costs
-# measured on 4 MB under-predicted top-k's encode of a 100 MB bucket (run 2 of
-# benchmarks/results/network/auto: predicted 0.48 s, measured 2.9 s per step).
+# measured on 4 MB under-predicted top-k's encode of a 100 MB bucket (predicted 0.48 s, measured
+# 2.9 s per step: benchmarks/results/network/auto/2026-11-22-1820-cpu2-random-data).
 _SAMPLE_NUMEL = 2**22
 
 
@@ -102,7 +100,6 @@ class AutoController:
         self._ends: list[tuple[int, Any, Any]] = []  # (step, t0 mark, averaged mark)
         self._sample: torch.Tensor | None = None
         self._drifting = 0
-        self._routes: dict[str, Route] = {}
 
     # -- registration -------------------------------------------------------------------
     def attach(self, ddp_model: DistributedDataParallel, state: CompressionState) -> None:
@@ -142,7 +139,7 @@ class AutoController:
                 if self._sample is None or self._sample.numel() < min(numel, _SAMPLE_NUMEL):
                     self._sample = _sample_of(bucket)
             return [None] * len(names)
-        return [self._route(self.assignment.params.get(name, "dense")) for name in names]
+        return [self.assignment.params.get(name) for name in names]  # None: dense
 
     def after_reduce(
         self,
@@ -154,7 +151,7 @@ class AutoController:
 
         NOTE: every bucket, not only the last one: gloo runs collectives on several threads, so
         the last-launched (often small) bucket can finish while a big one is still on the wire
-        (run 9: at 100 Mbit/s the last bucket's stamp came ~10 s before the step's end).
+        (at 100 Mbit/s the last bucket's stamp came ~10 s before the step's end).
         """
         clock, step, t0 = self._clock, state.step, self._t0
         if clock is None or t0 is None:
@@ -165,17 +162,6 @@ class AutoController:
             return done.value()
 
         return fut.then(stamp)
-
-    def _route(self, spec: str) -> Route:
-        route = self._routes.get(spec)
-        if route is None and spec != "dense":
-            from superneurons.schemes.grammar import parse_spec
-
-            parsed = parse_spec(spec)
-            if not isinstance(parsed, (Codec, PowerSGD)):
-                raise ConfigError(f"auto: the assignment names {spec!r}, not a codec")
-            route = self._routes[spec] = parsed
-        return route
 
     # -- decisions ----------------------------------------------------------------------
     def _at_step_start(self, state: CompressionState, bucket: dist.GradBucket) -> None:
@@ -226,8 +212,9 @@ class AutoController:
         """Median seconds per observed step outside backward and its communication: from the
         last bucket's average to the next step's forward end (optimizer, data, forward).
 
-        issue 11, run 7: the prediction counts from backward's start, the bench times whole
-        steps; without this the ResNet's qsgd route read as predicted 0.519 s, measured 0.769 s.
+        The prediction counts from backward's start, the bench times whole steps; without this
+        the ResNet's qsgd route read as predicted 0.519 s, measured 0.769 s
+        (benchmarks/results/network/auto/2026-11-23-0000-cpu2-random-data).
         """
         if self._clock is None:
             return 0.0
@@ -255,13 +242,7 @@ class AutoController:
         return {s: mark for s, (_span, mark) in latest.items()}
 
     def _select(self, world_size: int, step: int) -> Assignment:
-        from superneurons.strategy import (
-            DEFAULT_CANDIDATES,
-            BucketTiming,
-            candidate_codecs,
-            measure_codecs,
-            select,
-        )
+        from superneurons.strategy import DEFAULT_CANDIDATES, BucketTiming, measure_codecs, select
 
         if self.network is None or self._clock is None or self._sample is None:
             raise ConfigError("auto: nothing observed; run at least one training step")
@@ -279,9 +260,7 @@ class AutoController:
             BucketTiming(key, params[key][0], params[key][1], statistics.median(times))
             for key, times in ready.items()
         ]
-        costs = measure_codecs(
-            candidate_codecs(DEFAULT_CANDIDATES), self._sample, world_size=world_size
-        )
+        costs = measure_codecs(DEFAULT_CANDIDATES, self._sample, world_size=world_size)
         if self.error_feedback:  # what the hook does per step beyond the encode (see reduce)
             costs = [_with_feedback(cost) for cost in costs]
         return select(
@@ -341,7 +320,7 @@ def _with_feedback(cost: CodecCost) -> CodecCost:
     :func:`~superneurons.ddp.reduce.reduce_bucket`)."""
     import dataclasses
 
-    if cost.spec == "dense" or (cost.summable and not cost.spec.startswith("powersgd")):
+    if cost.codec is None or (cost.summable and not cost.low_rank):
         return cost
     return dataclasses.replace(
         cost, encode_s_per_byte=cost.encode_s_per_byte + cost.feedback_s_per_byte

@@ -20,16 +20,16 @@ import torch
 import torch.distributed as dist
 
 from superneurons.ddp.hook import (
-    build_state,
     check_config_across_ranks,
     compression_hook,
     resolve,
+    state_for,
 )
 from superneurons.ddp.state import CompressionState
 from superneurons.ddp.torch_hooks import as_comm_hook
 from superneurons.errors import ConfigError
 from superneurons.schemes.anchors import TorchDense, TorchFp16, TorchPowerSGD
-from superneurons.schemes.compose import Compression, unwrap
+from superneurons.schemes.compose import Compression
 
 __all__ = ["DeferredCompression", "deferred_compression_hook"]
 
@@ -45,8 +45,8 @@ class DeferredCompression:
     def __init__(
         self, module: torch.nn.Module, compression: Compression | str, *, seed: int = 0
     ) -> None:
-        compression = resolve(compression)
-        base = unwrap(compression).base
+        compression, pipeline = resolve(compression)
+        base = pipeline.base
         if isinstance(base, (TorchDense, TorchFp16, TorchPowerSGD)):
             raise ConfigError(
                 f"{base.spec} is one of PyTorch's own hooks, and DeferredCompression is for "
@@ -55,6 +55,7 @@ class DeferredCompression:
             )
         self.module = module
         self._compression = compression
+        self._pipeline = pipeline
         self._seed = seed
         self._pending: dict[str, Any] | None = None
         self.state: CompressionState | None = None
@@ -64,7 +65,7 @@ class DeferredCompression:
         if self.state is None:
             if not dist.is_initialized():
                 raise ConfigError("torch.distributed is not initialised: DDP must wrap the model")
-            state = build_state(self.module, self._compression, seed=self._seed)
+            state = state_for(self.module, self._compression, self._pipeline, seed=self._seed)
             if state.auto is not None:
                 raise ConfigError("auto needs register_compression (it measures at registration)")
             check_config_across_ranks(self.module, state)

@@ -21,7 +21,7 @@ error feedback by default, see :func:`~superneurons.schemes.compose.with_default
 * ``auto`` chooses per bucket (see :mod:`.auto`, :mod:`.autorun`); every bucket, whatever its
   routes, is averaged by :func:`~superneurons.ddp.reduce.reduce_bucket`.
 
-Safety rules, all of them learned from PyTorch's own hooks (CONTEXT §4):
+Safety rules, all of them learned from PyTorch's own hooks:
 
 * every collective is issued from the hook body, in the same order on every rank; the
   returned future only chains local work, so any number of buckets is safe on gloo;
@@ -62,23 +62,24 @@ from superneurons.ddp.torch_hooks import as_comm_hook, register_anchor
 from superneurons.errors import ConfigError
 from superneurons.schemes.anchors import TorchDense, TorchFp16, TorchPowerSGD
 from superneurons.schemes.auto import Auto
-from superneurons.schemes.compose import Compression, Pipeline, unwrap, with_defaults
+from superneurons.schemes.compose import Compression, Pipeline, defaulted, unwrap
 from superneurons.schemes.grammar import parse_spec
 
-__all__ = ["CompressionState", "build_state", "register_compression", "resolve"]
+__all__ = ["CompressionState", "build_state", "register_compression", "resolve", "state_for"]
 
 logger = logging.getLogger("superneurons.compress")
 
 _TEXT_BYTES = 192  # fixed size of the human-readable part of the config check
 
 
-def resolve(compression: Compression | str) -> Compression:
-    """The object ``register_compression`` works with: a spec string is parsed and gets the
-    defaults (error feedback on); an object is taken as given (validated)."""
+def resolve(compression: Compression | str) -> tuple[Compression, Pipeline]:
+    """The object ``register_compression`` works with, and its pipeline (unwrapped once,
+    which validates it): a spec string is parsed and gets the defaults (error feedback on);
+    an object is taken as given."""
     if isinstance(compression, str):
-        compression = with_defaults(parse_spec(compression))
-    unwrap(compression)  # validates
-    return compression
+        parsed = parse_spec(compression)
+        return defaulted(parsed, unwrap(parsed))
+    return compression, unwrap(compression)
 
 
 def register_compression(
@@ -141,10 +142,20 @@ def build_state(
 ) -> CompressionState:
     """The hook's :class:`CompressionState` for ``module`` (the model DDP wraps); needs an
     initialised process group. Local: no collective."""
+    return state_for(module, *resolve(compression), process_group=process_group, seed=seed)
+
+
+def state_for(
+    module: torch.nn.Module,
+    compression: Compression,
+    pipeline: Pipeline,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    seed: int = 0,
+) -> CompressionState:
+    """:func:`build_state` of a resolved ``compression`` and its ``pipeline``."""
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(f"seed must be an integer, got {seed!r}")
-    compression = resolve(compression)
-    pipeline = unwrap(compression)
     embeddings = frozenset(
         f"{name}.weight" if name else "weight"
         for name, sub in module.named_modules()

@@ -11,7 +11,8 @@ the factors would not be smaller than the matrix (biases, 1-D norms, tiny matric
 uncompressed in the first all-reduce.
 
 NOTE: unlike ``torch.distributed``'s ``powerSGD_hook``, which issues the second all-reduce
-from a future callback and crashed with more than one bucket on gloo (CONTEXT §4), both
+from a future callback and crashed with more than one bucket on gloo
+(benchmarks/results/network/README.md), both
 all-reduces here are issued from the hook body, in the same order on every rank; only local
 work (decompression, storing the warm-start ``Q``) runs in the callback.
 """

@@ -10,7 +10,8 @@ PowerSGD's two all-reduces, the two-phase routes' all-to-all and all-gather (eve
 :class:`TwoPhase` parameter in one message, see :mod:`.twophase`), then ONE all-gather for
 every gathered payload and row block.
 
-Hook overhead (issue 11 item 3), what this module does to keep it low:
+Hook overhead, what this module does to keep it low (``benchmarks/hook_overhead.py``,
+``benchmarks/results/hook_overhead/``):
 
 * error feedback works in place: the residual is added into the bucket's own buffer (which is
   overwritten with the average anyway) and the new residual is written into the old one's
@@ -66,7 +67,7 @@ def _kind(route: Route) -> str:
 
     NOTE: a route is None, a :class:`PowerSGD` or a codec, so it is told apart by concrete
     checks: ``isinstance(route, Codec)`` on the runtime-checkable protocol cost 17 ms per step
-    on the ResNet's 62 parameters (cProfile, rank 0, 100 Mbit/s, issue 11).
+    on the ResNet's 62 parameters (cProfile, rank 0, 100 Mbit/s).
     """
     if route is None or _lossless(route):
         return "dense"
@@ -201,7 +202,7 @@ def _cast_reduce(
 ) -> Future:
     """A summable cast codec: ``encode(compensated / P)``, one all-reduce, decode in place.
 
-    NOTE (issue 11, the gap to PyTorch's ``fp16_compress_hook``): no tensor is allocated per
+    NOTE (the gap to PyTorch's ``fp16_compress_hook``): no tensor is allocated per
     step. The division and the cast are one pass into a wire buffer kept per bucket signature
     (``torch.div(..., out=fp16)`` computes in float32 and rounds once: bitwise the same as
     ``encode(c / P)``); the error-feedback residual ``c - decode(payload) · P`` is written into

@@ -6,7 +6,7 @@ Benchmarks compare our codecs against what a PyTorch user already has:
 * ``torch-fp16``: ``default_hooks.fp16_compress_hook`` (divide by world size, cast, all-reduce);
 * ``torch-powersgd:rank=4``: ``powerSGD_hook.powerSGD_hook`` with a ``PowerSGDState``
   (Vogels et al., NeurIPS'19). NOTE: it issues its second all-reduce from a future callback
-  and crashed with more than one bucket on gloo in 2 of 3 runs (CONTEXT §4); use a large
+  and crashed with more than one bucket on gloo (benchmarks/results/network/README.md); use a large
   ``bucket_cap_mb`` with it on gloo, or our ``powersgd`` which is multi-bucket safe.
 
 Their names are in the one spec table (:mod:`superneurons.schemes.grammar`); ``torch-allreduce``

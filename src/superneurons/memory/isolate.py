@@ -219,6 +219,7 @@ def isolated(
     fake = fake_mode is not None
     copying = FakeCopyMode(fake_mode) if fake else contextlib.nullcontext()
     memo: dict[int, Any] = {}
+    frozen: dict[int, torch.Tensor] = {}  # frozen parameters left in place (real runs)
 
     def clone(tensor: torch.Tensor) -> torch.Tensor:
         with copying:
@@ -237,7 +238,7 @@ def isolated(
                     if param is not None and (fake or param.requires_grad):
                         module._parameters[name] = clone(param)  # type: ignore[assignment]
                     elif param is not None:
-                        memo[id(param)] = param  # frozen: shared (the shadow steps no grad)
+                        memo[id(param)] = frozen[id(param)] = param  # shared, never stepped
                 for name, buffer in module._buffers.items():
                     if buffer is not None:
                         module._buffers[name] = clone(buffer)
@@ -245,7 +246,7 @@ def isolated(
                     for key, value in list(vars(module).items()):
                         if isinstance(value, torch.Tensor):
                             vars(module)[key] = clone(value)
-            shadow = None if inner is None else _shadow(inner, memo, copying)
+            shadow = None if inner is None else _shadow(inner, memo, copying, frozen)
             yield root, shadow
     finally:
         for module, attributes, params, buffers in saved:
@@ -259,7 +260,17 @@ def isolated(
 
 
 def _shadow(
-    optimizer: torch.optim.Optimizer, memo: dict[int, Any], copying: Any
+    optimizer: torch.optim.Optimizer,
+    memo: dict[int, Any],
+    copying: Any,
+    frozen: dict[int, torch.Tensor],
 ) -> torch.optim.Optimizer:
+    """The shadow, without the frozen originals it would share (a stale ``.grad`` on one would
+    otherwise be stepped into the user's tensor)."""
     with copying:
-        return shadow_optimizer(optimizer, memo)
+        shadow = shadow_optimizer(optimizer, memo)
+    for group in shadow.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) not in frozen]
+    for key in [k for k in shadow.state if id(k) in frozen]:
+        del shadow.state[key]
+    return shadow

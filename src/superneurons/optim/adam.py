@@ -26,15 +26,15 @@ with a 10-step warm-up it diverged (the frozen ``v`` is too small for some coord
 
 Use with DDP: wrap the model (DDP broadcasts the initial parameters), then
 ``register_local_gradients(ddp)`` so DDP does not average gradients, and step this optimizer;
-it issues one collective per step from ``step()``, the same on every rank.
+it issues one collective per step from ``step()``, the same on every rank. A spec
+(``adam-momentum[warmup=20,wire=fp16]:signsgd``) names its options as a scheme object
+(:mod:`superneurons.schemes.adam`, ``CompressedAdamW(params, **scheme.kwargs())``).
 """
 
 from __future__ import annotations
 
-import re
 import zlib
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,68 +48,9 @@ from superneurons.errors import ConfigError
 __all__ = [
     "MODES",
     "CompressedAdamW",
-    "OptimizerSpec",
-    "parse_optimizer_spec",
 ]
 
 MODES = ("momentum", "update")
-
-
-_OPTIMIZER_SPEC = re.compile(r"^adam-(momentum|update)(?:\[([^\]]*)\])?:(.+)$")
-
-
-@dataclass(frozen=True)
-class OptimizerSpec:
-    """Parsed ``adam-MODE[warmup=N,wire=W]:CODEC``: the keyword arguments of
-    :class:`CompressedAdamW` besides the usual AdamW hyper-parameters."""
-
-    mode: str
-    codec: Codec
-    warmup_steps: int = 0
-    warmup_codec: Codec | None = None
-    clip_rms: float | None = None
-
-    def kwargs(self) -> dict[str, Any]:
-        return {
-            "mode": self.mode,
-            "codec": self.codec,
-            "warmup_steps": self.warmup_steps,
-            "warmup_codec": self.warmup_codec,
-            "clip_rms": self.clip_rms,
-        }
-
-
-def parse_optimizer_spec(text: str) -> OptimizerSpec | None:
-    """``"adam-momentum[warmup=20,wire=fp16]:signsgd"`` -> :class:`OptimizerSpec`; text not
-    starting with ``adam-momentum``/``adam-update`` -> None.
-
-    ``CODEC`` and ``wire`` are specs of :func:`superneurons.schemes.grammar.parse_spec`
-    (``wire``: the summable codec of the warm-up, default fp32).
-
-    Raises:
-        ConfigError: an unknown option, a non-integer warm-up or a bad codec spec.
-    """
-    match = _OPTIMIZER_SPEC.match(text.strip())
-    if match is None:
-        return None
-    from superneurons.schemes.grammar import parse_codec as parse_spec
-
-    mode, options, codec = match.groups()
-    warmup, wire, clip = 0, None, None
-    for item in filter(None, (part.strip() for part in (options or "").split(","))):
-        key, _, value = item.partition("=")
-        if key == "warmup" and value.isdigit():
-            warmup = int(value)
-        elif key == "wire" and value:
-            wire = parse_spec(value)
-        elif key == "clip" and value.replace(".", "", 1).isdigit():
-            clip = float(value)
-        else:
-            raise ConfigError(
-                f"{text!r}: options are warmup=N, wire=SPEC and clip=RMS, e.g. "
-                "'adam-momentum[warmup=20,wire=fp16]:signsgd'"
-            )
-    return OptimizerSpec(mode, parse_spec(codec), warmup, wire, clip)
 
 
 class CompressedAdamW(torch.optim.Optimizer):

@@ -6,7 +6,7 @@ near 3.3 nats against dense's 2.46, ``benchmarks/results/convergence``). What co
 optimizer-side: 1-bit Adam (Tang et al., ICML 2021; :class:`~superneurons.optim.adam.
 CompressedAdamW` in mode ``momentum``) with a warm-up of 10% of the run on an fp16 wire. So
 with Adam(W), ``auto`` chooses between exactly two schemes — dense AdamW (DDP's fp32
-all-reduce) and :data:`ONE_BIT_ADAM` — by the predicted step time:
+all-reduce) and :func:`one_bit_adam` — by the predicted step time:
 
 * dense: DDP's buckets (``bucket_cap_mb``, filled in reverse parameter order) are all-reduced
   as backward produces them; a bucket is taken to be ready when backward has reached its last
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -44,108 +43,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from superneurons.codecs.cast import Fp16Codec
+from superneurons.codecs.sign import SignSGDCodec
 from superneurons.errors import ConfigError
+from superneurons.rates import format_rate
+from superneurons.schemes.adam import AdamAuto, AdamMomentum, AdamScheme, AdamUpdate
+from superneurons.schemes.grammar import parse_scheme
 
 __all__ = [
-    "ONE_BIT_ADAM",
-    "AdamAuto",
     "AdamDecision",
     "OptimizerTimes",
     "decide_adam_scheme",
     "dense_bucket_timings",
-    "one_bit_adam_spec",
-    "parse_adam_auto",
+    "one_bit_adam",
     "predict_adam_schemes",
     "warmup_steps_for",
 ]
 
-logger = logging.getLogger("superneurons.optim.autoadam")
+logger = logging.getLogger("superneurons.compress.autoadam")
 
-# The scheme that met the LM target at 3 seeds (benchmarks/results/convergence/README.md).
-ONE_BIT_ADAM = "adam-momentum[warmup={warmup},wire=fp16]:signsgd"
-_RATE = re.compile(r"^([0-9]*\.?[0-9]+)(bit|kbit|mbit|gbit)$", re.IGNORECASE)
-_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
 _DECISION_VERSION = 1
-# NOTE: 1-bit Adam ran up to ~40% above its predicted step here (char-GPT, 100 Mbit/s), and a
-# 9% predicted gain was a 1.26x loss: choose it only when predicted >= 20% faster.
-DEFAULT_MARGIN = 0.2
-
-
-def _parse_rate_bit_s(text: str) -> int:
-    match = _RATE.match(text.strip())
-    if match is None or float(match.group(1)) <= 0:
-        raise ConfigError(f"auto: link must be a rate like 100mbit or 1gbit, got {text!r}")
-    return round(float(match.group(1)) * _RATE_UNITS[match.group(2).lower()])
-
-
-def _format_rate(rate_bit_s: int) -> str:
-    unit = next(u for u in ("gbit", "mbit", "kbit", "bit") if rate_bit_s % _RATE_UNITS[u] == 0)
-    return f"{rate_bit_s // _RATE_UNITS[unit]}{unit}"
-
-
-@dataclass(frozen=True)
-class AdamAuto:
-    """``auto[:link=RATE,margin=F]`` under an Adam-family optimizer.
-
-    Args:
-        link_bit_s: plan for a link of this rate (bits per second) instead of the measured
-            network; None: the measured one.
-        margin: 1-bit Adam is chosen only when its predicted mean step is at least this
-            fraction faster than dense's.
-        warmup_fraction, min_warmup_steps: 1-bit Adam's warm-up is
-            ``max(min_warmup_steps, ceil(warmup_fraction * total_steps))`` (10% and 20 steps:
-            a 10-step warm-up diverged on the char-GPT).
-    """
-
-    link_bit_s: int | None = None
-    margin: float = DEFAULT_MARGIN
-    warmup_fraction: float = 0.1
-    min_warmup_steps: int = 20
-
-    def __post_init__(self) -> None:
-        if self.link_bit_s is not None and self.link_bit_s <= 0:
-            raise ConfigError(f"auto: link must be > 0 bit/s, got {self.link_bit_s}")
-        if not 0.0 <= self.margin < 1.0:
-            raise ConfigError(f"auto: margin must be in [0, 1), got {self.margin}")
-        if not 0.0 < self.warmup_fraction < 1.0 or self.min_warmup_steps < 1:
-            raise ConfigError("auto: warmup_fraction in (0, 1) and min_warmup_steps >= 1")
-
-    @property
-    def spec(self) -> str:
-        options = [] if self.link_bit_s is None else [f"link={_format_rate(self.link_bit_s)}"]
-        if self.margin != DEFAULT_MARGIN:
-            options.append(f"margin={self.margin!r}")
-        return "auto" + (":" + ",".join(options) if options else "")
-
-
-def parse_adam_auto(text: str) -> AdamAuto | None:
-    """``"auto"``, ``"auto:link=100mbit"``, ``"auto:margin=0.1"`` -> :class:`AdamAuto`; text that
-    is not ``auto`` -> None.
-
-    Raises:
-        ConfigError: an option other than ``link``/``margin`` (the gradient hook's ``auto``
-            options apply with SGD only).
-    """
-    name, _, rest = text.strip().partition(":")
-    if name != "auto":
-        return None
-    link, margin = None, DEFAULT_MARGIN
-    for item in filter(None, (part.strip() for part in rest.split(","))):
-        key, _, value = item.partition("=")
-        if key == "link":
-            link = _parse_rate_bit_s(value)
-        elif key == "margin":
-            try:
-                margin = float(value)
-            except ValueError:
-                raise ConfigError(f"auto: margin must be a number, got {value!r}") from None
-        else:
-            raise ConfigError(
-                f"{text!r}: with an Adam-family optimizer, auto chooses between dense AdamW and "
-                "1-bit Adam; its options are link=RATE (e.g. 100mbit) and margin=F. Gradient-"
-                f"codec options such as {key!r} apply with --optimizer sgd"
-            )
-    return AdamAuto(link_bit_s=link, margin=margin)
 
 
 def warmup_steps_for(total_steps: int, config: AdamAuto) -> int:
@@ -153,15 +70,17 @@ def warmup_steps_for(total_steps: int, config: AdamAuto) -> int:
     return max(config.min_warmup_steps, math.ceil(config.warmup_fraction * total_steps))
 
 
-def one_bit_adam_spec(warmup_steps: int) -> str:
-    return ONE_BIT_ADAM.format(warmup=warmup_steps)
+def one_bit_adam(warmup_steps: int) -> AdamMomentum:
+    """The scheme that met the LM target at 3 seeds (benchmarks/results/convergence/README.md):
+    ``adam-momentum[warmup=N,wire=fp16]:signsgd``."""
+    return AdamMomentum(SignSGDCodec(), warmup_steps=warmup_steps, wire=Fp16Codec())
 
 
 @dataclass(frozen=True)
 class AdamDecision:
     """What ``auto`` chose for an Adam-family run, and the numbers it chose by."""
 
-    scheme: str  # "dense" or the 1-bit Adam spec
+    scheme: AdamScheme | None  # None: dense AdamW (DDP's fp32 all-reduce); else 1-bit Adam
     warmup_steps: int
     predicted_dense_step_s: float
     predicted_compressed_step_s: float  # mean over the run, warm-up included
@@ -173,10 +92,15 @@ class AdamDecision:
 
     @property
     def compressed(self) -> bool:
-        return self.scheme != "dense"
+        return self.scheme is not None
+
+    @property
+    def scheme_spec(self) -> str:
+        """``"dense"`` or the 1-bit Adam spec (what runs record)."""
+        return "dense" if self.scheme is None else str(self.scheme)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(replace(self, scheme=None)), "scheme": self.scheme_spec}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> AdamDecision:
@@ -185,7 +109,10 @@ class AdamDecision:
                 f"auto decision version {d.get('version')!r} is not supported "
                 f"({_DECISION_VERSION}); start without --resume"
             )
-        return cls(**d)
+        scheme = None if d["scheme"] == "dense" else parse_scheme(d["scheme"], adam=True)
+        if scheme is not None and not isinstance(scheme, AdamMomentum | AdamUpdate):
+            raise ConfigError(f"auto decision names {d['scheme']!r}, not an Adam scheme")
+        return cls(**{**d, "scheme": scheme})
 
 
 def dense_bucket_timings(
@@ -267,7 +194,6 @@ def _optimizer_times(
     so nothing is sent; 1-bit Adam decodes one payload instead of ``world`` (its decode of
     the others is added from a second decode of the same payloads, ``world - 1`` times)."""
     from superneurons.optim.adam import CompressedAdamW
-    from superneurons.schemes.grammar import parse_codec
     from superneurons.strategy.timing import time_call_s
 
     device = params[0].device
@@ -284,9 +210,9 @@ def _optimizer_times(
     dense = [time_call_s(adamw.step, device) for _ in range(repeats + 1)][1:]
     one_bit = CompressedAdamW(
         copies(),
-        codec=parse_codec("signsgd"),
+        codec=SignSGDCodec(),
         warmup_steps=2,
-        warmup_codec=parse_codec("fp16"),
+        warmup_codec=Fp16Codec(),
         process_group=solo,
     )
     times = [time_call_s(one_bit.step, device) for _ in range(repeats + 2)]
@@ -294,7 +220,7 @@ def _optimizer_times(
     decode_s = 0.0
     if world > 1:  # the receiver decodes every rank's payload
         flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None]).float()
-        codec = parse_codec("signsgd")
+        codec = SignSGDCodec()
         payload = codec.encode(flat)
         decode_s = time_call_s(lambda: codec.decode(payload), device) * (world - 1)
     return OptimizerTimes(statistics.median(dense), warm, after + decode_s)
@@ -330,7 +256,6 @@ def decide_adam_scheme(
     gradients are cleared and the RNG streams restored, so the training that follows is the
     same as without this call.
     """
-    from superneurons.schemes.grammar import parse_codec
     from superneurons.strategy.codecs import measure_codecs
     from superneurons.strategy.netmodel import measure_network, ring_network
 
@@ -344,7 +269,7 @@ def decide_adam_scheme(
             alpha_s=network.all_reduce.alpha_s,
             bandwidth_bytes_per_s=config.link_bit_s / 8,
         )
-        link = f"stated: {_format_rate(config.link_bit_s)} (ring model, not measured)"
+        link = f"stated: {format_rate(config.link_bit_s)} (ring model, not measured)"
     warmup = warmup_steps_for(total_steps, config)
     decision: list[Any] = [None]
     leader = dist.get_global_rank(group, 0) if group is not None else 0
@@ -357,9 +282,9 @@ def decide_adam_scheme(
             sample = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
             sign, wire = (  # their time is inside the measured optimizer steps
                 replace(cost, encode_s_per_byte=0.0, decode_s_per_byte=0.0)
-                for cost in measure_codecs(
-                    [parse_codec("signsgd"), parse_codec("fp16")], sample, world_size=world
-                )[1:]
+                for cost in measure_codecs([SignSGDCodec(), Fp16Codec()], sample, world_size=world)[
+                    1:
+                ]
             )
             optimizer_s = _optimizer_times(params, world, solo, repeats)
         for p in params:
@@ -377,7 +302,7 @@ def decide_adam_scheme(
         )
         pays = world > 1 and compressed_s < (1.0 - config.margin) * dense_s
         decision[0] = AdamDecision(
-            scheme=one_bit_adam_spec(warmup) if pays else "dense",
+            scheme=one_bit_adam(warmup) if pays else None,
             warmup_steps=warmup,
             predicted_dense_step_s=dense_s,
             predicted_compressed_step_s=compressed_s,
@@ -390,7 +315,7 @@ def decide_adam_scheme(
     chosen = AdamDecision.from_dict(decision[0])
     logger.info(
         "auto (Adam): %s — predicted step %.4f s dense vs %.4f s 1-bit Adam (link %s)",
-        chosen.scheme,
+        chosen.scheme_spec,
         chosen.predicted_dense_step_s,
         chosen.predicted_compressed_step_s,
         chosen.link,

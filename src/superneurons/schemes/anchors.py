@@ -10,27 +10,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from superneurons.codecs.canonical import Canonical
 from superneurons.errors import ConfigError
 
 __all__ = ["TorchAnchor", "TorchDense", "TorchFp16", "TorchPowerSGD"]
 
 
 @dataclass(frozen=True)
-class _Anchor:
+class _Anchor(Canonical):
     """What every anchor shares: a spec name, summable (DDP all-reduces it), str() = spec."""
 
     NAME: ClassVar[str]
 
     @property
-    def spec(self) -> str:
-        return self.NAME
-
-    @property
     def summable(self) -> bool:
         return True
-
-    def __str__(self) -> str:
-        return self.spec
 
 
 @dataclass(frozen=True)
@@ -57,10 +51,6 @@ class TorchPowerSGD(_Anchor):
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ConfigError(f"torch-powersgd: rank must be an integer >= 1, got {self.rank!r}")
-
-    @property
-    def spec(self) -> str:
-        return f"{self.NAME}:rank={self.rank}"
 
 
 TorchAnchor = TorchDense | TorchFp16 | TorchPowerSGD

@@ -14,25 +14,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from superneurons.codecs.canonical import Canonical
 from superneurons.errors import ConfigError
 
 __all__ = ["GENERAL_BUDGET", "Auto"]
 
-# The one-shot error budgets (issue 11), calibrated on the benchmark ResNet (Fashion-MNIST, 2
+# The one-shot error budgets, calibrated on the benchmark ResNet (Fashion-MNIST, 2
 # ranks, 100 SGD steps, error feedback, 2-3 seeds; benchmarks/results/network/auto/
 # error_budget.json): qsgd (one-shot 0.58) tracked dense (training loss 0.02-0.05 below it),
 # top-k 10% (0.68) did not (+0.35 to +0.67 loss, 9-16 test points), so the general budget is
 # 0.6. PowerSGD rank 4 (0.74) ended 0.08-0.20 above dense's loss and 6.8 test points below it on
 # average (PyTorch's hook alike), rank 1 (0.86) far behind: PowerSGD gets the general budget
 # by default (``max_rel_error_lowrank=None``); ``auto:max_rel_error_lowrank=0.8`` admits rank 4
-# where that cost is acceptable. At 400 steps (session 4, error_budget_400.json, seeds 0 and 1)
+# where that cost is acceptable. At 400 steps (error_budget_400.json, seeds 0 and 1)
 # rank 4's gap narrowed but stayed above 0.03 in loss: +0.03 and +0.06 (last 100 steps +0.05
 # and +0.06; test accuracy +1.95 and -1.45 points), so the default stays None.
 GENERAL_BUDGET = 0.6
 
 
 @dataclass(frozen=True)
-class Auto:
+class Auto(Canonical):
     """Per-bucket choice among dense and the candidate codecs, re-decided on drift.
 
     Args:
@@ -54,6 +55,7 @@ class Auto:
     drift: float = 0.5
     drift_steps: int = 5
     NAME: ClassVar[str] = "auto"
+    SPEC_HINT: ClassVar[str] = "link and margin are auto's options with --optimizer adam or adamw"
 
     def __post_init__(self) -> None:
         for name in ("observe_steps", "drift_steps"):
@@ -68,16 +70,5 @@ class Auto:
             raise ConfigError(f"auto: drift must be > 0, got {self.drift}")
 
     @property
-    def spec(self) -> str:
-        return (
-            f"{self.NAME}:observe_steps={self.observe_steps},max_rel_error="
-            f"{self.max_rel_error!r},max_rel_error_lowrank={self.max_rel_error_lowrank!r},"
-            f"drift={self.drift!r},drift_steps={self.drift_steps}"
-        )
-
-    @property
     def summable(self) -> bool:
         return False
-
-    def __str__(self) -> str:
-        return self.spec

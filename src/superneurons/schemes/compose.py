@@ -14,7 +14,7 @@ gets the defaults of :func:`with_defaults` (error feedback on, as before).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from superneurons.codecs.cast import IdentityCodec
 from superneurons.codecs.codec import Codec
@@ -28,7 +28,7 @@ from superneurons.schemes.anchors import TorchAnchor, TorchDense, TorchFp16
 from superneurons.schemes.auto import Auto
 from superneurons.schemes.grammar import Base, Compression, parse_spec
 
-__all__ = ["Base", "Compression", "Pipeline", "compose", "unwrap", "with_defaults"]
+__all__ = ["Base", "Compression", "Pipeline", "compose", "defaulted", "unwrap", "with_defaults"]
 
 
 @dataclass(frozen=True)
@@ -81,18 +81,25 @@ def unwrap(compression: Compression) -> Pipeline:
 def with_defaults(compression: Compression) -> Compression:
     """Error feedback around ``compression`` unless it has it or cannot use it (lossless
     ``identity``, ``dense``, ``torch-fp16`` whose hook has no residual)."""
-    pipeline = unwrap(compression)
+    return defaulted(compression, unwrap(compression))[0]
+
+
+def defaulted(compression: Compression, pipeline: Pipeline) -> tuple[Compression, Pipeline]:
+    """:func:`with_defaults` of ``compression`` whose ``pipeline`` is known, and its pipeline."""
     if pipeline.error_feedback or isinstance(pipeline.base, (IdentityCodec, TorchDense, TorchFp16)):
-        return compression
-    return ErrorFeedback(compression)
+        return compression, pipeline
+    return ErrorFeedback(compression), replace(pipeline, error_feedback=True)
 
 
-def compose(spec: str, *, error_feedback: bool = True, warmup_steps: int = 0) -> Compression:
+def compose(
+    spec: Compression | str, *, error_feedback: bool = True, warmup_steps: int = 0
+) -> Compression:
     """The CLI's flags as one object: ``ErrorFeedback(Warmup(parse_spec(spec), steps=N))``.
 
-    ``error_feedback=False`` leaves feedback out unless the spec itself wraps it in ``ef(...)``.
+    ``spec``: a compression, or a spec string (parsed here). ``error_feedback=False`` leaves
+    feedback out unless the spec itself wraps it in ``ef(...)``.
     """
-    compression = parse_spec(spec)
+    compression = parse_spec(spec) if isinstance(spec, str) else spec
     if warmup_steps:
         compression = Warmup(compression, steps=warmup_steps)
     if error_feedback:

@@ -4,16 +4,22 @@ Grammar (parsed once, at the edge, into an object that is passed on as that obje
 
     SPEC    := NAME [":" OPTION ("," OPTION)*]           e.g. fft:theta=0.9,bits=8
              | WRAPPER "(" (OPTION ",")* SPEC ")"          e.g. ef(warmup(steps=100,topk))
+             | ADAM ["[" OPTION ("," OPTION)* "]"] ":" SPEC
+                                                  e.g. adam-momentum[warmup=20,wire=fp16]:signsgd
     OPTION  := KEY "=" VALUE
 
 NAMEs are codecs (``CODECS``), ``powersgd``, PyTorch's anchors (``dense``, ``torch-allreduce``
 = ``dense``, ``torch-fp16``, ``torch-powersgd``) and ``auto``; WRAPPERs are ``ef`` (error
 feedback), ``warmup`` (dense first steps) and ``rowsparse`` (embeddings as rows + indices). A
 wrapper's own options come first and the wrapped spec last, so the wrapped spec's commas never
-clash with them. ``str(obj)`` (``obj.spec`` for codecs) is the canonical form, every field in
-declaration order, and parses back to an equal object. Values are converted by the dataclass
-field types (``int``, ``float``, ``str``, ``bool``, ``X | None``, ``Literal[...]``); the
-class's own ``__post_init__`` then validates ranges.
+clash with them. ADAMs are ``adam-momentum`` and ``adam-update`` (:mod:`.adam`: the optimizer
+communicates); with an Adam-family optimizer (``parse_spec(text, adam=True)``) ``auto`` names
+:class:`~superneurons.schemes.adam.AdamAuto` (``auto:link=100mbit``) instead of the hook's
+:class:`~superneurons.schemes.auto.Auto`. ``str(obj)`` (``obj.spec``) is the canonical form,
+derived from the fields (:mod:`superneurons.codecs.canonical`), and parses back to an equal
+object. Values are converted by the dataclass field types (``int``, ``float``, ``str``,
+``bool``, ``X | None``, ``Literal[...]``, a codec) or a field's ``rate`` metadata
+(:func:`superneurons.rates.parse_rate`); the class's own ``__post_init__`` validates ranges.
 
 ``CODECS`` and ``SPECS`` are literal dicts, not registries: adding a codec is one line in
 ``CODECS``.
@@ -28,6 +34,7 @@ import typing
 from typing import Any, Literal, Union
 
 from superneurons.codecs.adaptive import AdaptiveCodec
+from superneurons.codecs.canonical import option_fields, option_key
 from superneurons.codecs.cast import Bf16Codec, Fp16Codec, IdentityCodec
 from superneurons.codecs.codec import Codec
 from superneurons.codecs.compacttopk import CompactTopKCodec
@@ -43,18 +50,23 @@ from superneurons.codecs.terngrad import TernGradCodec
 from superneurons.codecs.topk import TopKCodec
 from superneurons.codecs.twophase import TwoPhase
 from superneurons.errors import ConfigError
+from superneurons.rates import parse_rate
+from superneurons.schemes.adam import AdamAuto, AdamMomentum, AdamScheme, AdamUpdate
 from superneurons.schemes.anchors import TorchDense, TorchFp16, TorchPowerSGD
 from superneurons.schemes.auto import Auto
 
 __all__ = [
+    "ADAM",
     "Base",
     "Compression",
     "CODECS",
+    "Scheme",
     "GRAMMAR",
     "SPECS",
     "WRAPPERS",
     "describe_codecs",
     "parse_codec",
+    "parse_scheme",
     "parse_spec",
 ]
 
@@ -94,6 +106,12 @@ WRAPPERS: dict[str, type] = {
     "rowsparse": RowSparse,
 }
 
+# The optimizer-side schemes: the optimizer communicates, DDP leaves gradients local.
+ADAM: dict[str, type] = {"adam-momentum": AdamMomentum, "adam-update": AdamUpdate}
+
+# Everything a spec can name: what the gradient hook takes, or what the optimizer runs.
+Scheme = Compression | AdamScheme | AdamAuto
+
 GRAMMAR = (
     "NAME[:KEY=VALUE,...] or WRAPPER([KEY=VALUE,...,]SPEC) (e.g. 'fft:theta=0.9,bits=8', "
     "'topk:ratio=0.01', 'ef(warmup(steps=100,topk))')"
@@ -104,23 +122,23 @@ _TRUE = frozenset({"true", "1", "yes", "on"})
 _FALSE = frozenset({"false", "0", "no", "off"})
 
 
-def _fields(cls: type) -> dict[str, Any]:
-    """Init fields of a spec dataclass -> resolved type annotation (a wrapper's ``inner`` is
-    not an option)."""
+def _fields(cls: type) -> dict[str, tuple[dataclasses.Field[Any], Any]]:
+    """Option key -> (field, resolved type) of a spec dataclass (a wrapper's ``inner`` is not
+    an option)."""
     hints = typing.get_type_hints(cls, localns={"Compression": object})
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init and f.name != "inner"}
+    return {option_key(f): (f, hints[f.name]) for f in option_fields(cls)}
 
 
 def _defaults(cls: Any) -> dict[str, Any]:
-    """Init fields with a default -> the default."""
+    """Option key -> default."""
     return {
-        f.name: f.default
-        for f in dataclasses.fields(cls)
-        if f.init and f.default is not dataclasses.MISSING
+        option_key(f): f.default for f in option_fields(cls) if f.default is not dataclasses.MISSING
     }
 
 
 def _type_name(tp: Any) -> str:
+    if tp is Codec:
+        return "a codec spec"
     origin = typing.get_origin(tp)
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
@@ -134,6 +152,11 @@ def _type_name(tp: Any) -> str:
 
 def _convert(text: str, tp: Any) -> Any:
     """Convert ``text`` to type ``tp``; raise ValueError when it does not fit."""
+    if tp is Codec:
+        parsed = _parse(text, text, SPECS)
+        if type(parsed) not in CODECS.values():
+            raise ValueError(text)
+        return parsed
     origin = typing.get_origin(tp)
     if origin is Literal:
         for allowed in typing.get_args(tp):
@@ -172,14 +195,16 @@ def _convert(text: str, tp: Any) -> Any:
     raise ValueError(f"unsupported field type {tp!r}")
 
 
-def _valid_names() -> str:
-    return ", ".join([*SPECS, *(f"{name}(...)" for name in WRAPPERS)])
+def _valid_names(names: dict[str, type]) -> str:
+    adam = [f"{name}[...]:CODEC" for name in ADAM] if names is not SPECS else []
+    return ", ".join([*SPECS, *(f"{name}(...)" for name in WRAPPERS), *adam])
 
 
 def _options(name: str, cls: type, items: list[str], text: str) -> dict[str, Any]:
     """``KEY=VALUE`` items -> typed keyword arguments of ``cls``."""
     fields = _fields(cls)
     kwargs: dict[str, Any] = {}
+    hint = getattr(cls, "SPEC_HINT", "")
     for item in items:
         key, eq, value = (part.strip() for part in item.partition("="))
         if not eq or not key or not value:
@@ -188,14 +213,22 @@ def _options(name: str, cls: type, items: list[str], text: str) -> dict[str, Any
             )
         if key not in fields:
             valid = ", ".join(fields) if fields else "none (it takes no parameters)"
-            raise ConfigError(f"{name!r} has no parameter {key!r}; valid: {valid}")
-        if key in kwargs:
+            raise ConfigError(
+                f"{name!r} has no parameter {key!r}; valid: {valid}"
+                + (f" ({hint})" if hint else "")
+            )
+        field, tp = fields[key]
+        if field.name in kwargs:
             raise ConfigError(f"spec {text!r} sets {key!r} twice")
         try:
-            kwargs[key] = _convert(value, fields[key])
-        except ValueError:
+            if field.metadata.get("rate"):
+                kwargs[field.name] = None if value.lower() == "none" else parse_rate(value)
+            else:
+                kwargs[field.name] = _convert(value, tp)
+        except (ValueError, ConfigError):
+            what = "a rate such as 100mbit or 1gbit" if field.metadata.get("rate") else None
             raise ConfigError(
-                f"{name!r}: {key}={value!r} must be {_type_name(fields[key])}"
+                f"{name!r}: {key}={value!r} must be {what or _type_name(tp)}"
             ) from None
     return kwargs
 
@@ -212,13 +245,31 @@ def _split_top_level(text: str) -> list[str]:
     return parts
 
 
-def _parse(text: str, whole: str) -> Any:
+def _parse(text: str, whole: str, names: dict[str, type]) -> Any:
+    """The object ``text`` names, NAMEs looked up in ``names`` (:data:`SPECS`: the hook's;
+    anything else also takes :data:`ADAM`)."""
     stripped = text.strip()
+    adam = re.match(r"^(adam-[\w-]+)\s*(?:\[([^\]]*)\])?\s*:(.*)$", stripped, re.IGNORECASE)
+    if adam is not None and adam.group(1).lower() in ADAM:
+        if names is SPECS:
+            raise ConfigError(
+                f"{adam.group(1).lower()!r} is an optimizer scheme (the optimizer communicates, "
+                "not the gradient hook): give it to train --compress with --optimizer adamw, or "
+                "build superneurons.compress.CompressedAdamW"
+            )
+        name, options, inner = adam.group(1).lower(), adam.group(2), adam.group(3)
+        items = options.split(",") if options is not None and options.strip() else []
+        if not inner.strip():
+            raise ConfigError(
+                f"malformed spec {whole!r}: {name} names no codec after ':'; expected {GRAMMAR}"
+            )
+        codec = _parse(inner, whole, SPECS)
+        return ADAM[name](codec, **_options(name, ADAM[name], items, whole))
     head, paren, body = stripped.partition("(")
     if paren and ":" not in head:
         name = head.strip().lower()
         if name not in WRAPPERS:
-            raise ConfigError(f"unknown wrapper {name!r}; valid names: {_valid_names()}")
+            raise ConfigError(f"unknown wrapper {name!r}; valid names: {_valid_names(names)}")
         if not body.endswith(")"):
             raise ConfigError(
                 f"malformed spec {whole!r}: {name}( is not closed; expected {GRAMMAR}"
@@ -231,34 +282,54 @@ def _parse(text: str, whole: str) -> Any:
             )
         cls = WRAPPERS[name]
         kwargs = _options(name, cls, items[:first_inner], whole)
-        return cls(_parse(",".join(items[first_inner:]), whole), **kwargs)
+        return cls(_parse(",".join(items[first_inner:]), whole, names), **kwargs)
     name, sep, rest = stripped.partition(":")
     name = name.strip().lower()
     if not name:
         raise ConfigError(f"spec {whole!r} has no name; expected {GRAMMAR}")
-    if name not in SPECS:
-        raise ConfigError(f"unknown codec {name!r}; valid names: {_valid_names()}")
+    if name not in names:
+        raise ConfigError(f"unknown codec {name!r}; valid names: {_valid_names(names)}")
     if sep and not rest.strip():
         raise ConfigError(f"malformed spec {whole!r}: nothing after ':'; expected {GRAMMAR}")
     items = rest.split(",") if rest.strip() else []
-    return SPECS[name](**_options(name, SPECS[name], items, whole))
+    return names[name](**_options(name, names[name], items, whole))
 
 
 def parse_spec(text: str) -> Compression:
     """Build the object ``text`` names (see :data:`GRAMMAR`): a codec, ``PowerSGD``, a PyTorch
-    anchor, ``Auto``, or wrappers around one of them.
+    anchor, ``Auto``, or wrappers around one of them: what the gradient hook takes.
 
     Raises:
         ConfigError: unknown name (one line listing the valid names), unknown key (lists the
             fields), a value of the wrong type (says the expected type), a malformed string
             (shows the grammar), or a value the class rejects (its own message).
     """
+    _check_text(text)
+    parsed: Compression = _parse(text, text, SPECS)
+    return parsed
+
+
+def parse_scheme(text: str, *, adam: bool) -> Scheme:
+    """:func:`parse_spec` for ``train --compress``, which also takes the optimizer's schemes
+    (``adam-momentum[...]:CODEC``, ``adam-update[...]:CODEC``).
+
+    ``adam``: the optimizer is Adam-family, so ``auto`` names
+    :class:`~superneurons.schemes.adam.AdamAuto` (dense AdamW or 1-bit Adam) instead of the
+    hook's per-bucket :class:`~superneurons.schemes.auto.Auto`.
+
+    Raises:
+        ConfigError: as :func:`parse_spec`.
+    """
+    _check_text(text)
+    scheme: Scheme = _parse(text, text, {**SPECS, "auto": AdamAuto if adam else Auto})
+    return scheme
+
+
+def _check_text(text: object) -> None:
     if not isinstance(text, str):
         raise ConfigError(f"codec spec must be a string ({GRAMMAR}), got {type(text).__name__}")
     if not text.strip():
         raise ConfigError(f"empty spec; expected {GRAMMAR}")
-    parsed: Compression = _parse(text, text)
-    return parsed
 
 
 def parse_codec(text: str) -> Codec:

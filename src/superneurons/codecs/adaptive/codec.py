@@ -2,7 +2,7 @@
 
 The project's own codec. HPDC'20 (Wang et al., arXiv 1811.08596) sparsifies every gradient in
 the Fourier domain; measured on real gradients, Top-k in the spatial domain does as well or
-better once both pay the same coding (CONTEXT.md section 6), because gradients mix spatially
+better once both pay the same coding (benchmarks/results/codecs/ANSWER.md), because gradients mix spatially
 sparse regions (embedding rows, ReLU-gated units) with smooth or periodic ones (convolution
 kernels, norms). So choose per chunk of ``L`` elements whichever orthonormal basis puts the
 chunk's energy into the fewest coefficients: spatial (identity, i.e. Top-k), real Fourier or
@@ -24,7 +24,7 @@ L2 norm is the more compressible vector: Donoho, "Compressed sensing", IEEE TIT 
 switched chunks and fills the fixed payload with coefficients; the encoder keeps the switches
 only if they lower the message's squared error (quantisation included). Its sizes follow from
 a count read on the host (a GPU synchronisation per encode and payload decoded), and it encodes
-~1.4x slower, for ~0.2% less error after error feedback (ANSWER.md), so ``fixed`` is the
+~1.4x slower, for ~0.2% less error after error feedback (benchmarks/results/codecs/ANSWER.md), so ``fixed`` is the
 default: it runs with no host read on any device.
 
 ``scope="global"`` ranks all chunks' coefficients together (dropped energy ``<= theta`` of the
@@ -63,6 +63,7 @@ from superneurons.codecs.adaptive.switches import (
     read_basis,
     relative_error,
 )
+from superneurons.codecs.canonical import Canonical
 from superneurons.codecs.codec import Payload, check_gradient, common_numel
 from superneurons.codecs.coding.bitpack import pack_bits, packed_bytes, unpack_bits
 from superneurons.codecs.coding.finite import finite_flag, nan_unless
@@ -99,7 +100,7 @@ def adaptive_layout(numel: int, chunk: int) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
-class AdaptiveCodec:
+class AdaptiveCodec(Canonical):
     """Per chunk the most compact of spatial / Fourier / DCT bases, then the ``1 - theta``
     largest coefficients, coded like ``fft`` (range-float values, compact index).
 
@@ -108,7 +109,8 @@ class AdaptiveCodec:
     (subset of spatial, fourier, dct). ``scope``: "global" (one ranking) | "chunk" (a fixed
     share per chunk: a per-chunk error bound). ``choice``: "rd" | "l1" basis cost.
     ``select``/``index`` as in ``fft``. ``margin`` in [0, 1): share by which a transform must
-    beat the spatial basis' cost (0: none; measured worse after error feedback, ANSWER.md).
+    beat the spatial basis' cost (0: none; measured worse after error feedback,
+    benchmarks/results/codecs/ANSWER.md).
     ``header``: "fixed" (default: 2 bits per chunk, no host read, needed by ``scope="chunk"``)
     | "sparse" (switched chunks only, variable kept count in a fixed payload; one host read).
     """
@@ -163,17 +165,6 @@ class AdaptiveCodec:
                 f"{self.NAME}: scope=chunk keeps a fixed share per chunk, so it needs "
                 "header=fixed (header=sparse varies the kept count per message)"
             )
-
-    def __str__(self) -> str:  # the spec string, so str(parse_spec(s)) round-trips
-        return self.spec
-
-    @property
-    def spec(self) -> str:
-        return (
-            f"{self.NAME}:theta={self.theta!r},bits={self.bits},chunk={self.chunk},"
-            f"bases={self.bases},scope={self.scope},choice={self.choice},select={self.select},index={self.index},"
-            f"margin={self.margin!r},header={self.header}"
-        )
 
     @property
     def summable(self) -> bool:

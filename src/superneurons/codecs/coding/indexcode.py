@@ -54,7 +54,7 @@ def flat_nonzero(mask: torch.Tensor) -> torch.Tensor:
 
     NOTE: on the CPU numpy's ``flatnonzero`` (a CPU-only path, so no device mix): ~4x faster
     than ``torch.nonzero`` on one thread, 0.26 vs 1.06 ms for 526k positions with 11% set
-    (session 4, shared 2-core machine), with the same result. Other devices keep
+    (a shared 2-core AMD EPYC), with the same result. Other devices keep
     ``torch.nonzero`` (callers there take the sync-free paths instead).
     """
     if mask.device.type != "cpu":
@@ -67,7 +67,7 @@ def set_positions(mask: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """``mask.index_fill_(0, indices, True)`` for a 1-D bool ``mask``; returns ``mask``.
 
     NOTE: on the CPU a numpy fancy assignment, 0.06 against 0.16 ms for 52k positions in 184k
-    (one thread, session 4); other devices keep ``index_fill_``.
+    (one thread); other devices keep ``index_fill_``.
     """
     if mask.device.type != "cpu" or not mask.is_contiguous():
         return mask.index_fill_(0, indices, True)
@@ -86,7 +86,7 @@ def encode_bitmap(mask: torch.Tensor) -> torch.Tensor:
     nbytes = bitmap_bytes(universe)
     if mask.device.type == "cpu" and mask.dtype == torch.bool:
         # NOTE: numpy's packbits, LSB-first and zero-padded like the gather below: ~8x
-        # faster on one thread (184k positions: ~0.01 vs 0.085 ms, session 4).
+        # faster on one thread (184k positions: ~0.01 vs 0.085 ms).
         packed = np.packbits(mask.detach().reshape(-1).contiguous().numpy(), bitorder="little")
         return torch.from_numpy(packed)
     flat = mask.reshape(-1).view(torch.uint8)
@@ -116,7 +116,7 @@ def decode_bitmap(data: torch.Tensor, universe: int) -> torch.Tensor:
 def bitmap_positions(data: torch.Tensor, universe: int) -> torch.Tensor:
     """``flat_nonzero(decode_bitmap(data, universe))``: the increasing int64 positions set in a
     bitmap. NOTE: on the CPU numpy's ``unpackbits`` (LSB-first, as :func:`encode_bitmap`) and
-    ``flatnonzero``: 0.1 against 0.5 ms for 367k positions (one thread, session 4)."""
+    ``flatnonzero``: 0.1 against 0.5 ms for 367k positions (one thread)."""
     if data.device.type != "cpu":
         return flat_nonzero(decode_bitmap(data, universe))
     need = bitmap_bytes(universe)

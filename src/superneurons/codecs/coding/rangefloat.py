@@ -5,7 +5,7 @@ Networks", HPDC 2020 (arXiv 1811.08596), quantize the surviving values with a *r
 float: one sign bit, ``e`` exponent bits and ``N - 1 - e`` mantissa bits, where the exponent
 window is placed per message between a threshold and the largest magnitude, so that no
 exponent code is spent on binades the message does not use. The paper gives no code; this is
-our reconstruction (CONTEXT.md section 2):
+our reconstruction:
 
 * the top binade is ``b = floor(log2(max|v|))``; the ``2**e - 1`` normal exponent codes cover
   ``[2**(b - 2**e + 2), 2**(b + 1))`` and exponent code 0 holds IEEE-style subnormals (so zero

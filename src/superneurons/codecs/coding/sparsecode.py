@@ -6,8 +6,8 @@ sends them in one fixed-size layout::
 
     [range-float header, 8 B][index code: bitmap or Elias-Fano][k * width values at ``bits``]
 
-so bits per element compare transforms, not coding (CONTEXT.md section 6: a Top-k paying 64 bits
-per kept element against FFT's 8-bit values and compact index decides nothing). The index code
+so bits per element compare transforms, not coding (a Top-k paying 64 bits per kept element
+against FFT's 8-bit values and compact index decides nothing: benchmarks/results/codecs/ANSWER.md). The index code
 is :mod:`superneurons.codecs.coding.indexcode`'s bitmap or Elias-Fano gap code, whichever is smaller
 for ``(T, k)`` when ``index="auto"``; values are range-floats
 (:mod:`superneurons.codecs.rangefloat`) with the window from the largest kept part down to the
@@ -22,7 +22,7 @@ for) and would synchronise a GPU, so other devices always take ``torch.topk``. D
 bitmap is dense (a rank by ``cumsum`` and a gather), decoding Elias-Fano a scatter: neither
 needs ``nonzero``, whose output size would have to come back to the host.
 
-CPU speed (issue 10, session 4): on the CPU the scans run through numpy views of the same
+CPU speed: on the CPU the scans run through numpy views of the same
 memory (compare + ``flatnonzero``, ``partition``, ``packbits``/``unpackbits``: 3-10x faster than
 the torch ops on one thread, same results, tested) and encode-internal temporaries come from
 :mod:`superneurons.codecs.coding.workspace` (no page faults per call); other devices are unchanged.
@@ -189,7 +189,7 @@ def kth_smallest(values: torch.Tensor, *ranks: int) -> tuple[torch.Tensor, ...]:
     """0-d ``torch.kthvalue(values, rank).values`` of a 1-D tensor for each ``rank`` (NaN
     ranks above every number, as there). NOTE: on the CPU one ``numpy.partition`` for all
     ranks: 0.07 against 0.5-1.0 ms for one rank of 65,536 (the adaptive codec's Lagrangian
-    threshold; one thread, session 4), the same values (of a tie of -0 and +0 either zero may
+    threshold; one thread), the same values (of a tie of -0 and +0 either zero may
     come back: the codecs rank squares, never -0); other devices keep ``kthvalue``."""
     if values.device.type != "cpu":
         return tuple(torch.kthvalue(values, rank).values for rank in ranks)
@@ -220,7 +220,7 @@ def _select_sampled(score: torch.Tensor, count: int, period: int) -> torch.Tenso
     low, high = kth_smallest(sample, low_rank, high_rank)
     # (T,) into a kept buffer: a superset of the top `count` unless the sample erred.
     # NOTE: numpy's compare and flatnonzero (this path is CPU-only): 0.32 ms against 1.4 ms
-    # for torch.ge + nonzero on 526k scores (one thread, session 4); identical positions.
+    # for torch.ge + nonzero on 526k scores (one thread); identical positions.
     above = workspace("sparsecode.above", (universe,), torch.bool, score.device)
     np.greater_equal(score.detach().contiguous().numpy(), low.numpy(), out=above.numpy())
     candidates = flat_nonzero(above)  # (c,), increasing

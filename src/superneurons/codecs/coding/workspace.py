@@ -2,7 +2,7 @@
 
 On the CPU a fresh multi-MiB temporary is served by ``mmap`` or by a heap that glibc has just
 trimmed, so every 4 KiB page faults on first touch (the kernel zeroes it). Measured on the
-``fft`` and ``adaptive`` encoders at 4 MiB (one thread, session 4): 800-2,500 minor faults and
+``fft`` and ``adaptive`` encoders at 4 MiB (one thread, a 2-core AMD EPYC): 800-2,500 minor faults and
 2-7 ms of system time per call, which also made the speed spread between processes up to 2x.
 A codec takes its scratch from :func:`workspace` instead: on the CPU a buffer kept per thread
 (so concurrent hooks never share one) for ``(tag, shape, dtype)``, on every other device a
