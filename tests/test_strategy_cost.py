@@ -178,3 +178,35 @@ def test_powersgd_first_all_reduce_waits_for_a_busy_link() -> None:
         pytest.approx(0.7)
     )
     assert predicted_step_s([second], {"b": two}, backward_s=0.0, network=net) == 0.02
+
+
+def test_two_phase_waits_for_its_all_to_all_then_gathers_one_slice() -> None:
+    """Hand-computed: ready 0.1, encode 0.01; the all-to-all (waited for in the hook) of the
+    whole payload, the owner's stage, then an all-gather of one slice; decode after both."""
+    from superneurons.codecs.twophase import TwoPhase
+
+    net = ring_network(4, alpha_s=0.0, bandwidth_bytes_per_s=1e8)
+    numel = 1_000_000  # 4 MB of fp32; 4 bits + one fp32 scale per 512: 4.0625 bits
+    cost = CodecCost(TwoPhase(bits=4), True, 0.01 / 4e6, 0.03 / 4e6, 4.0625, 0.1,
+                     collectives=2, owner_s_per_byte=0.02 / 4e6)  # fmt: skip
+    payload = cost.payload_bytes(numel)
+    alltoall = 3 / 4 * payload / 1e8
+    gather = 3 * -(-payload // 4) / 1e8
+    bucket = BucketTiming("b", ("w",), numel=numel, ready_s=0.1)
+    start = 0.1 + 0.01 + alltoall + 0.02  # the hook returns after the owner's stage
+    backward = 0.5  # backward is delayed by the hook: 0.5 + (start - 0.1)
+    expected = max(backward + (start - 0.1), start + gather) + 0.01  # + the final decode
+    got = predicted_step_s([bucket], {"b": cost}, backward_s=backward, network=net)
+    assert got == pytest.approx(expected)
+    # its wire time does not grow with P; an all-gathered payload of the same size does
+    gathered = CodecCost(parse_spec("qsgd"), False, 0.0, 0.0, 4.0625, 0.1)  # type: ignore[arg-type]
+    free = CodecCost(TwoPhase(bits=4), True, 0.0, 0.0, 4.0625, 0.1, collectives=2)
+    times = {}
+    for p in (8, 64, 512):
+        wide = ring_network(p, alpha_s=0.0, bandwidth_bytes_per_s=1e8)
+        times[p] = [
+            predicted_step_s([bucket], {"b": c}, backward_s=0.0, network=wide) - 0.1
+            for c in (free, gathered)
+        ]
+    assert times[512][0] == pytest.approx(times[8][0], rel=0.15)
+    assert times[512][1] / times[8][1] == pytest.approx(511 / 7, rel=0.01)
