@@ -131,6 +131,21 @@ def _cases(rank: int, world_size: int) -> dict[str, Any]:
     assert state.twophase is not None
     residuals = list(state.twophase.worker.values()) + list(state.twophase.owner.values())
     out["nan"] = (finite, all(bool(torch.isfinite(r).all()) for r in residuals))
+    # auto moves every parameter off the two-phase route: what the residuals owe is sent
+    from superneurons.codecs.twophase import TwoPhase
+    from superneurons.strategy import Assignment
+
+    model = _ddp()
+    state = register_compression(model, "auto:observe_steps=1,drift=1000.0,drift_steps=50")
+    assert state.auto is not None
+    names = [name for name, _ in model.module.named_parameters()]
+    two = TwoPhase(bits=4, chunk=8)
+    state.auto.apply(Assignment(1, {"all": two}, dict.fromkeys(names, two), 0.1, "test"), step=0)
+    _train(model, state, 2, rank)
+    held = (len(state.twophase.worker), len(state.twophase.owner))  # type: ignore[union-attr]
+    state.auto.apply(Assignment(1, {"all": None}, dict.fromkeys(names), 0.1, "test"), step=2)
+    params = _train(model, state, 1, rank)
+    out["switch"] = (held, state.twophase.configs, state.residuals, params)  # type: ignore[union-attr]
     return out
 
 
@@ -147,6 +162,10 @@ def test_twophase_route_through_ddp(ranks: Ranks) -> None:
         for a, b in zip(straight[0] + straight[1], resumed[0] + resumed[1], strict=True):
             assert torch.equal(a, b)
         assert got["nan"] == ([True, False, True], True)
+        held, configs, residuals, _ = got["switch"]
+        assert held == (6, 6) and not configs and not residuals  # all sent by the dense step
+    for a, b in zip(results[0]["switch"][3], results[1]["switch"][3], strict=True):
+        assert torch.equal(a, b)
     for spec in ("twophase:bits=1", "twophase:bits=4,chunk=64,transform=dct", "twophase:bits=8"):
         params0, sent, dense, names = results[0][spec]
         assert len(names) == 6 and 0 < sent < dense, spec
