@@ -255,3 +255,48 @@ def test_scale_lines_judge_bytes_and_step_targets_across_world_sizes() -> None:
     )
     records[1]["bytes_received_per_rank"] = 120.0
     assert any("1.20x; target within 10%: NOT met" in ln for ln in scale_lines(records))
+
+
+def test_extrapolation_sets_measured_beside_predicted_and_says_what_auto_would_choose(
+    tmp_path: Path,
+) -> None:
+    from superneurons.bench.network_extrapolate import extrapolation, write_extrapolation
+    from superneurons.compress import parse_spec
+    from superneurons.strategy import DENSE, BucketTiming, CodecCost, DecisionInputs, ring_network
+
+    def inputs(p: int) -> dict[str, object]:
+        costs = [DENSE] + [
+            CodecCost(parse_spec(s), s != "ctopk", 1e-10, 1e-10, bits, 0.1)  # type: ignore[arg-type]
+            for s, bits in (("bf16", 16.0), ("ctopk", 1.1))
+        ]
+        made = DecisionInputs(
+            buckets=(BucketTiming("fc", ("fc.weight",), 25_000_000, 0.05),),
+            costs=tuple(costs),
+            backward_s=0.3,
+            outside_s=0.1,
+            network=ring_network(p, alpha_s=1e-4, bandwidth_bytes_per_s=1.25e8),
+            max_rel_error=0.6,
+        )
+        return made.to_dict()
+
+    def record(p: int, codec: str, step_s: float) -> dict[str, object]:
+        return {"bandwidth": "1gbit", "bandwidth_bit_s": 1_000_000_000, "model": "fc-heavy",
+                "status": "ok", "nproc": p, "codec": codec, "mean_step_s": step_s,
+                **({"sync_inputs": inputs(p)} if codec == "auto" else {})}  # fmt: skip
+
+    records = [record(p, c, 1.0) for p in (2, 8) for c in ("dense", "ctopk", "auto")]
+    rows, choices = extrapolation(records, predict_nprocs=(64,))
+    at = {(r["codec"], r["rate_bit_s"], r["nproc"]): r for r in rows}
+    assert at[("dense", 1e9, 8)]["measured_step_s"] == 1.0  # measured where it ran ...
+    assert at[("dense", 1e10, 8)]["measured_step_s"] is None  # ... and at no other rate
+    assert at[("ctopk", 1e9, 64)]["predicted_step_s"] > at[("ctopk", 1e9, 8)]["predicted_step_s"]
+    assert at[("twophase:bits=4", 1e9, 8)]["predicted_step_s"] is None  # not a candidate here
+    assert at[("dense", 1e11, 64)]["predicted_step_s"] < at[("dense", 1e9, 64)]["predicted_step_s"]
+    assert len(choices) == 3 and all("P=64" in line for line in choices)
+    paths = write_extrapolation(records, tmp_path, predict_nprocs=(64, 512))
+    assert [p.name for p in paths] == [
+        "extrapolation.json",
+        "extrapolation.md",
+        "extrapolation.png",
+    ]
+    assert "| fc-heavy | dense | 1 Gbit/s | **1** / " in (tmp_path / "extrapolation.md").read_text()

@@ -1,21 +1,20 @@
 """The bandwidth benchmark: data-parallel step time of every codec over real shaped links.
 
-For each bandwidth, :func:`run_network_bench` creates one network namespace per rank joined by
-veth links rate-limited with tbf (:mod:`superneurons.bench.netns`), measures the link's TCP
-goodput once, and for each (model, codec) starts one process per rank inside its namespace
-(:mod:`superneurons.bench.network_worker`: gloo over the veth, one thread per rank). Each
-record says the mean step time after warm-up, the speedup over plain DDP (dense fp32 ring
-all-reduce) at the same bandwidth and model, bytes sent per rank per step and the compute-only
-step time (no communication) for reference.
+For each world size and bandwidth, :func:`run_network_bench` creates one network namespace
+per rank joined by veth links rate-limited with tbf (:mod:`superneurons.bench.netns`; more
+than 2 ranks share a bridge), measures the link's TCP goodput once, and for each (model,
+codec) starts one process per rank inside its namespace (:mod:`superneurons.bench.
+network_worker`: gloo over the veth, one thread per rank). Each record says the mean step
+time after warm-up, the speedup over plain DDP at the same bandwidth, world size and model,
+bytes sent and received per rank per step, and the compute-only step time for reference.
 
 Why compression may not pay (Wang et al., HPDC'20 report 2.26x for FFT over InfiniBand with
 8 GPUs): gathered payloads cost each rank ``(P-1) S / CR`` on the wire vs
 ``2 (P-1)/P S`` for a ring all-reduce, so gathering wins only when ``CR > P/2``; and on one
 CPU core per rank the encode/decode time can exceed the wire time it saves at 1 Gbit/s.
 
-A bandwidth of ``None`` (``--bandwidth loopback``) runs the ranks on loopback in the host
-namespace, unshaped, next to the shaped links of the same run; ``shaping=False`` runs every
-setting that way (no root needed): the numbers then measure codec cost, not a network.
+A bandwidth of ``None`` (``--bandwidth loopback``) runs the ranks on loopback, unshaped;
+``shaping=False`` runs every setting that way (no root): codec cost, not a network.
 
 ``auto`` (:mod:`superneurons.schemes.auto`) is one more codec here; its worker extends the
 untimed warm-up until its first decision is made, so the timed steps measure the decision.
@@ -87,6 +86,7 @@ class NetworkBenchConfig:
 
     bandwidths_bit_s: tuple[int | None, ...] = (100_000_000, 1_000_000_000)
     nprocs: tuple[int, ...] = (2,)  # world sizes, each a run of its own
+    predict_nprocs: tuple[int, ...] = (64, 512)  # predicted by the report from auto's inputs
     models: dict[str, dict[str, Any]] = field(default_factory=lambda: dict(DEFAULT_MODELS))
     codecs: tuple[str, ...] = ALL_CODECS
     batch_size: int = 32

@@ -11,6 +11,7 @@ from typing import Any
 
 from superneurons.bench.artifacts import markdown_table, pyplot, write_json, write_markdown
 from superneurons.bench.network import NetworkBenchConfig, config_dict
+from superneurons.bench.network_extrapolate import write_extrapolation
 from superneurons.bench.network_scale import scale_lines
 
 __all__ = ["summary_lines", "write_artifacts"]
@@ -97,6 +98,7 @@ def write_artifacts(
     )
     paths.append(write_markdown(out_dir / "network.md", "Network benchmark", body))
     paths.append(_plot(records, out_dir / "network.png", pyplot()))
+    paths += write_extrapolation(records, out_dir, predict_nprocs=config.predict_nprocs)
     return paths
 
 

@@ -32,7 +32,6 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from superneurons.bench.wire_bytes import interface_bytes, wire_bytes_per_rank
 from superneurons.errors import ConfigError
 from superneurons.train.rank import exit_rank, leave_process_group
 
@@ -220,44 +220,6 @@ def _bytes_counter(state: Any) -> int | None:
     return None
 
 
-def interface_bytes(ifname: str) -> tuple[int, int] | None:
-    """``(received, sent)`` bytes so far on ``ifname`` in this network namespace, or None for
-    loopback (every rank shares it, so it cannot tell one rank's bytes) or an unknown name."""
-    if not ifname or ifname == "lo":
-        return None
-    try:
-        lines = Path("/proc/net/dev").read_text(encoding="ascii").splitlines()[2:]
-    except OSError:
-        return None
-    for line in lines:
-        name, _, fields = line.partition(":")
-        if name.strip() == ifname:
-            values = fields.split()
-            return int(values[0]), int(values[8])  # rx_bytes, tx_bytes
-    return None
-
-
-def _wire_bytes_per_rank(before: tuple[int, int] | None, steps: int) -> dict[str, Any]:
-    """Every rank's interface bytes per step since ``before``, agreed by an all-gather (so rank
-    0 can write them): mean and max received and sent, or Nones on loopback."""
-    after = interface_bytes(os.environ.get("GLOO_SOCKET_IFNAME", ""))
-    mine = [-1.0, -1.0]
-    if before is not None and after is not None:
-        mine = [(after[0] - before[0]) / steps, (after[1] - before[1]) / steps]
-    gathered = [torch.zeros(2, dtype=torch.float64) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, torch.tensor(mine, dtype=torch.float64))
-    received = [float(t[0]) for t in gathered]
-    sent = [float(t[1]) for t in gathered]
-    if min(received) < 0:
-        return {"bytes_received_per_rank": None, "bytes_received_max_rank": None,
-                "bytes_sent_wire_per_rank": None}  # fmt: skip
-    return {
-        "bytes_received_per_rank": sum(received) / len(received),
-        "bytes_received_max_rank": max(received),
-        "bytes_sent_wire_per_rank": sum(sent) / len(sent),
-    }
-
-
 def run_worker(config: WorkerConfig) -> None:
     """Run this rank: join the group, measure every codec, leave the group."""
     torch.set_num_threads(1)
@@ -347,11 +309,11 @@ def _run_codec(
         profiler = cProfile.Profile()
         profiler.enable()
     each: list[tuple[float, float]] = []
-    wire_before = interface_bytes(os.environ.get("GLOO_SOCKET_IFNAME", ""))
+    wire_before = interface_bytes(os.environ.get("GLOO_SOCKET_IFNAME", ""))  # this namespace's
     step_s, cpu_s, last_loss = _timed_steps(
         ddp, optimizer, batches, config.steps, loss_fn=loss_fn, sync=dist.barrier, each=each
     )
-    wire = _wire_bytes_per_rank(wire_before, config.steps)
+    wire = wire_bytes_per_rank(wire_before, config.steps)
     if profiler is not None:
         profiler.disable()
         name = f"{config.model}-{codec}-{time.time_ns()}.prof".replace(":", "_")
@@ -378,7 +340,17 @@ def _run_codec(
         "ddp_bucket_cap_mb": bucket_cap_mb or 25,
         "first_loss": first_loss,
         "last_loss": last_loss,
-        **({"sync_assignment": state.summary()["sync_assignment"]} if auto is not None else {}),
+        **(_auto_fields(state) if auto is not None else {}),
+    }
+
+
+def _auto_fields(state: Any) -> dict[str, Any]:
+    """``auto``'s decision and, on rank 0 (which measured them), the inputs it was made from:
+    the report replays them at other world sizes and link rates (``strategy.decide_at``)."""
+    inputs = state.auto.inputs
+    return {
+        "sync_assignment": state.summary()["sync_assignment"],
+        "sync_inputs": inputs.to_dict() if inputs is not None else None,
     }
 
 

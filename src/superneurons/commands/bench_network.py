@@ -49,6 +49,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "size in turn (more than 2 ranks join a shaped bridge); default %(default)s",
     )
     parser.add_argument(
+        "--predict-nproc",
+        default="64,512",
+        help="world sizes to predict from the measured ones: what auto would choose there and "
+        "each codec's step time, from auto's recorded inputs and the fitted alpha-beta network "
+        "carried to that size (needs 'auto' among --codecs); default %(default)s",
+    )
+    parser.add_argument(
         "--models",
         default=None,
         help=f"comma-separated subset of {','.join(DEFAULT_MODELS)} (default: all; --quick: fc-heavy)",
@@ -114,6 +121,7 @@ def _config(args: argparse.Namespace) -> NetworkBenchConfig:
     return NetworkBenchConfig(
         bandwidths_bit_s=bandwidths,
         nprocs=parse_nprocs(args.nproc),
+        predict_nprocs=parse_nprocs(args.predict_nproc),
         models={name: dict(DEFAULT_MODELS[name]) for name in model_names},
         codecs=tuple(c.strip() for c in codecs if c.strip()),
         batch_size=args.batch_size,

@@ -131,20 +131,21 @@ def decide_at(
     world_size: int | None = None,
     link_bit_s: float | None = None,
     network: NetworkModel | None = None,
+    network_link_bit_s: float | None = None,
 ) -> Assignment:
     """The selection ``inputs`` give at ``world_size`` ranks on a link of ``link_bit_s``
     (None: as measured). ``network``: use this fit instead of the inputs' own (e.g. one made
-    at a larger world size), carried the same way."""
-    net = network if network is not None else inputs.network
-    fitted_bit_s = (
-        inputs.link_bit_s if network is None and inputs.link_bit_s else implied_link_bit_s(net)
-    )
+    at a larger world size, on a link of ``network_link_bit_s``), carried the same way. The
+    rate a fit was made at is the one given, else the one its all-gather line implies."""
+    net = inputs.network if network is None else network
+    fitted_bit_s = inputs.link_bit_s if network is None else network_link_bit_s
     if world_size is not None:
         net = net.at_world_size(world_size)
     if link_bit_s is not None:
         if not link_bit_s > 0:
             raise ConfigError(f"link_bit_s must be > 0, got {link_bit_s}")
-        net = _at_rate(net, fitted_bit_s / link_bit_s)
+        fitted = fitted_bit_s or implied_link_bit_s(net)
+        net = _at_rate(net, fitted / link_bit_s)
     return dataclasses.replace(inputs, network=net).decide()
 
 
