@@ -244,6 +244,7 @@ def test_scale_lines_judge_bytes_and_step_targets_across_world_sizes() -> None:
     ]
     lines = scale_lines(records)
     assert any("twophase:bits=4" in ln and "1.05x; target within 10%: met" in ln for ln in lines)
+    assert any("predict 2(P-1)/P: 1.75x" in ln for ln in lines)
     assert any(
         "ctopk" in ln and "7.00x; all-gather predicts (P-1) growth: 7.00x" in ln for ln in lines
     )
