@@ -345,3 +345,31 @@ def test_transport_on_gloo_ranks(world_size: int) -> None:
                 ):
                     for x, y in zip(a, b, strict=True):
                         assert torch.equal(x, y), key
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_quantiser_and_packing_on_cuda_equal_the_cpu(bits: int) -> None:
+    """The same codes, scales and bytes on a GPU (nearest rounding is deterministic); the
+    transforms agree to float rounding."""
+    cuda = torch.device("cuda")
+    x = torch.randn(6 * 4, 64)
+    on_cpu = quantize_rows(x, bits=bits, rounding="nearest")
+    on_gpu = quantize_rows(x.to(cuda), bits=bits, rounding="nearest")
+    assert torch.equal(on_gpu[0].cpu(), on_cpu[0])
+    torch.testing.assert_close(on_gpu[1].cpu(), on_cpu[1])
+    nbytes = quantized_bytes(4, 64, bits)
+    messages = []
+    for codes, scales, device in ((*on_cpu, _CPU), (*on_gpu, cuda)):
+        message = torch.zeros(6, nbytes, dtype=torch.uint8, device=device)
+        write_rows_(codes.view(6, 4, 64), scales.view(6, 4), bits=bits, out=message)
+        out = torch.empty(24, 64, device=device)
+        read_rows(message, 4, 64, bits=bits, out=out)
+        messages.append((message.cpu(), out.cpu()))
+    assert torch.equal(messages[0][0][:, 16:], messages[1][0][:, 16:])  # the packed codes
+    torch.testing.assert_close(messages[1][1], messages[0][1])
+    for kind in ("hadamard", "dct"):
+        signs = rademacher(0, "w", 64, _CPU)
+        y = forward_(x.clone(), kind, signs)
+        got = forward_(x.to(cuda), kind, signs.to(cuda)).cpu()
+        torch.testing.assert_close(got, y, atol=1e-5, rtol=1e-5)
