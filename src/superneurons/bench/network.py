@@ -8,10 +8,9 @@ network_worker`: gloo over the veth, one thread per rank). Each record says the 
 time after warm-up, the speedup over plain DDP at the same bandwidth, world size and model,
 bytes sent and received per rank per step, and the compute-only step time for reference.
 
-Why compression may not pay (Wang et al., HPDC'20 report 2.26x for FFT over InfiniBand with
-8 GPUs): gathered payloads cost each rank ``(P-1) S / CR`` on the wire vs
-``2 (P-1)/P S`` for a ring all-reduce, so gathering wins only when ``CR > P/2``; and on one
-CPU core per rank the encode/decode time can exceed the wire time it saves at 1 Gbit/s.
+Why compression may not pay (Wang et al., HPDC'20: 2.26x for FFT on 8 GPUs): gathered payloads
+cost each rank ``(P-1) S / CR`` vs ``2 (P-1)/P S`` for a ring (gathering wins only when
+``CR > P/2``), and on a CPU the encode/decode can exceed the wire time it saves.
 
 A bandwidth of ``None`` (``--bandwidth loopback``) runs the ranks on loopback, unshaped;
 ``shaping=False`` runs every setting that way (no root): codec cost, not a network.
@@ -266,6 +265,10 @@ def _wait_all(procs: Sequence[subprocess.Popen[bytes]], *, timeout_s: float) -> 
     return [int(proc.wait()) for proc in procs]
 
 
+def _done(record: dict[str, Any]) -> bool:
+    return record.get("status") == "ok" and bool(record.get("mean_step_s"))
+
+
 def _setting(record: dict[str, Any]) -> tuple[Any, ...]:
     """What a record is compared within: the same bandwidth, world size and model."""
     return record["bandwidth"], record.get("nproc", 2), record["model"]
@@ -273,11 +276,7 @@ def _setting(record: dict[str, Any]) -> tuple[Any, ...]:
 
 def add_speedups(records: list[dict[str, Any]]) -> None:
     """Set ``speedup_vs_dense`` = dense step time / this step time, per (bandwidth, model)."""
-    dense = {
-        _setting(r): r["mean_step_s"]
-        for r in records
-        if r["codec"] == "dense" and r.get("status") == "ok"
-    }
+    dense = {_setting(r): r["mean_step_s"] for r in records if r["codec"] == "dense" and _done(r)}
     for record in records:
         base = dense.get(_setting(record))
         step_s = record.get("mean_step_s")
@@ -307,25 +306,23 @@ def add_predictions(records: list[dict[str, Any]]) -> None:
 
 
 def add_breakdown(records: list[dict[str, Any]]) -> None:
-    """Split each step: ``wire_s_est`` = bytes per step over the measured link goodput,
+    """Split each step: ``wire_s_est`` = bytes per step over the measured link goodput (the
+    rank's interface bytes, the larger direction, where measured: a gathered payload or an
+    all-to-all segment crosses the wire P - 1 times, which ``bytes_per_step`` does not say),
     ``other_s`` = step - compute-only - wire (encode/decode, synchronisation, waiting for the
     peer; negative when communication overlaps backward); ``idle_step_s_est`` = CPU seconds
     per step + wire, and ``idle_speedup_est`` its ratio to dense's."""
     for record in records:
         link = record.get("measured_link_bit_s")
         ok = record.get("status") == "ok" and link
-        wire_s = record["bytes_per_step"] * 8 / link if ok else None
+        on_wire = [record.get("bytes_received_per_rank"), record.get("bytes_sent_wire_per_rank")]
+        nbytes = max(b for b in on_wire if b) if any(on_wire) else record.get("bytes_per_step")
+        wire_s = nbytes * 8 / link if ok and nbytes is not None else None
         record["wire_s_est"] = wire_s
-        record["other_s"] = (
-            record["mean_step_s"] - record["compute_step_s"] - wire_s
-            if wire_s is not None
-            else None
-        )
-        # what communication adds to a step: the step minus the compute-only step (measured
-        # with every rank computing at once, as under DDP)
-        step_s, compute_s = record.get("mean_step_s"), record.get("compute_step_s")
-        done = record.get("status") == "ok" and isinstance(step_s, float) and compute_s
-        record["comm_s"] = step_s - compute_s if done else None  # type: ignore[operator]
+        # comm_s: what communication adds, the step minus the compute-only step
+        comm_s = record["mean_step_s"] - record["compute_step_s"] if _done(record) else None
+        record["comm_s"] = comm_s
+        record["other_s"] = comm_s - wire_s if wire_s is not None and comm_s is not None else None
         # NOTE: an estimate for a machine where each rank has a core to itself: the rank's CPU
         # seconds per step (compute, encode/decode, gloo threads; no waiting) plus the wire
         # time, with no overlap between them (so an upper bound when backward hides the wire).
