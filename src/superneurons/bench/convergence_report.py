@@ -150,16 +150,28 @@ def write_artifacts(
     paths.append(write_markdown(out_dir / "convergence.md", "Convergence benchmark", body))
     plt = pyplot()
     tasks_seen = list(dict.fromkeys(r["task"] for r in records))
-    fig, axes = plt.subplots(1, len(tasks_seen), figsize=(6 * len(tasks_seen), 4.5), squeeze=False)
-    for ax, task in zip(axes[0], tasks_seen, strict=True):
-        for record in (r for r in records if r["task"] == task):
-            steps = [point[0] for point in record["curve"]]
-            values = [point[1] for point in record["curve"]]
-            ax.plot(steps, values, marker="o", ms=3, label=record["codec"])
-        ax.set_title(task)
-        ax.set_xlabel("step")
-        ax.set_ylabel("test accuracy (%)" if task == "fashion-mnist" else "val loss (nats/char)")
-        ax.legend(fontsize=7)
+    timed = all(r.get("curve_train_s") for r in records)  # a second row: against the clock
+    rows = 2 if timed else 1
+    fig, axes = plt.subplots(
+        rows, len(tasks_seen), figsize=(6 * len(tasks_seen), 4.5 * rows), squeeze=False
+    )
+    for column, task in enumerate(tasks_seen):
+        for row in range(rows):
+            ax = axes[row][column]
+            for record in (r for r in records if r["task"] == task):
+                xs = (
+                    [point[0] for point in record["curve"]] if row == 0 else record["curve_train_s"]
+                )
+                values = [point[1] for point in record["curve"]]
+                ax.plot(xs, values, marker="o", ms=3, label=record["codec"])
+            ax.set_title(task)
+            ax.set_xlabel(
+                "step" if row == 0 else "rank 0's training time (s, evaluations excluded)"
+            )
+            ax.set_ylabel(
+                "test accuracy (%)" if task == "fashion-mnist" else "val loss (nats/char)"
+            )
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out_dir / "convergence.png", dpi=120)
     plt.close(fig)
