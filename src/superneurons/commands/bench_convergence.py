@@ -8,6 +8,8 @@ Example:
       --codecs dense,fft,adam-update[warmup=10]:signsgd --out /tmp/conv-lm
   superneurons bench convergence --tasks shakespeare --bandwidth 100mbit \
       --codecs "dense;auto;adam-momentum[warmup=20,wire=fp16]:signsgd" --out /tmp/conv-100m
+  superneurons bench convergence --tasks shakespeare --nproc 4 --bandwidth 10mbit \
+      --codecs "dense;diloco[steps=25]:fp16" --out /tmp/conv-diloco
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--train-limit", type=int, default=None, help="Fashion-MNIST: first N training images"
     )
     parser.add_argument("--lm-steps", type=int, default=None, help="Shakespeare steps")
+    parser.add_argument(
+        "--eval-points", type=int, default=None, help="evaluations along each run (the curve)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="initial weights and data order")
     parser.add_argument(
         "--nproc", type=int, default=2, help="gloo ranks (loopback, or namespaces with --bandwidth)"
@@ -71,6 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _override(task: TaskConfig, args: argparse.Namespace) -> TaskConfig:
+    if args.eval_points is not None:
+        task = replace(task, eval_points=args.eval_points)
     if task.task == "fashion-mnist":
         if args.model == "resnet":
             from superneurons.bench.network import DEFAULT_MODELS
