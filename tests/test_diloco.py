@@ -5,6 +5,7 @@ The distributed properties run on one shared group of 2 gloo ranks:
 * H = 1 with a dense outer step (lr 1, no momentum) and a linear inner optimizer is DDP;
 * the outer gradient through a lossy codec (summable, gathered, stochastic) leaves every rank
   with bitwise the same parameters, and each rank's bytes are the codec's payload formula;
+* the outer gradient through the two-phase all-reduce (error feedback at worker and owner);
 * a LocalSGD stopped mid-window and rebuilt from its state_dict continues bitwise, and so
   does ``superneurons train`` resumed from its checkpoint.
 """
@@ -26,6 +27,7 @@ from superneurons.cli import main
 from superneurons.codecs.compacttopk import CompactTopKCodec
 from superneurons.codecs.feedback import ErrorFeedback
 from superneurons.codecs.qsgd import QSGDCodec
+from superneurons.codecs.twophase import TwoPhase
 from superneurons.errors import ConfigError
 from superneurons.localsgd import attach_local_sgd
 from superneurons.models import build_model
@@ -47,6 +49,7 @@ from train_support import load_checkpoint, mlp_config, needs_data, run_rank
         ("diloco:steps=1,lr=1,momentum=0", DiLoCo(steps=1, outer_lr=1.0, outer_momentum=0.0)),
         ("diloco[steps=8,nesterov=false]:fp16", DiLoCo(parse_spec("fp16"), 8, nesterov=False)),
         ("diloco[steps=4]:ef(qsgd)", DiLoCo(ErrorFeedback(QSGDCodec()), steps=4)),
+        ("diloco[steps=4]:twophase:bits=4", DiLoCo(TwoPhase(bits=4), steps=4)),
     ],
 )
 def test_sync_specs_parse_to_objects_whose_canonical_form_parses_back(
@@ -228,8 +231,43 @@ def test_a_lossy_wire_leaves_every_rank_with_the_same_model(ranks: Ranks) -> Non
             assert not torch.equal(a["residuals"]["0.weight"], b["residuals"]["0.weight"])
 
 
-def _resume_mid_window(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
-    config = DiLoCo(ErrorFeedback(QSGDCodec()), steps=3)
+def _twophase_wire(rank: int, world_size: int) -> dict[str, Any]:
+    model = _model()
+    ddp = DistributedDataParallel(model)
+    config = TwoPhase(bits=4, chunk=64, rounding="stochastic", transform="hadamard")
+    local = attach_local_sgd(ddp, DiLoCo(ErrorFeedback(config), steps=2), seed=3)
+    adam = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(ddp, adam, local, range(7), rank)  # rounds after steps 2, 4, 6; one step past
+    with local.synced_weights():
+        synced = _params(model)
+    twophase = local.wire.twophase
+    return {
+        "synced": synced,
+        "bytes": local.bytes_sent_total,
+        "rounds": local.rounds,
+        "numels": [p.numel() for p in model.parameters()],
+        "worker": set(twophase.worker),
+        "owner": set(twophase.owner),
+        "config": config,
+    }
+
+
+@pytest.mark.dist
+def test_the_twophase_wire_averages_with_feedback_at_both_stages(ranks: Ranks) -> None:
+    """The outer gradient through the two-phase all-reduce: one model on every rank, bytes
+    per round = P segments (all-to-all) + one (all-gather) of the payload formula."""
+    a, b = ranks.run(_twophase_wire)
+    for x, y in zip(a["synced"], b["synced"], strict=True):
+        assert torch.equal(x, y)
+    assert a["rounds"] == 3
+    config, world = a["config"], 2
+    assert a["bytes"] == 3 * (world + 1) * config.message_bytes(a["numels"], world)
+    names = {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert a["worker"] == a["owner"] == b["worker"] == names
+
+
+def _resume_mid_window(rank: int, world_size: int, tmp: str, wire: str = "qsgd") -> dict[str, Any]:
+    config = DiLoCo(ErrorFeedback(parse_spec(wire)), steps=3)
 
     def build() -> tuple[nn.Module, Any, Any, Any]:
         model = _model()
@@ -242,7 +280,7 @@ def _resume_mid_window(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     straight = {"model": model.state_dict(), "adam": adam.state_dict(), "local": local.state_dict()}
     model, ddp, adam, local = build()
     _train(ddp, adam, local, range(4), rank)  # stopped one step into the second window
-    path = Path(tmp) / f"rank{rank}.pt"
+    path = Path(tmp) / f"{wire}-rank{rank}.pt"
     torch.save(
         {"model": model.state_dict(), "adam": adam.state_dict(), "local": local.state_dict()}, path
     )
@@ -268,8 +306,9 @@ def _same(a: Any, b: Any) -> bool:
 
 
 @pytest.mark.dist
-def test_local_sgd_resumes_mid_window_bitwise(ranks: Ranks, tmp_path: Path) -> None:
-    for result in ranks.run(_resume_mid_window, str(tmp_path)):
+@pytest.mark.parametrize("wire", ["qsgd", "twophase:bits=2,chunk=64,rounding=stochastic"])
+def test_local_sgd_resumes_mid_window_bitwise(ranks: Ranks, tmp_path: Path, wire: str) -> None:
+    for result in ranks.run(_resume_mid_window, str(tmp_path), wire):
         for key in ("model", "adam", "local"):
             assert _same(result["straight"][key], result["resumed"][key]), key
         assert result["straight"]["local"]["inner_steps"] == 2

@@ -12,7 +12,11 @@ with ``new_state()``, which has ``state_dict()``/``load_state_dict()``.
   payloads concatenated into ONE collective: an all-reduce when the codec is summable
   (``fp16``, ``bf16``), else an all-gather and ``decode_sum`` (``qsgd``, ``ctopk``, ``fft``
   ...); with error feedback (Seide et al. 2014; Karimireddy et al., ICML 2019) each rank keeps
-  what its codec dropped, by tensor name, and sends it with the next round.
+  what its codec dropped, by tensor name, and sends it with the next round;
+* :class:`TwoPhaseAverage`: the two-phase compressed all-reduce
+  (:func:`superneurons.ddp.twophase.average_`: per-chunk-scaled codes in one all-to-all, each
+  slice's owner averages and re-quantises, one all-gather), bytes per rank independent of the
+  world size, error feedback at the worker and at the slice's owner.
 
 Every rank decodes the same payloads in the same order, so the average is bitwise the same on
 every rank whatever the codec loses.
@@ -30,11 +34,21 @@ import torch.distributed as dist
 
 from superneurons.codecs.codec import Codec, Payload
 from superneurons.codecs.feedback import feedback_step
+from superneurons.codecs.twophase import TwoPhase
 from superneurons.compat import all_gather_into_tensor
+from superneurons.ddp.twophase import TwoPhaseState, average_
 from superneurons.errors import ConfigError
 from superneurons.schemes.diloco import DiLoCo, wire_of
 
-__all__ = ["CodecAverage", "Fp32AllReduce", "Transport", "WireState", "transport_for"]
+__all__ = [
+    "CodecAverage",
+    "Fp32AllReduce",
+    "Transport",
+    "TwoPhaseAverage",
+    "TwoPhaseWireState",
+    "WireState",
+    "transport_for",
+]
 
 Named = Sequence[tuple[str, torch.Tensor]]
 _STATE_VERSION = 1
@@ -190,11 +204,79 @@ class CodecAverage:
         return sent
 
 
+@dataclass
+class TwoPhaseWireState:
+    """:class:`TwoPhaseAverage`'s state: the rounds so far and the two-phase residuals (worker
+    and owner, by tensor name; they load only into a group of the same size)."""
+
+    rounds: int = 0
+    twophase: TwoPhaseState = field(default_factory=TwoPhaseState)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": _STATE_VERSION,
+            "rounds": self.rounds,
+            "twophase": self.twophase.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != _STATE_VERSION or "twophase" not in state:
+            raise ConfigError(
+                "this outer-gradient wire state is not a two-phase one (or not version "
+                f"{_STATE_VERSION}); resume with the --sync spec it was saved with"
+            )
+        self.rounds = int(state["rounds"])
+        self.twophase.load_state_dict(state["twophase"])
+
+
+@dataclass(frozen=True)
+class TwoPhaseAverage:
+    """The outer gradient through the two-phase compressed all-reduce ``config``, with error
+    feedback at the worker and at each slice's owner when ``error_feedback``; stochastic
+    rounding draws from ``(seed, rank, round, name)``."""
+
+    config: TwoPhase
+    error_feedback: bool = True
+    group: dist.ProcessGroup | None = None
+    seed: int = 0
+
+    @property
+    def spec(self) -> str:
+        return f"ef({self.config.spec})" if self.error_feedback else str(self.config.spec)
+
+    def new_state(self) -> TwoPhaseWireState:
+        return TwoPhaseWireState(twophase=TwoPhaseState(seed=self.seed))
+
+    def average(self, flat: Named, state: TwoPhaseWireState) -> int:
+        _check(flat)
+        world, rank = _world(self.group)
+        state.rounds += 1
+        if not flat or world == 1:  # nothing to average with: the outer gradient as it is
+            return 0
+        rounds = state.rounds
+
+        def generators(key: str) -> torch.Generator:
+            seed = zlib.crc32(f"{self.seed}/{rank}/{rounds}/{key}".encode())
+            return torch.Generator(device=flat[0][1].device).manual_seed(seed)
+
+        tensors = [(name, tensor, self.config) for name, tensor in flat]
+        return average_(
+            tensors,
+            state.twophase,
+            group=self.group,
+            error_feedback=self.error_feedback,
+            generators=generators,
+        )
+
+
 def transport_for(
     config: DiLoCo, *, group: dist.ProcessGroup | None = None, seed: int = 0
 ) -> Transport:
-    """The transport ``config``'s wire names: fp32, or a codec (``ef(...)``: error feedback)."""
+    """The transport ``config``'s wire names: fp32, a codec or the two-phase all-reduce
+    (``ef(...)``: error feedback)."""
     codec, feedback = wire_of(config.inner)
     if codec is None:
         return Fp32AllReduce(group)
+    if isinstance(codec, TwoPhase):
+        return TwoPhaseAverage(codec, error_feedback=feedback, group=group, seed=seed)
     return CodecAverage(codec, error_feedback=feedback, group=group, seed=seed)

@@ -12,8 +12,9 @@ with no communication; then the *outer gradient* ``θ_synced − θ_local`` is a
 and an outer SGD step with Nesterov momentum (lr 0.7, momentum 0.9 in the paper) moves the
 synced parameters, from which every rank continues. Streaming DiLoCo (Douillard et al., arXiv
 2501.18512) sends the outer gradient in 4 bits with no loss; here ``SPEC`` is any codec of the
-grammar (``fp16``, ``qsgd:bits=4``, ``ctopk``, ...), error feedback added by default as for
-``--compress``. :class:`DiLoCo` is the configuration; the run-time is
+grammar (``fp16``, ``qsgd:bits=4``, ``ctopk``, ...) or the two-phase compressed all-reduce
+(``twophase:bits=4``: bytes per rank independent of the world size), error feedback added by
+default as for ``--compress``. :class:`DiLoCo` is the configuration; the run-time is
 :mod:`superneurons.localsgd`.
 """
 
@@ -25,6 +26,7 @@ from typing import Any, ClassVar
 from superneurons.codecs.canonical import Canonical
 from superneurons.codecs.codec import Codec
 from superneurons.codecs.feedback import ErrorFeedback
+from superneurons.codecs.twophase import TwoPhase
 from superneurons.errors import ConfigError
 
 __all__ = ["DEFAULT_OUTER_LR", "DEFAULT_OUTER_MOMENTUM", "DiLoCo", "EveryStep", "Sync", "wire_of"]
@@ -43,7 +45,7 @@ class EveryStep(Canonical):
     NAME: ClassVar[str] = "every-step"
 
 
-def wire_of(inner: Any) -> tuple[Codec | None, bool]:
+def wire_of(inner: Any) -> tuple[Codec | TwoPhase | None, bool]:
     """``(codec, error_feedback)`` of a DiLoCo wire spec: ``inner`` is None (fp32), a codec, or
     ``ef(codec)``. Raises ConfigError for anything else."""
     feedback = isinstance(inner, ErrorFeedback)
@@ -52,10 +54,11 @@ def wire_of(inner: Any) -> tuple[Codec | None, bool]:
         return None, False
     if isinstance(base, ErrorFeedback):
         return wire_of(base)
-    if not isinstance(base, Codec):
+    if not isinstance(base, Codec | TwoPhase):
         raise ConfigError(
             f"diloco: the outer gradient travels in fp32 (diloco:steps=H) or through a codec "
-            f"(diloco[steps=H]:fp16, :qsgd:bits=4, :ctopk, or ef(...) around one), not {inner}"
+            f"(diloco[steps=H]:fp16, :qsgd:bits=4, :ctopk, :twophase:bits=4, or ef(...) around "
+            f"one), not {inner}"
         )
     return base, feedback
 
@@ -66,8 +69,9 @@ class DiLoCo(Canonical):
     outer gradient.
 
     Args:
-        inner: the outer gradient's wire: None for an fp32 all-reduce, or a codec (summable
-            ones are all-reduced, the others all-gathered), optionally inside ``ef(...)``.
+        inner: the outer gradient's wire: None for an fp32 all-reduce, a codec (summable
+            ones are all-reduced, the others all-gathered) or ``TwoPhase``, optionally inside
+            ``ef(...)``.
         steps: H, the inner steps between synchronisations (500 in the paper). A window also
             ends with each epoch of ``superneurons train``.
         outer_lr: the outer learning rate (``lr=``); 1 with ``momentum=0`` is plain model
