@@ -26,7 +26,8 @@ for a stated link instead of the measured one).
 --sync diloco:steps=H (DiLoCo, for slow links) averages nothing per step: every rank runs its
 optimizer on its own shard, and every H steps (and at each epoch's end) the outer gradient is
 averaged and an outer Nesterov step taken (lr=0.7,momentum=0.9); diloco[steps=H]:CODEC sends
-the outer gradient through a codec, with error feedback unless --no-error-feedback.
+the outer gradient through a codec or the two-phase all-reduce (diloco[steps=H]:twophase:bits=4),
+with error feedback unless --no-error-feedback.
   superneurons train --model gpt --data shakespeare --nproc 4 --optimizer adamw \\
       --sync "diloco[steps=25]:fp16" --out runs/gpt-diloco
 """
