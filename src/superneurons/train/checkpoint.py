@@ -20,6 +20,7 @@ A checkpoint is written at the end of every epoch and, with ``--checkpoint-every
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 from dataclasses import dataclass, field
@@ -43,6 +44,8 @@ __all__ = [
     "resume_checkpoint",
     "save_checkpoint",
 ]
+
+logger = logging.getLogger("superneurons.train")
 
 CHECKPOINT_VERSION = 1
 # Fields of the run configuration that must match to resume (the rest may change, e.g. epochs).
@@ -375,7 +378,15 @@ def resume_checkpoint(
     dist.all_gather_object(gathered, (sorted(steps), problems))
     held = {r: set(rank_steps) for r, (rank_steps, _) in enumerate(gathered)}
     if missing_ok and not set.intersection(*held.values()):
-        return None  # the same answer on every rank: they all gathered the same
+        if rank == 0:  # the same answer on every rank: they all gathered the same
+            holdings = ", ".join(f"rank {r}: {sorted(s) or 'none'}" for r, s in held.items())
+            skipped = [p for _, rank_problems in gathered for p in rank_problems]
+            logger.warning(
+                "no checkpoint step that every rank holds (%s)%s",
+                holdings,
+                f"; skipped {'; '.join(skipped)}" if skipped else "",
+            )
+        return None
     all_problems = [p for _, rank_problems in gathered for p in rank_problems]
     step = _choose(held, all_problems, Path(out_dir) / "checkpoint")
     return load_checkpoint(out_dir, rank, config=config, world_size=world_size, step=step)
