@@ -133,7 +133,6 @@ def _say_backend(nproc: int, backend: str, *, first: bool) -> None:
 def run(args: argparse.Namespace) -> int:
     from superneurons.train.launch import Launch, run_torchrun, under_torchrun
     from superneurons.train.precheck import check_before_launch
-    from superneurons.train.sync import check_compress
     from superneurons.train.task import check_task
 
     config = TrainConfig(
@@ -167,9 +166,9 @@ def run(args: argparse.Namespace) -> int:
         master_port=args.master_port,
         max_restarts=args.max_restarts,
     )
-    # Validate here, before any rank starts: bad input is one line, never a rank traceback.
+    # Validate here, before any rank starts: bad input is one line, never a rank traceback
+    # (TrainConfig has parsed --compress into config.scheme, the one parse in this process).
     check_task(config.model, config.data)
-    check_compress(config)
     _check_data(config)
     if under_torchrun():
         world_size = int(os.environ["WORLD_SIZE"])
