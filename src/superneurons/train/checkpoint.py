@@ -49,16 +49,8 @@ logger = logging.getLogger("superneurons.train")
 
 CHECKPOINT_VERSION = 1
 # Fields of the run configuration that must match to resume (the rest may change, e.g. epochs).
-RESUME_KEYS = (
-    "model",
-    "data",
-    "compress",
-    "batch_size",
-    "optimizer",
-    "seed",
-    "error_feedback",
-    "sync",
-)
+RESUME_KEYS: tuple[str, ...] = ("model", "data", "compress", "batch_size", "optimizer", "seed")
+RESUME_KEYS += ("error_feedback", "sync")  # sync: when ranks synchronise (train --sync)
 # What a key that an older checkpoint's config lacks meant then.
 _ABSENT_MEANT = {"sync": "every-step"}
 _START_OVER = "remove the checkpoint directory and run without --resume to start over"
