@@ -34,7 +34,7 @@ _DEFAULT_BATCH = {
 
 # --quick: the tiny models (--tiny) at a size where activations dominate the peak, so that the
 # planner has something to trade at the default budgets (batch, image side or sequence length).
-_QUICK_SIZE = {"resnet50": (32, 64), "gpt": (16, 128), "gpt2": (16, 128), "hf-gpt2": (16, 128)}
+_QUICK_SIZE = {"resnet50": (32, 80), "gpt": (16, 128), "gpt2": (16, 128), "hf-gpt2": (16, 128)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
