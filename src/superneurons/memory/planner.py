@@ -24,17 +24,28 @@ step phase drop to the largest single gradient. Strategy ``offload+opt-on-host``
 optimizer state in the host pool (ZeRO-Offload's placement, Ren et al. ATC'21): on the device only
 the state of the parameter being stepped and the one prefetched
 (:func:`~superneurons.memory.optim_backward.host_state_timeline`), its copies timed by the device
-preset beside backward.
+preset beside backward. Strategy ``offload+host-optimizer`` runs the optimizer itself on the host
+(state, fp32 masters and the step; ZeRO-Offload's placement), each bucket of gradients leaving
+the device once launched (:mod:`superneurons.memory.buckets`); unlike optimizer-in-backward it
+steps after each bucket's all-reduce, so DDP can use it.
+
+Below the largest layer: ``make_plan(..., chunked=...)`` takes profiles of the same step with the
+LM head + loss in chunks and block sub-layers split over the sequence
+(:mod:`superneurons.memory.below`); each strategy uses the plain profile when it fits the budget
+and the first chunked one that does otherwise, so chunks (and their recompute) are used only
+when the budget needs them.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from superneurons.bytesize import format_bytes
 from superneurons.errors import ConfigError
 from superneurons.memory.bounds import largest_unit_bytes, resident_bytes
+from superneurons.memory.buckets import assign_buckets
 from superneurons.memory.cost import CostModel
 from superneurons.memory.plan import (
     STRATEGIES,
@@ -44,7 +55,7 @@ from superneurons.memory.plan import (
     UnitDecision,
 )
 from superneurons.memory.predict import _Outcome, evaluate, segment_runs
-from superneurons.memory.profile_types import Profile
+from superneurons.memory.profile_types import Profile, UnitProfile
 
 __all__ = ["CostModel", "evaluate", "make_plan", "min_peak_bytes"]
 
@@ -66,7 +77,7 @@ def _candidates(
         compute_s = cost.compute_s(unit, fake=profile.fake)
         copy_s, fetch_s = cost.copy_s(unit.saved_bytes), cost.fetch_s(unit.saved_bytes)
         options = {}
-        if "recompute" in allowed and not unit.inplace:
+        if "recompute" in allowed and _recomputable(profile, unit):
             options["recompute"] = compute_s
         if "offload" in allowed:
             options["offload"] = max(0.0, copy_s - compute_s) + max(0.0, fetch_s - 2 * compute_s)
@@ -75,11 +86,17 @@ def _candidates(
             continue
         action = min(options, key=lambda a: options[a])
         steps.append((options[action] / unit.saved_bytes, unit.fqn, action))
-        if "offload" in allowed and not unit.inplace and unit.input_bytes > 0:
+        if "offload" in allowed and _recomputable(profile, unit) and unit.input_bytes > 0:
             in_s = cost.copy_s(unit.input_bytes) + cost.fetch_s(unit.input_bytes)
             joint_s = compute_s + max(0.0, in_s - compute_s) + 1e-3 * in_s
             upgrades.append((joint_s / unit.input_bytes, unit.fqn, "recompute+offload"))
     return [(f, a) for _, f, a in sorted(steps)], [(f, a) for _, f, a in sorted(upgrades)]
+
+
+def _recomputable(profile: Profile, unit: UnitProfile) -> bool:
+    """Not an in-place unit, nor the chunked LM head (its loss is computed from labels that
+    only the model's call in flight holds: it cannot be replayed in backward)."""
+    return not unit.inplace and (profile.head is None or unit.fqn != profile.head.fqn)
 
 
 _ALLOWED: dict[str, tuple[str, ...]] = {
@@ -88,8 +105,10 @@ _ALLOWED: dict[str, tuple[str, ...]] = {
     "offload": ("recompute", "offload"),
     "offload+opt-in-backward": ("recompute", "offload"),
     "offload+opt-on-host": ("recompute", "offload"),
+    "offload+host-optimizer": ("recompute", "offload"),
 }
 _IN_BACKWARD = ("offload+opt-in-backward", "offload+opt-on-host")
+HOST_OPTIMIZER = "offload+host-optimizer"
 
 
 _SEGMENT: tuple[str, str] = ("", "segment")  # the step that turns on memory-centric segments
@@ -104,14 +123,39 @@ class _Choice:
     optimizer_in_backward: bool
     outcome: _Outcome
     optimizer_on_host: bool = False
+    profile: Profile | None = None
+    buckets: tuple[tuple[str, ...], ...] = ()
+
+    @property
+    def host_optimizer(self) -> bool:
+        return bool(self.buckets) or self.strategy == HOST_OPTIMIZER
+
+
+def _search_all(
+    profiles: Sequence[Profile], strategy: str, budget_bytes: int | None, cost: CostModel
+) -> _Choice:
+    """The first profile whose search fits ``budget_bytes`` (None: the least peak over all)."""
+    tried = []
+    for profile in profiles:
+        choice = _search(profile, strategy, budget_bytes, cost)
+        if budget_bytes is not None and choice.outcome.peak_bytes <= budget_bytes:
+            return choice
+        tried.append(choice)
+    return min(tried, key=lambda c: c.outcome.peak_bytes)  # first of equals: the plain one
 
 
 def _search(profile: Profile, strategy: str, budget_bytes: int | None, cost: CostModel) -> _Choice:
     """Shortest candidate prefix that fits ``budget_bytes`` (None: the prefix with least peak)."""
     opt_in = strategy in _IN_BACKWARD
+    host_opt = strategy == HOST_OPTIMIZER
+    buckets = assign_buckets(profile.grad_births, profile.grad_params) if host_opt else ()
     if strategy == "checkpoint":
-        actions = {u.fqn: "keep" if u.inplace else "recompute" for u in profile.units}
-        return _Choice(strategy, actions, {}, False, evaluate(profile, actions, cost=cost))
+        actions = {
+            u.fqn: "recompute" if _recomputable(profile, u) else "keep" for u in profile.units
+        }
+        return _Choice(
+            strategy, actions, {}, False, evaluate(profile, actions, cost=cost), profile=profile
+        )
     actions = {u.fqn: "keep" for u in profile.units}
     first, upgrades = _candidates(profile, _ALLOWED[strategy], cost)
     segment: list[tuple[str, str]] = [_SEGMENT] if "recompute" in _ALLOWED[strategy] else []
@@ -132,11 +176,15 @@ def _search(profile: Profile, strategy: str, budget_bytes: int | None, cost: Cos
             cost=cost,
             segments=segments,
             optimizer_on_host=on_host,
+            host_optimizer=host_opt,
+            buckets=buckets if host_opt else None,
         )
 
     def choice(outcome: _Outcome) -> _Choice:
         segments = segment_runs(profile, actions) if segmented else {}
-        return _Choice(strategy, dict(actions), segments, opt_in, outcome, on_host)
+        return _Choice(
+            strategy, dict(actions), segments, opt_in, outcome, on_host, profile, buckets
+        )
 
     outcome = outcome_of()
     best = choice(outcome)
@@ -155,11 +203,17 @@ def _search(profile: Profile, strategy: str, budget_bytes: int | None, cost: Cos
     return best if budget_bytes is None else choice(outcome)
 
 
-def min_peak_bytes(profile: Profile, *, cost: CostModel | None = None) -> dict[str, int]:
-    """The smallest predicted peak each strategy reaches (strategy -> bytes)."""
+def min_peak_bytes(
+    profile: Profile, *, cost: CostModel | None = None, chunked: Sequence[Profile] = ()
+) -> dict[str, int]:
+    """The smallest predicted peak each strategy reaches (strategy -> bytes), over ``profile``
+    and the ``chunked`` profiles of the same step."""
     cost = cost or CostModel()
+    profiles = [profile, *chunked]
     return {
-        s: _search(profile, s, None, cost).outcome.peak_bytes for s in STRATEGIES if s != "auto"
+        s: _search_all(profiles, s, None, cost).outcome.peak_bytes
+        for s in STRATEGIES
+        if s != "auto"
     }
 
 
@@ -172,6 +226,7 @@ def make_plan(
     optimizer_in_backward: bool = False,
     allow_optimizer_in_backward: bool = True,
     cost: CostModel | None = None,
+    chunked: Sequence[Profile] = (),
 ) -> Plan:
     """Plan keep / offload / recompute per unit so the predicted peak fits ``budget_bytes``.
 
@@ -185,7 +240,13 @@ def make_plan(
     (that, with the optimizer state in the host pool when the budget needs it:
     ``Plan.optimizer_on_host``), ``auto`` (the feasible plan with the least exposed time,
     optimizer-in-backward only if nothing else fits, or if ``optimizer_in_backward=True``, and
-    the state on the host only if nothing on the device fits).
+    the state on the host only if nothing on the device fits), ``offload+host-optimizer``
+    (the optimizer on the host, stepped per gradient bucket: DDP-compatible; ``auto`` takes it
+    last, when nothing else fits).
+
+    ``chunked``: profiles of the same step below the largest layer (the LM head + loss in
+    chunks, sub-layers split over the sequence: ``memory.below``), tried in order by each
+    strategy when the plain profile does not fit; the plan carries the chunking it used.
 
     Raises:
         InfeasibleBudgetError: no plan of ``strategy`` fits; the message names the minimum budget
@@ -201,7 +262,8 @@ def make_plan(
         cost = replace(CostModel(), bandwidth_bytes_per_s=d2h, h2d_bytes_per_s=h2d, name="measured")
     if cost is None:
         cost = CostModel(bandwidth_bytes_per_s=bandwidth_bytes_per_s)
-    minima = min_peak_bytes(profile, cost=cost)
+    profiles = [profile, *chunked]
+    minima = min_peak_bytes(profile, cost=cost, chunked=chunked)
     if not allow_optimizer_in_backward:
         if optimizer_in_backward or strategy in _IN_BACKWARD:
             raise ConfigError("optimizer_in_backward contradicts allow_optimizer_in_backward=False")
@@ -209,17 +271,18 @@ def make_plan(
             minima.pop(name, None)
     best_strategy = min(minima, key=lambda s: minima[s])
     if strategy == "auto":
-        order = ["eager", "recompute", "offload", *_IN_BACKWARD]
+        order = ["eager", "recompute", "offload", *_IN_BACKWARD, HOST_OPTIMIZER]
         if not allow_optimizer_in_backward:
-            order = order[: -len(_IN_BACKWARD)]
+            order = [s for s in order if s not in _IN_BACKWARD]
         if optimizer_in_backward:
             order = list(_IN_BACKWARD)
-        tried = [_search(profile, s, budget_bytes, cost) for s in order]
+        tried = [_search_all(profiles, s, budget_bytes, cost) for s in order]
         fits = [c for c in tried if c.outcome.peak_bytes <= budget_bytes]
         chosen = (
             min(
                 fits,
                 key=lambda c: (
+                    c.host_optimizer,
                     c.optimizer_in_backward,
                     c.optimizer_on_host,
                     c.outcome.extra_compute_s + c.outcome.exposed_s,
@@ -230,17 +293,18 @@ def make_plan(
         )
         minima["auto"] = min(minima[s] for s in order)
     else:
-        chosen = _search(profile, strategy, budget_bytes, cost)
+        chosen = _search_all(profiles, strategy, budget_bytes, cost)
         if optimizer_in_backward and not chosen.optimizer_in_backward:
             chosen.optimizer_in_backward = True
             chosen.outcome = evaluate(
-                profile,
+                chosen.profile or profile,
                 chosen.actions,
                 optimizer_in_backward=True,
                 cost=cost,
                 segments=chosen.segments,
             )
     actions, outcome = chosen.actions, chosen.outcome
+    used = chosen.profile or profile
     if outcome.peak_bytes > budget_bytes:
         raise InfeasibleBudgetError(
             f"budget {format_bytes(budget_bytes)} is below the smallest predicted peak of strategy "
@@ -251,10 +315,10 @@ def make_plan(
             min_budget_bytes=minima[best_strategy],
             strategy=best_strategy,
         )
-    unit_bytes = {u.fqn: u.saved_bytes for u in profile.units}
+    unit_bytes = {u.fqn: u.saved_bytes for u in used.units}
     tensors = tuple(
         TensorDecision(s.key, s.unit, actions.get(s.unit, "keep") if s.unit else "keep", s.nbytes)
-        for s in profile.saved
+        for s in used.saved
     )
     return Plan(
         units=tuple(
@@ -271,9 +335,13 @@ def make_plan(
         transfer_s=outcome.transfer_s,
         feasible=True,
         tensors=tensors,
-        resident_bytes=resident_bytes(profile),
-        largest_unit_bytes=largest_unit_bytes(profile),
+        resident_bytes=resident_bytes(used, host_optimizer=chosen.host_optimizer),
+        largest_unit_bytes=largest_unit_bytes(used),
         optimizer_on_host=chosen.optimizer_on_host,
         optimizer_host_bytes=outcome.optimizer_host_bytes,
         optimizer_copy_s=outcome.optimizer_copy_s,
+        head=used.head,
+        seq_chunks=used.seq_chunks,
+        host_optimizer=chosen.host_optimizer,
+        grad_buckets=chosen.buckets,
     )

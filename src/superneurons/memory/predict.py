@@ -9,7 +9,9 @@ recompute adds its transient forward bytes at the unit's backward start.
 ``optimizer_in_backward`` frees each gradient as soon as it is applied, so the gradient row of
 the timeline and the step phase drop to the largest single gradient. :class:`CostModel` turns
 FLOPs, bytes and copies into seconds; :func:`segment_runs` groups consecutive recompute units
-into memory-centric segments (SuperNeurons, Wang et al., PPoPP'18 §3.3).
+into memory-centric segments (SuperNeurons, Wang et al., PPoPP'18 §3.3). ``host_optimizer``
+keeps no optimizer state on the device and each gradient only until its bucket is drained
+(:func:`superneurons.memory.buckets.bucket_timeline`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from superneurons.memory.buckets import assign_buckets, bucket_timeline
 from superneurons.memory.cost import CostModel
 from superneurons.memory.optim_backward import host_state_timeline
 from superneurons.memory.plan import OFFLOADING, RECOMPUTING
@@ -49,6 +52,8 @@ def evaluate(
     segments: dict[str, int] | None = None,
     min_offload_bytes: int = MIN_OFFLOAD_BYTES,
     optimizer_on_host: bool = False,
+    host_optimizer: bool = False,
+    buckets: tuple[tuple[str, ...], ...] | None = None,
 ) -> _Outcome:
     """Predict peak bytes, host bytes and time overheads of per-unit ``actions`` (fqn -> action).
 
@@ -60,6 +65,9 @@ def evaluate(
     ``optimizer_on_host`` (with ``optimizer_in_backward``): the optimizer state lives in the
     host pool; on the device only what :func:`~superneurons.memory.optim_backward.
     host_state_timeline` keeps there.
+    ``host_optimizer``: the optimizer runs on the host; gradients live on the device as
+    ``buckets`` (default: :func:`~superneurons.memory.buckets.assign_buckets`) are launched and
+    drained; after backward only the parameters remain.
     """
     cost = cost or CostModel()
     segments = segments or {}
@@ -73,6 +81,21 @@ def evaluate(
         # as SGD/Adam do per parameter) and frees it at once
         for birth, nbytes in profile.grad_births:
             table[CATEGORIES.index("grads"), min(birth, profile.num_events - 1)] += nbytes
+    if host_optimizer:
+        be = profile.backward_end_event
+        params = int(table[CATEGORIES.index("params"), 0])
+        table[:, be + 1 :] = 0
+        table[CATEGORIES.index("params"), be + 1 :] = params
+        table[CATEGORIES.index("optimizer")] = 0
+        if buckets is None:
+            buckets = assign_buckets(profile.grad_births, profile.grad_params)
+        table[CATEGORIES.index("grads")] = bucket_timeline(
+            profile.grad_births,
+            profile.grad_params,
+            buckets,
+            num_events=profile.num_events,
+            backward_end=be,
+        )
     host_state = None
     if optimizer_in_backward and optimizer_on_host:
         host_state = host_state_timeline(
@@ -224,6 +247,20 @@ def evaluate(
         optimizer_copy_s = out_s + in_s
         transfer_s += optimizer_copy_s
         exposed_s += max(0.0, out_s - backward_s) + max(0.0, in_s - backward_s)
+    host_optimizer_bytes = 0
+    if host_optimizer:
+        # gradients go out and parameters come back beside backward; the host steps each
+        # bucket beside it too: only the excess over backward is exposed
+        backward_s = 2 * sum(cost.compute_s(u, fake=profile.fake) for u in profile.units)
+        out_s, in_s = cost.copy_s(profile.grad_bytes), cost.fetch_s(profile.param_bytes)
+        step_s = profile.param_numel * cost.host_step_s_per_param
+        optimizer_copy_s = out_s + in_s
+        transfer_s += optimizer_copy_s
+        exposed_s += sum(max(0.0, t - backward_s) for t in (out_s, step_s, in_s))
+        itemsize = profile.param_bytes / max(profile.param_numel, 1)
+        host_optimizer_bytes = 4 * profile.param_numel + int(
+            profile.optimizer_state_bytes * 4 / max(itemsize, 1)
+        )
     # NOTE: a segment's outer recompute holds the inner inputs plus one inner unit's internals
     # at a time, less than what the last unit's own recompute holds right after it: no spike.
     peak_event = int(total.argmax()) if total.size else -1
@@ -234,7 +271,7 @@ def evaluate(
         transfer_s,
         exposed_s,
         peak_event,
-        host_state.host_bytes if host_state is not None else 0,
+        host_state.host_bytes if host_state is not None else host_optimizer_bytes,
         optimizer_copy_s,
     )
 

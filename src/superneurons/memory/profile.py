@@ -29,11 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.flop_counter import flop_registry
 
 from superneurons.errors import ConfigError
 from superneurons.memory.cost import EventTimer, measure_copy_bandwidth
-from superneurons.memory.nodes import on_enter, on_leave, output_nodes
 from superneurons.memory.profile_types import (
     CATEGORIES,
     Profile,
@@ -42,6 +40,7 @@ from superneurons.memory.profile_types import (
     default_units,
 )
 from superneurons.memory.recompute import running_stat_bytes
+from superneurons.memory.recorder import Recorder
 from superneurons.memory.stateful import kv_cache_off
 from superneurons.memory.tracker import LiveStorageTracker
 
@@ -50,173 +49,6 @@ __all__ = ["CATEGORIES", "Profile", "SavedTensor", "UnitProfile", "profile_step"
 logger = logging.getLogger("superneurons.memory")
 
 LossFn = Callable[[Any, Any], torch.Tensor]
-
-
-class _Recorder:
-    """Mutable bookkeeping of one profiled step (module stack, saved tensors, unit windows)."""
-
-    def __init__(self, tracker: LiveStorageTracker, units: set[str]) -> None:
-        self.tracker = tracker
-        self.units = units
-        self.stack: list[tuple[str, int]] = []  # (fqn, call index)
-        self.calls: dict[str, int] = {}
-        self.ordinals: dict[tuple[str, int], int] = {}
-        self.param_storages: set[int] = set()
-        self.saved: list[dict[str, Any]] = []
-        self.first_key_of_storage: dict[int, str] = {}
-        self.unit_rows: dict[str, dict[str, Any]] = {}
-        self.op_of_storage: dict[int, str] = {}
-        self.saved_by_unit: dict[str, set[int]] = {}
-        self.phase = "forward"
-        self.timer: EventTimer | None = None  # CUDA events per unit forward (real CUDA runs)
-
-    # module hooks --------------------------------------------------------------------------
-    def pre(self, fqn: str, args: Any = ()) -> None:
-        call = self.calls.get(fqn, 0)
-        self.calls[fqn] = call + 1
-        self.stack.append((fqn, call))
-        if fqn in self.units:
-            row = self.unit_rows.setdefault(
-                fqn,
-                dict(
-                    fwd_start=self.tracker.event + 1,
-                    fwd_end=-1,
-                    bwd_start=-1,
-                    flops=0,
-                    written=0,
-                    live_at_start=self.tracker.live_bytes,
-                    temp_peak=0,
-                    time_s=0.0,
-                    t0=0.0,
-                    calls=[],
-                ),
-            )
-            # per call: [fwd_start, fwd_end, bwd_start, bwd_end] (a module called several
-            # times in one forward, e.g. a ResNet bottleneck's one ReLU, has several windows)
-            row["calls"].append([self.tracker.event + 1, -1, -1, -1])
-            row["t0"] = time.perf_counter()
-            row["in_sids"] = {
-                self.tracker.serial_of(t)
-                for t in tree_flatten(args)[0]
-                if isinstance(t, torch.Tensor)
-            } - {None}
-            row.setdefault("first_in_sids", row["in_sids"])
-            if self.timer is not None:
-                row["events"] = self.timer.start()
-
-    def post(self, fqn: str, output: Any) -> None:
-        if self.stack and self.stack[-1][0] == fqn:
-            self.stack.pop()
-        if fqn in self.units:
-            row = self.unit_rows[fqn]
-            # outputs the unit also saved are re-created by its recompute: not counted here
-            saved_here = self.saved_by_unit.get(fqn, set())
-            outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
-            out_sids = {self.tracker.serial_of(t) for t in outs}
-            row["out_bytes"] = sum(
-                t.untyped_storage().nbytes()
-                for t in outs
-                if self.tracker.serial_of(t) not in saved_here
-            )
-            row["inplace"] = row.get("inplace", False) or bool(out_sids & row["in_sids"])
-            row["fwd_end"] = self.tracker.event
-            row["calls"][-1][1] = self.tracker.event
-            # where backward enters and leaves this call's output nodes (the runtime's
-            # prefetch points): [enter, leave] events per call
-            row.setdefault("edges", []).append([-1, -1])
-            call, nodes = len(row["calls"]) - 1, output_nodes(outs)
-            on_enter(nodes, lambda: self.reached(fqn, call, 0))
-            on_leave(nodes, lambda: self.reached(fqn, call, 1))
-            if self.timer is not None:
-                self.timer.stop(fqn, row.pop("events"))
-            else:
-                row["time_s"] += time.perf_counter() - row["t0"]
-
-    def reached(self, fqn: str, call: int, side: int) -> None:
-        edges = self.unit_rows[fqn]["edges"][call]  # the first hook to fire: the runtime's
-        edges[side] = edges[side] if edges[side] >= 0 else self.tracker.event  # prefetch point
-
-    def current_unit(self) -> str:
-        return self.current_call()[0]
-
-    def current_call(self) -> tuple[str, int]:
-        """The innermost unit running and the index of its current call ("", 0: none)."""
-        for fqn, _ in reversed(self.stack):
-            if fqn in self.units:
-                return fqn, len(self.unit_rows[fqn]["calls"]) - 1
-        return "", 0
-
-    # dispatch callback ---------------------------------------------------------------------
-    def on_op(self, event: int, func: Any, args: Any, kwargs: Any, out: Any) -> None:
-        name = str(func.overloadpacket.__name__)
-        for leaf in tree_flatten(out)[0]:
-            if isinstance(leaf, torch.Tensor):
-                sid = self.tracker.serial_of(leaf)
-                if sid is not None:
-                    self.op_of_storage.setdefault(sid, name)
-        if self.phase != "forward" or not self.stack:
-            return
-        unit = self.current_unit()
-        if not unit:
-            return
-        row = self.unit_rows[unit]
-        packet = func.overloadpacket
-        if packet in flop_registry:
-            row["flops"] += int(flop_registry[packet](*args, **(kwargs or {}), out_val=out))
-        row["written"] += sum(
-            t.numel() * t.element_size()
-            for t in tree_flatten(out)[0]
-            if isinstance(t, torch.Tensor)
-        )
-        row["temp_peak"] = max(row["temp_peak"], self.tracker.live_bytes - row["live_at_start"])
-
-    # saved-tensor hooks --------------------------------------------------------------------
-    def pack(self, tensor: torch.Tensor) -> Any:
-        sid = self.tracker.serial_of(tensor)
-        if sid is None or sid in self.param_storages or self.phase != "forward":
-            return (None, tensor)
-        fqn, call = self.stack[-1] if self.stack else ("", 0)
-        ordinal = self.ordinals.get((fqn, call), 0)
-        self.ordinals[(fqn, call)] = ordinal + 1
-        key = f"{fqn}#{call}:{ordinal}"
-        first = sid not in self.first_key_of_storage
-        if first:
-            self.first_key_of_storage[sid] = key
-        index = len(self.saved)
-        unit, unit_call = self.current_call()
-        self.saved_by_unit.setdefault(unit, set()).add(sid)
-        if unit:  # a recompute stops at its last save (early stop): its peak up to here
-            self.unit_rows[unit]["recompute_peak"] = self.unit_rows[unit]["temp_peak"]
-        self.saved.append(
-            dict(
-                key=key,
-                module=fqn,
-                sid=sid,
-                first=first,
-                unit=unit,
-                unit_call=unit_call,
-                pack_event=self.tracker.event,
-                last_use=-1,
-                nbytes=int(tensor.untyped_storage().nbytes()),
-            )
-        )
-        return (index, tensor)
-
-    def unpack(self, packed: Any) -> torch.Tensor:
-        index, tensor = packed
-        if index is not None:
-            row = self.saved[index]
-            row["last_use"] = max(row["last_use"], self.tracker.event)
-            unit = row["unit"]
-            if unit and self.unit_rows[unit]["bwd_start"] < 0:
-                self.unit_rows[unit]["bwd_start"] = self.tracker.event
-            if unit:
-                self.unit_rows[unit]["bwd_end"] = self.tracker.event
-                window = self.unit_rows[unit]["calls"][row["unit_call"]]
-                if window[2] < 0:
-                    window[2] = self.tracker.event
-                window[3] = max(window[3], self.tracker.event)
-        return tensor
 
 
 def profile_step(
@@ -230,6 +62,7 @@ def profile_step(
     units: Sequence[str] | None = None,
     fake_mode: Any = None,
     keep_output: bool = True,
+    prepare: Callable[[nn.Module], Any] | None = None,
 ) -> Profile:
     """Profile one training step (forward, ``loss_fn(output, targets)``, backward, optimizer step).
 
@@ -247,6 +80,8 @@ def profile_step(
             keeps ``output = model(x)`` in scope does (``train/loop.py``, ``bench memory``);
             ``False`` for ``loss_fn(model(x), y).backward()``, which frees whatever autograd
             did not save (for GPT-2 124M at B=8, T=1024: 1.53 GiB of logits).
+        prepare: applied to the model that runs the step (the copy), before it runs; returns a
+            handle whose ``remove()`` undoes it (e.g. ``memory.below`` chunks the LM head).
 
     Raises:
         ConfigError: the step fails under fake tensors (data-dependent ops such as ``nonzero`` or
@@ -277,6 +112,7 @@ def profile_step(
         )
     for p in model_c.parameters():
         p.grad = None
+    prepared = prepare(model_c) if prepare is not None else None
     try:
         with mode if mode is not None else contextlib.nullcontext():
             return _run(
@@ -297,6 +133,9 @@ def profile_step(
             f"{str(exc).splitlines()[0][:200]}); data-dependent ops (nonzero, .item(), boolean "
             "masks) need real values: profile with real tensors (fake=False)"
         ) from exc
+    finally:
+        if prepared is not None:
+            prepared.remove()
 
 
 def _is_fake(tensor: torch.Tensor | None) -> bool:
@@ -324,7 +163,7 @@ def _run(
     keep_output: bool = True,
 ) -> Profile:
     tracker = LiveStorageTracker(record_timeline=False)
-    rec = _Recorder(tracker, unit_fqns)
+    rec = Recorder(tracker, unit_fqns)
     tracker._on_op = rec.on_op  # type: ignore[assignment]
     first = next(iter(model.parameters()), None)
     on_cuda = not fake and first is not None and first.device.type == "cuda"
@@ -376,7 +215,11 @@ def _run(
                 rec.unit_rows[fqn]["time_s"] = seconds
         assert first is not None
         bandwidth = measure_copy_bandwidth(first.device)
-    grads = {tracker.serial_of(p.grad) for p in model.parameters() if p.grad is not None} - {None}
+    grad_names = {
+        tracker.serial_of(p.grad): fqn for fqn, p in model.named_parameters() if p.grad is not None
+    }
+    grad_names.pop(None, None)
+    grads = set(grad_names)
     opt_state = {tracker.serial_of(t) for t in _optimizer_tensors(optimizer)} - {None}
     return Profile.from_recording(
         tracker=tracker,
@@ -392,6 +235,8 @@ def _run(
         fake=fake,
         step_s=step_s,
         copy_bytes_per_s=bandwidth,
+        grad_names=grad_names,  # type: ignore[arg-type]
+        param_numel=sum(p.numel() for p in model.parameters()),
     )
 
 

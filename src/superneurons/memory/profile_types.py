@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from torch import nn
+
+from superneurons.memory.plan import HeadChunking, SeqChunking
+from superneurons.memory.units import GRANULARITIES, default_units, layer_units
 
 __all__ = [
     "CATEGORIES",
@@ -26,59 +28,7 @@ __all__ = [
     "layer_units",
 ]
 
-GRANULARITIES: tuple[str, ...] = ("block", "layer", "auto")
-
 CATEGORIES: tuple[str, ...] = ("params", "grads", "optimizer", "saved", "temporaries")
-
-
-def default_units(model: nn.Module) -> list[str]:
-    """The blocks of the model, plus every other part of the step's path to them.
-
-    Blocks: the outermost non-leaf children of ``nn.Sequential``/``nn.ModuleList`` containers,
-    descending through containers of blocks (stages): the zoo ResNets' residual blocks, GPT's
-    transformer blocks. Then, so that a plan covers the whole step (the stem, the final norm, the
-    head), every child of the root or of an ancestor of a block that neither is nor contains a
-    block becomes a unit too (e.g. a ResNet's ``conv1``, ``bn1``, ``relu``, ``maxpool``, ``fc``;
-    GPT's ``transformer.wte``, ``transformer.ln_f``, ``lm_head``). A model with no blocks (e.g.
-    a flat ``nn.Sequential`` of layers) gets its leaf layers as units. Units come in
-    ``named_modules`` order.
-    """
-    containers = (nn.Sequential, nn.ModuleList)
-    found: list[str] = []
-    for fqn, module in model.named_modules():
-        if not isinstance(module, containers):
-            continue
-        for name, child in module.named_children():
-            child_fqn = f"{fqn}.{name}" if fqn else name
-            grandchildren = list(child.children())
-            if not grandchildren:
-                continue  # a leaf layer: units are blocks
-            if isinstance(child, containers) and all(any(g.children()) for g in grandchildren):
-                continue  # a stage of blocks: its blocks are the units
-            if not any(child_fqn.startswith(f + ".") for f in found):
-                found.append(child_fqn)
-    if not found:
-        if isinstance(model, nn.Sequential):
-            return [name for name, _ in model.named_children()]
-        return []
-    ancestors = {""} | {f.rsplit(".", i)[0] for f in found for i in range(1, f.count(".") + 1)}
-    blocks = set(found)
-    for fqn, module in model.named_modules():
-        if fqn not in ancestors:
-            continue
-        for name, _ in module.named_children():
-            child_fqn = f"{fqn}.{name}" if fqn else name
-            if child_fqn not in ancestors and child_fqn not in blocks:
-                found.append(child_fqn)
-    position = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}
-    return sorted(found, key=position.__getitem__)
-
-
-def layer_units(model: nn.Module) -> list[str]:
-    """Every leaf module (layer) as a unit: SuperNeurons' own granularity (Wang et al.,
-    PPoPP'18 §3: the peak falls toward one *layer's* working set). Many more units than
-    :func:`default_units` (ResNet-50: 126 instead of 22), so planning takes longer."""
-    return [fqn for fqn, m in model.named_modules() if fqn and not any(m.children())]
 
 
 @dataclass(frozen=True)
@@ -217,6 +167,13 @@ class Profile:
     # pinned (device -> host, host -> device) bytes/s measured with the profile (real CUDA
     # profiles; 0: not measured, use a device preset)
     copy_bytes_per_s: tuple[float, float] = (0.0, 0.0)
+    # the fqn of the parameter each entry of ``grad_births`` belongs to ("" when not recorded)
+    grad_params: tuple[str, ...] = ()
+    # how the step was profiled below the largest layer: the LM head + loss in chunks, sub-layers
+    # split over the sequence (a plan made from this profile carries them: memory.plan)
+    head: HeadChunking | None = None
+    seq_chunks: tuple[SeqChunking, ...] = ()
+    param_numel: int = 0  # elements of the parameters (the host optimizer's fp32 masters)
 
     @property
     def saved_bytes(self) -> int:
@@ -260,6 +217,10 @@ class Profile:
         fake: bool,
         step_s: float,
         copy_bytes_per_s: tuple[float, float] = (0.0, 0.0),
+        grad_names: Mapping[int, str] | None = None,
+        head: HeadChunking | None = None,
+        seq_chunks: tuple[SeqChunking, ...] = (),
+        param_numel: int = 0,
     ) -> Profile:
         num_events = max(tracker.event + 1, 1)
         last = num_events - 1
@@ -268,6 +229,7 @@ class Profile:
         totals = dict.fromkeys(("params", "grads", "optimizer"), 0)
         opt_births: list[tuple[int, int]] = []
         grad_births: list[tuple[int, int]] = []
+        grad_params: list[str] = []
         for sid, nbytes in tracker.nbytes.items():
             if sid in param_storages:
                 cat = "params"
@@ -287,6 +249,7 @@ class Profile:
                 opt_births.append((birth, nbytes))
             if cat == "grads":
                 grad_births.append((birth, nbytes))
+                grad_params.append((grad_names or {}).get(sid, ""))
             cat_row = CATEGORIES.index(cat)
             delta[cat_row, birth] += nbytes
             delta[cat_row, min(death, last) + 1] -= nbytes
@@ -392,6 +355,10 @@ class Profile:
             units=tuple(units),
             optimizer_births=tuple(opt_births),
             grad_births=tuple(grad_births),
+            grad_params=tuple(grad_params),
+            head=head,
+            seq_chunks=tuple(seq_chunks),
+            param_numel=param_numel,
             largest_param_bytes=max(
                 (tracker.nbytes[sid] for sid in param_storages if sid in tracker.nbytes), default=0
             ),
