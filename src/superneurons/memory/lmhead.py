@@ -145,8 +145,9 @@ def _model_forward(
         key = "labels" if style == "hf" else "targets"
         if style == "targets" and len(args) > 1:  # GPT(idx, targets)
             args, kwargs = args[:1], {**kwargs, "targets": args[1]}
-        if kwargs.get(key) is None or not torch.is_grad_enabled():
-            return forward(*args, **kwargs)  # no loss asked, or no backward: as shipped
+        if kwargs.get(key) is None or not torch.is_grad_enabled() or kwargs.get("fused_lm_head"):
+            # no loss asked, no backward, or TRL's own chunked head (``add_fused_lm_head``)
+            return forward(*args, **kwargs)
         kwargs = dict(kwargs)
         labels = kwargs.pop(key)
         shift = kwargs.pop("shift_labels", None) if style == "hf" else None
