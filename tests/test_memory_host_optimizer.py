@@ -306,3 +306,25 @@ def test_ddp_host_optimizer_resumes_bitwise(ranks: Ranks) -> None:
     for rank in range(2):
         for fqn, value in straight[rank].items():
             assert torch.equal(value, resumed[rank][fqn]), (rank, fqn)
+
+
+@pytest.mark.cuda
+def test_cuda_masters_are_pinned_and_steps_match_the_device_optimizer() -> None:
+    device = torch.device("cuda")
+    eager, ours = _net().to(device), _net().to(device)
+    factory = OPTIMIZERS["adamw"]
+    opt = torch.optim.AdamW(eager.parameters(), lr=1e-2, weight_decay=0.1)
+    plan = _plan(ours, _small_buckets(ours))
+    with apply_plan(ours, plan, optimizer_factory=factory) as handle:
+        assert handle.buckets is not None
+        masters = handle.buckets.optimizer.masters
+        assert all(m.is_pinned() and m.device.type == "cpu" for m in masters.values())
+        for step in range(3):
+            x, y = (t.to(device) for t in _batch(0, step))
+            opt.zero_grad()
+            F.cross_entropy(eager(x), y).backward()
+            opt.step()
+            F.cross_entropy(ours(x), y).backward()
+            assert all(p.grad is None for p in ours.parameters())
+    for a, b in zip(eager.parameters(), ours.parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)  # host vs device kernels

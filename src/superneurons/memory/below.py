@@ -25,6 +25,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from superneurons.errors import ConfigError
 from superneurons.memory.headloss import chunk_tokens_for, resolve_implementation
 from superneurons.memory.lmhead import chunk_head, find_output_embedding
 from superneurons.memory.plan import HeadChunking, SeqChunking
@@ -32,7 +33,9 @@ from superneurons.memory.profile import profile_step
 from superneurons.memory.profile_types import Profile
 from superneurons.memory.seqchunk import sequence_splits, split_sequence
 
-__all__ = ["below_profiles", "head_chunking"]
+__all__ = ["VARIANTS", "below_profiles", "head_chunking"]
+
+VARIANTS: tuple[str, ...] = ("grad-in-forward", "recompute", "recompute+split")
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -63,6 +66,7 @@ def below_profiles(
     fake_mode: Any = None,
     fake: bool = False,
     keep_output: bool = True,
+    variants: Sequence[str] = VARIANTS,
 ) -> list[Profile]:
     """Profiles of the step :func:`profile_step` profiled as ``profile`` (same arguments), with
     the head + loss in chunks and block MLPs split over the sequence (module docstring), in the
@@ -72,19 +76,24 @@ def below_profiles(
         profile: the plain profile of the step (the MLP splits are read from it).
         tokens: tokens the head sees per step (batch x sequence length).
         seq_len: the sequence length (pieces keep at least ``seqchunk.MIN_PIECE_TOKENS``).
+        variants: which of :data:`VARIANTS` to profile (``("recompute+split",)``: the floor
+            only, one profile instead of three).
     """
     unit_fqns = list(units) if units is not None else [u.fqn for u in profile.units]
     splits = sequence_splits(profile, seq_len=seq_len, units=unit_fqns)
-    variants: list[tuple[HeadChunking | None, tuple[SeqChunking, ...]]] = []
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        raise ConfigError(f"unknown variants {sorted(unknown)}: use some of {', '.join(VARIANTS)}")
+    chosen: list[tuple[HeadChunking | None, tuple[SeqChunking, ...]]] = []
     for mode in ("grad-in-forward", "recompute"):
         head = head_chunking(model, tokens=tokens, mode=mode)
-        if head is not None:
-            variants.append((head, ()))
-    if splits:
-        variants.append((head_chunking(model, tokens=tokens, mode="recompute"), splits))
+        if head is not None and mode in variants:
+            chosen.append((head, ()))
+    if splits and "recompute+split" in variants:
+        chosen.append((head_chunking(model, tokens=tokens, mode="recompute"), splits))
     options = dict(units=unit_fqns, fake_mode=fake_mode, fake=fake, keep_output=keep_output)
     profiles = []
-    for head, split in variants:
+    for head, split in chosen:
         prepared = profile_step(
             model, inputs, targets, loss_fn, optimizer, prepare=_chunker(head, split), **options
         )

@@ -27,6 +27,11 @@ the whole run. Here the buckets are our own:
   default all-reduce, or ``superneurons.compress.register_compression``'s (called after
   ``attach``, its ``ddp.register_comm_hook`` call is captured and runs on these buckets).
 
+On CUDA the reduced gradients go to pinned host memory on a side stream (events, ``record_stream``)
+and one host thread steps the buckets in launch order beside backward; the copy back runs on the
+host optimizer's stream, which the next forward's stream waits for. On CPU every step runs in
+order where the bucket drains, so results are bitwise reproducible.
+
 Gradient accumulation over several backward passes is not supported (each backward steps).
 """
 
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -154,8 +160,12 @@ class GradientBuckets:
         self._ddp_managed: list[nn.Parameter] = []
         self.hook: CommHook | None = None
         self.hook_state: Any = None
-        self._cuda = next(iter(params.values())).device.type == "cuda"
-        self._d2h: Any = torch.cuda.Stream() if self._cuda else None
+        self._device = next(iter(params.values())).device
+        self._cuda = self._device.type == "cuda"
+        self._d2h: Any = torch.cuda.Stream(self._device) if self._cuda else None
+        # CUDA: one host thread steps the buckets in launch order while backward goes on
+        self._worker = ThreadPoolExecutor(1, "superneurons-host-step") if self._cuda else None
+        self._steps: list[Future[None]] = []
         self.handles = [
             p.register_post_accumulate_grad_hook(lambda p, f=fqn: self._on_grad(f))
             for fqn, p in params.items()
@@ -227,7 +237,10 @@ class GradientBuckets:
             offset = 0
             for p, g in zip(params, grads, strict=True):
                 piece = flat[offset : offset + p.numel()]
-                piece.copy_(g.reshape(-1)) if g is not None else piece.zero_()
+                if g is None:
+                    piece.zero_()
+                else:
+                    piece.copy_(g.reshape(-1))
                 offset += p.numel()
         for p in params:
             p.grad = None
@@ -253,7 +266,7 @@ class GradientBuckets:
         self._inflight = None
         reduced = future.wait()
         reduced = reduced[0] if isinstance(reduced, list) else reduced  # (numel,)
-        host = self._to_host(reduced)
+        host, copied = self._to_host(reduced)
         del reduced, future
         grads, offset = {}, 0
         for fqn in self.buckets[index]:
@@ -262,22 +275,30 @@ class GradientBuckets:
                 grads[fqn] = host[offset : offset + numel].view_as(self._params[fqn])
             offset += numel
         self.launched_bytes += host.numel() * host.element_size()
-        self.optimizer.step(grads)
+        if self._worker is None:
+            self.optimizer.step(grads)  # CPU: here, in order (bitwise reproducible)
+        else:  # CUDA: the host steps beside backward once the copy has landed
+            self._steps.append(self._worker.submit(self._step_when_copied, copied, grads))
 
-    def _to_host(self, reduced: torch.Tensor) -> torch.Tensor:
+    def _step_when_copied(self, copied: Any, grads: dict[str, torch.Tensor]) -> None:
+        with torch.cuda.device(self._device):
+            copied.synchronize()  # this worker thread waits, not backward's
+            self.optimizer.step(grads)
+
+    def _to_host(self, reduced: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """The reduced gradients in host memory, and the CUDA event of their copy (None
+        elsewhere: the copy is done when this returns)."""
         if self.host_device == "meta":
-            return torch.empty(reduced.shape, dtype=reduced.dtype, device="meta")
+            return torch.empty(reduced.shape, dtype=reduced.dtype, device="meta"), None
         with untracked():
             host = torch.empty(reduced.shape, dtype=reduced.dtype, pin_memory=self._cuda)
-            if self._cuda:
-                self._d2h.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(self._d2h):
-                    host.copy_(reduced, non_blocking=True)
-                    reduced.record_stream(self._d2h)  # not reused before the copy has read it
-                self._d2h.synchronize()  # the host step reads it next
-            else:
-                host.copy_(reduced)
-        return host
+            if not self._cuda:
+                return host.copy_(reduced), None
+            self._d2h.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._d2h):
+                host.copy_(reduced, non_blocking=True)
+                reduced.record_stream(self._d2h)  # not reused before the copy has read it
+                return host, self._d2h.record_event()
 
     def _finish(self) -> None:
         """End of backward: launch what is left in order (missing gradients as zeros under data
@@ -286,11 +307,14 @@ class GradientBuckets:
             while self._next < len(self.buckets):
                 self._launch(self._next)
             self._drain()
+            for done in self._steps:
+                done.result()  # a failed host step raises here, in backward
             self.optimizer.wait()
         finally:
             self._next = 0
             self._ready = [set() for _ in self.buckets]
             self._callback_queued = False
+            self._steps = []
         if self._ddp_managed:  # after DDP's own end-of-backward callback, queued before this one
             torch.autograd.Variable._execution_engine.queue_callback(self._drop_ddp_gradients)
 
@@ -306,6 +330,8 @@ class GradientBuckets:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
         self.model.__dict__.pop("_ddp_params_and_buffers_to_ignore", None)
         for param in self.model.parameters():
             param.__dict__.pop("_ddp_ignored", None)

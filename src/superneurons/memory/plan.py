@@ -33,6 +33,7 @@ from superneurons.memory.headloss import HEAD_MODES, IMPLEMENTATIONS
 __all__ = [
     "ACTIONS",
     "PLAN_VERSION",
+    "SINGLE_DEVICE_STRATEGIES",
     "STRATEGIES",
     "HeadChunking",
     "InfeasibleBudgetError",
@@ -59,6 +60,8 @@ STRATEGIES: tuple[str, ...] = (
     "offload+host-optimizer",
     "auto",
 )
+# they step the optimizer inside backward, before a DDP all-reduce could run: one device only
+SINGLE_DEVICE_STRATEGIES: tuple[str, ...] = ("offload+opt-in-backward", "offload+opt-on-host")
 
 
 class InfeasibleBudgetError(ConfigError):
