@@ -240,8 +240,13 @@ def measured_step(
             t for o in handle.optimizers.values() for s in o.state.values()
             for t in s.values() if torch.is_tensor(t)
         ]  # fmt: skip
+    # optimizer state in the host pool (offload+opt-on-host) is host memory: registered first
+    # as such, the state tensors that are its views are then not counted again
+    host = handle.pool.host_buffers() if handle is not None else []  # the activation slab
+    if handle is not None and handle.host_state is not None:
+        host += handle.host_state.host_buffers()
     peak = device_peak_bytes(
-        one, resident=[*step.parameters(), *step.buffers(), *state, *b.values()]
+        one, resident=[*step.parameters(), *step.buffers(), *state, *b.values()], host=host
     )
     seconds = cpu_seconds(one)
     return peak, seconds, handle
@@ -347,8 +352,9 @@ def _rank(rank: int, world: int, port: int, plan: Any, out: Any) -> None:
             t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)
         ]  # fmt: skip
         # DDP's own gradient buckets are device memory too: count them (its reducer holds them)
+        host = handle.pool.host_buffers() if handle is not None else []
         peak = device_peak_bytes(
-            one, resident=[*step.parameters(), *step.buffers(), *state, *b.values()]
+            one, resident=[*step.parameters(), *step.buffers(), *state, *b.values()], host=host
         )
         results[label] = peak + _ddp_bucket_bytes(ddp)
         if handle is not None:

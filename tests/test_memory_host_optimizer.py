@@ -205,13 +205,15 @@ def test_simulated_peak_of_host_optimizer_plans_is_bounded_by_the_prediction() -
 
 
 def test_bucket_timeline_by_hand() -> None:
-    births = ((2, 10), (3, 20), (5, 40), (6, 8))
+    # (birth, ready, bytes): "c" is made at event 1 (a gradient computed in the forward) and
+    # accumulated at 5
+    gradients = ((2, 2, 10), (3, 3, 20), (1, 5, 40), (6, 6, 8))
     names = ("a", "b", "c", "d")
-    buckets = assign_buckets(births, names, cap_bytes=30)
+    buckets = assign_buckets(gradients, names, cap_bytes=30)
     assert buckets == (("a", "b"), ("c",), ("d",))
-    row = bucket_timeline(births, names, buckets, num_events=9, backward_end=7)
-    # a: 2..3, b: 3..3, flat(a,b)=30: 3..5, c alone: 5..6, d alone: 6..7
-    assert row.tolist() == [0, 0, 10, 60, 30, 70, 48, 8, 0]
+    row = bucket_timeline(gradients, names, buckets, num_events=9, backward_end=7)
+    # c alone: 1..6, a: 2..3, b: 3..3, flat(a,b)=30: 3..5, d alone: 6..7
+    assert row.tolist() == [0, 40, 50, 100, 70, 70, 48, 8, 0]
 
 
 def test_ddp_wrapped_before_the_plan_is_refused() -> None:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 __all__ = [
+    "BUCKET_CAPS",
     "DEFAULT_BUCKET_CAP_BYTES",
     "MIN_BUCKET_CAP_BYTES",
     "assign_buckets",
@@ -29,32 +30,40 @@ DEFAULT_BUCKET_CAP_BYTES = 25 * 2**20
 # NOTE: a collective of 64 KiB costs ~its latency alone (tens of us on NVLink/IB); smaller
 # buckets only add calls.
 MIN_BUCKET_CAP_BYTES = 64 * 2**10
+# the caps the planner tries, smallest first: it searches with the smallest (gradients leave
+# the device soonest) and then takes the widest one the budget allows
+BUCKET_CAPS: tuple[int, ...] = tuple(MIN_BUCKET_CAP_BYTES * 4**k for k in range(5)) + (
+    DEFAULT_BUCKET_CAP_BYTES,
+)
 
 
-def bucket_cap_bytes(grad_births: Sequence[tuple[int, int]]) -> int:
+Gradient = tuple[int, int, int]  # (birth event, ready event: its hook, bytes)
+
+
+def bucket_cap_bytes(gradients: Sequence[Gradient]) -> int:
     """The bucket cap the planner uses: the largest gradient (a bucket then holds no more than
     one large gradient's bytes), within ``[MIN_BUCKET_CAP_BYTES, DEFAULT_BUCKET_CAP_BYTES]``."""
-    largest = max((nbytes for _, nbytes in grad_births), default=0)
+    largest = max((nbytes for _, _, nbytes in gradients), default=0)
     return min(max(largest, MIN_BUCKET_CAP_BYTES), DEFAULT_BUCKET_CAP_BYTES)
 
 
 def assign_buckets(
-    grad_births: Sequence[tuple[int, int]],
+    gradients: Sequence[Gradient],
     grad_params: Sequence[str],
     *,
     cap_bytes: int | None = None,
 ) -> tuple[tuple[str, ...], ...]:
-    """Parameter fqns in the order their gradients are born, packed greedily into buckets of
-    at most ``cap_bytes`` (default :func:`bucket_cap_bytes`; a larger gradient is a bucket of
-    its own). Gradients without a recorded parameter are left out (the runtime steps them when
-    backward ends)."""
-    cap_bytes = bucket_cap_bytes(grad_births) if cap_bytes is None else cap_bytes
-    order = sorted(range(len(grad_births)), key=lambda i: (grad_births[i][0], i))
+    """Parameter fqns in the order their gradients are ready (accumulated), packed greedily into
+    buckets of at most ``cap_bytes`` (default :func:`bucket_cap_bytes`; a larger gradient is a
+    bucket of its own). Gradients without a recorded parameter are left out (the runtime steps
+    them when backward ends)."""
+    cap_bytes = bucket_cap_bytes(gradients) if cap_bytes is None else cap_bytes
+    order = sorted(range(len(gradients)), key=lambda i: (gradients[i][1], i))
     buckets: list[tuple[str, ...]] = []
     current: list[str] = []
     size = 0
     for i in order:
-        name, nbytes = grad_params[i] if i < len(grad_params) else "", grad_births[i][1]
+        name, nbytes = grad_params[i] if i < len(grad_params) else "", gradients[i][2]
         if not name:
             continue
         if current and size + nbytes > cap_bytes:
@@ -68,7 +77,7 @@ def assign_buckets(
 
 
 def bucket_timeline(
-    grad_births: Sequence[tuple[int, int]],
+    gradients: Sequence[Gradient],
     grad_params: Sequence[str],
     buckets: Sequence[Sequence[str]],
     *,
@@ -77,7 +86,8 @@ def bucket_timeline(
 ) -> np.ndarray:
     """Device bytes of gradients per event under the host optimizer.
 
-    A gradient lives from its birth until its bucket is launched (the launch copies a bucket of
+    A bucket is ready when its last gradient is accumulated; a gradient lives from its birth
+    until its bucket is launched (the launch copies a bucket of
     several gradients into one flat buffer, which is live at that event beside them; a bucket of
     one gradient is sent as it is); the flat buffer (or the lone gradient) lives until the next
     bucket's launch drains it, the last one until backward ends. Gradients in no bucket live
@@ -99,7 +109,7 @@ def bucket_timeline(
         indices = [where[name] for name in bucket if name in where]
         if not indices:
             continue
-        ready = max(grad_births[i][0] for i in indices)
+        ready = max(gradients[i][1] for i in indices)
         previous = max(ready, previous)
         launches.append(previous)
         members.append(indices)
@@ -110,12 +120,12 @@ def bucket_timeline(
         drained = max(drained, launch)
         if len(indices) == 1:
             i = indices[0]
-            live(grad_births[i][0], drained, grad_births[i][1])
+            live(gradients[i][0], drained, gradients[i][2])
             continue
         for i in indices:
-            live(grad_births[i][0], launch, grad_births[i][1])
-        live(launch, drained, sum(grad_births[i][1] for i in indices))
-    for i, (birth, nbytes) in enumerate(grad_births):
+            live(gradients[i][0], launch, gradients[i][2])
+        live(launch, drained, sum(gradients[i][2] for i in indices))
+    for i, (birth, _ready, nbytes) in enumerate(gradients):
         if i not in bucketed:
             live(birth, end_of_backward, nbytes)
     return np.cumsum(change[:-1])

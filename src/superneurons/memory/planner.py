@@ -45,7 +45,7 @@ from dataclasses import dataclass, replace
 from superneurons.bytesize import format_bytes
 from superneurons.errors import ConfigError
 from superneurons.memory.bounds import largest_unit_bytes, resident_bytes
-from superneurons.memory.buckets import assign_buckets
+from superneurons.memory.buckets import BUCKET_CAPS, assign_buckets
 from superneurons.memory.cost import CostModel
 from superneurons.memory.plan import (
     STRATEGIES,
@@ -137,7 +137,14 @@ def _search_all(
     """The first profile whose search fits ``budget_bytes`` (None: the least peak over all)."""
     tried = []
     for profile in profiles:
+        if strategy in _IN_BACKWARD and profile.head and profile.head.mode == "grad-in-forward":
+            # NOTE: that head holds its weight's gradient from forward to backward, which
+            # stepping in backward exists to avoid, and the state timeline (by gradient births)
+            # would fetch its state in the forward: not combined
+            continue
         choice = _search(profile, strategy, budget_bytes, cost)
+        if choice.host_optimizer:
+            choice = _widest_buckets(choice, budget_bytes, cost)
         if budget_bytes is not None and choice.outcome.peak_bytes <= budget_bytes:
             return choice
         tried.append(choice)
@@ -148,7 +155,10 @@ def _search(profile: Profile, strategy: str, budget_bytes: int | None, cost: Cos
     """Shortest candidate prefix that fits ``budget_bytes`` (None: the prefix with least peak)."""
     opt_in = strategy in _IN_BACKWARD
     host_opt = strategy == HOST_OPTIMIZER
-    buckets = assign_buckets(profile.grad_births, profile.grad_params) if host_opt else ()
+    buckets: tuple[tuple[str, ...], ...] = ()
+    if host_opt:  # the search runs with the smallest buckets; _widest_buckets widens them
+        events = profile.gradient_events()
+        buckets = assign_buckets(events, profile.grad_params, cap_bytes=BUCKET_CAPS[0])
     if strategy == "checkpoint":
         actions = {
             u.fqn: "recompute" if _recomputable(profile, u) else "keep" for u in profile.units
@@ -201,6 +211,30 @@ def _search(profile: Profile, strategy: str, budget_bytes: int | None, cost: Cos
         if outcome.peak_bytes < best.outcome.peak_bytes:
             best = choice(outcome)
     return best if budget_bytes is None else choice(outcome)
+
+
+def _widest_buckets(choice: _Choice, budget_bytes: int | None, cost: CostModel) -> _Choice:
+    """The host optimizer's buckets as wide as the budget allows (fewer, larger collectives):
+    the largest of :data:`BUCKET_CAPS` whose peak fits ``budget_bytes`` (None: whose peak is
+    the least), the actions kept."""
+    profile = choice.profile
+    assert profile is not None
+    events = profile.gradient_events()
+    best = choice
+    for cap in BUCKET_CAPS[1:]:
+        buckets = assign_buckets(events, profile.grad_params, cap_bytes=cap)
+        outcome = evaluate(
+            profile,
+            choice.actions,
+            cost=cost,
+            segments=choice.segments,
+            host_optimizer=True,
+            buckets=buckets,
+        )
+        limit = best.outcome.peak_bytes if budget_bytes is None else budget_bytes
+        if outcome.peak_bytes <= limit:
+            best = replace(choice, outcome=outcome, buckets=buckets)
+    return best
 
 
 def min_peak_bytes(

@@ -174,6 +174,16 @@ def _run(
         handles.append(module.register_forward_pre_hook(lambda _m, a, f=fqn: rec.pre(f, a)))
         handles.append(module.register_forward_hook(lambda _m, _a, out, f=fqn: rec.post(f, out)))
     handles += kv_cache_off(model)  # HF use_cache=False in training, as under a plan
+    ready: dict[str, int] = {}  # parameter fqn -> the event its gradient was accumulated at
+
+    def accumulated(fqn: str) -> None:
+        ready.setdefault(fqn, tracker.event)
+
+    for fqn, param in model.named_parameters():
+        if param.requires_grad:
+            handles.append(
+                param.register_post_accumulate_grad_hook(lambda _p, f=fqn: accumulated(f))
+            )
     params = [*model.parameters(), *model.buffers()]
     state_tensors = _optimizer_tensors(optimizer)
     leaves = [t for t in tree_flatten((inputs, targets))[0] if isinstance(t, torch.Tensor)]
@@ -237,6 +247,7 @@ def _run(
         copy_bytes_per_s=bandwidth,
         grad_names=grad_names,  # type: ignore[arg-type]
         param_numel=sum(p.numel() for p in model.parameters()),
+        grad_ready=ready,
     )
 
 

@@ -70,6 +70,9 @@ class StorageLife:
     units: tuple[str, ...]
     calls: tuple[int, ...] = ()
     from_caller: bool = False  # alive before the step (an input): no plan frees it
+    # one of its saves is a view the tensor pool does not move (broadcast, stride 0): the
+    # storage stays on the device however its units are planned (memory.pool)
+    pool_keeps: bool = False
 
     def call_of(self, unit: str) -> int:
         """The call of ``unit`` that saved this storage (0 when not recorded)."""
@@ -174,6 +177,15 @@ class Profile:
     head: HeadChunking | None = None
     seq_chunks: tuple[SeqChunking, ...] = ()
     param_numel: int = 0  # elements of the parameters (the host optimizer's fp32 masters)
+    # the event at which each entry of ``grad_births`` became its parameter's ``.grad`` (its
+    # post-accumulate hook); later than the birth when the storage was made earlier (a head
+    # computing its gradient in the forward); () when not recorded: the birth
+    grad_ready: tuple[int, ...] = ()
+
+    def gradient_events(self) -> list[tuple[int, int, int]]:
+        """``(birth, ready, nbytes)`` of each gradient (``ready >= birth``)."""
+        ready = self.grad_ready or tuple(b for b, _ in self.grad_births)
+        return [(b, max(b, r), n) for (b, n), r in zip(self.grad_births, ready, strict=True)]
 
     @property
     def saved_bytes(self) -> int:
@@ -221,6 +233,7 @@ class Profile:
         head: HeadChunking | None = None,
         seq_chunks: tuple[SeqChunking, ...] = (),
         param_numel: int = 0,
+        grad_ready: Mapping[str, int] | None = None,
     ) -> Profile:
         num_events = max(tracker.event + 1, 1)
         last = num_events - 1
@@ -270,9 +283,11 @@ class Profile:
                         death=death,
                         units=[],
                         calls=[],
+                        pool_keeps=False,
                     )
                 )
             life = lives[index_of[sid]]
+            life["pool_keeps"] = life["pool_keeps"] or bool(row.get("pool_keeps", False))
             if row["unit"] not in life["units"]:
                 life["units"].append(row["unit"])
                 life["calls"].append(int(row.get("unit_call", 0)))
@@ -296,6 +311,7 @@ class Profile:
                 tuple(v["units"]),
                 tuple(v["calls"]),
                 from_caller=v["from_caller"],
+                pool_keeps=v["pool_keeps"],
             )
             for v in lives
         )
@@ -356,6 +372,10 @@ class Profile:
             optimizer_births=tuple(opt_births),
             grad_births=tuple(grad_births),
             grad_params=tuple(grad_params),
+            grad_ready=tuple(
+                (grad_ready or {}).get(name, birth)
+                for name, (birth, _) in zip(grad_params, grad_births, strict=True)
+            ),
             head=head,
             seq_chunks=tuple(seq_chunks),
             param_numel=param_numel,

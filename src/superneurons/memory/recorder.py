@@ -167,6 +167,11 @@ class Recorder:
                 pack_event=self.tracker.event,
                 last_use=-1,
                 nbytes=int(tensor.untyped_storage().nbytes()),
+                # the tensor pool keeps a broadcast (stride-0) or non-strided save on the device
+                pool_keeps=tensor.layout != torch.strided
+                or any(
+                    st == 0 for sz, st in zip(tensor.size(), tensor.stride(), strict=True) if sz > 1
+                ),
             )
         )
         return (index, tensor)
