@@ -97,7 +97,7 @@ def one(rank: int, world_size: int, spec: str, seed: int = 0) -> dict:
 def one_shot_errors(rank: int, world_size: int) -> dict:
     """The candidates' one-shot errors as auto measures them, after 5 dense steps."""
     torch.set_num_threads(1)
-    from superneurons.strategy import DEFAULT_CANDIDATES, candidate_codecs, measure_codecs
+    from superneurons.strategy import DEFAULT_CANDIDATES, measure_codecs
 
     x, y, _, _ = _data()
     model = _model()
@@ -112,7 +112,7 @@ def one_shot_errors(rank: int, world_size: int) -> dict:
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     largest = max(grads, key=lambda g: g.numel())
     sample = largest.reshape(largest.shape[0], -1)
-    costs = measure_codecs(candidate_codecs(DEFAULT_CANDIDATES), sample, repeats=1)
+    costs = measure_codecs(DEFAULT_CANDIDATES, sample, repeats=1)
     dist.barrier()
     return {"largest_gradient_shape": list(largest.shape)} | {
         c.spec: round(c.rel_error, 4) for c in costs

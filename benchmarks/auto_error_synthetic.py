@@ -12,7 +12,7 @@ Fashion-MNIST in ``benchmarks/results/network/auto/error_budget.json``.
 import torch
 
 from superneurons.models import build_model, default_loss, model_input
-from superneurons.strategy import DEFAULT_CANDIDATES, candidate_codecs, measure_codecs
+from superneurons.strategy import DEFAULT_CANDIDATES, measure_codecs
 
 MODEL = {"depth": 18, "small_input": True, "in_channels": 1, "num_classes": 10, "width": 32}
 
@@ -23,8 +23,7 @@ if __name__ == "__main__":
     loss_fn = default_loss("resnet")
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(1)
-    specs = [c for c in DEFAULT_CANDIDATES if c.startswith(("powersgd", "topk", "qsgd"))]
-    candidates = candidate_codecs(specs)
+    candidates = [c for c in DEFAULT_CANDIDATES if c.spec.startswith(("powersgd", "topk", "qsgd"))]
     for step in range(8):
         x, y = model_input("resnet", 32, generator=gen, **MODEL)
         opt.zero_grad()

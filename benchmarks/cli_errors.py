@@ -1,4 +1,4 @@
-"""How fast ``superneurons train`` answers bad input (issue 12: each in <= 5 s, exit status 2,
+"""How fast ``superneurons train`` answers bad input (the target: each in <= 5 s, exit status 2,
 at most 3 lines, no traceback), measured as a user meets it: a fresh interpreter running
 ``python -m superneurons.cli train ...`` on the installed Fashion-MNIST.
 

@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from superneurons.compress.spec import parse_spec
 from superneurons.models import build_model, default_loss, model_input
+from superneurons.schemes.grammar import parse_spec
 
 BUCKET_ELEMENTS = 25 * 2**20 // 4  # DDP's default bucket_cap_mb=25, fp32
 

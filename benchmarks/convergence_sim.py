@@ -5,7 +5,7 @@ task (dense reproduces the 2-rank run's 2.4131 nats). Schemes: ``dense`` (Adam o
 gradient), ``efgrad`` (error-fed compressed gradients into Adam), ``onebit`` (1-bit Adam: dense
 warm-up, frozen v, error-fed compressed momentum), ``update`` (local Adam moments, error-fed
 compressed updates). ``blocksign:B`` is a scaled sign with one fp16 scale per B elements.
-Used to choose what ``compress/adam.py`` implements; results in
+Used to choose what ``optim/adam.py`` implements; results in
 ``benchmarks/results/convergence/sim/ablations.jsonl``.
 
   PYTHONPATH=src python benchmarks/convergence_sim.py '{"scheme":"onebit","codec_spec":"signsgd","warm":20}'
@@ -18,8 +18,8 @@ import time
 import torch
 
 from superneurons.bench.convergence import SHAKESPEARE, ConvergenceConfig, _datasets, _evaluate  # noqa: I001
-from superneurons.compress.spec import parse_spec
 from superneurons.models import build_model, default_loss
+from superneurons.schemes.grammar import parse_spec
 
 torch.set_num_threads(1)
 P = 2

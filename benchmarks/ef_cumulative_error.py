@@ -1,6 +1,6 @@
 """Error of the cumulative update under error feedback vs the one-shot error, on real gradients.
 
-For benchmarks/results/network/auto/README.md (issue 11, auto's error budget): the network
+For benchmarks/results/network/auto/README.md (auto's error budget): the network
 benchmark's ResNet-18 (width 32) on Fashion-MNIST, one process, dense SGD; the largest layer's
 gradient at steps 6-13 is compressed with error feedback (``c = g + e; s = C(c); e = c - s``)
 and ``‖Σ s − Σ g‖ / ‖Σ g‖`` is compared with the one-shot ``‖C(g) − g‖ / ‖g‖`` of the first.
@@ -11,10 +11,10 @@ and ``‖Σ s − Σ g‖ / ‖Σ g‖`` is compared with the one-shot ``‖C(g)
 import torch
 from torch import nn
 
-from superneurons.compress.powersgd import PowerSGD, orthogonalize_
-from superneurons.compress.spec import parse_spec
+from superneurons.codecs.powersgd import PowerSGD, orthogonalize_
 from superneurons.data import fashion_mnist
 from superneurons.models.zoo import build_model
+from superneurons.schemes.grammar import parse_spec
 
 MODEL = {"depth": 18, "small_input": True, "in_channels": 1, "num_classes": 10, "width": 32}
 SPECS = ["fp16", "powersgd:rank=1", "powersgd:rank=4", "topk:ratio=0.1", "topk:ratio=0.01", "qsgd"]

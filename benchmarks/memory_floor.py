@@ -1,6 +1,6 @@
 """The floor of the memory plans against eager and the largest-layer bound (fake tensors, bytes).
 
-Targets (issue 9): ResNet-50 batch 64, 224 px, SGD momentum, strategies DDP can use (no
+Targets: ResNet-50 batch 64, 224 px, SGD momentum, strategies DDP can use (no
 optimizer-in-backward): floor <= 0.25 of eager; ``floor_over_largest_layer`` <= 1.25 for ResNet-50
 and the zoo GPT-2 (batch 8, T 1024, AdamW). Each plan is also *executed* by the runtime
 (``simulate_plan``: ``apply_plan`` on fake tensors, live storages counted), so the table shows

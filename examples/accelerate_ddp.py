@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from superneurons.integrations.accelerate import prepare_superneurons
+from superneurons.train.rank import exit_rank
 
 VOCAB = 128
 SEQ = 64
@@ -132,3 +133,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_rank(0)  # leave the process group without racing gloo's threads (pytorch#179291)

@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from superneurons.compress import ErrorFeedback, Warmup, parse_spec, register_compression
-from superneurons.train.rank import init_distributed
+from superneurons.train.rank import exit_rank, init_distributed
 
 
 def main() -> None:
@@ -64,8 +64,10 @@ def main() -> None:
     }
     if rank == 0:
         print(f"checkpoint keys: {sorted(checkpoint)}")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    # barrier, destroy the process group, exit without the interpreter's finaliser racing
+    # gloo's worker threads (an abort after all work is done otherwise: pytorch#179291)
+    exit_rank(0)

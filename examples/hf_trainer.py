@@ -23,6 +23,7 @@ from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from superneurons.integrations.transformers import SuperNeuronsCallback
+from superneurons.train.rank import exit_rank
 
 VOCAB = 128
 SEQ = 64
@@ -134,3 +135,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_rank(0)  # leave the process group without racing gloo's threads (pytorch#179291)

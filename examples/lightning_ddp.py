@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Subset
 from superneurons.data import build_dataset
 from superneurons.integrations.lightning import CompressedDDPStrategy
 from superneurons.models import build_model
+from superneurons.train.rank import exit_rank
 
 
 class Classifier(L.LightningModule):
@@ -86,3 +87,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_rank(0)  # leave the process group without racing gloo's threads (pytorch#179291)

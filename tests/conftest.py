@@ -15,7 +15,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_configure(config: pytest.Config) -> None:
     # One thread per process: on a 2-core machine torch's default threads made small ops
-    # 30-50x slower when another process (a gloo rank) was busy (CONTEXT.md §4).
+    # 30-50x slower when another process (a gloo rank) was busy.
     torch.set_num_threads(1)
 
 

@@ -65,7 +65,11 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> 
             results.put((rank, "ok", buffer.getvalue()))
         except BaseException:  # noqa: BLE001
             results.put((rank, "error", traceback.format_exc()))
-    # NOTE: no destroy_process_group(): it can wait on the peer for seconds; exit frees all.
+    from superneurons.train.rank import exit_rank
+
+    results.close()
+    results.join_thread()  # every result is in the pipe before the process goes
+    exit_rank(0)  # barrier, destroy, no interpreter finaliser beside gloo's threads
 
 
 class Ranks:

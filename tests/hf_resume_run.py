@@ -73,9 +73,10 @@ def main() -> None:
     torch.distributed.barrier()
     record["resumed_without_state"] = _run(out / "c", resume=checkpoint)
     (out / f"rank{rank}.json").write_text(json.dumps(record) + "\n")
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
+    from superneurons.train.rank import exit_rank
+
     main()
+    exit_rank(0)

@@ -55,7 +55,9 @@ def batch(seed: int, size: int = 4, seq: int = 16) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids.roll(-1, dims=1)}
 
 
-def torchrun(script: str, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+def torchrun(
+    script: str, out: Path, *extra: str, timeout_s: float = 240
+) -> subprocess.CompletedProcess[str]:
     command = [
         sys.executable,
         "-m",
@@ -72,7 +74,7 @@ def torchrun(script: str, out: Path, *extra: str) -> subprocess.CompletedProcess
         *extra,
     ]
     return subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False
+        command, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, check=False
     )
 
 

@@ -6,23 +6,25 @@ from typing import Any
 
 import pytest
 
-from superneurons.compress.autoadam import (
-    AdamAuto,
+from superneurons.codecs.cast import Fp16Codec
+from superneurons.codecs.sign import SignSGDCodec
+from superneurons.errors import ConfigError
+from superneurons.optim.autoadam import (
     AdamDecision,
     OptimizerTimes,
     dense_bucket_timings,
-    one_bit_adam_spec,
-    parse_adam_auto,
+    one_bit_adam,
     predict_adam_schemes,
     warmup_steps_for,
 )
-from superneurons.errors import ConfigError
+from superneurons.schemes.adam import AdamAuto
+from superneurons.schemes.grammar import parse_scheme
 from superneurons.strategy.codecs import CodecCost
 from superneurons.strategy.netmodel import ring_network
 
 # Free codecs (no encode/decode time): only the wire differs.
-SIGN = CodecCost("signsgd", False, 0.0, 0.0, 1.0, 0.5)
-FP16 = CodecCost("fp16", True, 0.0, 0.0, 16.0, 0.0)
+SIGN = CodecCost(SignSGDCodec(), False, 0.0, 0.0, 1.0, 0.5)
+FP16 = CodecCost(Fp16Codec(), True, 0.0, 0.0, 16.0, 0.0)
 
 
 def _predict(sizes: list[int], **overrides: Any) -> tuple[float, float]:
@@ -38,21 +40,27 @@ def _predict(sizes: list[int], **overrides: Any) -> tuple[float, float]:
     return predict_adam_schemes(sizes, **{**options, **overrides})
 
 
-def test_parse_adam_auto() -> None:
-    assert parse_adam_auto("auto") == AdamAuto()
-    assert parse_adam_auto("auto:link=100mbit") == AdamAuto(link_bit_s=100_000_000)
-    assert parse_adam_auto("auto:link=1.5gbit,margin=0.2") == AdamAuto(1_500_000_000, 0.2)
-    assert parse_adam_auto("fft") is None
-    assert parse_adam_auto("adam-momentum[warmup=20]:signsgd") is None
-    for text in ("auto", "auto:link=100mbit", "auto:link=10kbit,margin=0.2"):
-        parsed = parse_adam_auto(text)
-        assert parsed is not None and parse_adam_auto(parsed.spec) == parsed
+def _adam_auto(text: str) -> AdamAuto:
+    parsed = parse_scheme(text, adam=True)
+    assert isinstance(parsed, AdamAuto)
+    return parsed
+
+
+def test_auto_under_adam_is_a_production_of_the_one_grammar() -> None:
+    assert _adam_auto("auto") == AdamAuto()
+    assert _adam_auto("auto:link=100mbit") == AdamAuto(link_bit_s=100_000_000)
+    assert _adam_auto("auto:link=1.5gbit,margin=0.2") == AdamAuto(1_500_000_000, 0.2)
+    assert not isinstance(parse_scheme("auto", adam=False), AdamAuto)  # the hook's auto
+    for text in ("auto", "auto:link=100mbit", "auto:link=10kbit,margin=0.1"):
+        assert str(_adam_auto(text)) == text
     with pytest.raises(ConfigError, match="--optimizer sgd"):
-        parse_adam_auto("auto:observe_steps=3")
+        _adam_auto("auto:observe_steps=3")
     with pytest.raises(ConfigError, match="100mbit"):
-        parse_adam_auto("auto:link=fast")
+        _adam_auto("auto:link=fast")
     with pytest.raises(ConfigError, match="margin"):
-        parse_adam_auto("auto:margin=1.5")
+        _adam_auto("auto:margin=1.5")
+    with pytest.raises(ConfigError, match="--optimizer adam"):
+        parse_scheme("auto:link=100mbit", adam=False)
 
 
 def test_warmup_is_a_tenth_of_the_run_and_at_least_twenty_steps() -> None:
@@ -61,7 +69,7 @@ def test_warmup_is_a_tenth_of_the_run_and_at_least_twenty_steps() -> None:
     assert warmup_steps_for(1000, config) == 100
     assert warmup_steps_for(1001, config) == 101
     assert warmup_steps_for(5, config) == 20
-    assert one_bit_adam_spec(20) == "adam-momentum[warmup=20,wire=fp16]:signsgd"
+    assert str(one_bit_adam(20)) == "adam-momentum[warmup=20,wire=fp16]:signsgd"
 
 
 def test_dense_buckets_fill_in_reverse_and_are_ready_in_proportion() -> None:
@@ -101,8 +109,8 @@ def test_a_fast_link_predicts_dense_faster() -> None:
     # 1 TB/s: the wire is free; dense overlaps its all-reduce with backward, while 1-bit Adam
     # pays its encode (1 ns per byte = 4 ms on 4 MB) after backward.
     network = ring_network(2, alpha_s=0.0, bandwidth_bytes_per_s=1e12)
-    sign = CodecCost("signsgd", False, 1e-9, 0.0, 1.0, 0.5)
-    fp16 = CodecCost("fp16", True, 1e-9, 0.0, 16.0, 0.0)
+    sign = CodecCost(SignSGDCodec(), False, 1e-9, 0.0, 1.0, 0.5)
+    fp16 = CodecCost(Fp16Codec(), True, 1e-9, 0.0, 16.0, 0.0)
     dense_s, compressed_s = _predict(
         [1_000_000],
         backward_s=0.1,
@@ -130,7 +138,7 @@ def test_many_buckets_hide_dense_all_reduce_under_backward() -> None:
 
 def test_decision_round_trips_and_rejects_other_versions() -> None:
     decision = AdamDecision(
-        scheme=one_bit_adam_spec(20),
+        scheme=one_bit_adam(20),
         warmup_steps=20,
         predicted_dense_step_s=0.3,
         predicted_compressed_step_s=0.17,
@@ -139,5 +147,6 @@ def test_decision_round_trips_and_rejects_other_versions() -> None:
         network=ring_network(2, alpha_s=0.0, bandwidth_bytes_per_s=1e6).to_dict(),
     )
     assert AdamDecision.from_dict(decision.to_dict()) == decision and decision.compressed
+    assert decision.to_dict()["scheme"] == "adam-momentum[warmup=20,wire=fp16]:signsgd"
     with pytest.raises(ConfigError, match="version"):
         AdamDecision.from_dict({**decision.to_dict(), "version": 99})

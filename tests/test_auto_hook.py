@@ -54,6 +54,7 @@ def _params(model: nn.Module) -> list[torch.Tensor]:
 
 def _mixed() -> Any:
     """A hand-made decision: every kind of route in one model."""
+    from superneurons.compress import parse_spec
     from superneurons.strategy import Assignment
 
     params = {
@@ -66,8 +67,11 @@ def _mixed() -> Any:
         "module.out.weight": "topk:ratio=0.5",
         "module.out.bias": "dense",
     }
-    names = {k.removeprefix("module."): v for k, v in params.items()}
-    return Assignment(1, {"all": "mixed"}, names, 0.1, "hand-made for the test")
+    routes = {
+        k.removeprefix("module."): None if v == "dense" else parse_spec(v)
+        for k, v in params.items()
+    }
+    return Assignment(1, {"all": None}, routes, 0.1, "hand-made for the test")
 
 
 def _decide_and_redecide(rank: int, world_size: int) -> dict[str, Any]:

@@ -12,8 +12,8 @@ import torch
 
 from superneurons.bench.codecs import CodecBenchConfig, run_codec_bench, write_codec_artifacts
 from superneurons.bench.gradients import GradientCapture, bucket_bounds
-from superneurons.compress.spec import parse_spec
 from superneurons.models import build_model, default_loss, model_input
+from superneurons.schemes.grammar import parse_spec
 
 REQUIRED = {"codec", "spec", "model", "bits_per_element", "rel_error", "encode_gbps",
             "decode_gbps", "cosine", "ef_rel_error", "noef_rel_error", "bucket_bytes"}  # fmt: skip

@@ -20,8 +20,8 @@ from superneurons.bench.convergence import (
 )
 from superneurons.bench.convergence_labels import adam_auto, applies
 from superneurons.bench.convergence_report import write_artifacts
-from superneurons.compress.autoadam import AdamAuto
 from superneurons.errors import ConfigError
+from superneurons.schemes.adam import AdamAuto
 
 FMNIST_ROOT = Path(ConvergenceConfig().fashion_mnist_root)
 SHAKESPEARE_ROOT = Path(__file__).resolve().parents[1] / "data" / "shakespeare"

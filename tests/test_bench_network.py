@@ -19,9 +19,9 @@ from superneurons.bench.network import (
     add_speedups,
     run_network_bench,
 )
+from superneurons.bench.network_report import write_artifacts
 from superneurons.bench.network_worker import analytic_bytes_per_step
 from superneurons.cli import main
-from superneurons.commands.bench_network import write_artifacts
 from superneurons.errors import ConfigError
 from superneurons.models import build_model
 

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import Ranks, shared_ranks
-from superneurons.compress.callbacks import then_same_threads
+from superneurons.ddp.callbacks import then_same_threads
 
 
 @pytest.fixture(scope="module")

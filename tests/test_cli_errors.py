@@ -26,7 +26,7 @@ from superneurons.train.checkpoint import checkpoint_path, save_checkpoint
 from superneurons.train.precheck import resident_bytes
 from tiny_data import write_fashion_mnist
 
-# The target of issue 12: every bad input answered in at most this many seconds.
+# The target: every bad input answered in at most this many seconds.
 BOUND_S = 5.0
 SRC = Path(__file__).resolve().parents[1] / "src"
 

@@ -8,19 +8,21 @@ import math
 import pytest
 import torch
 
-from superneurons.compress.adaptive import (
+from superneurons.codecs.adaptive.bases import (
     BASES,
-    AdaptiveCodec,
-    _inverse,
-    _pick_rows,
-    adaptive_layout,
+    dct,
+    fourier,
+    inverse_dct,
+    inverse_fourier,
+    inverse_rows,
+    pick_rows,
 )
-from superneurons.compress.codec import Payload, sum_of_decodes
-from superneurons.compress.compacttopk import CompactTopKCodec
-from superneurons.compress.feedback import feedback_step
-from superneurons.compress.fft import FFTCodec
-from superneurons.compress.orthobases import dct, fourier, inverse_dct, inverse_fourier
-from superneurons.compress.sparsecode import KeptLayout
+from superneurons.codecs.adaptive.codec import AdaptiveCodec, adaptive_layout
+from superneurons.codecs.codec import Payload, sum_of_decodes
+from superneurons.codecs.coding.sparsecode import KeptLayout
+from superneurons.codecs.compacttopk import CompactTopKCodec
+from superneurons.codecs.feedback import feedback_step
+from superneurons.codecs.fft import FFTCodec
 from superneurons.errors import ConfigError
 
 
@@ -216,14 +218,13 @@ def test_sync_free_paths_equal_the_cpu_row_paths() -> None:
     gen = torch.Generator().manual_seed(3)
     coefs = [torch.randn(40, 64, generator=gen) for _ in range(3)]
     slot = torch.randint(0, 3, (40,), generator=gen)
-    picked = _pick_rows(coefs, slot, sync_free=True)
+    picked = pick_rows(coefs, slot, sync_free=True)
     # The CPU path picks in place in the last candidate (a transform's own buffer).
-    torch.testing.assert_close(
-        picked, _pick_rows([c.clone() for c in coefs], slot, sync_free=False)
-    )
+    torch.testing.assert_close(picked, pick_rows([c.clone() for c in coefs], slot, sync_free=False))
     coef = torch.randn(40, 64, generator=gen)
     torch.testing.assert_close(
-        _inverse(coef.clone(), slot, sync_free=True), _inverse(coef.clone(), slot, sync_free=False)
+        inverse_rows(coef.clone(), slot, sync_free=True),
+        inverse_rows(coef.clone(), slot, sync_free=False),
     )
 
 

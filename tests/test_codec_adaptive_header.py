@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from superneurons.compress.adaptive import AdaptiveCodec, adaptive_layout
-from superneurons.compress.adaptivehead import COUNT_BYTES, SwitchLayout, switch_code_bits
-from superneurons.compress.codec import Payload, sum_of_decodes
-from superneurons.compress.sparsecode import KeptLayout, kept_count
+from superneurons.codecs.adaptive.codec import AdaptiveCodec, adaptive_layout
+from superneurons.codecs.adaptive.switches import COUNT_BYTES, SwitchLayout, switch_code_bits
+from superneurons.codecs.codec import Payload, sum_of_decodes
+from superneurons.codecs.coding.sparsecode import KeptLayout, kept_count
 from superneurons.errors import ConfigError
 
 

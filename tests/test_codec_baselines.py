@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from superneurons.codecs.coding.bitpack import packed_bytes
 from superneurons.compress import (
     Bf16Codec,
     Fp16Codec,
@@ -17,7 +18,6 @@ from superneurons.compress import (
     TernGradCodec,
     TopKCodec,
 )
-from superneurons.compress.bitpack import packed_bytes
 from superneurons.errors import ConfigError
 
 # Total probability that a correct unbiased codec fails an unbiasedness test (union bound).
@@ -196,7 +196,7 @@ def test_signsgd_scaled_sign() -> None:
 @pytest.mark.parametrize("levels", [1, 3, 16, 100, 1000])
 def test_qsgd_codes_use_the_bitpack_layout(levels: int) -> None:
     """QSGD's fast packer for odd widths must produce bitpack's exact bytes."""
-    from superneurons.compress.bitpack import unpack_bits
+    from superneurons.codecs.coding.bitpack import unpack_bits
 
     codec = QSGDCodec(levels=levels, bucket=1000)
     numel = 1001
@@ -212,7 +212,7 @@ def test_qsgd_codes_use_the_bitpack_layout(levels: int) -> None:
 def test_topk_sampled_falls_back_to_exact_when_the_threshold_is_too_high(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from superneurons.compress import topk as topk_module
+    from superneurons.codecs import topk as topk_module
 
     monkeypatch.setattr(topk_module, "_OVERSAMPLE", 0.1)  # threshold leaves ~k/10 survivors
     grad = torch.randn(100_000)

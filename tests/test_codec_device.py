@@ -166,7 +166,7 @@ def test_cuda_adaptive_sparse_header(numel: int) -> None:
 @pytest.mark.parametrize("theta", [0.0, 0.5, 0.97])
 def test_sync_free_decode_paths_equal_the_cpu_paths(index: str, theta: float) -> None:
     # The GPU paths (dense bitmap scatter, Elias-Fano by scatter) checked for values on the CPU.
-    from superneurons.compress.sparsecode import KeptLayout, add_kept, kept_count
+    from superneurons.codecs.coding.sparsecode import KeptLayout, add_kept, kept_count
 
     gen = torch.Generator().manual_seed(3)
     for universe in (1, 9, 1000, 65_537):

@@ -8,9 +8,10 @@ import itertools
 import pytest
 import torch
 
-from superneurons.compress import Payload, QSGDCodec, SignSGDCodec, TernGradCodec, TopKCodec, noise
-from superneurons.compress.bitpack import byte_codes, pack_bits, unpack_bits
-from superneurons.compress.rangefloat import read_codes, write_codes
+from superneurons.codecs.coding import noise
+from superneurons.codecs.coding.bitpack import byte_codes, pack_bits, unpack_bits
+from superneurons.codecs.coding.rangefloat import read_codes, write_codes
+from superneurons.compress import Payload, QSGDCodec, SignSGDCodec, TernGradCodec, TopKCodec
 
 
 def _reference_pack(codes: list[int], bits: int) -> torch.Tensor:

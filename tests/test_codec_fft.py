@@ -8,9 +8,8 @@ import re
 import pytest
 import torch
 
-from superneurons.compress.codec import Codec, sum_of_decodes
-from superneurons.compress.fft import FFTCodec, kept_count, select_bins, spectrum_layout
-from superneurons.compress.indexcode import (
+from superneurons.codecs.codec import Codec, sum_of_decodes
+from superneurons.codecs.coding.indexcode import (
     bitmap_bytes,
     decode_bitmap,
     decode_gap,
@@ -18,6 +17,7 @@ from superneurons.compress.indexcode import (
     encode_gap,
     gap_bytes,
 )
+from superneurons.codecs.fft import FFTCodec, kept_count, select_bins, spectrum_layout
 from superneurons.errors import ConfigError
 
 SIZES = (1, 2, 3, 7, 97, 1000, 4097, 2**20)

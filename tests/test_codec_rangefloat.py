@@ -7,16 +7,16 @@ import math
 import pytest
 import torch
 
-from superneurons.compress.codec import Codec, sum_of_decodes
-from superneurons.compress.rangefloat import (
+from superneurons.codecs.codec import Codec, sum_of_decodes
+from superneurons.codecs.coding.rangefloat import (
     HEADER_BYTES,
     SUPPORTED_BITS,
-    RangeFloatCodec,
     RangeFloatHeader,
     dequantize,
     exponent_bits_for_range,
     quantize,
 )
+from superneurons.codecs.rangefloat import RangeFloatCodec
 from superneurons.errors import ConfigError
 
 SIZES = (1, 2, 3, 7, 97, 1000, 4097, 2**20)

@@ -1,4 +1,4 @@
-"""Kept CPU work buffers (compress/workspace.py) and the numpy CPU scans: reuse, bounds, no leak
+"""Kept CPU work buffers (codecs/coding/workspace.py) and the numpy CPU scans: reuse, bounds, no leak
 into results, results equal to the torch definitions."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
-from superneurons.compress import workspace as ws
-from superneurons.compress.spec import parse_codec
+from superneurons.codecs.coding import workspace as ws
+from superneurons.schemes.grammar import parse_codec
 
 CPU = torch.device("cpu")
 
@@ -71,7 +71,7 @@ def test_results_never_alias_kept_buffers(spec: str) -> None:
 
 @pytest.mark.parametrize("density", [0.0, 0.003, 0.11, 0.5, 1.0])
 def test_flat_nonzero_equals_torch_nonzero(density: float) -> None:
-    from superneurons.compress.indexcode import flat_nonzero
+    from superneurons.codecs.coding.indexcode import flat_nonzero
 
     gen = torch.Generator().manual_seed(7)
     mask = torch.rand(100_003, generator=gen) < density
@@ -83,7 +83,7 @@ def test_flat_nonzero_equals_torch_nonzero(density: float) -> None:
 
 
 def test_sampled_selection_equals_exact_on_the_numpy_path() -> None:
-    from superneurons.compress.sparsecode import select_indices
+    from superneurons.codecs.coding.sparsecode import select_indices
 
     gen = torch.Generator().manual_seed(11)
     score = torch.randn(600_000, generator=gen).square()
@@ -94,7 +94,7 @@ def test_sampled_selection_equals_exact_on_the_numpy_path() -> None:
 
 
 def test_kth_smallest_equals_kthvalue_with_ties_and_nan() -> None:
-    from superneurons.compress.sparsecode import kth_smallest
+    from superneurons.codecs.coding.sparsecode import kth_smallest
 
     gen = torch.Generator().manual_seed(5)
     # many ties; + 0.0 turns -0 into +0: the codecs rank squares, never -0, and kthvalue and
@@ -111,7 +111,7 @@ def test_kth_smallest_equals_kthvalue_with_ties_and_nan() -> None:
 
 
 def test_set_positions_equals_index_fill() -> None:
-    from superneurons.compress.indexcode import set_positions
+    from superneurons.codecs.coding.indexcode import set_positions
 
     gen = torch.Generator().manual_seed(9)
     indices = torch.randint(0, 10_000, (3000,), generator=gen)
@@ -120,7 +120,7 @@ def test_set_positions_equals_index_fill() -> None:
 
 
 def test_transforms_into_a_given_spectrum_equal_the_fresh_ones() -> None:
-    from superneurons.compress.orthobases import dct, fourier
+    from superneurons.codecs.adaptive.bases import dct, fourier
 
     chunks = torch.randn(33, 64, generator=torch.Generator().manual_seed(2))
     for transform in (fourier, dct):
@@ -131,7 +131,7 @@ def test_transforms_into_a_given_spectrum_equal_the_fresh_ones() -> None:
 
 
 def test_range_exponent_bits_equal_the_loop_definition() -> None:
-    from superneurons.compress.rangefloat import _max_exp_bits, _range_exp_bits
+    from superneurons.codecs.coding.rangefloat import _max_exp_bits, _range_exp_bits
 
     for bits in (4, 8, 16):
         for top in (-127, 0, 127):  # every binade count from -253 to 255 with the floors
@@ -145,7 +145,7 @@ def test_range_exponent_bits_equal_the_loop_definition() -> None:
 
 @pytest.mark.parametrize("universe", [1, 7, 8, 9, 4097])
 def test_bitmap_positions_equal_the_decoded_mask(universe: int) -> None:
-    from superneurons.compress.indexcode import bitmap_positions, decode_bitmap, encode_bitmap
+    from superneurons.codecs.coding.indexcode import bitmap_positions, decode_bitmap, encode_bitmap
 
     mask = torch.rand(universe, generator=torch.Generator().manual_seed(universe)) < 0.3
     data = encode_bitmap(mask)
@@ -157,7 +157,7 @@ def test_bitmap_positions_equal_the_decoded_mask(universe: int) -> None:
 
 @pytest.mark.parametrize("universe", [1, 8, 13, 4099])
 def test_numpy_bitmap_packing_equals_the_device_gather(universe: int) -> None:
-    from superneurons.compress.indexcode import encode_bitmap
+    from superneurons.codecs.coding.indexcode import encode_bitmap
 
     mask = torch.rand(universe, generator=torch.Generator().manual_seed(universe)) < 0.4
     # a uint8 0/1 mask takes the multiply-gather every other device runs

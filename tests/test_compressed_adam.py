@@ -10,12 +10,11 @@ from torch import nn
 
 from distributed import shared_ranks
 from superneurons.compress import parse_spec
-from superneurons.compress.adam import (
-    CompressedAdamW,
-    parse_optimizer_spec,
-    register_local_gradients,
-)
+from superneurons.ddp.local import register_local_gradients
 from superneurons.errors import ConfigError
+from superneurons.optim.adam import CompressedAdamW
+from superneurons.schemes.adam import AdamMomentum, AdamUpdate
+from superneurons.schemes.grammar import parse_scheme
 
 
 def _model() -> nn.Module:
@@ -144,24 +143,32 @@ def test_bad_options() -> None:
         CompressedAdamW(_model().parameters(), codec="signsgd")  # type: ignore[arg-type]
 
 
-def test_parse_optimizer_spec() -> None:
-    spec = parse_optimizer_spec("adam-momentum[warmup=20,wire=fp16,clip=1.5]:topk:ratio=0.1")
-    assert spec is not None
+def test_adam_schemes_are_productions_of_the_one_grammar() -> None:
+    spec = parse_scheme("adam-momentum[warmup=20,wire=fp16,clip=1.5]:topk:ratio=0.1", adam=True)
+    assert isinstance(spec, AdamMomentum)
     assert (spec.mode, spec.warmup_steps, spec.clip_rms) == ("momentum", 20, 1.5)
-    assert spec.codec == parse_spec("topk:ratio=0.1")
-    assert spec.warmup_codec == parse_spec("fp16")
-    update = parse_optimizer_spec("adam-update:signsgd")
-    assert update is not None and update.kwargs()["warmup_codec"] is None
-    assert parse_optimizer_spec("fft") is None
-    with pytest.raises(ConfigError, match="options are"):
-        parse_optimizer_spec("adam-momentum[warm=2]:signsgd")
+    assert spec.inner == parse_spec("topk:ratio=0.1")
+    assert spec.wire == parse_spec("fp16")
+    assert str(spec) == "adam-momentum[warmup=20,wire=fp16,clip=1.5]:topk:ratio=0.1,select=exact"
+    update = parse_scheme("adam-update:signsgd", adam=True)
+    assert isinstance(update, AdamUpdate) and update.kwargs()["warmup_codec"] is None
+    assert str(update) == "adam-update:signsgd"
+    assert parse_scheme("fft", adam=True) == parse_spec("fft")
+    with pytest.raises(ConfigError, match="valid: warmup, wire, clip"):
+        parse_scheme("adam-momentum[warm=2]:signsgd", adam=True)
+    with pytest.raises(ConfigError, match="warmup >= 1"):
+        parse_scheme("adam-momentum:signsgd", adam=True)
+    with pytest.raises(ConfigError, match="summable"):
+        parse_scheme("adam-momentum[warmup=2,wire=topk]:signsgd", adam=True)
+    with pytest.raises(ConfigError, match="optimizer scheme"):
+        parse_spec("adam-update:signsgd")  # not something the gradient hook takes
 
 
 def _ddp_run(rank: int, world_size: int, spec: str) -> list[torch.Tensor]:
     from torch.nn.parallel import DistributedDataParallel
 
-    parsed = parse_optimizer_spec(spec)
-    assert parsed is not None
+    parsed = parse_scheme(spec, adam=True)
+    assert isinstance(parsed, AdamMomentum | AdamUpdate)
     ddp = DistributedDataParallel(_model())
     register_local_gradients(ddp)
     opt = CompressedAdamW(ddp.parameters(), lr=1e-2, **parsed.kwargs())
@@ -184,8 +191,8 @@ def test_two_ranks_stay_identical(spec: str) -> None:
     for a, b in zip(first, second, strict=True):
         assert torch.equal(a, b)
     # and they trained on different data: not the single-process result
-    parsed = parse_optimizer_spec(spec)
-    assert parsed is not None
+    parsed = parse_scheme(spec, adam=True)
+    assert isinstance(parsed, AdamMomentum | AdamUpdate)
     single = _model()
     _train(single, CompressedAdamW(single.parameters(), lr=1e-2, **parsed.kwargs()), range(4))
     assert any(not torch.equal(a, b) for a, b in zip(first, single.parameters(), strict=True))

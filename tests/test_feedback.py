@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from superneurons.codecs.codec import Codec
 from superneurons.compress import (
     FFTCodec,
     Fp16Codec,
@@ -20,7 +21,6 @@ from superneurons.compress import (
     join_flat,
     split_flat,
 )
-from superneurons.compress.codec import Codec
 from superneurons.errors import ConfigError
 
 CODECS: list[Codec] = [

@@ -10,7 +10,7 @@ import torch
 
 from superneurons import ConfigError, format_bytes, parse_bytes
 from superneurons.cli import main
-from superneurons.compress.bitpack import pack_bits, packed_bytes, unpack_bits
+from superneurons.codecs.coding.bitpack import pack_bits, packed_bytes, unpack_bits
 
 
 @pytest.mark.parametrize(
@@ -80,7 +80,7 @@ def test_unpack_16_bit_from_odd_offset() -> None:
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_all_finite_detects_every_non_finite_value(bad: float) -> None:
-    from superneurons.compress.codec import all_finite
+    from superneurons.codecs.coding.finite import all_finite
 
     values = torch.randn(1001)
     assert all_finite(values) and all_finite(torch.zeros(0))

@@ -56,7 +56,7 @@ def test_register_compression_on_nccl_world_size_one(monkeypatch: pytest.MonkeyP
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
-    from superneurons.compress.hook import register_compression
+    from superneurons.ddp.hook import register_compression
     from superneurons.train.launch import free_port
     from superneurons.train.rank import init_distributed
 

@@ -11,9 +11,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from distributed import Ranks, shared_ranks
-from superneurons.compress.cast import Fp16Codec, IdentityCodec
-from superneurons.compress.qsgd import QSGDCodec
-from superneurons.compress.topk import TopKCodec
+from superneurons.codecs.cast import Fp16Codec, IdentityCodec
+from superneurons.codecs.qsgd import QSGDCodec
+from superneurons.codecs.topk import TopKCodec
 
 pytestmark = pytest.mark.dist
 
@@ -67,7 +67,7 @@ def _params(model: DistributedDataParallel) -> list[torch.Tensor]:
 
 
 def _identity_vs_plain(rank: int, world_size: int) -> tuple[list[torch.Tensor], ...]:
-    from superneurons.compress.hook import register_compression
+    from superneurons.ddp.hook import register_compression
 
     plain = _ddp(_TINY_BUCKET_MB)
     hooked = _ddp(_TINY_BUCKET_MB)
@@ -106,8 +106,8 @@ _LOSSY: list[Any] = [
 
 def _lossy_runs(rank: int, world_size: int) -> list[tuple[str, list[torch.Tensor], int, int]]:
     from superneurons.compress import Warmup, parse_spec
-    from superneurons.compress.compose import with_defaults
-    from superneurons.compress.hook import register_compression
+    from superneurons.ddp.hook import register_compression
+    from superneurons.schemes.compose import with_defaults
 
     out = []
     for codec in _LOSSY:
@@ -132,7 +132,7 @@ def test_lossy_codecs_keep_ranks_identical_over_many_buckets(ranks: Ranks) -> No
 
 
 def _resume(rank: int, world_size: int, spec: str) -> tuple[list[torch.Tensor], ...]:
-    from superneurons.compress.hook import register_compression
+    from superneurons.ddp.hook import register_compression
 
     def fresh() -> tuple[DistributedDataParallel, Any, torch.optim.Optimizer]:
         model = _ddp(_TINY_BUCKET_MB)
@@ -176,7 +176,7 @@ def test_save_resume_continues_exactly(ranks: Ranks, spec: str) -> None:
 
 
 def _mismatch(rank: int, world_size: int) -> tuple[str, float]:
-    from superneurons.compress.hook import register_compression
+    from superneurons.ddp.hook import register_compression
     from superneurons.errors import ConfigError
 
     model = _ddp()
@@ -195,7 +195,7 @@ def test_mismatched_settings_fail_fast_on_every_rank(ranks: Ranks) -> None:
 
 
 def _nan_policy(rank: int, world_size: int) -> list[tuple[str, bool, bool, bool, bool]]:
-    from superneurons.compress.hook import register_compression
+    from superneurons.ddp.hook import register_compression
 
     out = []
     for codec in [TopKCodec(ratio=0.1), QSGDCodec(), Fp16Codec(), "powersgd:rank=2", "fft"]:
@@ -240,9 +240,9 @@ def test_nan_gradient_is_nonfinite_on_all_ranks_and_state_stays_clean(ranks: Ran
 
 
 def _theta_runs(rank: int, world_size: int) -> list[tuple[list[torch.Tensor], float | None]]:
+    from superneurons.codecs.schedule import DiminishingTheta, ErrorBudgetTheta
     from superneurons.compress import ErrorFeedback, Scheduled, parse_spec
-    from superneurons.compress.hook import register_compression
-    from superneurons.compress.schedule import DiminishingTheta, ErrorBudgetTheta
+    from superneurons.ddp.hook import register_compression
 
     out = []
     for schedule in [DiminishingTheta(start=0.99, floor=0.9, steps=4), ErrorBudgetTheta(0.3)]:
@@ -267,9 +267,9 @@ def test_theta_schedules_agree_across_ranks(ranks: Ranks) -> None:
 
 
 def _bad_schedule(rank: int, world_size: int) -> str:
+    from superneurons.codecs.schedule import ConstantTheta
     from superneurons.compress import QSGDCodec, Scheduled
-    from superneurons.compress.hook import register_compression
-    from superneurons.compress.schedule import ConstantTheta
+    from superneurons.ddp.hook import register_compression
     from superneurons.errors import ConfigError
 
     try:
@@ -286,7 +286,7 @@ def test_theta_schedule_on_a_codec_without_theta_is_rejected(ranks: Ranks) -> No
 
 def _residual_storages(rank: int, world_size: int) -> dict[str, int]:
     """Distinct residual storages per spec over 5 steps after the first (one bucket)."""
-    from superneurons.compress.hook import register_compression
+    from superneurons.ddp.hook import register_compression
 
     out = {}
     for spec in ["fp16", "powersgd:rank=2"]:
@@ -302,7 +302,7 @@ def _residual_storages(rank: int, world_size: int) -> dict[str, int]:
 
 
 def test_error_feedback_reuses_its_storage(ranks: Ranks) -> None:
-    """Issue 11 (hook overhead): fp16's residuals alternate between two kept slabs, PowerSGD's
+    """Hook overhead: fp16's residuals alternate between two kept slabs, PowerSGD's
     are rewritten in place, so no step allocates gradient-sized residuals."""
     for counts in ranks.run(_residual_storages):
         assert counts["fp16"] <= 2, counts

@@ -1,5 +1,5 @@
-"""The house rules the code keeps (../shared/STYLE.md): modules stay small, imports flow one way,
-no import cycles, no printing inside the library.
+"""The house rules the code keeps: modules stay small, folders hold one feature, imports flow one
+way, no import cycles, no printing inside the library.
 
 Read from the source with ``ast``; nothing is imported, so this runs in well under a second.
 """
@@ -14,28 +14,45 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "superneurons"
 MAX_LINES = 400
 
-# Layers, lowest first. A module may import its own layer or any lower one, never a higher one:
-# commands -> demo -> bench -> train/integrations -> memory/compress/strategy -> models/data
-# -> errors and the other leaf modules.
+# Layers, lowest first. A module may import its own layer or any lower one, never a higher one.
+# A module's layer is that of the longest dotted prefix below (relative to ``superneurons``):
+# commands -> demo -> bench -> train/integrations -> compress (the public re-exports) ->
+# ddp/optim (process groups) -> strategy (pure decisions) -> schemes (the grammar and what it
+# names) -> codecs (pure: config -> bytes) -> codecs.coding -> models/data -> leaf modules.
 LAYERS: dict[str, int] = {
     "errors": 0,
     "bytesize": 0,
+    "rates": 0,
     "compat": 0,
     "device": 0,
     "version": 0,
     "models": 1,
     "data": 1,
     "memory": 2,
-    "compress": 2,
-    "strategy": 2,
-    "train": 3,
-    "integrations": 3,
-    "bench": 4,
-    "demo": 5,
-    "commands": 6,
-    "cli": 6,
-    "__main__": 6,
-    "__init__": 7,  # the package's re-exports sit above everything they re-export
+    "codecs.coding": 2,
+    "codecs": 3,
+    "schemes": 4,
+    "strategy": 5,
+    "ddp": 6,
+    "optim": 6,
+    "replicas": 6,  # the cross-rank consistency check (a collective)
+    "compress": 7,  # the public import path: re-exports of codecs, spec, ddp and optim
+    "train": 8,
+    "integrations": 8,
+    "bench": 9,
+    "demo": 10,
+    "commands": 11,
+    "cli": 11,
+    "__main__": 11,
+    "__init__": 12,  # the package's re-exports sit above everything they re-export
+}
+# Folders hold at most this many modules (``__init__`` not counted): a folder per feature.
+MAX_MODULES = 15
+# Folders over it, each with the reason it is not split yet.
+FOLDER_ALLOWANCE: dict[str, str] = {
+    "superneurons/bench": "one module per benchmark and its report; not yet a folder per benchmark",
+    "superneurons/memory": "profile, plan, pool and runtime side by side; the planning work on "
+    "memory/ is moving it",
 }
 
 
@@ -52,15 +69,17 @@ MODULES = _modules()
 
 
 def _layer(module: str) -> int:
-    parts = module.split(".")
-    if len(parts) == 1:
+    parts = module.split(".")[1:]
+    if not parts:
         return LAYERS["__init__"]
-    top = parts[1]
-    if top not in LAYERS:
-        raise AssertionError(
-            f"{module}: its top-level name {top!r} has no layer; add it to LAYERS in tests/test_house.py"
-        )
-    return LAYERS[top]
+    for end in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:end])
+        if prefix in LAYERS:
+            return LAYERS[prefix]
+    raise AssertionError(
+        f"{module}: its top-level name {parts[0]!r} has no layer; add it to LAYERS in "
+        "tests/test_house.py"
+    )
 
 
 def _imports(module: str, path: Path) -> set[str]:
@@ -90,10 +109,31 @@ def _imports(module: str, path: Path) -> set[str]:
 GRAPH = {module: _imports(module, path) for module, path in MODULES.items()}
 
 
+# Modules over it, each with the one-line reason it holds one concept all the same.
+LINE_ALLOWANCE: dict[str, str] = {
+    "superneurons.bench.convergence": "one benchmark: its config, its rank's body and its launcher",
+}
+
+
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_module_stays_within_the_line_budget(module: str) -> None:
     lines = len(MODULES[module].read_text(encoding="utf-8").splitlines())
-    assert lines <= MAX_LINES, f"{module} has {lines} lines (> {MAX_LINES}): split it by concept"
+    if module in LINE_ALLOWANCE:
+        return
+    assert lines <= MAX_LINES, (
+        f"{module} has {lines} lines (> {MAX_LINES}): split it by concept, or say in "
+        "LINE_ALLOWANCE why this one concept needs them"
+    )
+
+
+def test_folders_hold_one_feature_each() -> None:
+    crowded = []
+    for folder in sorted({path.parent for path in MODULES.values()}):
+        name = folder.relative_to(SRC.parent).as_posix()
+        count = sum(1 for path in folder.glob("*.py") if path.name != "__init__.py")
+        if count > MAX_MODULES and name not in FOLDER_ALLOWANCE:
+            crowded.append(f"{name}: {count} modules")
+    assert not crowded, f"folders over {MAX_MODULES} modules (split by feature): {crowded}"
 
 
 def test_imports_flow_one_way() -> None:

@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distributed import Ranks, shared_ranks
 from integrations_support import TinyLM, batch, check_example_ranks, torchrun
+from sentinel import training_state
 from superneurons.errors import ConfigError
 from superneurons.integrations.accelerate import prepare_superneurons
 
@@ -125,6 +126,31 @@ class _FakeDDP(DistributedDataParallel):
     def __init__(self, module: nn.Module) -> None:  # noqa: D107 - skip DDP's collective init
         nn.Module.__init__(self)
         self.module = module
+
+
+@pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="no accelerate")
+def test_planning_leaves_the_prepared_run_as_it_was() -> None:
+    from accelerate import Accelerator
+
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True)
+    model = TinyLM()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    accelerator.backward(model(**batch(0))["loss"])
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+    before = training_state(model, optimizer, scheduler)
+    assert before["optimizer"]["state"]  # AcceleratedOptimizer around AdamW, with state
+    setup = prepare_superneurons(
+        accelerator, model, sample_batch=batch(1), budget_fraction=0.8, optimizer=optimizer,
+        strategy="checkpoint",
+    )  # fmt: skip
+    assert training_state(model, optimizer, scheduler) == before
+    assert setup.plan is not None and setup.plan.count("recompute") == len(setup.plan.units)
+    setup.remove()
 
 
 @pytest.mark.dist

@@ -250,7 +250,7 @@ def test_device_presets_and_measured_copy_bandwidth() -> None:
 
     assert set(DEVICE_PRESETS) == {"h100", "a100", "cpu"}
     h100 = cost_model("h100")
-    assert h100.fetch_s(54_600_000_000) == pytest.approx(1.0)  # CONTEXT §5: 54.6 GB/s back
+    assert h100.fetch_s(54_600_000_000) == pytest.approx(1.0)  # measured on an H100: 54.6 GB/s back
     assert h100.copy_s(41_700_000_000) == pytest.approx(1.0)  # and 41.7 GB/s to the host
     assert cost_model("a100", bandwidth_bytes_per_s=1e9).bandwidth_bytes_per_s == 1e9
     with pytest.raises(ConfigError):

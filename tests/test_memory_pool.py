@@ -85,7 +85,7 @@ def test_round_trip_is_exact_with_strides(layout: str) -> None:
 
 def test_views_of_one_storage_share_one_copy_each_way() -> None:
     # x and x.view(-1, C) saved by two nodes of one unit (a LayerNorm and a Linear): the planner
-    # counts the storage once, so the pool copies it once out and once back (issue 9)
+    # counts the storage once, so the pool copies it once out and once back
     pool = _pool(min_offload_bytes=0)
     base = torch.randn(2, 4, 3)
     views = [base, base.view(-1, 3), base[1:, 1:]]
@@ -113,7 +113,7 @@ def test_views_of_one_storage_share_one_copy_each_way() -> None:
 @pytest.mark.parametrize("order", ["small_first", "large_first"])
 def test_a_small_view_then_a_larger_one_share_one_copy(order: str) -> None:
     # a slice saved before the whole tensor (or a larger slice) of the same storage: the slot
-    # holds the storage, so one copy out and one back whatever the order (issue 9)
+    # holds the storage, so one copy out and one back whatever the order
     pool = _pool(min_offload_bytes=0)
     base = torch.randn(6, 5)
     views = [base[4:, 1:], base[1:], base]

@@ -314,7 +314,7 @@ def test_measured_peak_within_planner_budget_and_prediction() -> None:
         with apply_plan(model, plan, pool_config=ALL_BYTES) as handle:
             peak = _device_peak_bytes(model, x, handle)
         assert peak <= plan.budget_bytes, (fraction, peak, plan.budget_bytes)
-        # the planner's prediction, same prefetch rule as the runtime (issue 9: within 3%)
+        # the planner's prediction, same prefetch rule as the runtime (within 3%)
         assert abs(peak - plan.predicted_peak_bytes) <= 0.03 * peak, (strategy, fraction)
         checked += 1
     assert checked >= 4

@@ -12,6 +12,7 @@ import pytest
 
 from superneurons.bench import netns
 from superneurons.errors import ConfigError
+from superneurons.rates import parse_rate
 
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
@@ -23,13 +24,11 @@ def _ours() -> set[str]:
     return {name for name in netns._list_namespaces() if name.startswith(f"sn-{os.getpid()}-")}
 
 
-def test_parse_rate_round_trips_and_rejects_garbage() -> None:
-    for text in ("100mbit", "1gbit", "500kbit"):
-        assert netns.format_rate(netns.parse_rate(text)) == text
-    assert netns.parse_rate("1.5gbit") == 1_500_000_000
-    for bad in ("fast", "100", "100mb/s", "1bit"):
-        with pytest.raises(ConfigError):
-            netns.parse_rate(bad)
+def test_links_are_shaped_to_8kbit_or_more() -> None:
+    assert netns.check_shaping_rate(parse_rate("100mbit")) == 100_000_000
+    for slow in ("100", "1bit", "7kbit"):
+        with pytest.raises(ConfigError, match="below 8kbit"):
+            netns.check_shaping_rate(parse_rate(slow))
 
 
 def test_bad_nproc_is_a_config_error() -> None:
@@ -41,7 +40,7 @@ def test_bad_nproc_is_a_config_error() -> None:
 @needs_root
 def test_two_ranks_linked_shaped_and_removed() -> None:
     before = _ours()
-    with netns.network_namespaces(2, rate_bit_s=netns.parse_rate("100mbit")) as topo:
+    with netns.network_namespaces(2, rate_bit_s=parse_rate("100mbit")) as topo:
         assert set(topo.namespaces) <= _ours() - before
         assert topo.hub is None
         ping = subprocess.run(

@@ -8,16 +8,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from superneurons.compress.anchors import TorchDense, TorchPowerSGD
-from superneurons.compress.powersgd import (
-    PowerSGD,
-    PowerSGDState,
-    orthogonalize_,
-    orthogonalize_rows_,
-    powersgd_reduce,
-)
-from superneurons.compress.spec import parse_spec
+from superneurons.codecs.powersgd import PowerSGD, orthogonalize_, orthogonalize_rows_
+from superneurons.ddp.powersgd import PowerSGDState, powersgd_reduce
 from superneurons.errors import ConfigError
+from superneurons.schemes.anchors import TorchDense, TorchPowerSGD
+from superneurons.schemes.grammar import parse_spec
 
 
 @pytest.fixture(scope="module")

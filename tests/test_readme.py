@@ -28,3 +28,17 @@ def test_readme_snippet_runs(index: int, tmp_path: Path) -> None:
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=180
     )
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_readme_is_short_and_its_links_resolve() -> None:
+    """The README serves users: at most 300 lines, and every relative link and every file path
+    in its layout table exists in the repository."""
+    text = README.read_text()
+    assert len(text.splitlines()) <= 300
+    root = README.parent
+    links = re.findall(r"\]\(((?!https?:)[^)#]+)\)", text)
+    layout = re.findall(r"`((?:memory|codecs|strategy|train|ddp)/[\w/]+(?:\.py|/))`", text)
+    assert links and layout
+    missing = [p for p in links if not (root / p).exists()]
+    missing += [p for p in layout if "<" not in p and not (root / "src/superneurons" / p).exists()]
+    assert not missing, f"README points at paths that do not exist: {missing}"

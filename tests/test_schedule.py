@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from superneurons.codecs.codec import Codec
 from superneurons.compress import (
     ConstantTheta,
     DiminishingTheta,
@@ -19,7 +20,6 @@ from superneurons.compress import (
     sparsification_error,
     with_theta,
 )
-from superneurons.compress.codec import Codec
 from superneurons.errors import ConfigError
 
 

@@ -19,8 +19,8 @@ from superneurons.compress import (
     describe_codecs,
     parse_spec,
 )
-from superneurons.compress import spec as spec_module
 from superneurons.errors import ConfigError
+from superneurons.schemes import grammar as spec_module
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,9 @@ import math
 
 import pytest
 
+from superneurons.codecs.powersgd import PowerSGD
 from superneurons.errors import ConfigError
+from superneurons.schemes.grammar import parse_spec
 from superneurons.strategy import (
     DENSE,
     BucketTiming,
@@ -67,7 +69,7 @@ def test_all_gather_pays_only_when_ratio_exceeds_half_the_ranks(world: int) -> N
 
 
 def _cost(spec: str, bits: float, *, summable: bool = False, enc: float = 0.0, dec: float = 0.0):
-    return CodecCost(spec, summable, enc, dec, bits, 0.1)
+    return CodecCost(parse_spec(spec), summable, enc, dec, bits, 0.1)  # type: ignore[arg-type]
 
 
 def test_dense_single_bucket_hand_computed() -> None:
@@ -86,7 +88,7 @@ def test_encode_delays_later_buckets_and_decode_runs_after() -> None:
     last = BucketTiming("z", ("w2",), numel=1_000_000, ready_s=0.3)
     # 1 ns per input byte encode (4 ms per bucket), 0.5 ns per byte per payload decode
     # (2 payloads: 4 ms), 4 bits per element (0.5 MB -> 5 ms on the wire).
-    gathered = _cost("g", 4.0, enc=1e-9, dec=5e-10)
+    gathered = _cost("qsgd", 4.0, enc=1e-9, dec=5e-10)  # numbers made up: a gathered codec
     pred = predicted_step_s(
         [last, first], {"a": gathered, "z": gathered}, backward_s=0.3, network=net
     )
@@ -106,7 +108,7 @@ def test_link_serialises_collectives_in_ready_order() -> None:
 def test_powersgd_pays_one_latency_per_collective() -> None:
     net = NetworkModel(2, LinkModel(0.01, 0.0), LinkModel(0.01, 0.0))
     bucket = BucketTiming("b", ("w",), numel=1000, ready_s=0.0)
-    two = CodecCost("powersgd:rank=4", True, 0.0, 0.0, 1.0, 0.1, collectives=2)
+    two = CodecCost(PowerSGD(rank=4), True, 0.0, 0.0, 1.0, 0.1, collectives=2)
     assert predicted_step_s([bucket], {"b": two}, backward_s=0.0, network=net) == 0.02
 
 
@@ -126,9 +128,9 @@ def test_powersgd_first_all_reduce_waits_for_a_busy_link() -> None:
     net = NetworkModel(2, LinkModel(0.01, 0.0), LinkModel(0.01, 0.0))
     first = BucketTiming("a", ("a",), numel=1000, ready_s=0.0)
     second = BucketTiming("b", ("b",), numel=1000, ready_s=0.0)
-    slow_dense = CodecCost("dense", True, 0.0, 0.0, 32.0, 0.0)
+    slow_dense = CodecCost(None, True, 0.0, 0.0, 32.0, 0.0)
     net_busy = NetworkModel(2, LinkModel(0.1, 0.0), LinkModel(0.1, 0.0))
-    two = CodecCost("powersgd:rank=4", True, 0.0, 0.0, 1.0, 0.1, collectives=2)
+    two = CodecCost(PowerSGD(rank=4), True, 0.0, 0.0, 1.0, 0.1, collectives=2)
     # b's P waits for a's all-reduce (0.1 s), takes 0.1 s, Q another 0.1 s; backward (0.05 s)
     # is stalled until P is done at 0.2 s
     choices = {"a": slow_dense, "b": two}

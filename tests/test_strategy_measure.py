@@ -6,12 +6,13 @@ import pytest
 import torch
 
 from distributed import shared_ranks
-from superneurons.errors import ConfigError
+from superneurons.codecs.cast import Fp16Codec
+from superneurons.codecs.powersgd import PowerSGD
+from superneurons.codecs.topk import TopKCodec
 from superneurons.strategy import (
     DEFAULT_CANDIDATES,
     DENSE,
     NetworkModel,
-    candidate_codecs,
     measure_codecs,
     measure_network,
     select,
@@ -38,11 +39,11 @@ def test_measure_network_gives_every_rank_the_same_model() -> None:
 def test_measure_codecs_costs_are_consistent() -> None:
     torch.manual_seed(0)
     sample = torch.randn(64, 256)  # a weight-shaped gradient
-    codecs = candidate_codecs(DEFAULT_CANDIDATES)
-    costs = measure_codecs(codecs, sample, repeats=1)
+    costs = measure_codecs(DEFAULT_CANDIDATES, sample, repeats=1)
     assert costs[0] == DENSE
+    assert [c.codec for c in costs[1:]] == list(DEFAULT_CANDIDATES)
     by_spec = {c.spec: c for c in costs}
-    assert len(by_spec) == len(DEFAULT_CANDIDATES)
+    assert len(by_spec) == len(DEFAULT_CANDIDATES) + 1
     assert by_spec["fp16"].bits_per_element == 16.0 and by_spec["fp16"].summable
     assert by_spec["fp16"].rel_error < 2**-10
     topk = by_spec["topk:ratio=0.01,select=exact"]
@@ -61,25 +62,19 @@ def test_measure_codecs_costs_are_consistent() -> None:
 
 def test_measure_codecs_feeds_select() -> None:
     sample = torch.randn(4096)
-    costs = measure_codecs(candidate_codecs(["dense", "fp16", "topk:ratio=0.1"]), sample)
+    costs = measure_codecs([Fp16Codec(), TopKCodec(ratio=0.1)], sample)
     from superneurons.strategy import ring_network
 
     net = ring_network(2, alpha_s=1e-4, bandwidth_bytes_per_s=1e5)  # a very slow link
     bucket = BucketTiming("b", ("w",), 1_000_000, ready_s=0.0)
     result = select([bucket], costs, backward_s=0.0, network=net, max_rel_error=1.0)
-    assert result.choices["b"] != "dense"
-
-
-def test_candidate_codecs_reject_unknown_names() -> None:
-    with pytest.raises(ConfigError, match="unknown codec"):
-        candidate_codecs(["nope"])
-    assert candidate_codecs(["dense"]) == []
+    assert result.choices["b"] is not None  # not dense
 
 
 @pytest.mark.cuda
 def test_measure_codecs_on_cuda_times_by_events() -> None:
     sample = torch.randn(256, 1024, device="cuda")
-    costs = measure_codecs(candidate_codecs(["fp16", "topk:ratio=0.01", "powersgd:rank=4"]), sample)
+    costs = measure_codecs([Fp16Codec(), TopKCodec(ratio=0.01), PowerSGD(rank=4)], sample)
     assert [c.spec for c in costs][0] == "dense"
     for cost in costs[1:]:
         assert cost.encode_s_per_byte > 0 and cost.decode_s_per_byte > 0
@@ -103,6 +98,6 @@ class _Broken:
 
 
 def test_a_codec_that_fails_here_is_left_out(caplog: pytest.LogCaptureFixture) -> None:
-    costs = measure_codecs([_Broken(), *candidate_codecs(["fp16"])], torch.randn(1024))  # type: ignore[list-item]
+    costs = measure_codecs([_Broken(), Fp16Codec()], torch.randn(1024))  # type: ignore[list-item]
     assert [c.spec for c in costs] == ["dense", "fp16"]
     assert "broken" in caplog.text

@@ -5,6 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from superneurons.codecs.cast import Fp16Codec
+from superneurons.codecs.powersgd import PowerSGD
+from superneurons.codecs.sign import SignSGDCodec
+from superneurons.codecs.topk import TopKCodec
 from superneurons.errors import ConfigError
 from superneurons.strategy import (
     DENSE,
@@ -19,9 +23,9 @@ from superneurons.strategy import (
 # 10M-element buckets (40 MB fp32); codec times in seconds per input fp32 byte.
 # fp16: 0.5 ms encode and decode per bucket; top-k 1%: 20 ms encode, 8 ms decode (2 payloads).
 NUMEL = 10_000_000
-FP16 = CodecCost("fp16", True, 1.25e-11, 1.25e-11, 16.0, 1e-3)
-TOPK = CodecCost("topk:ratio=0.01", False, 5e-10, 1e-10, 0.64, 0.3)
-NOISY = CodecCost("noisy", False, 1e-11, 1e-11, 0.1, 0.9)
+FP16 = CodecCost(Fp16Codec(), True, 1.25e-11, 1.25e-11, 16.0, 1e-3)
+TOPK = CodecCost(TopKCodec(ratio=0.01), False, 5e-10, 1e-10, 0.64, 0.3)
+NOISY = CodecCost(SignSGDCodec(), False, 1e-11, 1e-11, 0.1, 0.9)  # fast, too lossy
 CANDIDATES = [DENSE, FP16, TOPK, NOISY]
 
 
@@ -36,7 +40,7 @@ def test_fast_link_picks_dense() -> None:
     # 100 GB/s: 40 MB all-reduce ~0.4 ms, hidden under backward, so compressing only costs.
     net = ring_network(2, alpha_s=1e-5, bandwidth_bytes_per_s=1e11)
     result = select(_buckets(), CANDIDATES, backward_s=0.5, network=net)
-    assert set(result.choices.values()) == {"dense"}
+    assert set(result.choices.values()) == {None}  # dense
     assert result.predicted_step_s == result.dense_step_s
     assert result.reason.startswith("dense")
 
@@ -45,12 +49,12 @@ def test_slow_link_picks_compression() -> None:
     # 100 Mbit/s: a 40 MB all-reduce takes 3.2 s; top-k moves 0.8 MB per rank in 64 ms.
     net = ring_network(2, alpha_s=1e-4, bandwidth_bytes_per_s=1.25e7)
     result = select(_buckets(), CANDIDATES, backward_s=0.5, network=net)
-    assert set(result.choices.values()) == {TOPK.spec}
+    assert set(result.choices.values()) == {TOPK.codec}
     assert result.predicted_step_s < 0.2 * result.dense_step_s
     assert result.params == {
-        "head.weight": TOPK.spec,
-        "body.weight": TOPK.spec,
-        "body.bias": TOPK.spec,
+        "head.weight": TOPK.codec,
+        "body.weight": TOPK.codec,
+        "body.bias": TOPK.codec,
     }
 
 
@@ -59,7 +63,8 @@ def test_bucket_ready_last_is_compressed_first() -> None:
     # backward left after it; the late one's is exposed, so only it is worth fp16.
     net = ring_network(2, alpha_s=0.0, bandwidth_bytes_per_s=1e10)
     result = select(_buckets(), CANDIDATES, backward_s=0.5, network=net, min_gain=0.001)
-    assert result.choices == {"late": "fp16", "early": "dense"}
+    assert result.choices == {"late": FP16.codec, "early": None}
+    assert result.to_dict()["choices"] == {"late": "fp16", "early": "dense"}
     dense_s = predicted_step_s(
         _buckets(), {"late": DENSE, "early": DENSE}, backward_s=0.5, network=net
     )
@@ -72,26 +77,26 @@ def test_error_budget_is_respected() -> None:
     # A slow link where the 1-bit codec would be fastest; it is over the budget.
     net = ring_network(2, alpha_s=1e-4, bandwidth_bytes_per_s=1.25e6)
     result = select(_buckets(), CANDIDATES, backward_s=0.5, network=net, max_rel_error=0.5)
-    assert NOISY.spec not in result.choices.values()
+    assert NOISY.codec not in result.choices.values()
     loose = select(_buckets(), CANDIDATES, backward_s=0.5, network=net, max_rel_error=1.0)
-    assert NOISY.spec in loose.choices.values()
+    assert NOISY.codec in loose.choices.values()
     only_dense = select(_buckets(), CANDIDATES, backward_s=0.5, network=net, max_rel_error=0.0)
-    assert set(only_dense.choices.values()) == {"dense"}
+    assert set(only_dense.choices.values()) == {None}
 
 
 def test_low_rank_candidates_have_their_own_budget() -> None:
     # A PowerSGD candidate as fast as NOISY, with a one-shot error of 0.75: over the general
     # budget (0.5), within the low-rank one (0.8); NOISY (0.9) stays excluded by both.
-    low_rank = CodecCost("powersgd:rank=4", True, 1e-11, 1e-11, 0.1, 0.75)
+    low_rank = CodecCost(PowerSGD(rank=4), True, 1e-11, 1e-11, 0.1, 0.75)
     net = ring_network(2, alpha_s=1e-4, bandwidth_bytes_per_s=1.25e6)
     costs = [*CANDIDATES, low_rank]
     strict = select(_buckets(), costs, backward_s=0.5, network=net, max_rel_error=0.5)
-    assert low_rank.spec not in strict.choices.values()
+    assert low_rank.codec not in strict.choices.values()
     split = select(
         _buckets(), costs, backward_s=0.5, network=net, max_rel_error=0.5, max_rel_error_lowrank=0.8
     )
-    assert set(split.choices.values()) == {low_rank.spec}
-    assert NOISY.spec not in split.choices.values()
+    assert set(split.choices.values()) == {low_rank.codec}
+    assert NOISY.codec not in split.choices.values()
     with pytest.raises(ConfigError):
         select(_buckets(), costs, backward_s=0.5, network=net, max_rel_error_lowrank=-1.0)
 
@@ -120,7 +125,7 @@ def test_whole_step_prediction_and_every_fixed_choice_are_recorded() -> None:
     one = [BucketTiming("only", ("w",), NUMEL, ready_s=0.5)]
     base = select(one, [DENSE, FP16], backward_s=0.5, network=net)
     result = select(one, [DENSE, FP16], backward_s=0.5, network=net, outside_s=0.25)
-    assert result.choices == base.choices == {"only": "fp16"}
+    assert result.choices == base.choices == {"only": FP16.codec}
     assert result.predicted_step_s == pytest.approx(2.101)
     assert result.predicted_train_step_s == pytest.approx(2.101 + 0.25)
     assert dict(result.by_spec) == pytest.approx({"dense": 3.7, "fp16": 2.101})
@@ -133,7 +138,7 @@ def test_whole_step_prediction_and_every_fixed_choice_are_recorded() -> None:
 def test_over_budget_candidates_are_predicted_but_never_chosen() -> None:
     net = ring_network(2, alpha_s=1e-4, bandwidth_bytes_per_s=1.25e7)
     result = select(_buckets(), CANDIDATES, backward_s=0.5, network=net, max_rel_error=0.2)
-    assert TOPK.spec not in result.choices.values()
+    assert TOPK.codec not in result.choices.values()
     assert set(result.by_spec) == {c.spec for c in CANDIDATES}
     assert result.by_spec[TOPK.spec] < result.predicted_step_s  # faster, over the budget
     assert dict(result.rel_errors) == {c.spec: c.rel_error for c in CANDIDATES}
@@ -162,10 +167,10 @@ def test_bad_inputs_are_config_errors() -> None:
 
 def test_outside_time_starts_at_the_latest_bucket_average_not_the_last_launched() -> None:
     """gloo finishes collectives out of order: a small last bucket can be averaged while a big
-    one is still on the wire, so the step ends at its latest average (run 9's 100 Mbit/s
+    one is still on the wire, so the step ends at its latest average (a 100 Mbit/s
     fc-heavy read 12.5 s 'outside backward' from the last bucket's stamp)."""
-    from superneurons.compress.auto import Auto
-    from superneurons.compress.autorun import AutoController, _Clock
+    from superneurons.ddp.autorun import AutoController, _Clock
+    from superneurons.schemes.auto import Auto
 
     controller = AutoController(Auto(), error_feedback=True)
     controller._clock = _Clock(torch.device("cpu"))

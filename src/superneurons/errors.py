@@ -7,7 +7,7 @@ do; the CLI prints it as one line instead of a traceback.
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "ConfigError", "DataError"]
+__all__ = ["CheckpointError", "ConfigError", "DataError", "ReplicaMismatchError"]
 
 
 class ConfigError(ValueError):
@@ -22,3 +22,8 @@ class DataError(ConfigError):
 class CheckpointError(ConfigError):
     """A training checkpoint that is missing, unreadable or from another run; the message
     names the file and what to do (resume from another one, or start over)."""
+
+
+class ReplicaMismatchError(ConfigError):
+    """Data-parallel ranks hold different parameters or optimizer state when training starts;
+    the message names the first tensor that differs and the two ranks."""

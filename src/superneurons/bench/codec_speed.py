@@ -1,7 +1,6 @@
 """Codec throughput on one device: encode/decode GB/s of every codec at 4 MiB and 100 MiB.
 
-GB/s counts fp32 *input* bytes per second (``4 * numel / seconds``), as CONTEXT.md section 5's
-H100 figures do. On CUDA each repetition is bracketed by ``torch.cuda.Event`` s on the current
+GB/s counts fp32 *input* bytes per second (``4 * numel / seconds``). On CUDA each repetition is bracketed by ``torch.cuda.Event`` s on the current
 stream after a warm-up (cuFFT plans, allocator); the codec itself never synchronises (tested by
 ``tests/test_codec_device.py`` under ``set_sync_debug_mode("error")``), and only the harness
 waits on the end event. On the CPU the harness uses one thread and records both wall time and
@@ -21,8 +20,8 @@ from typing import Any
 import torch
 
 from superneurons.bench.artifacts import markdown_table, write_json, write_markdown
-from superneurons.compress.spec import parse_codec
 from superneurons.errors import ConfigError
+from superneurons.schemes.grammar import parse_codec
 
 __all__ = ["SPEED_SPECS", "SpeedConfig", "measure_codec_speed", "write_speed_artifacts"]
 

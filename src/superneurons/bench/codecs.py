@@ -4,8 +4,8 @@ the wire, approximation error one-shot and after K steps of error feedback, and 
 The question: does HPDC'20's FFT sparsification (Wang et al., arXiv 1811.08596) approximate
 gradients with less error than Top-k at equal communication, and does our transform-adaptive
 codec beat both? Bits per element decide nothing unless both sides pay the same coding
-(CONTEXT.md section 6), so every sparsifier here sends its kept coefficients the same way
-(:mod:`superneurons.compress.sparsecode`: 8-bit range-float values, bitmap or Elias-Fano index,
+(benchmarks/results/codecs/ANSWER.md), so every sparsifier here sends its kept coefficients the same way
+(:mod:`superneurons.codecs.coding.sparsecode`: 8-bit range-float values, bitmap or Elias-Fano index,
 whichever is smaller) and only the basis differs:
 
 * ``ctopk``: compactly coded Top-k (spatial basis);
@@ -42,10 +42,10 @@ import torch
 
 from superneurons.bench.artifacts import markdown_table, pyplot, write_json, write_markdown
 from superneurons.bench.gradients import DDP_BUCKET_BYTES, GradientCapture, bucket_bounds
-from superneurons.compress.codec import Codec
-from superneurons.compress.feedback import feedback_step
-from superneurons.compress.spec import parse_codec as parse_spec
+from superneurons.codecs.codec import Codec
+from superneurons.codecs.feedback import feedback_step
 from superneurons.errors import ConfigError
+from superneurons.schemes.grammar import parse_codec as parse_spec
 
 __all__ = [
     "BUDGETS_BITS",
@@ -62,7 +62,8 @@ BUDGETS_BITS: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)
 _BISECT_STEPS = 40
 # The equally coded sparsifiers: family label -> spec template with the kept share as {theta}.
 # NOTE: the whole-bucket rFFT (the paper's literal reading) lost to 512-element chunks at every
-# budget on all four zoo models in the previous run of this benchmark (ANSWER.md history) and
+# budget on all four zoo models in an earlier run of this benchmark (benchmarks/results/codecs/
+# ANSWER.md) and
 # is 10-40x slower on DDP's non-smooth bucket lengths, so it is left out of the K=20 run.
 SPARSE_FAMILIES: dict[str, str] = {
     "ctopk": "ctopk:theta={theta},bits=8,select=sampled,index=auto",

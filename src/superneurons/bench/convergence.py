@@ -15,11 +15,11 @@ final metric, its delta to dense, the bytes vs dense, step times and the curve f
 
 Codec labels (:mod:`.convergence_labels`): ``dense``; any hook spec (``fft``,
 ``powersgd:rank=4``, ``torch-fp16``, ``auto`` on SGD tasks); ``auto`` / ``auto:link=RATE`` on
-Adam tasks choose dense AdamW or 1-bit Adam (:mod:`superneurons.compress.autoadam`; the record's
+Adam tasks choose dense AdamW or 1-bit Adam (:mod:`superneurons.optim.autoadam`; the record's
 ``decision`` holds the choice and its predictions); ``adam-momentum[warmup=N,wire=W]:SPEC`` and
-``adam-update[...]:SPEC`` train with :class:`~superneurons.compress.adam.CompressedAdamW`; a
+``adam-update[...]:SPEC`` train with :class:`~superneurons.optim.adam.CompressedAdamW`; a
 suffix ``|diminishing:start=S,floor=F,drops=D,until=U`` gives the hook a
-:class:`~superneurons.compress.schedule.DiminishingTheta` (HPDC'20's two θ claims).
+:class:`~superneurons.codecs.schedule.DiminishingTheta` (HPDC'20's two θ claims).
 """
 
 from __future__ import annotations
@@ -45,14 +45,16 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from superneurons.bench.convergence_labels import (
-    adam_auto,
     applies,
     check_label,
+    scheme_of,
     split_label,
     theta_schedule,
 )
 from superneurons.errors import ConfigError
+from superneurons.schemes.adam import AdamAuto, AdamMomentum, AdamUpdate
 from superneurons.train.launch import free_port
+from superneurons.train.rank import exit_rank, leave_process_group
 
 __all__ = [
     "CONVERGENCE_CODECS",
@@ -209,23 +211,22 @@ def _train_one(
     loss_fn = default_loss(task.model)
     gen = torch.Generator().manual_seed(seed)  # the same order for every codec
     order = torch.randperm(x_train.shape[0], generator=gen)
-    decision, label = None, codec
-    auto = adam_auto(task.optimizer, codec)
-    if auto is not None:  # Adam's auto: dense AdamW or 1-bit Adam, decided before DDP wraps
-        from superneurons.compress.autoadam import decide_adam_scheme
+    decision, scheme = None, scheme_of(task.optimizer, codec)
+    if isinstance(scheme, AdamAuto):  # dense AdamW or 1-bit Adam, decided before DDP wraps
+        from superneurons.optim.autoadam import decide_adam_scheme
 
         first = order[rank * shard :][: task.batch_size]
         decision = decide_adam_scheme(
             model,
             (x_train[first], y_train[first]),
             loss_fn,
-            config=auto,
+            config=scheme,
             total_steps=total,
             bucket_cap_bytes=25 * 2**20,  # DDP's default, as below
         )
-        label = decision.scheme
+        scheme = decision.scheme
     ddp = DistributedDataParallel(model)
-    state, opt = _setup(ddp, task, label, total, seed)
+    state, opt = _setup(ddp, task, codec, scheme, total, seed)
     evals = {round(total * (i + 1) / task.eval_points) for i in range(task.eval_points)}
     quick_eval, full_eval = slice(0, 2000), slice(0, task.eval_limit or x_test.shape[0])
     curve: list[list[float]] = []
@@ -268,36 +269,33 @@ def _train_one(
 
 
 def _setup(
-    ddp: DistributedDataParallel, task: TaskConfig, label: str, total: int, seed: int
+    ddp: DistributedDataParallel, task: TaskConfig, label: str, scheme: Any, total: int, seed: int
 ) -> tuple[Any, torch.optim.Optimizer]:
-    """The compression state (or None) and the optimizer for one codec label."""
-    from superneurons.compress.adam import CompressedAdamW, parse_optimizer_spec
+    """The compression state (or None) and the optimizer for one codec label, whose spec
+    names ``scheme`` (None: dense)."""
+    from superneurons.optim.adam import CompressedAdamW
 
-    spec, schedule = split_label(label)
+    schedule = split_label(label)[1]
     decay = 0.01 if task.optimizer == "adamw" else 0.0
-    update = parse_optimizer_spec(spec)
-    if update is not None:
+    if isinstance(scheme, AdamMomentum | AdamUpdate):
         if task.optimizer == "sgd":
             raise ConfigError(f"{label!r} replaces Adam/AdamW; task {task.task} uses SGD")
-        from superneurons.compress.adam import register_local_gradients
+        from superneurons.ddp.local import register_local_gradients
 
         register_local_gradients(ddp)
         opt = CompressedAdamW(
-            ddp.parameters(), lr=task.lr, weight_decay=decay, seed=seed, **update.kwargs()
+            ddp.parameters(), lr=task.lr, weight_decay=decay, seed=seed, **scheme.kwargs()
         )
         return opt, opt
     state = None
-    if spec != "dense":
-        from superneurons.compress import Scheduled, parse_spec
-        from superneurons.compress.compose import with_defaults
-        from superneurons.compress.hook import register_compression
+    if scheme is not None:
+        from superneurons.compress import Scheduled
+        from superneurons.ddp.hook import register_compression
+        from superneurons.schemes.compose import with_defaults
 
-        compression = with_defaults(parse_spec(spec))
         if schedule is not None:
-            compression = with_defaults(
-                Scheduled(parse_spec(spec), theta_schedule(schedule, total))
-            )
-        state = register_compression(ddp, compression, seed=seed)
+            scheme = Scheduled(scheme, theta_schedule(schedule, total))
+        state = register_compression(ddp, with_defaults(scheme), seed=seed)
     if task.optimizer == "sgd":
         return state, torch.optim.SGD(ddp.parameters(), lr=task.lr, momentum=0.9)
     return state, torch.optim.AdamW(ddp.parameters(), lr=task.lr, weight_decay=decay)
@@ -329,8 +327,10 @@ def _rank_main(
                 if rank == 0:
                     with open(out, "a", encoding="utf-8") as handle:
                         handle.write(json.dumps(record) + "\n")
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        leave_process_group(barrier=False)  # the spawner reports the traceback
+        raise
+    exit_rank(0)  # this function is the rank's whole process (spawned, or _shaped_rank)
 
 
 def run_convergence_bench(

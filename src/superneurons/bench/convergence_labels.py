@@ -2,10 +2,10 @@
 
 A label is ``dense``; a gradient-hook spec (``fft``, ``powersgd:rank=4``, ``auto``), optionally
 with a θ schedule after ``|`` (``fft|diminishing:start=0.99,floor=0.9,drops=4,until=0.5``:
-:class:`~superneurons.compress.schedule.DiminishingTheta`, HPDC'20's two θ claims); an
+:class:`~superneurons.codecs.schedule.DiminishingTheta`, HPDC'20's two θ claims); an
 optimizer-side spec ``adam-momentum[...]:SPEC`` / ``adam-update[...]:SPEC``
-(:class:`~superneurons.compress.adam.CompressedAdamW`); or, on Adam tasks, ``auto`` /
-``auto:link=RATE`` (:mod:`superneurons.compress.autoadam`: dense AdamW or 1-bit Adam, chosen by
+(:class:`~superneurons.optim.adam.CompressedAdamW`); or, on Adam tasks, ``auto`` /
+``auto:link=RATE`` (:mod:`superneurons.optim.autoadam`: dense AdamW or 1-bit Adam, chosen by
 the cost model; ``link=`` plans for a stated link instead of the measured one).
 """
 
@@ -15,11 +15,20 @@ from typing import Any
 
 from superneurons.errors import ConfigError
 
-__all__ = ["adam_auto", "applies", "check_label", "split_label", "theta_schedule"]
+__all__ = ["adam_auto", "applies", "check_label", "scheme_of", "split_label", "theta_schedule"]
+
+
+def scheme_of(optimizer: str, label: str) -> Any:
+    """The object ``label``'s spec names on a task with ``optimizer`` (``auto`` is
+    :class:`~superneurons.schemes.adam.AdamAuto` with Adam/AdamW); None for ``dense``."""
+    from superneurons.schemes.grammar import parse_scheme
+
+    spec = split_label(label)[0]
+    return None if spec == "dense" else parse_scheme(spec, adam=optimizer != "sgd")
 
 
 def adam_auto(optimizer: str, label: str) -> Any:
-    """The :class:`~superneurons.compress.autoadam.AdamAuto` of ``label`` on an Adam task,
+    """The :class:`~superneurons.schemes.adam.AdamAuto` of ``label`` on an Adam task,
     else None (``auto`` on an SGD task is the gradient hook's)."""
     return None if optimizer == "sgd" else _adam_auto_or_none(split_label(label)[0])
 
@@ -27,12 +36,13 @@ def adam_auto(optimizer: str, label: str) -> Any:
 def _adam_auto_or_none(spec: str) -> Any:
     """``auto[:link=..,margin=..]`` -> AdamAuto; anything else (``auto:observe_steps=3`` is
     the gradient hook's ``auto``) -> None."""
-    from superneurons.compress.autoadam import parse_adam_auto
+    from superneurons.schemes.adam import AdamAuto
 
     try:
-        return parse_adam_auto(spec)
+        scheme = scheme_of("adam", spec)
     except ConfigError:
         return None
+    return scheme if isinstance(scheme, AdamAuto) else None
 
 
 def split_label(label: str) -> tuple[str, dict[str, float] | None]:
@@ -54,11 +64,12 @@ def split_label(label: str) -> tuple[str, dict[str, float] | None]:
 
 def check_label(label: str) -> None:
     """Raise :class:`ConfigError` for a label no task can run (before any rank starts)."""
-    from superneurons.compress.adam import parse_optimizer_spec
-
     spec, schedule = split_label(label)
-    if spec in ("dense", "auto") or parse_optimizer_spec(spec) is not None:
+    if spec in ("dense", "auto"):
         return  # "auto" on SGD is resolved by register_compression (the hook branch)
+    if spec.startswith("adam-"):
+        scheme_of("adam", spec)  # raises for a bad one
+        return
     if spec.startswith("auto:") and _adam_auto_or_none(spec) is not None:
         return  # auto:link=RATE: Adam tasks only (see applies)
     from superneurons.bench.network import check_codec
@@ -80,7 +91,7 @@ def applies(optimizer: str, label: str) -> bool:
 
 
 def theta_schedule(options: dict[str, float], total: int) -> Any:
-    from superneurons.compress.schedule import DiminishingTheta
+    from superneurons.codecs.schedule import DiminishingTheta
 
     until = options.get("until", 1.0)
     if not 0.0 < until <= 1.0:

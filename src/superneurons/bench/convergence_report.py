@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 __all__ = ["config_dict", "summary_lines", "write_artifacts"]
 
-# Targets (issue 11): a language model within 0.05 nats of dense sending >= 8x fewer bytes;
+# Targets: a language model within 0.05 nats of dense sending >= 8x fewer bytes;
 # Fashion-MNIST: the default fft within 0.5 points of dense.
 LM_MAX_DELTA_NATS = 0.05
 LM_MIN_RATIO = 8.0

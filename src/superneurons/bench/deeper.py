@@ -4,8 +4,8 @@ Deepest bottleneck ResNet ``[6, 32, n, 6]`` (batch 16, 224x224, fp32, SGD with m
 predicted step peak fits ``0.95 x 12 GiB`` per strategy, and the largest batch of ResNet-50/101/152
 in 12 GiB. All on fake tensors (no memory used). Depth and batch come from the affine fit of
 :func:`superneurons.bench.search.max_fitting`; one direct profile at the eager answer's depth
-validates the extrapolation. The anchors of CONTEXT.md §1 (measured on this machine with fake
-tensors) are compared in the same run as ratios.
+validates the extrapolation. The anchors (depths measured on this machine with fake tensors) are
+compared in the same run as ratios.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ LABELS: dict[str, str] = {
     "offload+opt-in-backward": "offload + optimizer in backward",
     "offload+opt-on-host": "offload + optimizer in backward, optimizer state on host",
 }
-# CONTEXT.md §1, fake-tensor figures measured on this project's machine (0.95 x 12 GiB, batch 16).
+# Fake-tensor figures measured on this project's machine (0.95 x 12 GiB, batch 16).
 ANCHOR_DEPTHS: dict[str, int] = {
     "eager": 590,
     "checkpoint": 1454,
@@ -47,7 +47,7 @@ ANCHOR_DEPTHS: dict[str, int] = {
 }
 # Targets of the brief: the paper's 3.24x over eager with recomputation only, ResNet-2500 with offload.
 PAPER_DEPTHS: dict[str, int] = {"recompute": 1920, "offload": 2500, "offload+opt-in-backward": 3500}
-# Issue 9's targets at 0.95 x 12 GB (decimal): offload >= 2500, with optimizer-in-backward >= 4000
+# The targets at 0.95 x 12 GB (decimal): offload >= 2500, with optimizer-in-backward >= 4000
 # (met by keeping the optimizer state in the host pool: memory.optim_host).
 ISSUE_DEPTHS_12GB: dict[str, int] = {"offload": 2500, "offload+opt-on-host": 4000}
 DEPTH_SAMPLES = (24, 48, 72)
@@ -93,7 +93,7 @@ def run_deeper(
                 else None,
                 "slope_mib_per_block": fit.slope_bytes / 2**20,
                 "fit_residual": fit.residual,
-                # NOTE: CONTEXT's anchors match 0.95 x 12 GB (decimal, 10.62 GiB); same fit.
+                # NOTE: the anchors match 0.95 x 12 GB (decimal, 10.62 GiB); same fit.
                 "max_depth_12GB": _depth_at(fit, budget_fraction * 12e9),
                 "vs_anchor_12GB": _depth_at(fit, budget_fraction * 12e9) / anchor
                 if anchor
@@ -253,7 +253,7 @@ def _write(
     )
     body = (
         f"Budget for depth: {budget_bytes / GIB:.2f} GiB (0.95 x 12 GiB; `max_depth_12GB`: the "
-        "same fit at 0.95 x 12e9 bytes = 10.62 GiB, the budget CONTEXT's anchors match); "
+        "same fit at 0.95 x 12e9 bytes = 10.62 GiB, the budget the anchors match); "
         "batch 16, 224x224, "
         "fp32, SGD momentum 0.9, gradients set to None between steps, fake tensors.\n\n"
         + markdown_table(
@@ -297,7 +297,7 @@ def _write(
         color="k",
         marker="_",
         s=400,
-        label="CONTEXT anchor",
+        label="anchor (fake tensors)",
     )
     left.set_ylabel("max depth in 0.95 x 12 GiB")
     left.tick_params(axis="x", rotation=20)

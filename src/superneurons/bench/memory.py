@@ -118,7 +118,7 @@ class _Workload:
         self.forward: Callable[[Any], Any] = self.model
 
     def make_optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-        if self.is_cnn:  # the CONTEXT/issue settings: SGD-momentum for ResNets, AdamW for GPTs
+        if self.is_cnn:  # the paper's settings: SGD-momentum for ResNets, AdamW for GPTs
             return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
         return torch.optim.AdamW(params, lr=1e-4)
 
@@ -129,7 +129,7 @@ class _Workload:
         loss.backward()
         # NOTE: the output lives through backward, as in train/loop.py and profile_step. A step
         # that drops it first holds B*T*V*4 bytes of logits less: for GPT-2 124M at B=8, T=1024
-        # that is 1.53 GiB, close to the 1.50 GiB gap between CONTEXT §5's profile (11.89 GiB)
+        # that is 1.53 GiB, close to the 1.50 GiB gap between an earlier H100 profile (11.89 GiB)
         # and the eager peak it was compared with (10.39 GiB), which made 50% look infeasible.
         del output, loss
         if self.optimizer in self.live_optimizers:

@@ -1,6 +1,6 @@
 """The memory benchmark's report: a table row per record, the verdicts per budget, a plot.
 
-Verdicts (issue 9's targets), per budget B (a fraction of eager's measured peak):
+Verdicts, per budget B (a fraction of eager's measured peak):
 
 * ``fits``: our measured peak <= B;
 * ``prediction_error``: measured / predicted - 1 (target within +-3%);

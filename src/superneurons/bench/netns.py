@@ -34,23 +34,22 @@ from dataclasses import dataclass
 from types import FrameType
 
 from superneurons.errors import ConfigError
+from superneurons.rates import format_rate
 
 __all__ = [
     "Topology",
     "cleanup_stale_namespaces",
     "check_prerequisites",
-    "format_rate",
+    "check_shaping_rate",
     "measure_throughput_bit_s",
     "network_namespaces",
-    "parse_rate",
 ]
 
 log = logging.getLogger("superneurons.bench.netns")
 
 _PREFIX = "sn-"
 _NAME_RE = re.compile(r"^sn-(\d+)-\d+-[a-z0-9]+$")
-_RATE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(bit|kbit|mbit|gbit)?\s*$", re.IGNORECASE)
-_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
+_MIN_RATE_BIT_S = 8_000
 _RUN_COUNTER = itertools.count()
 # NOTE: tbf needs a bucket of at least rate/HZ bytes or it cannot reach its rate; 10 ms of
 # traffic (>= 64 KiB) reached 86-91% of the nominal rate here as TCP goodput.
@@ -58,27 +57,13 @@ _BURST_S = 0.010
 _MIN_BURST_BYTES = 64 * 1024
 
 
-def parse_rate(text: str) -> int:
-    """Parse a tc-style rate (``100mbit``, ``1gbit``, ``500kbit``) into bits per second."""
-    match = _RATE_RE.match(text)
-    if match is None:
+def check_shaping_rate(rate_bit_s: int) -> int:
+    """``rate_bit_s`` when tbf can shape a link to it (at least 8kbit), else a ConfigError."""
+    if rate_bit_s < _MIN_RATE_BIT_S:
         raise ConfigError(
-            f"cannot parse bandwidth {text!r}: write a number and a unit such as 100mbit, "
-            "1gbit or 500kbit (bits per second, decimal prefixes as in tc)"
+            f"bandwidth {format_rate(rate_bit_s)} is below 8kbit: choose a larger rate"
         )
-    rate_bit_s = int(float(match.group(1)) * _RATE_UNITS[(match.group(2) or "bit").lower()])
-    if rate_bit_s < 8_000:
-        raise ConfigError(f"bandwidth {text!r} is below 8kbit: choose a larger rate")
     return rate_bit_s
-
-
-def format_rate(rate_bit_s: float) -> str:
-    """``100000000`` -> ``100mbit`` (the inverse of :func:`parse_rate` for round rates)."""
-    for unit in ("gbit", "mbit", "kbit"):
-        scale = _RATE_UNITS[unit]
-        if rate_bit_s >= scale and rate_bit_s % scale == 0:
-            return f"{int(rate_bit_s // scale)}{unit}"
-    return f"{int(rate_bit_s)}bit"
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ all-reduce) at the same bandwidth and model, bytes sent per rank per step and th
 step time (no communication) for reference.
 
 Why compression may not pay (Wang et al., HPDC'20 report 2.26x for FFT over InfiniBand with
-8 GPUs; CONTEXT section 2): gathered payloads cost each rank ``(P-1) S / CR`` on the wire vs
+8 GPUs): gathered payloads cost each rank ``(P-1) S / CR`` on the wire vs
 ``2 (P-1)/P S`` for a ring all-reduce, so gathering wins only when ``CR > P/2``; and on one
 CPU core per rank the encode/decode time can exceed the wire time it saves at 1 Gbit/s.
 
@@ -17,7 +17,7 @@ A bandwidth of ``None`` (``--bandwidth loopback``) runs the ranks on loopback in
 namespace, unshaped, next to the shaped links of the same run; ``shaping=False`` runs every
 setting that way (no root needed): the numbers then measure codec cost, not a network.
 
-``auto`` (:mod:`superneurons.compress.auto`) is one more codec here; its worker extends the
+``auto`` (:mod:`superneurons.schemes.auto`) is one more codec here; its worker extends the
 untimed warm-up until its first decision is made, so the timed steps measure the decision.
 """
 
@@ -38,13 +38,13 @@ from typing import Any
 
 from superneurons.bench.netns import (
     Topology,
-    format_rate,
     measure_throughput_bit_s,
     network_namespaces,
 )
 from superneurons.bench.network_data import DATA_CHOICES
 from superneurons.data.fashion_mnist import DEFAULT_ROOT as FASHION_MNIST_ROOT
 from superneurons.errors import ConfigError
+from superneurons.rates import format_rate
 from superneurons.train.launch import free_port
 
 __all__ = [
@@ -123,7 +123,7 @@ _TORCH_ONLY = ("dense", "torch-fp16", "torch-powersgd")
 def check_codec(codec: str) -> None:
     """Fail before starting any rank if ``codec`` is not a spec the hook understands."""
     try:
-        from superneurons.compress.spec import parse_spec
+        from superneurons.schemes.grammar import parse_spec
     except ImportError:  # no compression subsystem: the worker uses torch's hooks directly
         if codec.partition(":")[0] not in _TORCH_ONLY:
             raise ConfigError(
@@ -183,7 +183,7 @@ def _run_codecs(
             continue
         codec = remaining[0]
         if codec not in retried:  # NOTE: torch's PowerSGD hook crashes at random on gloo
-            retried.add(codec)  # with several buckets (CONTEXT section 4): one retry
+            retried.add(codec)  # with several buckets: one retry
             say(f"    {codec}: ranks failed, retrying once ({error[:200]})")
             continue
         result = {"codec": codec, "status": "failed", "error": error, "attempts": 2}

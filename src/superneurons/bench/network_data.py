@@ -1,9 +1,9 @@
 """What the network benchmark trains on: Fashion-MNIST where the model takes it, else random.
 
-Until session 4 the bench trained on random images and labels (``models.model_input``). Their
+The bench first trained on random images and labels (``models.model_input``). Their
 gradients are nearly full rank: on the bench's ResNet, PowerSGD rank 4's one-shot relative
-error is 0.88-0.91 on them against 0.74 on Fashion-MNIST (benchmarks/results/network/auto,
-README, run 6 section 1). ``auto`` judges candidates by that error, so on random data its
+error is 0.88-0.91 on them against 0.74 on Fashion-MNIST (benchmarks/results/network/auto/
+README.md, the error budget's calibration). ``auto`` judges candidates by that error, so on random data its
 budget, calibrated on real training, saw gradients no user trains on. ``data="real"`` feeds
 Fashion-MNIST (Xiao, Rasul & Vollgraf, 2017) to every model whose input is one 28x28 channel
 with 10 classes (the bench's ``fc-heavy`` and ``resnet``); any other model, or a machine

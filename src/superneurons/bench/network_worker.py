@@ -3,7 +3,7 @@
 Started by :mod:`superneurons.bench.network` as ``python -m superneurons.bench.network_worker
 CONFIG_JSON`` inside the rank's network namespace (or on loopback). Each rank runs one thread
 (``torch.set_num_threads(1)``: with a second busy process, torch's default threads made small
-ops 30-50x slower here, CONTEXT section 4), joins a gloo group over the shaped link, and:
+ops 30-50x slower here), joins a gloo group over the shaped link, and:
 
 1. times ``compute_steps`` local forward/backward/optimizer steps with no communication (the
    compute-only reference, both ranks computing at once as they do under DDP);
@@ -37,6 +37,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from superneurons.errors import ConfigError
+from superneurons.train.rank import exit_rank, leave_process_group
 
 __all__ = ["WorkerConfig", "analytic_bytes_per_step", "main", "run_worker"]
 
@@ -172,7 +173,7 @@ def _register(ddp: DistributedDataParallel, codec: str, warmup_steps: int) -> An
     if codec == "dense":
         return None
     try:
-        from superneurons.compress.hook import register_compression
+        from superneurons.ddp.hook import register_compression
     except ImportError:  # the compression subsystem is not installed: torch's own hooks only
         return _register_torch(ddp, codec, warmup_steps)
     return register_compression(ddp, codec)
@@ -201,7 +202,7 @@ def _register_torch(ddp: DistributedDataParallel, codec: str, warmup_steps: int)
         ddp.register_comm_hook(state, psgd.powerSGD_hook)
         return state
     raise ConfigError(
-        f"codec {codec!r} needs superneurons.compress.hook (not importable here); "
+        f"codec {codec!r} needs superneurons.ddp.hook (not importable here); "
         "available without it: dense, torch-fp16, torch-powersgd:rank=R"
     )
 
@@ -225,10 +226,12 @@ def run_worker(config: WorkerConfig) -> None:
         world_size=config.world_size,
         timeout=timedelta(seconds=config.timeout_s),
     )
+    finished = False
     try:
         _run(config)
-    finally:
-        dist.destroy_process_group()
+        finished = True
+    finally:  # NOTE: no barrier after a failure: a peer may never arrive
+        leave_process_group(barrier=finished)
 
 
 def _run(config: WorkerConfig) -> None:
@@ -262,7 +265,7 @@ def _bucket_cap_mb(model: nn.Module, codec: str) -> int | None:
     """DDP's default buckets (25 MiB, None), except one bucket for PyTorch's PowerSGD hook.
 
     NOTE: torch's ``powerSGD_hook`` issues collectives from future callbacks; with several
-    buckets on gloo that crashed 2 of 3 runs in CONTEXT section 4 and every run of the 30M
+    buckets on gloo that crashed 2 of 3 runs of a small model and every run of the 30M
     parameter fc-heavy model here (``gloo::EnforceNotMet`` in pair.cc). One bucket is the
     only configuration in which the anchor runs at all; it loses overlap with backward.
     """
@@ -346,4 +349,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
+    exit_rank(0)  # an error above exits 1 with its traceback; see exit_rank for why

@@ -19,8 +19,9 @@ from pathlib import Path
 
 from superneurons.bench.convergence import ConvergenceConfig, TaskConfig, run_convergence_bench
 from superneurons.bench.convergence_report import summary_lines, write_artifacts
-from superneurons.bench.netns import parse_rate
+from superneurons.bench.netns import check_shaping_rate
 from superneurons.errors import ConfigError
+from superneurons.rates import parse_rate
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -79,7 +80,9 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         fashion_mnist_root=args.fashion_mnist_root,
         shakespeare_root=args.shakespeare_root,
-        bandwidth_bit_s=None if args.bandwidth is None else parse_rate(args.bandwidth),
+        bandwidth_bit_s=None
+        if args.bandwidth is None
+        else check_shaping_rate(parse_rate(args.bandwidth)),
     )
     if args.tasks:
         wanted = [t.strip() for t in args.tasks.split(",") if t.strip()]

@@ -20,7 +20,7 @@ HELP = "peak memory and step time: our plans vs checkpointing, SAC, save_on_cpu,
 
 logger = logging.getLogger("superneurons.bench")
 
-# Full-size defaults per device (CONTEXT.md §5 on CUDA; a 2-core CPU on CPU).
+# Full-size defaults per device (an H100 80GB on CUDA; a 2-core CPU on CPU).
 _DEFAULT_BATCH = {
     ("resnet50", "cuda"): 64,
     ("resnet50", "cpu"): 32,

@@ -2,7 +2,9 @@
 
 torchrun runs this module in every rank it starts (see
 :func:`superneurons.train.launch.torchrun_command`); it is not a subcommand. Bad input is one
-line on stderr and exit status 2, like the CLI.
+line on stderr and exit status 2, like the CLI. The process ends through
+:func:`superneurons.train.rank.exit_rank`, whatever happened (a traceback and status 1 for an
+unexpected error).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -35,5 +38,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _run_and_exit() -> None:
+    from superneurons.train.rank import exit_rank
+
+    try:
+        status = main()
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except KeyboardInterrupt:
+        status = 130
+    except BaseException:  # noqa: BLE001 - shown, then the one way out of a rank
+        traceback.print_exc()
+        status = 1
+    exit_rank(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _run_and_exit()

@@ -114,7 +114,6 @@ def _say_backend(nproc: int, backend: str, *, first: bool) -> None:
 def run(args: argparse.Namespace) -> int:
     from superneurons.train.launch import Launch, run_torchrun, under_torchrun
     from superneurons.train.precheck import check_before_launch
-    from superneurons.train.sync import check_compress
     from superneurons.train.task import check_task
 
     config = TrainConfig(
@@ -146,9 +145,9 @@ def run(args: argparse.Namespace) -> int:
         master_addr=args.master_addr,
         master_port=args.master_port,
     )
-    # Validate here, before any rank starts: bad input is one line, never a rank traceback.
+    # Validate here, before any rank starts: bad input is one line, never a rank traceback
+    # (TrainConfig has parsed --compress into config.scheme, the one parse in this process).
     check_task(config.model, config.data)
-    check_compress(config)
     _check_data(config)
     if under_torchrun():
         world_size = int(os.environ["WORLD_SIZE"])
@@ -169,7 +168,9 @@ def run(args: argparse.Namespace) -> int:
         _say_backend(nproc, config.backend, first=os.environ["LOCAL_RANK"] == "0")
 
         train(config)
-        return 0
+        from superneurons.train.rank import exit_rank
+
+        exit_rank(0)  # a rank's process ends here (an abort at exit otherwise: see exit_rank)
     _say_backend(launch.nproc, config.backend, first=True)  # before any rank starts
     config_path = config.save(Path(config.out_dir) / "config.json")
     status = run_torchrun(launch, config_path)

@@ -1,5 +1,10 @@
 """Gradient compression: codecs, error feedback, θ schedules and the DDP comm hook.
 
+The public import path of four packages, lowest first: :mod:`superneurons.codecs` (pure:
+config -> bytes), :mod:`superneurons.schemes` (the spec grammar and what it names),
+:mod:`superneurons.ddp` (the comm hook and everything that touches a process group) and
+:mod:`superneurons.optim` (1-bit Adam); ``auto``'s decisions are :mod:`superneurons.strategy`.
+
 The codec interface is :class:`Codec` (frozen hyper-parameters, pure ``encode``/``decode``,
 exact ``payload_bytes``); codecs are named by spec strings (``parse_spec("fft:theta=0.9")``).
 The paper's codec is HPDC'20's FFT sparsification with range-based floats (:class:`FFTCodec`);
@@ -8,29 +13,23 @@ the rest are the baselines it is compared against. Importing this package starts
 
 from __future__ import annotations
 
-from superneurons.compress.adam import CompressedAdamW, register_local_gradients
-from superneurons.compress.adaptive import AdaptiveCodec
-from superneurons.compress.anchors import TorchDense, TorchFp16, TorchPowerSGD
-from superneurons.compress.auto import Auto
-from superneurons.compress.cast import Bf16Codec, Fp16Codec, IdentityCodec
-from superneurons.compress.codec import Codec, Payload, check_gradient, sum_of_decodes
-from superneurons.compress.compacttopk import CompactTopKCodec
-from superneurons.compress.compose import Compression, compose
-from superneurons.compress.deferred import DeferredCompression, deferred_compression_hook
-from superneurons.compress.feedback import (
+from superneurons.codecs.adaptive import AdaptiveCodec
+from superneurons.codecs.cast import Bf16Codec, Fp16Codec, IdentityCodec
+from superneurons.codecs.codec import Codec, Payload, check_gradient, sum_of_decodes
+from superneurons.codecs.compacttopk import CompactTopKCodec
+from superneurons.codecs.feedback import (
     ErrorFeedback,
     Residuals,
     feedback_step,
     join_flat,
     split_flat,
 )
-from superneurons.compress.fft import FFTCodec
-from superneurons.compress.hook import CompressionState, register_compression
-from superneurons.compress.powersgd import PowerSGD
-from superneurons.compress.qsgd import QSGDCodec
-from superneurons.compress.rangefloat import RangeFloatCodec
-from superneurons.compress.rowsparse import RowSparse
-from superneurons.compress.schedule import (
+from superneurons.codecs.fft import FFTCodec
+from superneurons.codecs.powersgd import PowerSGD
+from superneurons.codecs.qsgd import QSGDCodec
+from superneurons.codecs.rangefloat import RangeFloatCodec
+from superneurons.codecs.rowsparse import RowSparse
+from superneurons.codecs.schedule import (
     ConstantTheta,
     DiminishingTheta,
     ErrorBudgetTheta,
@@ -40,10 +39,17 @@ from superneurons.compress.schedule import (
     sparsification_error,
     with_theta,
 )
-from superneurons.compress.sign import SignSGDCodec
-from superneurons.compress.spec import CODECS, SPECS, describe_codecs, parse_spec
-from superneurons.compress.terngrad import TernGradCodec
-from superneurons.compress.topk import TopKCodec
+from superneurons.codecs.sign import SignSGDCodec
+from superneurons.codecs.terngrad import TernGradCodec
+from superneurons.codecs.topk import TopKCodec
+from superneurons.ddp.deferred import DeferredCompression, deferred_compression_hook
+from superneurons.ddp.hook import CompressionState, register_compression
+from superneurons.ddp.local import register_local_gradients
+from superneurons.optim.adam import CompressedAdamW
+from superneurons.schemes.anchors import TorchDense, TorchFp16, TorchPowerSGD
+from superneurons.schemes.auto import Auto
+from superneurons.schemes.compose import Compression, compose
+from superneurons.schemes.grammar import CODECS, SPECS, describe_codecs, parse_spec
 
 __all__ = [
     # optimizer-side compression for AdamW (1-bit Adam style)

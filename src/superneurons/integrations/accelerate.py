@@ -14,13 +14,17 @@
 the first backward, :func:`prepare_superneurons`
 
 1. plans memory (:func:`~superneurons.integrations.hf.plan_for_batch`: one profiled step of
-   ``model(**batch).loss`` on a copy, SuperNeurons' keep / offload / recompute per block, Wang
-   et al. PPoPP'18) on rank 0 and broadcasts the plan, so every rank runs the same one
-   (measured step times differ across ranks, and so could cost-aware choices), then applies it
-   to the unwrapped model with ``use_cache`` off;
+   ``model(**batch).loss``, isolated so that nothing of the training state changes,
+   SuperNeurons' keep / offload / recompute per block, Wang et al. PPoPP'18) on rank 0 and
+   broadcasts the plan, so every rank runs the same one (measured step times differ across
+   ranks, and so could cost-aware choices), then applies it to the unwrapped model with
+   ``use_cache`` and HF's own activation checkpointing off (both restored by ``remove()``);
 2. registers gradient compression on the DDP model
    (:func:`~superneurons.compress.register_compression`, Wang et al. HPDC'20 and the baselines;
-   a collective that checks every rank is configured alike).
+   a collective that checks every rank is configured alike);
+3. checks that every rank holds the same parameters, buffers and optimizer state
+   (:func:`~superneurons.replicas.check_replicas`, one all-gather of fingerprints), so a setup
+   that changed one rank fails here, naming the tensor, instead of training diverged replicas.
 
 Accelerate's own ``DistributedDataParallelKwargs(comm_hook=...)`` registers a PyTorch hook at
 ``prepare``; a DDP model takes one hook only, so combining both is refused. FSDP and DeepSpeed
@@ -40,10 +44,18 @@ from torch.nn.parallel import DistributedDataParallel
 
 from superneurons.compress import CompressionState, register_compression
 from superneurons.errors import ConfigError
-from superneurons.integrations.hf import plan_for_batch, training_without_kv_cache
+from superneurons.integrations.hf import (
+    LossOf,
+    hf_checkpointing_off,
+    model_loss,
+    plan_for_batch,
+    training_without_kv_cache,
+)
 from superneurons.memory import Plan, PlanHandle, apply_plan
+from superneurons.memory.isolate import unwrapped
+from superneurons.replicas import check_replicas
 
-__all__ = ["SuperNeuronsSetup", "prepare_superneurons"]
+__all__ = ["SuperNeuronsSetup", "ddp_reserved_bytes", "prepare_superneurons"]
 
 logger = logging.getLogger("superneurons.integrations")
 
@@ -56,12 +68,15 @@ class SuperNeuronsSetup:
             ``dense_bytes_step``, ``state_dict()`` for checkpoints), or None.
         plan: the memory plan every rank runs (fqns relative to the unwrapped model), or None.
         plan_handle: the applied plan (pool and recompute statistics), or None.
+        reserved_bytes: what DDP holds beside the planned step (:func:`ddp_reserved_bytes`);
+            the budget is ``plan.budget_bytes + reserved_bytes``.
     """
 
     def __init__(self) -> None:
         self.compression: CompressionState | None = None
         self.plan: Plan | None = None
         self.plan_handle: PlanHandle | None = None
+        self.reserved_bytes = 0
         self._undo = ExitStack()
 
     def remove(self) -> None:
@@ -87,6 +102,7 @@ def prepare_superneurons(
     budget_fraction: float | None = None,
     optimizer: Any = None,
     strategy: str = "auto",
+    loss_of: LossOf = model_loss,
     **compression_options: Any,
 ) -> SuperNeuronsSetup:
     """Apply a memory plan and gradient compression to a model ``accelerator.prepare`` returned.
@@ -102,8 +118,12 @@ def prepare_superneurons(
         sample_batch: one real training batch (with labels) to profile; with a budget.
         budget_bytes, budget_fraction: the device-memory budget (see
             :func:`~superneurons.integrations.hf.plan_for_batch`); neither: no memory plan.
+            Under DDP it includes DDP's gradient buckets (:func:`ddp_reserved_bytes`), which
+            the plan leaves room for.
         optimizer: the (prepared) optimizer, so its state counts in the profiled peak.
         strategy: the planner's strategy (``auto`` by default).
+        loss_of: how the training loop gets the loss, ``loss_of(model, batch)`` (default
+            ``model(**batch)``), so the profile runs the forward training will call.
         compression_options: ``register_compression`` options (``seed``, ``process_group``);
             error feedback, warm-up and θ schedules are wrappers in ``compression`` itself
             (``"ef(warmup(steps=100,topk:ratio=0.01))"``).
@@ -111,6 +131,7 @@ def prepare_superneurons(
     Raises:
         ConfigError: compression without DDP (FSDP, DeepSpeed) or besides accelerate's own
             comm hook; a budget without ``sample_batch``; and the errors of the two verbs.
+        ReplicaMismatchError: the ranks' parameters or optimizer state differ after setup.
     """
     budget_given = budget_bytes is not None or budget_fraction is not None
     if budget_given and sample_batch is None:
@@ -119,9 +140,19 @@ def prepare_superneurons(
     if compression is not None:
         _check_can_compress(accelerator, ddp)
     setup = SuperNeuronsSetup()
-    inner = _uncompiled(ddp.module if ddp is not None else model)
+    inner = unwrapped(model)
     if budget_given:
         batch: Mapping[str, Any] = sample_batch or {}
+        turned_off = setup._undo.enter_context(hf_checkpointing_off(inner))
+        if turned_off:
+            logger.info(
+                "%s had HF activation checkpointing on in %d modules (TRL's SFTConfig turns "
+                "gradient_checkpointing on by default): off while the memory plan runs, which "
+                "recomputes per block where the budget needs it; setup.remove() restores it",
+                type(inner).__name__,
+                turned_off,
+            )
+        setup.reserved_bytes = ddp_reserved_bytes(ddp) if ddp is not None else 0
         setup.plan = _planned_on_rank_zero(
             lambda: plan_for_batch(
                 inner,
@@ -130,25 +161,41 @@ def prepare_superneurons(
                 budget_fraction=budget_fraction,
                 optimizer=optimizer,
                 strategy=strategy,
+                loss_of=loss_of,
+                reserved_bytes=setup.reserved_bytes,
             )
         )
         setup._undo.enter_context(training_without_kv_cache(inner))
         setup.plan_handle = setup._undo.enter_context(apply_plan(inner, setup.plan))
     if compression is not None and ddp is not None:
         setup.compression = register_compression(ddp, compression, **compression_options)
+    if ddp is not None:  # replicas: the same state on every rank, or an error naming a tensor
+        optimizers = [optimizer] if optimizer is not None else []
+        check_replicas(ddp, optimizers=optimizers, process_group=ddp.process_group)
     return setup
+
+
+def ddp_reserved_bytes(ddp: DistributedDataParallel) -> int:
+    """Device bytes DDP holds beside the step a profile runs (a profile never runs DDP).
+
+    Its gradient buckets hold one copy of every gradient for the whole run, and unless
+    ``gradient_as_bucket_view=True`` each step allocates one more: measured with the
+    live-storage tracker on 2 gloo ranks (8 ``Linear(256, 256)``, SGD), a DDP step allocates
+    2.00x the gradient bytes where the same step without DDP allocates 1.00x (1.14x with
+    ``gradient_as_bucket_view=True``, whose gradients are the buckets). Compression hooks'
+    own buffers (error-feedback residuals) are not included.
+    """
+    grads = sum(p.numel() * p.element_size() for p in ddp.module.parameters() if p.requires_grad)
+    return grads if ddp.gradient_as_bucket_view else 2 * grads
 
 
 def _find_ddp(model: nn.Module) -> DistributedDataParallel | None:
     """The DDP module inside ``model`` (it may sit under ``torch.compile``'s wrapper)."""
-    model = _uncompiled(model)
-    return model if isinstance(model, DistributedDataParallel) else None
-
-
-def _uncompiled(model: nn.Module) -> nn.Module:
-    """``model`` without ``torch.compile``'s ``OptimizedModule`` wrappers (``_orig_mod``)."""
-    while isinstance(getattr(model, "_orig_mod", None), nn.Module):
-        model = model._orig_mod  # type: ignore[assignment]
+    while not isinstance(model, DistributedDataParallel):
+        inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return None
+        model = inner
     return model
 
 

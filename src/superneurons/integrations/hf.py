@@ -3,21 +3,27 @@
 Hugging Face models (and the loops of ``transformers.Trainer`` and ``accelerate``) call the
 model with keyword arguments and read the loss from its output. :func:`plan_for_batch` runs
 SuperNeurons' three verbs on such a model (Wang et al., PPoPP'18; ``superneurons.memory``):
-profile one real step on ``batch`` (on a copy: the model, its gradients and the optimizer are
+profile one real step on ``batch`` in training mode (isolated,
+:mod:`superneurons.memory.isolate`: the model's own forward runs, patches and autocast
+wrappers included, while its parameters, gradients, buffers, the optimizer and the RNG are
 untouched), plan keep / offload / recompute per transformer block under a byte budget, and
 return the plan with unit fqns relative to the model, ready for ``apply_plan(model, plan)``.
 
-Two things HF models need that plain modules do not:
+Three things HF models need that plain modules do not:
 
 * **The key/value cache.** With ``config.use_cache=True`` (GPT-2's default) a training forward
   also fills a ``DynamicCache``; a recomputed block appends its keys and values a second time
-  (on CUDA this crashed with 2048 vs 1024 positions, and on CPU it exceeded the budget; CONTEXT
-  §5). Measured here in one run (GPT-2, 6 layers, width 256, batch 8 x 256, AdamW, recompute
+  (on CUDA this crashed with 2048 vs 1024 positions, and on CPU it exceeded the budget).
+  Measured here in one run (GPT-2, 6 layers, width 256, batch 8 x 256, AdamW, recompute
   plans): without the cache the measured step peak equals the plan's prediction to the byte;
   with it, the peak exceeds the prediction by 8.6% at a 70% budget and 19% at 50% (the budget
   itself by 4%). :func:`training_without_kv_cache` sets ``use_cache=False`` while training, as
   HF does itself under gradient checkpointing (transformers 5's ``Trainer`` already sets
   ``config.use_cache = args.use_cache``, False by default; plain loops keep the config's).
+* **HF's own activation checkpointing** (``activation_checkpointing=True``, formerly
+  ``gradient_checkpointing``; TRL's ``SFTConfig`` turns it on by default) recomputes every
+  block, so a profile sees no activations to plan: :func:`hf_checkpointing_off` turns it off
+  while a plan runs (the plan recomputes per block, where the budget needs it).
 * **No optimizer-in-backward.** These models train under DDP here, where stepping a parameter
   inside backward would step it before its gradient is averaged: plans never choose it.
 """
@@ -25,7 +31,7 @@ Two things HF models need that plain modules do not:
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
@@ -34,27 +40,53 @@ import torch
 from torch import nn
 
 from superneurons.errors import ConfigError
-from superneurons.memory import Plan, default_units, make_plan, profile_step
+from superneurons.memory import (
+    InfeasibleBudgetError,
+    Plan,
+    Profile,
+    default_units,
+    make_plan,
+    profile_step,
+)
+from superneurons.memory.isolate import unwrapped
 
-__all__ = ["plan_for_batch", "training_without_kv_cache"]
+__all__ = [
+    "LossOf",
+    "hf_checkpointing_off",
+    "model_loss",
+    "plan_for_batch",
+    "training_without_kv_cache",
+]
 
 logger = logging.getLogger("superneurons.integrations")
 
 _PREFIX = "model."
 
+LossOf = Callable[[nn.Module, Mapping[str, Any]], Any]
+"""How a trainer gets the loss of one batch: ``loss_of(model, batch)`` returns the loss tensor,
+or an output holding it as ``loss`` (e.g. TRL's ``model(**batch, fused_lm_head=True)``)."""
+
+
+def model_loss(model: nn.Module, batch: Mapping[str, Any]) -> Any:
+    """``model(**batch)``: HF Trainer's and accelerate's step (the output's ``loss``)."""
+    return model(**batch)
+
 
 class _BatchLoss(nn.Module):
-    """``batch -> model(**batch).loss``: the step HF's Trainer runs, as one module to profile.
+    """``batch -> loss_of(model, batch)``: the step a trainer runs, as one module to profile.
 
     Its only child is named ``model``, so unit fqns are the model's own behind ``"model."``.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, loss_of: LossOf) -> None:
         super().__init__()
         self.model = model
+        self.loss_of = loss_of
 
     def forward(self, batch: Mapping[str, Any]) -> torch.Tensor:
-        output = self.model(**batch)
+        output = self.loss_of(self.model, batch)
+        if isinstance(output, torch.Tensor):
+            return output
         loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
         if loss is None:
             raise ConfigError(
@@ -73,19 +105,29 @@ def plan_for_batch(
     optimizer: torch.optim.Optimizer | None = None,
     strategy: str = "auto",
     units: list[str] | None = None,
+    loss_of: LossOf = model_loss,
+    reserved_bytes: int = 0,
     **plan_options: Any,
 ) -> Plan:
     """Profile one step of ``model(**batch).loss`` and plan it under a device-memory budget.
 
     Args:
-        model: the (unwrapped) model, e.g. a ``transformers.PreTrainedModel``.
+        model: the model, e.g. a ``transformers.PreTrainedModel`` (a DDP or ``torch.compile``
+            wrapper is taken off; the model's own ``forward``, patched or not, is what runs).
         batch: one real training batch, on the model's device, with the labels.
         budget_bytes: the device byte budget for one training step; or
         budget_fraction: the budget as a fraction in (0, 1] of the profiled eager peak.
-        optimizer: the optimizer, so its state counts in the peak (optional).
-        strategy: as for :func:`superneurons.memory.make_plan` (``auto`` by default).
+        optimizer: the optimizer the trainer steps (accelerate's wrapper is fine), so its
+            state counts in the peak (optional); a shadow of it steps, never it.
+        strategy: as for :func:`superneurons.memory.make_plan` (``auto`` by default; on a CPU
+            device ``auto`` means ``recompute``: there the host pool is the same memory).
         units: module fqns a plan decides for (default: the blocks of ``nn.ModuleList``s, e.g.
             ``transformer.h.0`` ... for GPT-2).
+        loss_of: how the trainer computes the loss, ``loss_of(model, batch)`` (default
+            ``model(**batch)``, its ``loss``): profile the forward the trainer really calls.
+        reserved_bytes: device bytes the step holds besides what the profile sees (DDP's
+            gradient buckets): part of the eager peak a fraction refers to, and left out of
+            the budget the plan gets (``plan.budget_bytes`` is the budget minus them).
         plan_options: further ``make_plan`` options (e.g. ``bandwidth_bytes_per_s``).
 
     Returns:
@@ -93,7 +135,8 @@ def plan_for_batch(
         with ``apply_plan(model, plan)`` inside ``training_without_kv_cache(model)``.
 
     Raises:
-        ConfigError: neither or both budgets, a fraction outside (0, 1], no loss in the output.
+        ConfigError: neither or both budgets, a fraction outside (0, 1], no loss in the output,
+            a step in which none of the units ran or saved anything (named with the cause).
         InfeasibleBudgetError: the budget is below what any strategy reaches (named).
     """
     if (budget_bytes is None) == (budget_fraction is None):
@@ -102,33 +145,54 @@ def plan_for_batch(
         raise ConfigError(f"budget_fraction must be in (0, 1], got {budget_fraction}")
     if not isinstance(batch, Mapping):
         raise ConfigError(f"batch must be a dict of model inputs, got {type(batch).__name__}")
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        model = model.module
-    step = _BatchLoss(model)
+    model = unwrapped(model)
+    step = _BatchLoss(model, loss_of)
     chosen = units if units is not None else default_units(model)
     if not chosen:
         raise ConfigError("the model has no nn.ModuleList/nn.Sequential blocks: pass units=")
-    profile = profile_step(
-        step,
-        dict(batch),
-        None,
-        _loss_is_output,
-        _inner_optimizer(optimizer),
-        units=[_PREFIX + fqn for fqn in chosen],
-    )
-    eager_bytes = profile.predicted_peak_bytes()
+    with _training_mode(model):  # trainers call model.train() before every step
+        profile = profile_step(
+            step,
+            dict(batch),
+            None,
+            _loss_is_output,
+            optimizer,
+            units=[_PREFIX + fqn for fqn in chosen],
+        )
+    _check_observed(profile, model, chosen)
+    eager_bytes = profile.predicted_peak_bytes() + reserved_bytes
     if budget_bytes is None:
         assert budget_fraction is not None
         budget_bytes = max(1, int(budget_fraction * eager_bytes))
+    if budget_bytes <= reserved_bytes:
+        raise ConfigError(
+            f"a budget of {budget_bytes} B leaves nothing for the step beside the "
+            f"{reserved_bytes} B reserved (DDP's gradient buckets): raise the budget"
+        )
+    budget_bytes -= reserved_bytes
     plan_options.setdefault("allow_optimizer_in_backward", False)
-    plan = make_plan(profile, budget_bytes=budget_bytes, strategy=strategy, **plan_options)
+    first = next(iter(model.parameters()), None)
+    if strategy == "auto" and first is not None and first.device.type == "cpu":
+        # NOTE: on a CPU device the host pool is the same memory: offloading frees nothing
+        strategy = "recompute"
+    try:
+        plan = make_plan(profile, budget_bytes=budget_bytes, strategy=strategy, **plan_options)
+    except InfeasibleBudgetError as exc:
+        if any(s.unit for s in profile.saved if s.nbytes > 0):
+            raise
+        raise ConfigError(
+            f"{exc}; but no unit saved any activation in the profiled step, so no plan can "
+            "lower the peak: is the model's own activation checkpointing on inside its forward? "
+            "(HF's is turned off by prepare_superneurons and the HF callback)"
+        ) from exc
     logger.info(
-        "plan for %s: eager peak %d B, budget %d B -> predicted %d B (%s: %d recompute, "
-        "%d offload units)",
+        "plan for %s: eager peak %d B (%d B of it reserved), budget %d B -> predicted %d B "
+        "(%s: %d recompute, %d offload units)",
         type(model).__name__,
         eager_bytes,
-        budget_bytes,
-        plan.predicted_peak_bytes,
+        reserved_bytes,
+        budget_bytes + reserved_bytes,
+        plan.predicted_peak_bytes + reserved_bytes,
         plan.strategy,
         plan.count("recompute"),
         plan.count("offload"),
@@ -158,14 +222,46 @@ def _loss_is_output(output: torch.Tensor, _targets: Any) -> torch.Tensor:
     return output
 
 
-def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
-    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (``.optimizer``)."""
-    while optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        inner = getattr(optimizer, "optimizer", None)
-        if inner is None or inner is optimizer:
-            raise ConfigError(f"not a torch optimizer: {type(optimizer).__name__}")
-        optimizer = inner
-    return optimizer
+@contextmanager
+def _training_mode(model: nn.Module) -> Iterator[None]:
+    """``model.train()`` inside the block; every module's own mode restored after."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.train()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def _check_observed(profile: Profile, model: nn.Module, chosen: list[str]) -> None:
+    """A profile in which no unit ran is a wrong seam, not a budget problem: say so."""
+    shown = ", ".join(chosen[:3]) + (", ..." if len(chosen) > 3 else "")
+    if not profile.units:
+        raise ConfigError(
+            f"no units were observed: none of {shown} ran in the profiled step, so there is "
+            f"nothing to plan; {type(model).__name__}'s forward does not reach its own blocks "
+            "(is forward replaced by one that runs another module, or compiled?): pass the "
+            "module that really runs, or units= naming modules the step calls"
+        )
+
+
+@contextmanager
+def hf_checkpointing_off(model: nn.Module) -> Iterator[int]:
+    """Turn HF's activation checkpointing off inside the block; yields how many modules had it.
+
+    HF models mark each checkpointed module with ``gradient_checkpointing = True``
+    (``PreTrainedModel._set_gradient_checkpointing``, transformers 4.35 to 5.x); the flags are
+    set to False and restored on exit, so the model's own configuration comes back as it was.
+    """
+    flagged = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    for module in flagged:
+        setattr(module, "gradient_checkpointing", False)  # noqa: B010 - any module type
+    try:
+        yield len(flagged)
+    finally:
+        for module in flagged:
+            setattr(module, "gradient_checkpointing", True)  # noqa: B010
 
 
 def _relative(plan: Plan) -> Plan:

@@ -33,6 +33,7 @@ from superneurons.compress import (
     register_compression,
 )
 from superneurons.errors import ConfigError
+from superneurons.replicas import check_replicas
 
 __all__ = ["CompressedDDPStrategy"]
 
@@ -49,7 +50,9 @@ class CompressedDDPStrategy(DDPStrategy):
         kwargs: ``DDPStrategy`` arguments (``process_group_backend="gloo"``, ...).
 
     The hook's :class:`CompressionState` (bytes sent, ``state_dict``) is
-    :attr:`compression_state` once it exists; None for a raw PyTorch hook.
+    :attr:`compression_state` once it exists; None for a raw PyTorch hook. When training
+    starts (after any checkpoint restore) the ranks check that they hold the same parameters
+    and optimizer state (:func:`~superneurons.replicas.check_replicas`).
     """
 
     def __init__(
@@ -93,6 +96,14 @@ class CompressedDDPStrategy(DDPStrategy):
             return self.compression.state
         return self._state
 
+    def on_train_start(self) -> None:
+        """After setup and any checkpoint restore: every rank holds the same parameters and
+        optimizer state, or :class:`~superneurons.errors.ReplicaMismatchError` names a tensor."""
+        super().on_train_start()
+        model = self.model
+        if isinstance(model, DistributedDataParallel):
+            check_replicas(model, optimizers=self.optimizers, process_group=model.process_group)
+
     def _register_ddp_hooks(self) -> None:
         # NOTE: replaces DDPStrategy's, which does nothing unless the root device is CUDA.
         model = self.model
@@ -111,7 +122,7 @@ class CompressedDDPStrategy(DDPStrategy):
 
 def _validate(compression: Any) -> None:
     """Parse/validate ``compression`` with the hook's own resolver (no process group needed)."""
-    from superneurons.compress import hook
+    from superneurons.ddp import hook
 
     # NOTE: `resolve` accepts a spec string or a composed object and raises ConfigError.
     hook.resolve(compression)

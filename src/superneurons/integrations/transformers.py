@@ -17,20 +17,27 @@ Callbacks are not handed the wrapped model, so this one holds the trainer. At
 on ``trainer.accelerator`` and ``trainer.model_wrapped``: the plan is profiled on one real
 batch (``sample_batch``, by default the first ``per_device_train_batch_size`` examples of the
 train set through the trainer's collator) and the comm hook is registered before the first
-backward. ``on_train_end`` restores the model's forwards and ``use_cache``. ``on_save`` writes
-each rank's compression state (error-feedback residuals, step) into the checkpoint folder;
-resuming from ``<output_dir>/checkpoint-N`` loads it back.
+backward; then the ranks check they hold the same parameters and optimizer state
+(:func:`~superneurons.replicas.check_replicas`). ``on_train_end`` restores the model's forwards,
+``use_cache`` and HF's activation checkpointing. ``on_save`` writes each rank's compression
+state (error-feedback residuals, step) into the checkpoint folder; resuming loads it back from
+the folder given to ``train(resume_from_checkpoint=...)``, whatever ``output_dir`` is.
 
-The profile runs forward and backward on a copy of the model; the random-number state is
-restored afterwards, so dropout masks and the data order of training are the same as
-without the callback. HF's own ``gradient_checkpointing=True`` checkpoints every block
-already; do not combine it with a memory plan (the callback refuses), the plan decides
-per block.
+The profile is isolated (:mod:`superneurons.memory.isolate`): it runs the forward the trainer
+runs (accelerate's autocast under ``bf16=True``; TRL's fused LM head for ``SFTTrainer``), in
+training mode, with the trainer's optimizer state, and leaves parameters, gradients,
+optimizer, LR scheduler and random-number states as they were, so training is the same as
+without the callback. HF's own activation checkpointing (``activation_checkpointing=True``,
+formerly ``gradient_checkpointing=True``, on by default in TRL's ``SFTConfig``) recomputes
+every block; with a budget the plan takes recomputation over, per block: HF's is off while
+the plan runs (one log line), and restored at ``on_train_end``.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -40,6 +47,7 @@ from transformers import TrainerCallback
 
 from superneurons.errors import ConfigError
 from superneurons.integrations.accelerate import SuperNeuronsSetup, prepare_superneurons
+from superneurons.integrations.hf import LossOf, model_loss
 
 __all__ = ["SuperNeuronsCallback"]
 
@@ -89,11 +97,6 @@ class SuperNeuronsCallback(TrainerCallback):  # type: ignore[misc]
         self.compression_options = compression_options
         self.setup: SuperNeuronsSetup | None = None
         self._hooked_model: Any = None
-        if self._wants_plan and getattr(trainer.args, "gradient_checkpointing", False):
-            raise ConfigError(
-                "gradient_checkpointing=True already recomputes every block; a memory plan "
-                "decides per block: set gradient_checkpointing=False or drop the budget"
-            )
 
     @property
     def _wants_plan(self) -> bool:
@@ -119,6 +122,7 @@ class SuperNeuronsCallback(TrainerCallback):  # type: ignore[misc]
                 budget_fraction=self.budget_fraction,
                 optimizer=trainer.optimizer,
                 strategy=self.strategy,
+                loss_of=_loss_of(trainer),
                 **self.compression_options,
             )
         if hooked:
@@ -133,14 +137,24 @@ class SuperNeuronsCallback(TrainerCallback):  # type: ignore[misc]
         the checkpoint Trainer just wrote, next to its per-rank RNG state."""
         if self.setup is None or self.setup.compression is None:
             return
-        path = _state_path(args, state.global_step)
+        path = _state_file(Path(args.output_dir) / f"checkpoint-{state.global_step}", args)
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(self.setup.compression.state_dict(), path)
 
     def _resume(self, args: Any, state: Any) -> None:
-        """Trainer resumed at ``state.global_step``: load what :meth:`on_save` wrote there."""
+        """Trainer resumed at ``state.global_step``: load what :meth:`on_save` wrote into the
+        checkpoint folder ``train()`` was given."""
         assert self.setup is not None and self.setup.compression is not None
-        path = _state_path(args, state.global_step)
+        folder = _resumed_from(self.trainer)
+        if folder is None:
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            logger.warning(
+                "resumed at step %d, but the folder passed to train(resume_from_checkpoint=) "
+                "was not found on the call stack; looking in %s",
+                state.global_step,
+                folder,
+            )
+        path = _state_file(folder, args)
         if not path.is_file():
             logger.warning(
                 "resumed at step %d but %s does not exist: compression restarts its state "
@@ -156,10 +170,54 @@ class SuperNeuronsCallback(TrainerCallback):  # type: ignore[misc]
             self.setup.remove()
 
 
-def _state_path(args: Any, global_step: int) -> Path:
-    """Where the compression state of this rank lives in Trainer's checkpoint folder."""
-    folder = Path(args.output_dir) / f"checkpoint-{global_step}"
+def _state_file(folder: Path, args: Any) -> Path:
+    """Where the compression state of this rank lives in one of Trainer's checkpoint folders."""
     return folder / f"superneurons-compression-rank{args.process_index}.pt"
+
+
+def _resumed_from(trainer: Any) -> Path | None:
+    """The checkpoint folder this ``train()`` call resumes from, or None.
+
+    NOTE: transformers (4.x to 5.24) keeps it nowhere on the trainer or its state: it is the
+    ``resume_from_checkpoint`` argument of ``Trainer._inner_training_loop`` (``True`` already
+    resolved to the last checkpoint of ``output_dir`` by ``train()``), which calls
+    ``on_train_begin``. So it is read from that frame, the trainer's own, on the call stack.
+    """
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if (
+                frame.f_code.co_name == "_inner_training_loop"
+                and frame.f_locals.get("self") is trainer
+            ):
+                folder = frame.f_locals.get("resume_from_checkpoint")
+                return Path(folder) if isinstance(folder, (str, Path)) else None
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
+def _loss_of(trainer: Any) -> LossOf:
+    """The forward the trainer's ``compute_loss`` runs, for the profile to run the same.
+
+    TRL's ``SFTTrainer`` (1.x) calls ``model(**inputs, use_cache=False, fused_lm_head=True)``
+    (its LM head computes per-token log-probabilities in chunks, never the full logits);
+    ``Trainer`` calls ``model(**inputs)``. ``compute_loss`` itself is not called: it logs
+    metrics and gathers them across ranks (a collective only rank 0 would enter).
+    """
+    trl = sys.modules.get("trl")
+    sft = getattr(trl, "SFTTrainer", None) if trl is not None else None
+    if sft is not None and isinstance(trainer, sft):
+        fused = trainer.compute_loss_func is None and trainer.label_smoother is None
+        if fused:
+            return _fused_lm_head_loss
+    return model_loss
+
+
+def _fused_lm_head_loss(model: Any, batch: Mapping[str, Any]) -> Any:
+    """TRL's training forward (``SFTTrainer.compute_loss``)."""
+    return model(**{**batch, "use_cache": False}, fused_lm_head=True)
 
 
 def _first_batch(trainer: Any) -> Mapping[str, Any]:

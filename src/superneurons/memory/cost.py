@@ -73,7 +73,7 @@ class CostModel:
 
 # NOTE: literal table; each figure says where it comes from.
 DEVICE_PRESETS: dict[str, CostModel] = {
-    # Copies: pinned host<->device measured on an H100 80GB (torch 2.11+cu130, CONTEXT.md §5):
+    # Copies: pinned host<->device measured on an H100 80GB (torch 2.11+cu130):
     # 41.7 GB/s to host, 54.6 GB/s back. Compute: H100 SXM5 datasheet, fp32 67 TFLOP/s,
     # HBM3 3.35 TB/s.
     "h100": CostModel(41.7e9, 67e12, 3.35e12, h2d_bytes_per_s=54.6e9, name="h100"),

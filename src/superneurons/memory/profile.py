@@ -1,7 +1,7 @@
 """Profile one training step: every saved activation, its liveness, and the memory timeline.
 
-:func:`profile_step` runs forward, backward and the optimizer step of any ``nn.Module`` on a
-copy of the model and optimizer (so the caller's state is untouched) with three observers:
+:func:`profile_step` runs forward, backward and the optimizer step of any ``nn.Module``,
+isolated (:mod:`.isolate`: the caller's state is untouched), with three observers:
 
 * :class:`~superneurons.memory.tracker.LiveStorageTracker` counts live storages op by op (the
   *events* of the execution route) and gives each storage its birth and death event;
@@ -20,7 +20,6 @@ dropout and BatchNorm need no special cases. With ``fake=True`` the step runs un
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from superneurons.errors import ConfigError
 from superneurons.memory.cost import EventTimer, measure_copy_bandwidth
+from superneurons.memory.isolate import IsolationError, isolated, unwrapped
 from superneurons.memory.profile_types import (
     CATEGORIES,
     Profile,
@@ -66,10 +66,11 @@ def profile_step(
 ) -> Profile:
     """Profile one training step (forward, ``loss_fn(output, targets)``, backward, optimizer step).
 
-    The step runs on a deep copy of ``(model, optimizer)`` (fake copies when ``fake=True``), with
-    gradients reset to ``None`` first (``zero_grad(set_to_none=True)`` semantics), so the caller's
-    parameters, gradients and optimizer state are unchanged. A real profile therefore needs room
-    for a second copy of the model; use ``fake=True`` for large models.
+    The step runs isolated (:func:`~superneurons.memory.isolate.isolated`): on the caller's own
+    module tree with its trainable parameters and buffers swapped for clones, gradients from
+    ``None``, and a shadow of the innermost optimizer; afterwards the caller's parameters,
+    gradients, buffers, optimizer, LR scheduler and RNG are as they were. A real profile needs
+    room for a copy of the trainable parameters and optimizer state (``fake=True`` does not).
 
     Args:
         units: fqns of the modules a plan decides for; default :func:`default_units` (the
@@ -80,15 +81,20 @@ def profile_step(
             keeps ``output = model(x)`` in scope does (``train/loop.py``, ``bench memory``);
             ``False`` for ``loss_fn(model(x), y).backward()``, which frees whatever autograd
             did not save (for GPT-2 124M at B=8, T=1024: 1.53 GiB of logits).
-        prepare: applied to the model that runs the step (the copy), before it runs; returns a
-            handle whose ``remove()`` undoes it (e.g. ``memory.below`` chunks the LM head).
+        prepare: applied to the isolated module tree before the step runs; returns a handle
+            whose ``remove()`` undoes it, called before isolation ends (e.g. ``memory.below``
+            chunks the LM head).
 
     Raises:
         ConfigError: the step fails under fake tensors (data-dependent ops such as ``nonzero`` or
-            ``.item()``); profile with real tensors (``fake=False``).
+            ``.item()``); profile with real tensors (``fake=False``); ``optimizer`` is not a torch
+            optimizer (nor wraps one).
+        IsolationError: the step changed one of the caller's tensors in place outside the
+            module tree (see :mod:`superneurons.memory.isolate`).
     """
-    from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
+    model = unwrapped(model)
     unit_fqns = set(default_units(model) if units is None else units)
     names = dict(model.named_modules())
     missing = sorted(unit_fqns - set(names))
@@ -103,39 +109,35 @@ def profile_step(
     if already_fake and mode is None:
         raise ConfigError("the model's parameters are fake: pass the FakeTensorMode as fake_mode=")
     if mode is not None and not already_fake:
-        with FakeCopyMode(mode):
-            model_c, opt_c = copy.deepcopy((model, optimizer))
         inputs, targets = tree_map(_to_fake(mode), (inputs, targets))
-    else:
-        model_c, opt_c = (
-            copy.deepcopy((model, optimizer)) if not already_fake else (model, optimizer)
-        )
-    for p in model_c.parameters():
-        p.grad = None
-    prepared = prepare(model_c) if prepare is not None else None
     try:
-        with mode if mode is not None else contextlib.nullcontext():
-            return _run(
-                model_c,
-                opt_c,
-                inputs,
-                targets,
-                loss_fn,
-                unit_fqns,
-                fake=mode is not None,
-                keep_output=keep_output,
-            )
+        with (
+            isolated(model, optimizer, fake_mode=mode) as (model_c, opt_c),
+            mode if mode is not None else contextlib.nullcontext(),
+        ):
+            prepared = prepare(model_c) if prepare is not None else None
+            try:
+                return _run(
+                    model_c,
+                    opt_c,
+                    inputs,
+                    targets,
+                    loss_fn,
+                    unit_fqns,
+                    fake=mode is not None,
+                    keep_output=keep_output,
+                )
+            finally:
+                if prepared is not None:
+                    prepared.remove()
     except (RuntimeError, NotImplementedError) as exc:
-        if mode is None:
+        if mode is None or isinstance(exc, IsolationError):
             raise
         raise ConfigError(
             f"the training step fails under fake tensors ({type(exc).__name__}: "
             f"{str(exc).splitlines()[0][:200]}); data-dependent ops (nonzero, .item(), boolean "
             "masks) need real values: profile with real tensors (fake=False)"
         ) from exc
-    finally:
-        if prepared is not None:
-            prepared.remove()
 
 
 def _is_fake(tensor: torch.Tensor | None) -> bool:

@@ -7,7 +7,7 @@ Two kinds of forward break that assumption:
 * **A key/value cache** (Hugging Face ``transformers``: ``use_cache=True`` is the default of
   GPT-2 and most decoders, also in training). Each attention layer appends its keys and values
   to a ``Cache`` object that outlives the layer. A recompute appends them a second time (the
-  cache then holds 2T positions: the CUDA run of CONTEXT.md §5 crashed on "2048 vs 1024"), and
+  cache then holds 2T positions: a CUDA run of GPT-2 crashed on "2048 vs 1024"), and
   the cache keeps every layer's keys and values on the device, so neither recompute nor offload
   frees them (measured here on a tiny GPT-2: a 0.40 budget ran 1.5% over it, the prediction
   6% low). :func:`guard_stateful_forwards` does what HF's own gradient checkpointing does

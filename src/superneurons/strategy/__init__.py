@@ -12,8 +12,8 @@ from __future__ import annotations
 from superneurons.strategy.codecs import (
     DEFAULT_CANDIDATES,
     DENSE,
+    Candidate,
     CodecCost,
-    candidate_codecs,
     measure_codecs,
 )
 from superneurons.strategy.cost import BucketTiming, bucket_key, predicted_step_s
@@ -37,7 +37,7 @@ __all__ = [
     "DEFAULT_CANDIDATES",
     "DENSE",
     "CodecCost",
-    "candidate_codecs",
+    "Candidate",
     "measure_codecs",
     # the cost of a choice
     "BucketTiming",

@@ -7,9 +7,9 @@ Espresso: Unleashing the Full Potential of Gradient Compression with Near-Optima
 Strategies", EuroSys'23) shows these must be measured on the deployment's device: the same
 codec is compute-bound on one machine and free on another.
 
-Candidates are spec strings (``"dense"``, ``"fp16"``, ``"powersgd:rank=4"``,
-``"topk:ratio=0.01"``, ...), parsed at the edge by :func:`candidate_codecs` through the one
-spec grammar, so codecs added to ``compress.spec.CODECS`` (e.g. ``adaptive``) plug in.
+Candidates are codec objects (and :class:`~superneurons.codecs.powersgd.PowerSGD`); dense, the
+plain fp32 all-reduce, is :data:`DENSE`, whose ``codec`` is None. A cost names its candidate by
+the object; its spec string is only for records.
 """
 
 from __future__ import annotations
@@ -22,32 +22,36 @@ from typing import Any
 
 import torch
 
-from superneurons.compress.codec import Codec
-from superneurons.compress.powersgd import PowerSGD, orthogonalize_
+from superneurons.codecs.cast import Bf16Codec, Fp16Codec
+from superneurons.codecs.codec import Codec
+from superneurons.codecs.powersgd import PowerSGD, orthogonalize_
+from superneurons.codecs.qsgd import QSGDCodec
+from superneurons.codecs.topk import TopKCodec
 from superneurons.errors import ConfigError
 from superneurons.strategy.timing import time_call_s
 
 __all__ = [
     "DEFAULT_CANDIDATES",
     "DENSE",
+    "Candidate",
     "CodecCost",
-    "candidate_codecs",
     "measure_codecs",
 ]
 
 logger = logging.getLogger("superneurons.strategy")
 
+Candidate = Codec | PowerSGD
+
 # NOTE: a few densities per family, not a sweep: the selection is per bucket, and each
-# candidate costs one encode/decode measurement at registration.
-DEFAULT_CANDIDATES: tuple[str, ...] = (
-    "dense",
-    "fp16",
-    "bf16",
-    "powersgd:rank=1",
-    "powersgd:rank=4",
-    "topk:ratio=0.1",
-    "topk:ratio=0.01",
-    "qsgd",
+# candidate costs one encode/decode measurement at registration. Dense is always a candidate.
+DEFAULT_CANDIDATES: tuple[Candidate, ...] = (
+    Fp16Codec(),
+    Bf16Codec(),
+    PowerSGD(rank=1),
+    PowerSGD(rank=4),
+    TopKCodec(ratio=0.1),
+    TopKCodec(ratio=0.01),
+    QSGDCodec(),
 )
 
 # PowerSGD's error on its first step (random Q) is far above its steady state, where Q is
@@ -58,15 +62,16 @@ _POWERSGD_WARM_ITERS = 3
 
 @dataclass(frozen=True)
 class CodecCost:
-    """One candidate codec measured on this device (see :func:`measure_codecs`).
+    """One candidate codec measured on this device (see :func:`measure_codecs`); ``codec`` is
+    None for dense (the plain fp32 all-reduce).
 
     ``collectives`` is the number of collective calls per bucket (PowerSGD: 2 all-reduces),
     each paying the link's latency α. ``feedback_s_per_byte`` is what error feedback adds to
     the encode when it is on (adding the residual in, computing the new one), measured with
-    the hook's own operations (see :mod:`superneurons.compress.reduce`).
+    the hook's own operations (see :mod:`superneurons.ddp.reduce`).
     """
 
-    spec: str
+    codec: Candidate | None
     summable: bool
     encode_s_per_byte: float
     decode_s_per_byte: float
@@ -89,33 +94,23 @@ class CodecCost:
         if self.collectives < 1:
             raise ConfigError(f"CodecCost.collectives must be >= 1, got {self.collectives}")
 
+    @property
+    def spec(self) -> str:
+        """The candidate's spec string (``"dense"`` for dense), for records and logs."""
+        return "dense" if self.codec is None else self.codec.spec
+
+    @property
+    def low_rank(self) -> bool:
+        """PowerSGD: held to the low-rank error budget (:func:`~.select.select`)."""
+        return isinstance(self.codec, PowerSGD)
+
     def payload_bytes(self, numel: int) -> int:
         """Bytes one rank sends for a bucket of ``numel`` fp32 elements."""
         return math.ceil(self.bits_per_element * numel / 8)
 
 
 # Plain fp32 all-reduce: nothing to encode, 32 bits, exact.
-DENSE = CodecCost("dense", True, 0.0, 0.0, 32.0, 0.0)
-
-
-def candidate_codecs(specs: Sequence[str]) -> list[Codec | PowerSGD]:
-    """Spec strings -> codec objects (``"dense"`` is left out: it is :data:`DENSE`).
-
-    Raises:
-        ConfigError: an unknown name or a bad option (the spec grammar's own message).
-    """
-    from superneurons.compress.spec import parse_codec, parse_spec
-
-    out: list[Codec | PowerSGD] = []
-    for spec in specs:
-        if spec.strip().lower() == "dense":
-            continue
-        parsed = parse_spec(spec)
-        if isinstance(parsed, PowerSGD):
-            out.append(parsed)
-            continue
-        out.append(parse_codec(spec))
-    return out
+DENSE = CodecCost(None, True, 0.0, 0.0, 32.0, 0.0)
 
 
 def _timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
@@ -141,8 +136,8 @@ def _as_matrix(sample: torch.Tensor) -> torch.Tensor:
 
 def _measure_powersgd(config: PowerSGD, sample: torch.Tensor, repeats: int) -> CodecCost:
     """PowerSGD timed with the operations, layouts and in-place writes of
-    :func:`~superneurons.compress.powersgd.powersgd_reduce` (issue 11: run 3 predicted 0.52 s
-    for a route that then measured 0.93 s because this timed other products)."""
+    :func:`~superneurons.ddp.powersgd.powersgd_reduce` (when it timed other products, a route
+    predicted at 0.52 s measured 0.93 s)."""
     matrix = _as_matrix(sample.float()).contiguous()  # (n, m)
     n, m = matrix.shape
     input_bytes = matrix.numel() * 4
@@ -171,7 +166,7 @@ def _measure_powersgd(config: PowerSGD, sample: torch.Tensor, repeats: int) -> C
     approx = p_hat_i @ qt
     compressed = config.matrix_shape((n, m)) is not None
     return CodecCost(
-        spec=config.spec,
+        codec=config,
         summable=True,
         encode_s_per_byte=_timed(encode, matrix.device, repeats) / input_bytes,
         decode_s_per_byte=_timed(decode, matrix.device, repeats) / input_bytes,
@@ -203,7 +198,7 @@ def _measure_cast(codec: Codec, flat: torch.Tensor, repeats: int, world_size: in
 
     input_bytes = flat.numel() * 4
     return CodecCost(
-        spec=codec.spec,
+        codec=codec,
         summable=True,
         encode_s_per_byte=_timed(encode, flat.device, repeats) / input_bytes,
         decode_s_per_byte=_timed(decode, flat.device, repeats) / input_bytes,
@@ -232,7 +227,7 @@ def _measure_codec(codec: Codec, flat: torch.Tensor, repeats: int, world_size: i
 
     input_bytes = flat.numel() * 4
     return CodecCost(
-        spec=codec.spec,
+        codec=codec,
         summable=codec.summable,
         encode_s_per_byte=_timed(encode, flat.device, repeats) / input_bytes,
         decode_s_per_byte=_timed(decode, flat.device, repeats) / (input_bytes * len(receive)),
@@ -243,7 +238,7 @@ def _measure_codec(codec: Codec, flat: torch.Tensor, repeats: int, world_size: i
 
 
 def measure_codecs(
-    codecs: Sequence[Codec | PowerSGD],
+    codecs: Sequence[Candidate],
     sample: torch.Tensor,
     *,
     repeats: int = 3,
@@ -279,7 +274,7 @@ def measure_codecs(
             else:
                 costs.append(_measure_codec(codec, flat, repeats, world_size))
         except (RuntimeError, ConfigError) as exc:
-            # NOTE: a codec that cannot run here (e.g. a CPU-only decode on CUDA, CONTEXT §5)
+            # NOTE: a codec that cannot run here (e.g. a CPU-only decode on CUDA)
             # is not a candidate; the others still are.
             logger.warning("strategy: candidate %s skipped: %s", codec.spec, exc)
     return costs

@@ -32,8 +32,11 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from superneurons.codecs.codec import Codec
+from superneurons.codecs.powersgd import PowerSGD
 from superneurons.errors import ConfigError
-from superneurons.strategy.codecs import DENSE, CodecCost
+from superneurons.schemes.grammar import parse_spec
+from superneurons.strategy.codecs import DENSE, Candidate, CodecCost
 from superneurons.strategy.cost import BucketTiming, predicted_step_s
 from superneurons.strategy.netmodel import NetworkModel
 
@@ -45,14 +48,15 @@ _MAX_SWEEPS = 8  # each sweep can only lower the prediction; 2-3 suffice in prac
 
 @dataclass(frozen=True)
 class Assignment:
-    """The decision the hook carries out: a codec spec per bucket and per parameter.
+    """The decision the hook carries out: a codec per bucket and per parameter.
 
-    ``"dense"`` means the plain fp32 all-reduce. Round-trips through :meth:`to_json`.
+    None means dense, the plain fp32 all-reduce. Round-trips through :meth:`to_json`, which
+    writes each codec's spec (``"dense"`` for None).
     """
 
     version: int
-    choices: Mapping[str, str]
-    params: Mapping[str, str]
+    choices: Mapping[str, Candidate | None]
+    params: Mapping[str, Candidate | None]
     predicted_step_s: float
     reason: str
     # predicted step time of dense everywhere, for the log and drift checks
@@ -91,8 +95,8 @@ class Assignment:
     def to_dict(self) -> dict[str, Any]:
         return {
             "version": self.version,
-            "choices": dict(self.choices),
-            "params": dict(self.params),
+            "choices": {key: _spec(route) for key, route in self.choices.items()},
+            "params": {name: _spec(route) for name, route in self.params.items()},
             "predicted_step_s": self.predicted_step_s,
             "dense_step_s": self.dense_step_s,
             "outside_s": self.outside_s,
@@ -106,10 +110,13 @@ class Assignment:
     def from_json(cls, s: str) -> Assignment:
         try:
             d = json.loads(s)
+            routes: dict[str, Candidate | None] = {}  # each distinct spec parsed once
+            for spec in {*d["choices"].values(), *d["params"].values()}:
+                routes[str(spec)] = _route(str(spec))
             return cls(
                 version=int(d["version"]),
-                choices={str(k): str(v) for k, v in d["choices"].items()},
-                params={str(k): str(v) for k, v in d["params"].items()},
+                choices={str(k): routes[str(v)] for k, v in d["choices"].items()},
+                params={str(k): routes[str(v)] for k, v in d["params"].items()},
                 predicted_step_s=float(d["predicted_step_s"]),
                 reason=str(d["reason"]),
                 dense_step_s=float(d.get("dense_step_s", 0.0)),
@@ -119,6 +126,20 @@ class Assignment:
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ConfigError(f"malformed Assignment JSON: {exc}") from None
+
+
+def _spec(route: Candidate | None) -> str:
+    return "dense" if route is None else route.spec
+
+
+def _route(spec: str) -> Candidate | None:
+    """A spec of :meth:`Assignment.to_json` back to its codec (None: dense)."""
+    if spec == "dense":
+        return None
+    parsed = parse_spec(spec)
+    if not isinstance(parsed, Codec | PowerSGD):
+        raise ConfigError(f"the assignment names {spec!r}, not a codec")
+    return parsed
 
 
 def _describe(chosen: Mapping[str, CodecCost], buckets: Sequence[BucketTiming]) -> str:
@@ -166,13 +187,12 @@ def select(
         raise ConfigError("max_rel_error(_lowrank) >= 0 and min_gain in [0, 1)")
     if not outside_s >= 0.0:
         raise ConfigError(f"outside_s must be >= 0, got {outside_s}")
-    dense = next((c for c in costs if c.spec == "dense"), DENSE)
+    dense = next((c for c in costs if c.codec is None), DENSE)
 
     def within_budget(cost: CodecCost) -> bool:
-        low_rank = cost.spec.startswith("powersgd")
-        return cost.rel_error <= (lowrank_budget if low_rank else max_rel_error)
+        return cost.rel_error <= (lowrank_budget if cost.low_rank else max_rel_error)
 
-    allowed = [dense] + [c for c in costs if c.spec != "dense" and within_budget(c)]
+    allowed = [dense] + [c for c in costs if c.codec is not None and within_budget(c)]
     chosen: dict[str, CodecCost] = {key: dense for key in keys}
 
     def predict(choice: Mapping[str, CodecCost]) -> float:
@@ -185,7 +205,7 @@ def select(
         for bucket in order:
             best, best_s = chosen[bucket.key], current_s
             for candidate in allowed:
-                if candidate.spec == chosen[bucket.key].spec:
+                if candidate.codec == chosen[bucket.key].codec:
                     continue
                 trial_s = predict({**chosen, bucket.key: candidate})
                 # NOTE: ties go to the smaller error, so a hidden bucket stays dense.
@@ -199,15 +219,15 @@ def select(
             break
     by_spec = {c.spec: predict(dict.fromkeys(keys, c)) for c in [dense, *costs]}
     summary = _describe(chosen, buckets)
-    if all(c.spec == "dense" for c in chosen.values()):
+    if all(c.codec is None for c in chosen.values()):
         reason = f"dense: no candidate gains {min_gain:.0%} (pred {dense_s:.4g} s)"
     else:
         reason = f"{summary}: pred {current_s:.4g} s vs dense {dense_s:.4g} s"
     reason += f" (+{outside_s:.3g} s outside backward)"
     return Assignment(
         version=ASSIGNMENT_VERSION,
-        choices={b.key: chosen[b.key].spec for b in buckets},
-        params={name: chosen[b.key].spec for b in buckets for name in b.params},
+        choices={b.key: chosen[b.key].codec for b in buckets},
+        params={name: chosen[b.key].codec for b in buckets for name in b.params},
         predicted_step_s=current_s,
         reason=reason,
         dense_step_s=dense_s,

@@ -2,22 +2,28 @@
 
 A frozen, validated dataclass that round-trips through JSON: the launcher writes it to
 ``OUT/config.json`` and every torchrun rank reads it back, so all ranks run the very same
-configuration (the compression hook checks that again across ranks).
+configuration (the compression hook checks that again across ranks). ``--compress`` is parsed
+once per process, here, into :attr:`TrainConfig.scheme`: the object everything after uses.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, fields
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from superneurons.errors import ConfigError
+from superneurons.schemes.adam import AdamAuto, AdamMomentum, AdamUpdate
+from superneurons.schemes.compose import compose
+from superneurons.schemes.grammar import Scheme, parse_scheme
 
-__all__ = ["OPTIMIZERS", "TrainConfig"]
+__all__ = ["ADAM_FAMILY", "OPTIMIZERS", "TrainConfig"]
 
 CONFIG_VERSION = 1
 OPTIMIZERS = ("sgd", "adam", "adamw")
+ADAM_FAMILY = ("adam", "adamw")
 BACKENDS = ("auto", "gloo", "nccl")
 # Learning rates that train the zoo models on their datasets without tuning (SGD with
 # momentum 0.9; Adam(W) as in nanoGPT's small char-level runs).
@@ -78,12 +84,42 @@ class TrainConfig:
             )
         if self.version != CONFIG_VERSION:
             raise ConfigError(f"config version {self.version} is not supported ({CONFIG_VERSION})")
+        self.scheme  # noqa: B018  (parses --compress now: bad input fails before any rank starts)
+
+    @cached_property
+    def scheme(self) -> Scheme:
+        """``--compress`` as one object, ``--warmup-steps`` and ``--no-error-feedback`` composed
+        in: a gradient hook's compression, an Adam scheme (the optimizer communicates) or, with
+        an Adam-family optimizer, ``auto``'s :class:`~superneurons.schemes.adam.AdamAuto`.
+
+        Raises:
+            ConfigError: a bad spec; an Adam scheme without an Adam-family optimizer;
+                ``--warmup-steps`` or ``--no-error-feedback`` with an Adam scheme or Adam's
+                ``auto`` (its warm-up is in the spec, error feedback is always on).
+        """
+        adam = self.optimizer in ADAM_FAMILY
+        scheme = parse_scheme(self.compress, adam=adam)
+        if isinstance(scheme, AdamMomentum | AdamUpdate) and not adam:
+            raise ConfigError(
+                f"--compress {self.compress!r} replaces the optimizer with 1-bit-Adam-style "
+                f"AdamW (CompressedAdamW); pass --optimizer adamw (or adam), not {self.optimizer}"
+            )
+        if isinstance(scheme, AdamMomentum | AdamUpdate | AdamAuto):
+            if self.warmup_steps or not self.error_feedback:
+                raise ConfigError(
+                    f"--compress {self.compress!r} with --optimizer {self.optimizer}: the "
+                    "warm-up is part of the spec (adam-momentum[warmup=N]) and error feedback is "
+                    "always on; drop --warmup-steps and --no-error-feedback"
+                )
+            return scheme
+        return compose(scheme, error_feedback=self.error_feedback, warmup_steps=self.warmup_steps)
 
     @property
     def learning_rate(self) -> float:
         return float(self.lr) if self.lr is not None else DEFAULT_LR[self.optimizer]
 
     def to_json(self) -> str:
+        """The fields (``compress`` as given: each process parses it once)."""
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
     @classmethod

@@ -23,8 +23,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
+from superneurons.compress import CompressedAdamW
 from superneurons.device import Placement
 from superneurons.errors import ConfigError
+from superneurons.replicas import check_replicas
 from superneurons.train.checkpoint import (
     Checkpoint,
     remove_checkpoints,
@@ -34,7 +36,7 @@ from superneurons.train.checkpoint import (
 )
 from superneurons.train.config import TrainConfig
 from superneurons.train.metrics import MetricsLog, summarize, write_summary
-from superneurons.train.rank import init_distributed
+from superneurons.train.rank import init_distributed, leave_process_group
 from superneurons.train.sync import attach_synchronisation, decide_scheme
 from superneurons.train.task import Task, build_task
 
@@ -44,13 +46,20 @@ logger = logging.getLogger("superneurons.train")
 
 
 def train(config: TrainConfig) -> dict[str, Any]:
-    """Run ``config`` on this rank (inside torchrun); returns the summary (rank 0 writes it)."""
+    """Run ``config`` on this rank (inside torchrun); returns the summary (rank 0 writes it).
+
+    Joins the process group and leaves it (:func:`~superneurons.train.rank.leave_process_group`);
+    a process that ends after it should end through :func:`~superneurons.train.rank.exit_rank`,
+    as ``superneurons train``'s ranks do."""
     torch.set_num_threads(1)  # NOTE: ranks share the cores; more threads made small ops 30x slower
     placement = init_distributed(config.backend)
+    finished = False
     try:
-        return run_training(config, placement)
-    finally:
-        dist.destroy_process_group()
+        summary = run_training(config, placement)
+        finished = True
+        return summary
+    finally:  # NOTE: no barrier after a failure: a peer may never arrive
+        leave_process_group(barrier=finished)
 
 
 def run_training(config: TrainConfig, device: Placement | torch.device) -> dict[str, Any]:
@@ -106,6 +115,9 @@ def run_training(config: TrainConfig, device: Placement | torch.device) -> dict[
         compression.load_state_dict(saved.compression)
         restore_rng(saved.rng)
         start_epoch, step = saved.epoch, saved.step
+    # NOTE: 1-bit Adam's residuals (and moments) are per rank by design: compare the model only
+    replicated = [] if isinstance(optimizer, CompressedAdamW) else [optimizer]
+    check_replicas(ddp, optimizers=replicated, process_group=ddp.process_group)
     test = {"test_loss": float("nan"), "test_accuracy": float("nan")}
     resume_at = None if saved is None else (saved.epoch, saved.step)
     with MetricsLog(config.out_dir, enabled=rank == 0, resume_at=resume_at) as log:

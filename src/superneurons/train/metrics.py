@@ -3,7 +3,7 @@
 
 Step records (every ``log_every`` steps): ``kind="step"``, ``step``, ``epoch``, ``loss`` and
 ``accuracy`` on rank 0's batch, ``bytes_sent`` (the payload this rank put on the wire in that
-step, see :class:`~superneurons.compress.hookstate.CompressionState`), ``step_s`` (forward,
+step, see :class:`~superneurons.ddp.state.CompressionState`), ``step_s`` (forward,
 backward with communication, optimizer). Epoch records: ``kind="epoch"``, ``epoch``, ``step``
 (steps completed), ``test_loss``, ``test_accuracy`` (all ranks' shards of the test split),
 ``wall_s``. Only rank 0 writes.

@@ -5,8 +5,8 @@ line and exit status 2 within seconds, not a rank's traceback after torchrun has
 ranks. What is checked, in order:
 
 1. the (model, data) pair is one the trainer knows;
-2. (the compression spec is parsed by the command, through the compression layer's parser:
-   codec names, ``theta`` in [0, 1), bits, ranks ...);
+2. (``--compress`` is parsed when the :class:`~superneurons.train.config.TrainConfig` is built,
+   once, through the one spec grammar: codec names, ``theta`` in [0, 1), bits, ranks ...);
 3. ``--data-dir`` is a directory, both splits of the dataset read completely (a truncated
    ``.gz`` or raw IDX file, an unreadable text file) and hold a sample for every rank; the
    model is built from them;

@@ -1,14 +1,15 @@
 """How ranks synchronise in one training run: the optimizer, and the loop's one view of the wire.
 
-Three ways, chosen from ``--compress`` and ``--optimizer``:
+Three ways, chosen from ``--compress`` and ``--optimizer`` (parsed once, into
+:attr:`TrainConfig.scheme <superneurons.train.config.TrainConfig.scheme>`):
 
 * a gradient codec or anchor (``fft``, ``powersgd:rank=4``, ``torch-fp16``, ``auto`` with SGD):
-  DDP's comm hook (:func:`superneurons.compress.hook.register_compression`), any optimizer;
+  DDP's comm hook (:func:`superneurons.ddp.hook.register_compression`), any optimizer;
 * ``adam-momentum[warmup=N,wire=W]:CODEC`` / ``adam-update[...]:CODEC``: the optimizer itself
-  communicates (:class:`~superneurons.compress.adam.CompressedAdamW`, 1-bit Adam: Tang et al.,
+  communicates (:class:`~superneurons.optim.adam.CompressedAdamW`, 1-bit Adam: Tang et al.,
   ICML 2021), DDP leaves gradients local; Adam-family optimizers only;
 * ``auto`` with ``--optimizer adam``/``adamw``: dense AdamW or 1-bit Adam, decided once at the
-  start from the cost model (:func:`~superneurons.compress.autoadam.decide_adam_scheme`), rank 0
+  start from the cost model (:func:`~superneurons.optim.autoadam.decide_adam_scheme`), rank 0
   deciding for all; a resumed run keeps the decision from its checkpoint.
 
 :class:`Synchronisation` gives the loop the same surface in every case: bytes this step, the
@@ -24,50 +25,18 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from superneurons.compress.adam import (
-    CompressedAdamW,
-    parse_optimizer_spec,
-    register_local_gradients,
-)
-from superneurons.compress.autoadam import AdamDecision, decide_adam_scheme, parse_adam_auto
-from superneurons.compress.compose import compose
-from superneurons.compress.hook import register_compression
+from superneurons.ddp.hook import register_compression
+from superneurons.ddp.local import register_local_gradients
 from superneurons.errors import ConfigError
+from superneurons.optim.adam import CompressedAdamW
+from superneurons.optim.autoadam import AdamDecision, decide_adam_scheme
+from superneurons.schemes.adam import AdamAuto, AdamMomentum, AdamUpdate
+from superneurons.schemes.anchors import TorchDense
 from superneurons.train.config import TrainConfig
 
-__all__ = ["Synchronisation", "attach_synchronisation", "check_compress", "decide_scheme"]
+__all__ = ["Synchronisation", "attach_synchronisation", "decide_scheme"]
 
 _STATE_VERSION = 1
-ADAM_FAMILY = ("adam", "adamw")
-
-
-def _adam_auto(config: TrainConfig) -> Any:
-    return parse_adam_auto(config.compress) if config.optimizer in ADAM_FAMILY else None
-
-
-def check_compress(config: TrainConfig) -> None:
-    """Validate ``--compress`` against the other flags before any rank starts.
-
-    Raises:
-        ConfigError: an optimizer-side spec without an Adam-family optimizer, ``--warmup-steps``
-            or ``--no-error-feedback`` with one (its warm-up is in the spec, error feedback is
-            always on), or a bad spec.
-    """
-    spec = parse_optimizer_spec(config.compress)
-    if spec is not None and config.optimizer not in ADAM_FAMILY:
-        raise ConfigError(
-            f"--compress {config.compress!r} replaces the optimizer with 1-bit-Adam-style "
-            f"AdamW (CompressedAdamW); pass --optimizer adamw (or adam), not {config.optimizer}"
-        )
-    if spec is not None or _adam_auto(config) is not None:
-        if config.warmup_steps or not config.error_feedback:
-            raise ConfigError(
-                f"--compress {config.compress!r} with --optimizer {config.optimizer}: the "
-                "warm-up is part of the spec (adam-momentum[warmup=N]) and error feedback is "
-                "always on; drop --warmup-steps and --no-error-feedback"
-            )
-        return
-    compose(config.compress, error_feedback=config.error_feedback, warmup_steps=config.warmup_steps)
 
 
 def decide_scheme(
@@ -81,8 +50,8 @@ def decide_scheme(
 ) -> AdamDecision | None:
     """``auto`` with Adam(W): the decision (from the checkpoint when resuming, else measured
     now: collective, before DDP wraps ``model``); None for every other ``--compress``."""
-    auto = _adam_auto(config)
-    if auto is None:
+    auto = config.scheme
+    if not isinstance(auto, AdamAuto):
         return None
     if saved is not None:
         return AdamDecision.from_dict(saved["decision"])
@@ -122,7 +91,7 @@ class Synchronisation:
     def codec(self) -> str:
         """What travels: the hook's codec spec, or the optimizer-side spec."""
         if self.optimizer is not None:
-            return self.decision.scheme if self.decision is not None else self.requested
+            return self.decision.scheme_spec if self.decision is not None else self.requested
         return str(self.hook.pipeline.base.spec)
 
     @property
@@ -181,16 +150,15 @@ def attach_synchronisation(
     *,
     decision: AdamDecision | None = None,
 ) -> tuple[torch.optim.Optimizer, Synchronisation]:
-    """The optimizer for ``model`` and the synchronisation registered on ``ddp``."""
-    spec_text = decision.scheme if decision is not None else config.compress
+    """The optimizer for ``model`` and the synchronisation registered on ``ddp``: the scheme
+    ``auto`` decided, else ``config.scheme``."""
+    scheme = config.scheme if decision is None else decision.scheme
     lr = config.learning_rate
     decay = 0.01 if config.optimizer == "adamw" else 0.0
-    spec = parse_optimizer_spec(spec_text)
-    if spec is not None:
-        check_compress(config)
+    if isinstance(scheme, AdamMomentum | AdamUpdate):
         register_local_gradients(ddp)
         adam = CompressedAdamW(
-            model.parameters(), lr=lr, weight_decay=decay, seed=config.seed, **spec.kwargs()
+            model.parameters(), lr=lr, weight_decay=decay, seed=config.seed, **scheme.kwargs()
         )
         return adam, Synchronisation(requested=config.compress, optimizer=adam, decision=decision)
     optimizer: torch.optim.Optimizer
@@ -200,12 +168,10 @@ def attach_synchronisation(
         optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=decay)
-    if decision is not None:  # auto chose dense AdamW: DDP's fp32 all-reduce, bytes counted
-        composed = compose("dense", error_feedback=False)
-    else:
-        composed = compose(
-            config.compress, error_feedback=config.error_feedback, warmup_steps=config.warmup_steps
-        )
-    hook = register_compression(ddp, composed, seed=config.seed)
+    # auto chose dense AdamW (None): DDP's fp32 all-reduce, bytes counted
+    compression = TorchDense() if scheme is None else scheme
+    if isinstance(compression, AdamAuto):
+        raise ConfigError("auto with an Adam-family optimizer needs its decision (decide_scheme)")
+    hook = register_compression(ddp, compression, seed=config.seed)
     sync = Synchronisation(requested=config.compress, hook=hook, decision=decision)
     return optimizer, sync

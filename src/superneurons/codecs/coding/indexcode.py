@@ -1,0 +1,203 @@
+"""Fixed-size coding of the set of kept positions of a sparse message: bitmap or gap (Elias-Fano).
+
+Gathered payloads must have a size that depends only on ``numel`` and the hyper-parameters
+(gloo all-gathers equal sizes), so both codes here are fixed-size given the universe size ``T``
+and the kept count ``k``:
+
+* **bitmap**: one bit per position, ``ceil(T / 8)`` bytes;
+* **gap**: Elias-Fano (Elias 1974; Fano 1971; Vigna, "Quasi-succinct indices", WSDM 2013), the
+  fixed-size form of gap coding: each sorted index splits into ``l`` low bits (stored verbatim)
+  and a high part whose *gaps* are stored in unary in a bit vector of ``k + (T - 1 >> l) + 1``
+  bits. Total ``~ k * (l + 2)`` bits with ``l ~ log2(T / k)``; for ``k / T = 0.1`` that is about
+  0.53 bits per position against the bitmap's 1. We restrict ``l`` to widths with fast packing
+  (0, 1, 2, 4, 8, 16), which costs at most a few percent over the optimum.
+
+Bitmaps use LSB-first bit order inside each byte (as :mod:`superneurons.codecs.coding.bitpack`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from superneurons.codecs.coding.bitpack import pack_bits, packed_bytes, unpack_bits
+from superneurons.errors import ConfigError
+
+__all__ = [
+    "INDEX_KINDS",
+    "bitmap_bytes",
+    "bitmap_positions",
+    "decode_bitmap",
+    "decode_gap",
+    "encode_bitmap",
+    "encode_gap",
+    "flat_nonzero",
+    "gap_bytes",
+    "gap_low_bits",
+    "index_bytes",
+    "set_positions",
+]
+
+INDEX_KINDS: tuple[str, ...] = ("bitmap", "gap")
+_LOW_WIDTHS: tuple[int, ...] = (0, 1, 2, 4, 8, 16)
+# NOTE: multiply-shift bit gathering, checked exhaustively over all 256 byte patterns in the
+# tests: eight 0/1 bytes in an int64 times _GATHER put bit i of the result in bit 56 + i.
+_GATHER = 0x0102040810204080
+_SPREAD = 0x0101010101010101
+# The same 64 bits as a signed int64 (0x8040201008040201 - 2**64): torch 2.4 refuses Python
+# ints >= 2**63 in int64 arithmetic ("cannot be converted to type int64_t without overflow").
+_SELECT = 0x8040201008040201 - (1 << 64)
+
+
+def flat_nonzero(mask: torch.Tensor) -> torch.Tensor:
+    """Increasing int64 positions of the set entries of a 1-D bool ``mask`` (its own device).
+
+    NOTE: on the CPU numpy's ``flatnonzero`` (a CPU-only path, so no device mix): ~4x faster
+    than ``torch.nonzero`` on one thread, 0.26 vs 1.06 ms for 526k positions with 11% set
+    (a shared 2-core AMD EPYC), with the same result. Other devices keep
+    ``torch.nonzero`` (callers there take the sync-free paths instead).
+    """
+    if mask.device.type != "cpu":
+        return mask.nonzero().reshape(-1)
+    positions = np.flatnonzero(mask.detach().contiguous().numpy())
+    return torch.from_numpy(positions.astype(np.int64, copy=False))
+
+
+def set_positions(mask: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``mask.index_fill_(0, indices, True)`` for a 1-D bool ``mask``; returns ``mask``.
+
+    NOTE: on the CPU a numpy fancy assignment, 0.06 against 0.16 ms for 52k positions in 184k
+    (one thread); other devices keep ``index_fill_``.
+    """
+    if mask.device.type != "cpu" or not mask.is_contiguous():
+        return mask.index_fill_(0, indices, True)
+    mask.numpy()[indices.numpy()] = True
+    return mask
+
+
+def bitmap_bytes(universe: int) -> int:
+    """Bytes of a bitmap over ``universe`` positions."""
+    return (universe + 7) // 8
+
+
+def encode_bitmap(mask: torch.Tensor) -> torch.Tensor:
+    """Pack a 1-D bool ``mask`` into ``bitmap_bytes(mask.numel())`` uint8 (LSB-first)."""
+    universe = mask.numel()
+    nbytes = bitmap_bytes(universe)
+    if mask.device.type == "cpu" and mask.dtype == torch.bool:
+        # NOTE: numpy's packbits, LSB-first and zero-padded like the gather below: ~8x
+        # faster on one thread (184k positions: ~0.01 vs 0.085 ms).
+        packed = np.packbits(mask.detach().reshape(-1).contiguous().numpy(), bitorder="little")
+        return torch.from_numpy(packed)
+    flat = mask.reshape(-1).view(torch.uint8)
+    if universe % 8:
+        padded = torch.zeros(nbytes * 8, dtype=torch.uint8, device=mask.device)
+        padded[:universe] = flat
+        flat = padded
+    return _pack_bytes(flat, nbytes)
+
+
+def _pack_bytes(flat: torch.Tensor, nbytes: int) -> torch.Tensor:
+    # flat: uint8 0/1, length a multiple of 8; each int64 word holds 8 positions -> 1 byte.
+    words = flat.view(torch.int64)  # (W,)
+    return (((words * _GATHER) >> 56) & 0xFF).to(torch.uint8)[:nbytes]
+
+
+def decode_bitmap(data: torch.Tensor, universe: int) -> torch.Tensor:
+    """Inverse of :func:`encode_bitmap`: a bool mask of ``universe`` positions."""
+    need = bitmap_bytes(universe)
+    if data.dtype != torch.uint8 or data.numel() < need:
+        raise ConfigError(f"bitmap: need {need} uint8 bytes for {universe} positions")
+    spread = (data[:need].to(torch.int64) * _SPREAD) & _SELECT  # (bytes,): bit i in lane i
+    lanes = spread.view(torch.uint8).view(need, 8)  # (bytes, 8), nonzero where the bit is set
+    return (lanes != 0).reshape(-1)[:universe]
+
+
+def bitmap_positions(data: torch.Tensor, universe: int) -> torch.Tensor:
+    """``flat_nonzero(decode_bitmap(data, universe))``: the increasing int64 positions set in a
+    bitmap. NOTE: on the CPU numpy's ``unpackbits`` (LSB-first, as :func:`encode_bitmap`) and
+    ``flatnonzero``: 0.1 against 0.5 ms for 367k positions (one thread)."""
+    if data.device.type != "cpu":
+        return flat_nonzero(decode_bitmap(data, universe))
+    need = bitmap_bytes(universe)
+    if data.dtype != torch.uint8 or data.numel() < need:
+        raise ConfigError(f"bitmap: need {need} uint8 bytes for {universe} positions")
+    bits = np.unpackbits(data[:need].contiguous().numpy(), count=universe, bitorder="little")
+    return torch.from_numpy(np.flatnonzero(bits.view(np.bool_)).astype(np.int64, copy=False))
+
+
+def gap_low_bits(universe: int, count: int) -> int:
+    """Elias-Fano low-bit width among the fast widths that minimises the size."""
+    return min(_LOW_WIDTHS, key=lambda low: _gap_bits(universe, count, low))
+
+
+def _gap_bits(universe: int, count: int, low: int) -> int:
+    return count * low + _upper_bits(universe, count, low)
+
+
+def _upper_bits(universe: int, count: int, low: int) -> int:
+    return count + ((universe - 1) >> low) + 1
+
+
+def gap_bytes(universe: int, count: int) -> int:
+    """Bytes of the Elias-Fano code of ``count`` sorted positions in ``[0, universe)``."""
+    low = gap_low_bits(universe, count)
+    low_bytes = packed_bytes(count, low) if low else 0
+    return low_bytes + bitmap_bytes(_upper_bits(universe, count, low))
+
+
+def encode_gap(indices: torch.Tensor, universe: int) -> torch.Tensor:
+    """Elias-Fano code of sorted, distinct int64 ``indices`` in ``[0, universe)``."""
+    count = indices.numel()
+    low = gap_low_bits(universe, count)
+    parts = []
+    if low:
+        parts.append(pack_bits(indices & ((1 << low) - 1), low))
+    device = indices.device
+    upper = torch.zeros(_upper_bits(universe, count, low), dtype=torch.bool, device=device)
+    # unary gaps of the high parts
+    set_positions(upper, (indices >> low) + torch.arange(count, device=device))
+    parts.append(encode_bitmap(upper))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def decode_gap(
+    data: torch.Tensor, universe: int, count: int, *, sync_free: bool | None = None
+) -> torch.Tensor:
+    """Inverse of :func:`encode_gap`: sorted int64 indices.
+
+    The i-th set bit of the upper vector, at position p, holds high part ``p - i``. It is
+    scattered to slot i (the rank of p) instead of listed by ``nonzero``, whose data-dependent
+    output size would need a host round trip on a GPU; unset positions go to a spare slot.
+    ``sync_free``: force that path (None: everywhere but the CPU, where nonzero is faster and
+    has nothing to wait for).
+    """
+    low = gap_low_bits(universe, count)
+    low_bytes = packed_bytes(count, low) if low else 0
+    upper_bits = _upper_bits(universe, count, low)
+    if sync_free is None:
+        sync_free = data.device.type != "cpu"
+    if not sync_free:
+        high = bitmap_positions(data[low_bytes:], upper_bits)
+        high -= torch.arange(count, device=data.device)
+    else:
+        upper = decode_bitmap(data[low_bytes:], upper_bits)  # (U,)
+        # NOTE: cumsum of bools accumulates in int64 ~20x slower (CPU) than in int32.
+        rank = torch.cumsum(upper, 0, dtype=torch.int32).sub_(1).to(torch.int64)  # (U,)
+        position = torch.arange(upper.numel(), device=data.device)  # (U,)
+        slot = torch.where(upper, rank, count)  # (U,): unset bits -> the spare slot `count`
+        high = torch.zeros(count + 1, dtype=torch.int64, device=data.device)
+        high.index_add_(0, slot, torch.where(upper, position - rank, 0))  # one add per slot
+        high = high[:count]
+    if not low:
+        return high
+    return (high << low) | unpack_bits(data[:low_bytes], low, count)
+
+
+def index_bytes(kind: str, universe: int, count: int) -> int:
+    """Bytes of the index code ``kind`` ("bitmap" or "gap")."""
+    if kind == "bitmap":
+        return bitmap_bytes(universe)
+    if kind == "gap":
+        return gap_bytes(universe, count)
+    raise ConfigError(f"unknown index coding {kind!r}; use one of {list(INDEX_KINDS)}")

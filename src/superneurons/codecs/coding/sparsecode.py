@@ -1,0 +1,311 @@
+"""The coding of a sparse message's kept coefficients, shared so codecs compete on equal terms.
+
+A sparsifying codec (``fft``, compactly coded ``ctopk``, ``adaptive``) keeps exactly ``k`` of
+``T`` coefficients (each ``width`` floats: 2 for complex FFT bins, 1 for real coefficients) and
+sends them in one fixed-size layout::
+
+    [range-float header, 8 B][index code: bitmap or Elias-Fano][k * width values at ``bits``]
+
+so bits per element compare transforms, not coding (a Top-k paying 64 bits per kept element
+against FFT's 8-bit values and compact index decides nothing: benchmarks/results/codecs/ANSWER.md). The index code
+is :mod:`superneurons.codecs.coding.indexcode`'s bitmap or Elias-Fano gap code, whichever is smaller
+for ``(T, k)`` when ``index="auto"``; values are range-floats
+(:mod:`superneurons.codecs.rangefloat`) with the window from the largest kept part down to the
+weakest kept coefficient (HPDC'20's ``[threshold, max]`` rule); ``bits = 32`` sends raw float32.
+
+Device: everything runs on the coefficients' device with no host round trip. Selection is
+``torch.topk`` (then a sort for index order) except on the CPU with ``select="sampled"``, where
+a sampled threshold (in the spirit of DGC, Lin et al., ICLR 2018) brackets the k-th largest
+score and only a narrow band is ranked exactly: the same kept set (ties aside) at a fraction of
+the cost. That path sizes tensors from the data, which is free on the CPU (no device to wait
+for) and would synchronise a GPU, so other devices always take ``torch.topk``. Decoding a
+bitmap is dense (a rank by ``cumsum`` and a gather), decoding Elias-Fano a scatter: neither
+needs ``nonzero``, whose output size would have to come back to the host.
+
+CPU speed: on the CPU the scans run through numpy views of the same
+memory (compare + ``flatnonzero``, ``partition``, ``packbits``/``unpackbits``: 3-10x faster than
+the torch ops on one thread, same results, tested) and encode-internal temporaries come from
+:mod:`superneurons.codecs.coding.workspace` (no page faults per call); other devices are unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from superneurons.codecs.coding.bitpack import packed_bytes
+from superneurons.codecs.coding.indexcode import (
+    INDEX_KINDS,
+    bitmap_positions,
+    decode_bitmap,
+    decode_gap,
+    encode_bitmap,
+    encode_gap,
+    flat_nonzero,
+    index_bytes,
+    set_positions,
+)
+from superneurons.codecs.coding.rangefloat import (
+    HEADER_BYTES,
+    RangeFloatHeader,
+    dequantize,
+    quantize,
+    read_codes,
+    write_codes,
+)
+from superneurons.codecs.coding.workspace import workspace
+from superneurons.errors import ConfigError
+
+__all__ = [
+    "SELECTS",
+    "KeptLayout",
+    "add_kept",
+    "check_select_index",
+    "check_theta",
+    "kept_count",
+    "kth_smallest",
+    "pack_kept",
+    "select_bins",
+    "select_indices",
+]
+
+logger = logging.getLogger("superneurons.compress")
+
+SELECTS: tuple[str, ...] = ("exact", "sampled")
+_SAMPLE_SIZE = 16384  # scores sampled (strided) to bracket the threshold (select="sampled")
+_MARGIN_SIGMAS = 3.0  # lower the sampled quantile by this many binomial standard errors
+# NOTE: at 3 sigma the sample undershoots (exact fallback, ~2x slower) in ~0.1% of calls.
+
+
+def check_theta(theta: object, *, owner: str) -> float:
+    """``theta`` as a float in [0, 1) or a ConfigError that says what it means."""
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        raise ConfigError(f"{owner}: theta must be a number in [0, 1), got {theta!r}")
+    if not 0.0 <= theta < 1.0:
+        raise ConfigError(
+            f"{owner}: theta={theta} is the fraction of coefficients dropped and must be in "
+            "[0, 1); e.g. theta=0.9 keeps 10%"
+        )
+    return float(theta)
+
+
+def check_select_index(select: str, index: str, *, owner: str) -> None:
+    """Validate the shared ``select`` and ``index`` options of the sparse codecs."""
+    if select not in SELECTS:
+        raise ConfigError(f"{owner}: select={select!r} is unknown; use one of {list(SELECTS)}")
+    if index not in (*INDEX_KINDS, "auto"):
+        raise ConfigError(
+            f"{owner}: index={index!r} is unknown; use one of {[*INDEX_KINDS, 'auto']}"
+        )
+
+
+def kept_count(universe: int, theta: float) -> int:
+    """Coefficients kept out of ``universe``: ``T - floor(theta * T)``, at least 1 (fixed,
+    data-free). ``floor`` keeps the dropped share ``<= theta`` even when ``theta * T`` rounds
+    low."""
+    return max(1, universe - math.floor(theta * universe))
+
+
+@dataclass(frozen=True)
+class KeptLayout:
+    """Sizes of a kept-coefficient message: ``universe`` coefficients, ``kept`` of them sent,
+    ``width`` floats each at ``bits``; ``index`` "bitmap" | "gap" | "auto" (the smaller)."""
+
+    universe: int
+    kept: int
+    width: int
+    bits: int
+    index: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.kept <= self.universe:
+            raise ConfigError(f"kept={self.kept} must be in 1..universe={self.universe}")
+        if self.index not in (*INDEX_KINDS, "auto"):
+            raise ConfigError(f"index={self.index!r} is unknown; use bitmap, gap or auto")
+
+    @property
+    def index_kind(self) -> str:
+        """The index code in use ("bitmap" or "gap"); ties go to the bitmap."""
+        if self.index != "auto":
+            return self.index
+        sizes = {kind: index_bytes(kind, self.universe, self.kept) for kind in INDEX_KINDS}
+        return min(INDEX_KINDS, key=lambda kind: (sizes[kind], kind != "bitmap"))
+
+    @property
+    def index_bytes(self) -> int:
+        return index_bytes(self.index_kind, self.universe, self.kept)
+
+    @property
+    def value_bytes(self) -> int:
+        count = self.kept * self.width
+        return 4 * count if self.bits == 32 else packed_bytes(count, self.bits)
+
+    @property
+    def nbytes(self) -> int:
+        return HEADER_BYTES + self.index_bytes + self.value_bytes
+
+
+def select_bins(
+    score: torch.Tensor, count: int, select: str, *, period: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mask, indices)`` of exactly ``count`` coefficients with the largest ``score``: a bool
+    mask over all of them and the kept indices in increasing order. ``period``: coefficients
+    per chunk (the sampled threshold avoids strides that alias with it)."""
+    indices = select_indices(score, count, select, period=period)
+    return _mask_of(indices, score.numel(), fresh=True), indices
+
+
+def select_indices(
+    score: torch.Tensor, count: int, select: str, *, period: int = 1
+) -> torch.Tensor:
+    """The increasing indices of exactly ``count`` coefficients with the largest ``score`` (the
+    ``indices`` of :func:`select_bins`, without building the mask a gap index never needs)."""
+    universe = score.numel()
+    device = score.device
+    if count >= universe:
+        return torch.arange(universe, device=device)
+    if select == "sampled" and device.type == "cpu" and universe > 4 * _SAMPLE_SIZE:
+        chosen = _select_sampled(score, count, period)
+        if chosen is not None:
+            return chosen
+    return torch.sort(torch.topk(score, count, sorted=False).indices).values  # (k,)
+
+
+def _mask_of(indices: torch.Tensor, universe: int, *, fresh: bool) -> torch.Tensor:
+    """The bool mask of ``indices`` over ``universe`` positions (a kept CPU buffer unless
+    ``fresh``: then it may be handed to a caller)."""
+    if fresh:
+        mask = torch.zeros(universe, dtype=torch.bool, device=indices.device)
+    else:
+        mask = workspace("sparsecode.mask", (universe,), torch.bool, indices.device).zero_()
+    return set_positions(mask, indices)
+
+
+def kth_smallest(values: torch.Tensor, *ranks: int) -> tuple[torch.Tensor, ...]:
+    """0-d ``torch.kthvalue(values, rank).values`` of a 1-D tensor for each ``rank`` (NaN
+    ranks above every number, as there). NOTE: on the CPU one ``numpy.partition`` for all
+    ranks: 0.07 against 0.5-1.0 ms for one rank of 65,536 (the adaptive codec's Lagrangian
+    threshold; one thread), the same values (of a tie of -0 and +0 either zero may
+    come back: the codecs rank squares, never -0); other devices keep ``kthvalue``."""
+    if values.device.type != "cpu":
+        return tuple(torch.kthvalue(values, rank).values for rank in ranks)
+    parted = np.partition(values.detach().contiguous().numpy(), [rank - 1 for rank in ranks])
+    return tuple(torch.from_numpy(parted[rank - 1 : rank]).reshape(()) for rank in ranks)
+
+
+def _sample_stride(universe: int, period: int) -> int:
+    """A stride giving ~_SAMPLE_SIZE samples that is coprime with the coefficients per chunk,
+    so the strided sample visits every frequency of the chunks instead of aliasing."""
+    stride = max(1, universe // _SAMPLE_SIZE)
+    while math.gcd(stride, period) != 1:
+        stride += 1
+    return stride
+
+
+def _select_sampled(score: torch.Tensor, count: int, period: int) -> torch.Tensor | None:
+    """CPU only. Two thresholds from one strided sample bracket the count-th largest score:
+    scores above the high one are surely kept, those between the two (~2 * margin * T) are
+    ranked exactly. Returns the increasing kept indices, or None when the sample erred."""
+    universe = score.numel()
+    sample = score[:: _sample_stride(universe, period)].contiguous()  # (s,)
+    size = sample.numel()
+    drop_share = 1.0 - count / universe
+    margin = _MARGIN_SIGMAS * math.sqrt(drop_share * (1 - drop_share) / size)
+    low_rank = max(1, math.floor(size * (drop_share - margin)))
+    high_rank = min(size, math.ceil(size * (drop_share + margin)))
+    low, high = kth_smallest(sample, low_rank, high_rank)
+    # (T,) into a kept buffer: a superset of the top `count` unless the sample erred.
+    # NOTE: numpy's compare and flatnonzero (this path is CPU-only): 0.32 ms against 1.4 ms
+    # for torch.ge + nonzero on 526k scores (one thread); identical positions.
+    above = workspace("sparsecode.above", (universe,), torch.bool, score.device)
+    np.greater_equal(score.detach().contiguous().numpy(), low.numpy(), out=above.numpy())
+    candidates = flat_nonzero(above)  # (c,), increasing
+    candidate_score = score.index_select(0, candidates)  # (c,)
+    keep = candidate_score.numpy() > high.numpy()  # (c,): surely among the top `count`
+    missing = count - int(np.count_nonzero(keep))
+    band = torch.from_numpy(np.flatnonzero(~keep))  # (b,): positions in `candidates` to rank
+    if not 0 <= missing <= band.numel():
+        logger.debug("sampled thresholds missed the %d-th largest; exact fallback", count)
+        return None
+    if missing:
+        ranked = torch.topk(candidate_score.index_select(0, band), missing, sorted=False)
+        keep[band.index_select(0, ranked.indices).numpy()] = True
+    return torch.from_numpy(candidates.numpy()[keep])
+
+
+def pack_kept(
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    indices: torch.Tensor,
+    floor: torch.Tensor,
+    finite: torch.Tensor,
+    layout: KeptLayout,
+) -> torch.Tensor:
+    """The message bytes (``layout.nbytes`` uint8) for kept ``values`` ``(k, width)`` at the
+    sorted ``indices`` (``mask`` their bitmap, or None: built here when the bitmap index needs
+    it). ``floor``: 0-d, the weakest kept coefficient's magnitude (bottom of the range-float
+    window); ``finite``: 0-d bool, False flags non-finite input (the message then decodes to
+    all-NaN). Every part is written straight into the one message buffer (no ``cat``)."""
+    flat = values.reshape(-1)
+    data = torch.empty(layout.nbytes, dtype=torch.uint8, device=values.device)
+    start = HEADER_BYTES
+    stop = start + layout.index_bytes
+    nan_bits = torch.full_like(finite, 0x7FC00000, dtype=torch.int32)
+    if layout.bits == 32:
+        max_bits = flat.abs().max().reshape(1).view(torch.int32)[0]
+        header = RangeFloatHeader(
+            torch.where(finite, max_bits, nan_bits), torch.zeros_like(max_bits)
+        )
+        data[stop:] = flat.contiguous().view(torch.uint8)  # raw float32 bytes
+    else:
+        codes, header = quantize(flat, layout.bits, threshold=floor)
+        header = RangeFloatHeader(torch.where(finite, header.max_bits, nan_bits), header.exp_bits)
+        if layout.bits == 8:  # the cast keeps the low byte (two's complement), as write_codes
+            data[stop:].copy_(codes)
+        else:
+            data[stop:] = write_codes(codes, layout.bits)
+    data[:start] = header.to_bytes()
+    if layout.index_kind == "bitmap":
+        if mask is None:
+            mask = _mask_of(indices, layout.universe, fresh=False)
+        data[start:stop] = encode_bitmap(mask)
+    else:
+        data[start:stop] = encode_gap(indices, layout.universe)
+    return data
+
+
+def add_kept(
+    out: torch.Tensor, data: torch.Tensor, layout: KeptLayout, *, sync_free: bool | None = None
+) -> torch.Tensor:
+    """Add the message's kept coefficients into ``out`` ``(T, width)`` float32 in place;
+    returns the header's 0-d bool "finite" flag (the caller turns False into all-NaN).
+    ``sync_free``: take the path without ``nonzero`` (None: on every device but the CPU, where
+    ``nonzero`` waits for nothing and is faster)."""
+    if sync_free is None:
+        sync_free = out.device.type != "cpu"
+    header = RangeFloatHeader.from_bytes(data[:HEADER_BYTES])
+    start = HEADER_BYTES
+    stop = start + layout.index_bytes
+    count = layout.kept * layout.width
+    if layout.bits == 32:
+        values = data[stop:].clone().view(torch.float32)
+    else:
+        values = dequantize(read_codes(data[stop:], layout.bits, count), header, layout.bits)
+    values = values.view(layout.kept, layout.width)  # (k, width)
+    if layout.index_kind == "bitmap":
+        if not sync_free:
+            out.index_add_(0, bitmap_positions(data[start:stop], layout.universe), values)
+        else:
+            mask = decode_bitmap(data[start:stop], layout.universe)  # (T,)
+            # Dense, sync-free scatter: the i-th set bit takes the i-th value.
+            rank = torch.cumsum(mask, 0, dtype=torch.int32).sub_(1).clamp_(min=0)  # (T,)
+            gathered = values.index_select(0, rank)  # (T, width)
+            out.addcmul_(gathered, mask.unsqueeze(1).to(out.dtype))
+    else:
+        indices = decode_gap(data[start:stop], layout.universe, layout.kept, sync_free=sync_free)
+        out.index_add_(0, indices, values)
+    return header.finite

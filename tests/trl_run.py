@@ -1,0 +1,70 @@
+"""Run by test_integrations_trl, alone (one rank) or under torchrun (two gloo ranks): TRL's
+SFTTrainer with and without SuperNeuronsCallback(budget_fraction=0.6) for packing off/on x
+fp32/bf16; on two ranks also compression stopped at step 2 and resumed into another
+output_dir, and a rank nudged before the replica check. Writes rank<R>.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import trl_support  # noqa: E402
+
+COMPRESSION = "ef(topk:ratio=0.1)"
+
+
+def _nudge_rank_one() -> Any:
+    from transformers import TrainerCallback
+
+    class _Nudge(TrainerCallback):  # type: ignore[misc]
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if args.process_index == 1:
+                with torch.no_grad():
+                    next(kw["model"].parameters()).view(-1)[0] += 1e-3
+
+    return _Nudge()
+
+
+def main() -> None:
+    from superneurons.errors import ReplicaMismatchError
+
+    torch.set_num_threads(1)
+    out = Path(sys.argv[sys.argv.index("--out") + 1])
+    rank = int(os.environ.get("RANK", "0"))
+    two = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    record: dict[str, Any] = {}
+    for packing in (False, True):
+        for bf16 in (False, True):
+            name = f"packing={packing},bf16={bf16}"
+            kw = {"packing": packing, "bf16": bf16}
+            record[f"{name},eager"] = trl_support.run(out / "eager" / name, **kw)
+            record[f"{name},planned"] = trl_support.run(
+                out / "planned" / name, budget_fraction=0.6, meter=True, **kw
+            )
+    if two:
+        kw = {"packing": False, "bf16": False, "budget_fraction": 0.6, "compression": COMPRESSION}
+        record["compressed"] = trl_support.run(out / "a", **kw)
+        trl_support.run(out / "b", save_steps=2, stop_at=2, **kw)
+        checkpoint = out / "b" / "checkpoint-2"
+        record["saved"] = sorted(p.name for p in checkpoint.glob("superneurons-*"))
+        record["resumed_elsewhere"] = trl_support.run(out / "c", resume=checkpoint, **kw)
+        try:
+            trl_support.run(out / "d", checks=[_nudge_rank_one()], **kw)
+            record["nudged"] = "no error"
+        except ReplicaMismatchError as exc:
+            record["nudged"] = str(exc)
+    (out / f"rank{rank}.json").write_text(json.dumps(record) + "\n")
+    if two:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

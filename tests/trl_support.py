@@ -1,0 +1,204 @@
+"""TRL's SFTTrainer on a tiny Llama built from a config, with a character tokenizer built here
+(no downloads): one training run per configuration, with or without SuperNeuronsCallback, and
+what it leaves (losses, a hash of the final parameters, the plan, each step's measured peak).
+
+Used in-process by test_integrations_trl (one rank) and by trl_run.py under torchrun (two).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import string
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SEQ_CHARS = 30  # every text has this many characters: every unpacked batch has one shape
+STEPS = 4
+BATCH = 8
+
+
+def tokenizer() -> Any:
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    chars = sorted(set(string.ascii_letters + string.digits + " .,:;!?-'"))
+    vocab = {tok: i for i, tok in enumerate([*specials, *chars])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        bos_token="<bos>",
+        unk_token="<unk>",
+    )
+
+
+def texts(count: int = 400) -> list[str]:
+    gen = torch.Generator().manual_seed(0)
+    words = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "far", "sun", "is", "up"]
+    out = []
+    for i in range(count):
+        picks = torch.randint(0, len(words), (12,), generator=gen).tolist()
+        text = f"{i:03d} " + " ".join(words[k] for k in picks)
+        out.append(text[:SEQ_CHARS].ljust(SEQ_CHARS, "."))
+    return out
+
+
+def model(vocab_size: int) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    # NOTE: narrow and deep-MLP on purpose. TRL's fused LM head computes log-probabilities in
+    # tiles of (min(tokens, 4096), 32768) logits whatever the vocabulary
+    # (trl/kernels/chunked_logprob.py, ``mm_buf``): 128 KiB per token in fp32, a peak no plan
+    # of the blocks can lower. Activations must outweigh it for a 0.6 budget to be reachable:
+    # with 4 blocks of width 16 and MLP 4096 the smallest plan is 0.44 of the eager peak in
+    # fp32 and 0.55 in bf16 at batch 4 x 31 tokens, 0.28 in fp32 at batch 8 (a wider,
+    # shallower MLP keeps the head's buffer dominant: 0.92 at width 64, MLP 128, batch 4).
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=16, intermediate_size=4096, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+        pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+class PeakMeter:
+    """Each optimizer step's peak of live storage bytes (parameters, gradients, buffers,
+    optimizer state and everything the step allocates), by the tracker the profile uses;
+    the batch itself, allocated by the loader before the step begins, is not counted."""
+
+    def __init__(self, trainer: Any) -> None:
+        from transformers import TrainerCallback
+
+        meter = self
+
+        class _Callback(TrainerCallback):  # type: ignore[misc]
+            def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+                meter.begin()
+
+            def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+                meter.end()
+
+        self.trainer = trainer
+        self.callback = _Callback()
+        self.peaks: list[int] = []
+        self._tracker: Any = None
+
+    def begin(self) -> None:
+        from superneurons.memory import LiveStorageTracker
+        from superneurons.memory.isolate import inner_optimizer
+
+        model = self.trainer.model
+        optimizer = inner_optimizer(self.trainer.optimizer)
+        self._tracker = LiveStorageTracker()
+        self._tracker.register([*model.parameters(), *model.buffers()])
+        self._tracker.register([p.grad for p in model.parameters() if p.grad is not None])
+        self._tracker.register(
+            [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        )
+        self._tracker.__enter__()
+
+    def end(self) -> None:
+        self._tracker.__exit__(None, None, None)
+        self.peaks.append(int(self._tracker.peak_bytes))
+
+
+def params_sha256(module: torch.nn.Module) -> str:
+    sha = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        sha.update(name.encode() + data)
+    return sha.hexdigest()
+
+
+def run(
+    out: Path,
+    *,
+    packing: bool,
+    bf16: bool,
+    budget_fraction: float | None = None,
+    strategy: str = "auto",
+    compression: str | None = None,
+    meter: bool = False,
+    save_steps: int | None = None,
+    stop_at: int | None = None,
+    resume: Path | None = None,
+    checks: list[Any] | None = None,
+) -> dict[str, Any]:
+    """One SFTTrainer run of ``STEPS`` steps; with a budget and/or compression, the callback."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    from superneurons.integrations.transformers import SuperNeuronsCallback
+
+    logging.getLogger("superneurons").setLevel(logging.INFO)
+    tok = tokenizer()
+    args = SFTConfig(
+        output_dir=str(out),
+        use_cpu=True,
+        ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
+        per_device_train_batch_size=BATCH,
+        max_steps=STEPS,
+        learning_rate=3e-3,
+        logging_steps=1,
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+        bf16=bf16,
+        packing=packing,
+        max_length=2 * SEQ_CHARS + 4 if packing else SEQ_CHARS + 4,
+        dataset_num_proc=None,
+    )  # NOTE: TRL's default gradient_checkpointing=True stays: the callback takes it over
+    net = model(len(tok))
+    trainer = SFTTrainer(
+        model=net,
+        args=args,
+        train_dataset=Dataset.from_dict({"text": texts()}),
+        processing_class=tok,
+    )
+    callback = None
+    if budget_fraction is not None or compression is not None:
+        callback = SuperNeuronsCallback(
+            trainer, budget_fraction=budget_fraction, compression=compression, strategy=strategy
+        )
+        for check in checks or []:
+            trainer.add_callback(check)  # before ours: runs first at on_train_begin
+        trainer.add_callback(callback)
+    peak = PeakMeter(trainer) if meter else None
+    if peak is not None:
+        trainer.add_callback(peak.callback)
+    if stop_at is not None:
+
+        class _Stop(TrainerCallback):  # type: ignore[misc]
+            def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+                if state.global_step == stop_at:
+                    control.should_training_stop = True
+
+        trainer.add_callback(_Stop())
+    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+    record: dict[str, Any] = {"losses": losses, "params": params_sha256(net)}
+    if callback is not None and callback.setup is not None and callback.setup.plan is not None:
+        plan = callback.setup.plan
+        record["plan"] = {u.fqn: u.action for u in plan.units}
+        reserved = callback.setup.reserved_bytes  # DDP's buckets, outside the plan's budget
+        record["budget_bytes"] = plan.budget_bytes + reserved
+        record["predicted_peak_bytes"] = plan.predicted_peak_bytes + reserved
+    ddp = isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
+    # DDP's buckets exist before any step, so the meter cannot see them: one copy of the
+    # gradients, added to what it measures
+    trainable = [p for p in net.parameters() if p.requires_grad]
+    record["bucket_bytes"] = sum(p.numel() * p.element_size() for p in trainable) if ddp else 0
+    if peak is not None:
+        record["measured_peak_bytes"] = [p + record["bucket_bytes"] for p in peak.peaks]
+    return record
