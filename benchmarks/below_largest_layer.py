@@ -270,7 +270,6 @@ def step_records(plain: Any, chunked: list[Any]) -> tuple[list[dict[str, Any]], 
             "cpu_s": trl_s,
         }
     )
-    head_only = make_plan(chunked[0], budget_bytes=1 << 40, strategy="eager")
     for label, profile in (("grad-in-forward", chunked[0]), ("recompute", chunked[1])):
         plan = make_plan(profile, budget_bytes=1 << 40, strategy="eager")
         peak, seconds, handle = measured_step(plan)
@@ -283,7 +282,6 @@ def step_records(plain: Any, chunked: list[Any]) -> tuple[list[dict[str, Any]], 
                 "predicted_mib": plan.predicted_peak_bytes / MiB,
             }
         )
-    del head_only
     floors = min_peak_bytes(plain, chunked=chunked)
     for strategy, floor in floors.items():
         if strategy == "eager":

@@ -41,6 +41,8 @@ __all__ = ["HostOptimizer", "HostOptimizerView"]
 logger = logging.getLogger("superneurons.memory")
 
 OptimizerFactory = Callable[[list[Any]], torch.optim.Optimizer]
+# a parameter group's keys that are not hyperparameters: its tensors and the kernel choice
+IMPLEMENTATION_KEYS = frozenset({"params", "fused", "foreach", "differentiable", "capturable"})
 
 
 class HostOptimizer:
@@ -73,7 +75,25 @@ class HostOptimizer:
             self._stamps = {f: _stamp(p) for f, p in self.params.items()}
         self._stream: Any = torch.cuda.Stream(self.device) if self._cuda else None
         self._pending: list[Any] = []  # events of copies back not yet waited for
+        self._followed: list[dict[str, Any]] | None = None
         self.steps = 0
+
+    def follow(self, groups: Sequence[dict[str, Any]]) -> None:
+        """Take the hyperparameters of ``groups`` (learning rate, betas, weight decay: all but
+        the parameters and the kernel choice) before every step: the groups of the optimizer a
+        training loop holds, which its learning-rate scheduler sets, one per group here."""
+        if len(groups) != len(self.optimizer.param_groups):
+            raise ConfigError(
+                f"the followed optimizer has {len(groups)} parameter groups, the host "
+                f"optimizer {len(self.optimizer.param_groups)}: build it with factory_like()"
+            )
+        self._followed = list(groups)
+
+    def _take_hyperparameters(self) -> None:
+        if self._followed is None:
+            return
+        for mine, theirs in zip(self.optimizer.param_groups, self._followed, strict=True):
+            mine.update((k, v) for k, v in theirs.items() if k not in IMPLEMENTATION_KEYS)
 
     def _host_copy(self, param: torch.Tensor) -> torch.Tensor:
         if self._meta:
@@ -94,6 +114,7 @@ class HostOptimizer:
             for fqn, grad in grads.items():
                 master = self.masters[fqn]
                 master.grad = grad if grad.dtype == torch.float32 else grad.float()
+            self._take_hyperparameters()
             self.optimizer.step()
             for fqn in grads:
                 self.masters[fqn].grad = None

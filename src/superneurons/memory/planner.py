@@ -136,12 +136,13 @@ def _search_all(
 ) -> _Choice:
     """The first profile whose search fits ``budget_bytes`` (None: the least peak over all)."""
     tried = []
-    for profile in profiles:
-        if strategy in _IN_BACKWARD and profile.head and profile.head.mode == "grad-in-forward":
-            # NOTE: that head holds its weight's gradient from forward to backward, which
-            # stepping in backward exists to avoid, and the state timeline (by gradient births)
-            # would fetch its state in the forward: not combined
-            continue
+    usable = _usable(profiles, strategy)
+    if not usable:
+        raise ConfigError(
+            f"strategy {strategy!r} steps the optimizer in backward, which a head computing its "
+            "gradient in the forward cannot follow: plan it with a recompute head as well"
+        )
+    for profile in usable:
         choice = _search(profile, strategy, budget_bytes, cost)
         if choice.host_optimizer:
             choice = _widest_buckets(choice, budget_bytes, cost)
@@ -149,6 +150,18 @@ def _search_all(
             return choice
         tried.append(choice)
     return min(tried, key=lambda c: c.outcome.peak_bytes)  # first of equals: the plain one
+
+
+def _usable(profiles: Sequence[Profile], strategy: str) -> list[Profile]:
+    """The profiles ``strategy`` can run."""
+    # NOTE: a head computing its gradient in the forward holds its weight's gradient from
+    # forward to backward, which stepping in backward exists to avoid, and the state timeline
+    # (by gradient births) would fetch its state in the forward: not combined
+    return [
+        p
+        for p in profiles
+        if not (strategy in _IN_BACKWARD and p.head and p.head.mode == "grad-in-forward")
+    ]
 
 
 def _search(profile: Profile, strategy: str, budget_bytes: int | None, cost: CostModel) -> _Choice:
@@ -247,7 +260,7 @@ def min_peak_bytes(
     return {
         s: _search_all(profiles, s, None, cost).outcome.peak_bytes
         for s in STRATEGIES
-        if s != "auto"
+        if s != "auto" and _usable(profiles, s)
     }
 
 
@@ -259,6 +272,7 @@ def make_plan(
     bandwidth_bytes_per_s: float = 25e9,
     optimizer_in_backward: bool = False,
     allow_optimizer_in_backward: bool = True,
+    allow_host_optimizer: bool = True,
     cost: CostModel | None = None,
     chunked: Sequence[Profile] = (),
 ) -> Plan:
@@ -277,6 +291,10 @@ def make_plan(
     the state on the host only if nothing on the device fits), ``offload+host-optimizer``
     (the optimizer on the host, stepped per gradient bucket: DDP-compatible; ``auto`` takes it
     last, when nothing else fits).
+
+    ``allow_host_optimizer=False`` keeps ``auto`` (and the minimum an infeasible budget names)
+    away from ``offload+host-optimizer``: for a model already wrapped in DDP, whose reducer
+    holds its gradient buckets (the host optimizer needs the plan applied before wrapping).
 
     ``chunked``: profiles of the same step below the largest layer (the LM head + loss in
     chunks, sub-layers split over the sequence: ``memory.below``), tried in order by each
@@ -303,13 +321,20 @@ def make_plan(
             raise ConfigError("optimizer_in_backward contradicts allow_optimizer_in_backward=False")
         for name in _IN_BACKWARD:
             minima.pop(name, None)
+    if not allow_host_optimizer:
+        if strategy == HOST_OPTIMIZER:
+            raise ConfigError(f"strategy {HOST_OPTIMIZER!r} contradicts allow_host_optimizer=False")
+        minima.pop(HOST_OPTIMIZER, None)
     best_strategy = min(minima, key=lambda s: minima[s])
     if strategy == "auto":
         order = ["eager", "recompute", "offload", *_IN_BACKWARD, HOST_OPTIMIZER]
         if not allow_optimizer_in_backward:
             order = [s for s in order if s not in _IN_BACKWARD]
+        if not allow_host_optimizer:
+            order.remove(HOST_OPTIMIZER)
         if optimizer_in_backward:
             order = list(_IN_BACKWARD)
+        order = [s for s in order if _usable(profiles, s)]
         tried = [_search_all(profiles, s, budget_bytes, cost) for s in order]
         fits = [c for c in tried if c.outcome.peak_bytes <= budget_bytes]
         chosen = (
