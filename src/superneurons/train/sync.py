@@ -34,7 +34,13 @@ from superneurons.schemes.adam import AdamAuto, AdamMomentum, AdamUpdate
 from superneurons.schemes.anchors import TorchDense
 from superneurons.train.config import TrainConfig
 
-__all__ = ["Synchronisation", "attach_synchronisation", "decide_scheme"]
+__all__ = [
+    "Synchronisation",
+    "attach_synchronisation",
+    "build_optimizer",
+    "communicating_optimizer",
+    "decide_scheme",
+]
 
 _STATE_VERSION = 1
 
@@ -149,25 +155,24 @@ def attach_synchronisation(
     ddp: DistributedDataParallel,
     *,
     decision: AdamDecision | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> tuple[torch.optim.Optimizer, Synchronisation]:
     """The optimizer for ``model`` and the synchronisation registered on ``ddp``: the scheme
-    ``auto`` decided, else ``config.scheme``."""
+    ``auto`` decided, else ``config.scheme``. ``optimizer``: the one the loop steps when it is
+    not built here (a memory plan's host optimizer, whose buckets run the comm hook)."""
     scheme = config.scheme if decision is None else decision.scheme
     lr = config.learning_rate
-    decay = 0.01 if config.optimizer == "adamw" else 0.0
+    decay = _weight_decay(config)
     if isinstance(scheme, AdamMomentum | AdamUpdate):
+        if optimizer is not None:
+            raise ConfigError(f"--compress {config.compress} is an optimizer of its own")
         register_local_gradients(ddp)
         adam = CompressedAdamW(
             model.parameters(), lr=lr, weight_decay=decay, seed=config.seed, **scheme.kwargs()
         )
         return adam, Synchronisation(requested=config.compress, optimizer=adam, decision=decision)
-    optimizer: torch.optim.Optimizer
-    if config.optimizer == "sgd":
-        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    elif config.optimizer == "adam":
-        optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=decay)
+    if optimizer is None:
+        optimizer = build_optimizer(config, list(model.parameters()))
     # auto chose dense AdamW (None): DDP's fp32 all-reduce, bytes counted
     compression = TorchDense() if scheme is None else scheme
     if isinstance(compression, AdamAuto):
@@ -175,3 +180,23 @@ def attach_synchronisation(
     hook = register_compression(ddp, compression, seed=config.seed)
     sync = Synchronisation(requested=config.compress, hook=hook, decision=decision)
     return optimizer, sync
+
+
+def communicating_optimizer(config: TrainConfig) -> bool:
+    """Whether ``config``'s synchronisation is (or may be) an optimizer that communicates
+    itself (1-bit Adam), which no other optimizer can stand in for."""
+    return isinstance(config.scheme, AdamAuto | AdamMomentum | AdamUpdate)
+
+
+def build_optimizer(config: TrainConfig, params: list[Any]) -> torch.optim.Optimizer:
+    """``--optimizer`` over ``params`` (SGD with momentum 0.9, Adam, AdamW with decay 0.01)."""
+    lr = config.learning_rate
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if config.optimizer == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=_weight_decay(config))
+
+
+def _weight_decay(config: TrainConfig) -> float:
+    return 0.01 if config.optimizer == "adamw" else 0.0
