@@ -9,14 +9,16 @@ with ``max_memory_allocated``, and the allocator cap of :mod:`superneurons.memor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from superneurons.bench.memory import MemoryBenchConfig, run_memory_bench
+from superneurons.bench.memory import MODELS, MemoryBenchConfig, run_memory_bench
 from superneurons.bench.memory_report import verdicts
 from superneurons.commands import bench_memory
 from superneurons.errors import ConfigError
@@ -90,7 +92,8 @@ def test_command_writes_json_markdown_png(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     bench_memory.add_arguments(parser)
     args = parser.parse_args(
-        ["--model", "gpt", "--quick", "--budgets", "75,50", "--anchors", "checkpoint", "--out", str(tmp_path)]
+        ["--model", "gpt", "--quick", "--batch", "2", "--block-size", "64", "--budgets", "75,50",
+         "--anchors", "checkpoint", "--out", str(tmp_path)]
     )  # fmt: skip
     assert bench_memory.run(args) == 0
     body = json.loads((tmp_path / "memory.json").read_text())
@@ -164,3 +167,58 @@ def test_cuda_workspace_cap_bounds_the_step_and_restores_settings() -> None:
         assert torch.cuda.max_memory_reserved(device) <= cap_bytes
     after = (torch.cuda.get_per_process_memory_fraction(device), torch.backends.cudnn.benchmark)
     assert after == before
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_every_anchor_runs_every_bench_model_with_eager_gradients(model: str) -> None:
+    """checkpoint, selective and save_on_cpu on each model the benchmark offers (ResNet-50's
+    in-place ReLU after a unit boundary included): the step runs and its gradients are
+    bitwise eager's (recomputation replays the same ops and the same dropout draws)."""
+    from superneurons.bench.memory import _build, _no_kv_cache
+    from superneurons.bench.memory_anchors import checkpointed_units, save_on_cpu
+    from superneurons.memory.profile_types import default_units
+
+    if model == "hf-gpt2":
+        pytest.importorskip("transformers")
+    config = MemoryBenchConfig(model=model, tiny=True, batch_size=2, image_size=32, block_size=32)
+    net, inputs, targets, loss_fn = _build(config)
+    net.train()
+    units = default_units(net)
+
+    def gradients(anchor: str | None) -> dict[str, torch.Tensor]:
+        net.zero_grad(set_to_none=True)
+        torch.manual_seed(1)  # the same dropout draws in every run
+        context: Any = contextlib.nullcontext()
+        if anchor == "save_on_cpu":
+            context = save_on_cpu(torch.device("cpu"))
+        elif anchor is not None:
+            context = checkpointed_units(net, units, selective=anchor == "selective")
+        with _no_kv_cache(net), context:
+            loss_fn(net(inputs), targets).backward()
+        return {name: p.grad.clone() for name, p in net.named_parameters() if p.grad is not None}
+
+    eager = gradients(None)
+    assert eager, "no gradient at all"
+    for anchor in ("checkpoint", "selective", "save_on_cpu"):
+        got = gradients(anchor)
+        assert got.keys() == eager.keys(), anchor
+        for name, grad in eager.items():
+            assert torch.equal(got[name], grad), f"{model} {anchor}: {name}"
+
+
+def test_quick_resnet50_gives_the_planner_activations_to_trade(tmp_path: Path) -> None:
+    """--quick sizes ResNet-50 so that activations dominate: half of eager's peak is a plan
+    that fits, not an infeasible budget."""
+    parser = argparse.ArgumentParser()
+    bench_memory.add_arguments(parser)
+    args = parser.parse_args(
+        ["--model", "resnet50", "--quick", "--budgets", "50", "--anchors", "none", "--out", str(tmp_path)]
+    )  # fmt: skip
+    assert bench_memory.run(args) == 0
+    records = json.loads((tmp_path / "memory.json").read_text())["records"]
+    planned = [r for r in records if r["method"] in ("ours", "ours-offload")]
+    assert len(planned) == 2
+    eager = next(r for r in records if r["method"] == "eager")
+    for record in planned:
+        assert "skipped" not in record, record
+        assert record["peak_bytes"] <= 0.5 * eager["peak_bytes"], record

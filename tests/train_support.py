@@ -3,6 +3,9 @@ training (run in spawned ranks) and reading a rank's checkpoint back."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,3 +43,36 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, Any]:
 
 def load_checkpoint(out_dir: Path, rank: int) -> dict[str, Any]:
     return torch.load(checkpoint_path(out_dir, rank), weights_only=False)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def rank_pid(launcher: subprocess.Popen[bytes], rank: int, deadline_s: float) -> int:
+    """The pid of ``rank``'s process under a ``superneurons train`` launcher (waits for it)."""
+    while time.monotonic() < deadline_s and launcher.poll() is None:
+        for pid in descendants(launcher.pid):
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes()
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if f"\0RANK={rank}\0".encode() in environ and b"superneurons.commands.rank" in cmdline:
+                return pid
+        time.sleep(0.05)
+    raise AssertionError(f"rank {rank} never started")

@@ -61,10 +61,10 @@ def main() -> None:
         except ReplicaMismatchError as exc:
             record["nudged"] = str(exc)
     (out / f"rank{rank}.json").write_text(json.dumps(record) + "\n")
-    if two:
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
+    from superneurons.train.rank import exit_rank
+
     main()
+    exit_rank(0)  # barrier, destroy, exit without racing gloo's threads (pytorch#179291)

@@ -53,6 +53,7 @@ METHODS: tuple[str, ...] = ("eager", "ours", "ours-offload", *ANCHORS)
 # hf-gpt2: transformers' GPT2LMHeadModel with its default config (use_cache=True included).
 MODELS: tuple[str, ...] = ("resnet50", "gpt", "gpt2", "hf-gpt2")
 _TINY_GPT2 = {"n_layer": 2, "n_head": 2, "n_embd": 64, "vocab_size": 256}
+_TINY_RESNET50 = {"width": 16, "num_classes": 10}
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,8 @@ class MemoryBenchConfig:
     Attributes:
         budgets: fractions of eager's measured peak for our plans.
         compile_budgets: ``activation_memory_budget`` values swept by the compile anchor.
-        tiny: GPT-2 models at a tiny width and depth (CPU runs, tests).
+        tiny: the models at a tiny size (CPU runs, tests): GPT-2 at 2 layers of width 64,
+            ResNet-50 at base width 16 (its 50 layers and in-place ReLUs) with 10 classes.
         optimizer_in_backward: let the planner step parameters in backward (the anchors
             cannot, and DDP must not: off by default).
         cap_workspace: cap the CUDA allocator at the budget while our plans run.
@@ -158,6 +160,8 @@ def _build(config: MemoryBenchConfig) -> tuple[nn.Module, torch.Tensor, torch.Te
     name = config.model
     if name == "resnet50":
         kwargs = {"image_size": config.image_size}
+        if config.tiny:  # ResNet-50's blocks and in-place ReLUs, 1/16 of its parameters
+            kwargs.update(_TINY_RESNET50)
     elif name == "gpt":
         kwargs = {"block_size": config.block_size}
     else:  # gpt2: the zoo GPT at GPT-2 small's shape (or tiny)

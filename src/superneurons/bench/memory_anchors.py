@@ -1,6 +1,11 @@
 """The anchors of the memory benchmark: what PyTorch itself offers to trade time for memory.
 
-* ``checkpoint``: non-reentrant ``torch.utils.checkpoint`` around every unit (Chen et al. 2016);
+* ``checkpoint``: non-reentrant ``torch.utils.checkpoint`` around every unit (Chen et al. 2016),
+  except a unit that only overwrites its input in place (a parameter-free ``inplace=True``
+  module such as the ResNet stem's ``ReLU``): checkpoint cannot start at a tensor its own
+  forward mutates ("output 0 of Relu is at version 1; expected version 0" in backward), and
+  such a unit runs as in eager, its output being the tensor the next unit's checkpoint keeps
+  anyway;
 * ``selective``: per unit, selective checkpoint contexts (``superneurons.compat``) with a policy that saves
   convolution, matmul and attention outputs and recomputes the rest (Megatron-style selective
   recompute, Korthikanti et al. 2022);
@@ -27,6 +32,7 @@ __all__ = [
     "activation_memory_budget",
     "checkpointed_units",
     "compile_unavailable",
+    "overwrites_its_input",
     "save_on_cpu",
     "selective_policy_context",
 ]
@@ -51,9 +57,11 @@ def checkpointed_units(
     model: nn.Module, units: Sequence[str], *, selective: bool = False
 ) -> Iterator[None]:
     """Run every unit's forward under non-reentrant checkpoint (``selective``: with the SAC
-    policy); the original forwards come back on exit."""
+    policy), in-place units excepted (:func:`overwrites_its_input`); the original forwards
+    come back on exit."""
     context_fn = selective_policy_context if selective else None
     modules = [model.get_submodule(u) for u in units]
+    modules = [m for m in modules if not overwrites_its_input(m)]
     for module in modules:
         module.forward = _checkpointed(module.forward, context_fn)  # type: ignore[method-assign]
     try:
@@ -61,6 +69,12 @@ def checkpointed_units(
     finally:
         for module in modules:
             del module.forward
+
+
+def overwrites_its_input(module: nn.Module) -> bool:
+    """A parameter-free module built with ``inplace=True`` (``nn.ReLU``, ``nn.Dropout``, ...):
+    its forward writes over the tensor it is given, so a checkpoint cannot begin there."""
+    return bool(getattr(module, "inplace", False)) and not any(True for _ in module.parameters())
 
 
 def _checkpointed(forward: Callable[..., Any], context_fn: Callable[..., Any] | None) -> Any:

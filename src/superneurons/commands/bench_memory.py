@@ -32,6 +32,10 @@ _DEFAULT_BATCH = {
     ("hf-gpt2", "cpu"): 2,
 }
 
+# --quick: the tiny models (--tiny) at a size where activations dominate the peak, so that the
+# planner has something to trade at the default budgets (batch, image side or sequence length).
+_QUICK_SIZE = {"resnet50": (32, 64), "gpt": (16, 128), "gpt2": (16, 128), "hf-gpt2": (16, 128)}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -61,7 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="1,0.5,0.25,0.1,0",
         help="torch._functorch activation_memory_budget values the compile anchor sweeps",
     )
-    parser.add_argument("--tiny", action="store_true", help="GPT-2 models at a tiny size")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="models at a tiny size (ResNet-50 at base width 16; GPT-2 at 2 layers of 64)",
+    )
     parser.add_argument(
         "--optimizer-in-backward",
         action="store_true",
@@ -73,7 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cuda: cap the allocator at the budget while our plans run (cuDNN workspaces get "
         "what the plan leaves; an over-budget tensor then fails with out-of-memory)",
     )
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 step, no compile")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="--tiny models at a size where activations dominate (resnet50: batch 32 at 64 px; "
+        "GPTs: batch 16, 128 tokens; --batch/--image-size/--block-size still apply), 1 step, "
+        "no compile",
+    )
     parser.add_argument(
         "--render-only",
         action="store_true",
@@ -127,14 +141,21 @@ def run(args: argparse.Namespace) -> int:
     cuda = args.device == "cuda"
     anchors = _anchors(args.anchors, device=args.device, no_compile=args.no_compile or args.quick)
     quick = args.quick
+    if quick:
+        batch, size = _QUICK_SIZE[args.model]
+        image_size, block_size = args.image_size or size, args.block_size or size
+    else:
+        batch = _DEFAULT_BATCH[(args.model, args.device)]
+        image_size = args.image_size or (224 if cuda else 112)
+        block_size = args.block_size or (1024 if "gpt2" in args.model else 256)
     config = MemoryBenchConfig(
         model=args.model,
         device=args.device,
-        batch_size=args.batch or (2 if quick else _DEFAULT_BATCH[(args.model, args.device)]),
+        batch_size=args.batch or batch,
         budgets=_budgets(args.budgets),
         compile_budgets=_fractions(args.compile_budgets),
-        image_size=64 if quick else args.image_size or (224 if cuda else 112),
-        block_size=64 if quick else args.block_size or (1024 if "gpt2" in args.model else 256),
+        image_size=image_size,
+        block_size=block_size,
         steps=1 if quick else args.steps or (20 if cuda else 3),
         methods=("eager", "ours", "ours-offload", *anchors),
         tiny=args.tiny or quick,

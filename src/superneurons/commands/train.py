@@ -5,10 +5,14 @@ Examples:
   superneurons train --model gpt --data shakespeare --nproc 4 --compress powersgd:rank=4 \\
       --optimizer adamw --epochs 2 --out runs/gpt-psgd
   superneurons train ... --out runs/x --resume          # continue from runs/x/checkpoint
+  superneurons train ... --max-restarts 3 --checkpoint-every 50   # survive a lost rank
 
 Writes OUT/metrics.jsonl, OUT/summary.json, OUT/config.json and OUT/checkpoint/rank*.pt
 (the previous checkpoint kept as rank*.prev.pt until a new one is complete; --resume continues
 from the newest step every rank can read). Without --resume a run starts over in OUT.
+--checkpoint-every STEPS also saves inside an epoch; with --max-restarts N torchrun restarts
+every rank after one fails (up to N times) and they continue from the newest checkpoint every
+rank can read, by themselves (summary.json lists each resume under "resumes").
 Progress: a live bar when stderr is a terminal, a plain line every ~10 s otherwise.
 Started by your own torchrun (RANK/WORLD_SIZE/LOCAL_RANK set), it runs as that rank instead.
 --compress takes a codec spec (ctopk, adaptive, fft, rangefloat, topk, qsgd, terngrad, signsgd,
@@ -65,6 +69,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="continue from OUT/checkpoint (without it, a run starts over in OUT)",
     )
     run_group.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="also checkpoint every STEPS steps inside an epoch (default: at epoch ends only); "
+        "a failed run loses at most this many steps",
+    )
+    run_group.add_argument(
         "--budget",
         default=None,
         help="device memory budget (e.g. 2GiB): plan keep/offload/recompute",
@@ -98,6 +110,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     launch.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the c10d rendezvous")
     launch.add_argument("--master-addr", default=None, help="static rendezvous address instead")
     launch.add_argument("--master-port", type=int, default=29500)
+    launch.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="torchrun restarts every rank after one fails, up to N times; they resume from the "
+        "newest checkpoint every rank can read (see --checkpoint-every)",
+    )
 
 
 def _say_backend(nproc: int, backend: str, *, first: bool) -> None:
@@ -136,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         backend=args.backend,
         resume=args.resume,
         budget_bytes=parse_bytes(args.budget) if args.budget is not None else None,
+        checkpoint_every=args.checkpoint_every,
     )
     launch = Launch(
         nproc=args.nproc,
@@ -144,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
         rdzv_endpoint=args.rdzv_endpoint,
         master_addr=args.master_addr,
         master_port=args.master_port,
+        max_restarts=args.max_restarts,
     )
     # Validate here, before any rank starts: bad input is one line, never a rank traceback
     # (TrainConfig has parsed --compress into config.scheme, the one parse in this process).
@@ -164,6 +185,8 @@ def run(args: argparse.Namespace) -> int:
     if under_torchrun():  # started by the user's own torchrun: be a rank, launch nothing
         from superneurons.train.loop import train
 
+        if launch.max_restarts:
+            raise ConfigError("--max-restarts is torchrun's here: pass it to your torchrun")
         nproc = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         _say_backend(nproc, config.backend, first=os.environ["LOCAL_RANK"] == "0")
 
@@ -172,6 +195,8 @@ def run(args: argparse.Namespace) -> int:
 
         exit_rank(0)  # a rank's process ends here (an abort at exit otherwise: see exit_rank)
     _say_backend(launch.nproc, config.backend, first=True)  # before any rank starts
+    if not config.resume and shared:
+        _start_over(config, world_size)
     config_path = config.save(Path(config.out_dir) / "config.json")
     status = run_torchrun(launch, config_path)
     if status != 0:
@@ -180,6 +205,20 @@ def run(args: argparse.Namespace) -> int:
     if summary_path.exists():
         print(summary_path.read_text(encoding="utf-8").strip())
     return 0
+
+
+def _start_over(config: TrainConfig, world_size: int) -> None:
+    """A run without --resume removes an earlier run's checkpoint before any rank starts, so
+    that workers restarted by torchrun (--max-restarts) can only ever resume this run's."""
+    from superneurons.train.checkpoint import remove_checkpoints
+
+    removed = [p for rank in range(world_size) for p in remove_checkpoints(config.out_dir, rank)]
+    if removed:
+        print(
+            f"superneurons: starting over in {config.out_dir}: removed the earlier run's "
+            "checkpoint (pass --resume to continue a run instead)",
+            file=sys.stderr,
+        )
 
 
 def _check_data(config: TrainConfig) -> None:

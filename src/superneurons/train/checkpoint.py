@@ -12,16 +12,20 @@ on POSIX and Windows), then the directory is fsync'ed. A crash at any point leav
 rank, a complete file of the previous save; a rank that finished the new save also holds the
 new one. ``--resume`` therefore picks the newest step for which *every* rank holds a readable
 file (the ranks exchange what they hold, so they cannot disagree and never hang on a mismatch).
+
+A checkpoint is written at the end of every epoch and, with ``--checkpoint-every STEPS``, every
+``STEPS`` optimizer steps inside one (``epoch_step`` says how far into its epoch it is).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -40,6 +44,8 @@ __all__ = [
     "resume_checkpoint",
     "save_checkpoint",
 ]
+
+logger = logging.getLogger("superneurons.train")
 
 CHECKPOINT_VERSION = 1
 # Fields of the run configuration that must match to resume (the rest may change, e.g. epochs).
@@ -61,6 +67,7 @@ class Checkpoint:
     world_size: int
     metrics: dict[str, Any] = field(default_factory=dict)  # MetricsLog.state_dict(); {} if older
     path: Path | None = None  # the file it was read from
+    epoch_step: int = 0  # steps done of epoch ``epoch`` (0: saved at an epoch's end)
 
 
 @dataclass(frozen=True)
@@ -172,13 +179,18 @@ def save_checkpoint(
     config: dict[str, Any],
     world_size: int,
     metrics: dict[str, Any] | None = None,
+    epoch_step: int = 0,
 ) -> Path:
-    """Write this rank's checkpoint atomically, keeping the previous one; returns its path."""
+    """Write this rank's checkpoint atomically, keeping the previous one; returns its path.
+
+    ``epoch`` counts the epochs completed; ``epoch_step`` the steps done of the next one (a
+    checkpoint inside an epoch), 0 at an epoch's end."""
     path = checkpoint_path(out_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     body = {
         "version": CHECKPOINT_VERSION,
         "epoch": epoch,
+        "epoch_step": epoch_step,
         "step": step,
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
@@ -323,23 +335,58 @@ def load_checkpoint(
         world_size=int(body["world_size"]),
         metrics=dict(body.get("metrics") or {}),
         path=path,
+        epoch_step=int(body.get("epoch_step", 0)),
     )
 
 
+@overload
 def resume_checkpoint(
-    out_dir: str | Path, rank: int, *, config: dict[str, Any], world_size: int
-) -> Checkpoint:
+    out_dir: str | Path,
+    rank: int,
+    *,
+    config: dict[str, Any],
+    world_size: int,
+    missing_ok: Literal[False] = False,
+) -> Checkpoint: ...
+
+
+@overload
+def resume_checkpoint(
+    out_dir: str | Path, rank: int, *, config: dict[str, Any], world_size: int, missing_ok: bool
+) -> Checkpoint | None: ...
+
+
+def resume_checkpoint(
+    out_dir: str | Path,
+    rank: int,
+    *,
+    config: dict[str, Any],
+    world_size: int,
+    missing_ok: bool = False,
+) -> Checkpoint | None:
     """Inside the process group: every rank says which steps it holds readable checkpoints
     of, all take the newest step common to all, and each loads its own file of that step.
 
     Every rank takes part in the exchange before anything can fail, so a rank with a missing
     or damaged file makes *all* ranks raise the same :class:`CheckpointError` — no rank waits
-    on a collective the others never reach.
+    on a collective the others never reach. ``missing_ok``: no step that every rank holds
+    returns None on every rank instead (workers restarted before their first common
+    checkpoint start over).
     """
     steps, problems = _readable_files(out_dir, rank)
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, (sorted(steps), problems))
     held = {r: set(rank_steps) for r, (rank_steps, _) in enumerate(gathered)}
+    if missing_ok and not set.intersection(*held.values()):
+        if rank == 0:  # the same answer on every rank: they all gathered the same
+            holdings = ", ".join(f"rank {r}: {sorted(s) or 'none'}" for r, s in held.items())
+            skipped = [p for _, rank_problems in gathered for p in rank_problems]
+            logger.warning(
+                "no checkpoint step that every rank holds (%s)%s",
+                holdings,
+                f"; skipped {'; '.join(skipped)}" if skipped else "",
+            )
+        return None
     all_problems = [p for _, rank_problems in gathered for p in rank_problems]
     step = _choose(held, all_problems, Path(out_dir) / "checkpoint")
     return load_checkpoint(out_dir, rank, config=config, world_size=world_size, step=step)

@@ -61,6 +61,7 @@ class TrainConfig:
     backend: str = "auto"
     resume: bool = False
     budget_bytes: int | None = None
+    checkpoint_every: int | None = None  # also checkpoint every N steps inside an epoch
     version: int = CONFIG_VERSION
 
     def __post_init__(self) -> None:
@@ -74,6 +75,8 @@ class TrainConfig:
             _positive("limit_steps", self.limit_steps)
         if self.budget_bytes is not None:
             _positive("budget", self.budget_bytes)
+        if self.checkpoint_every is not None:
+            _positive("checkpoint_every", self.checkpoint_every)
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(
                 f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"

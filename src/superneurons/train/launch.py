@@ -6,7 +6,9 @@ node's GPUs (:func:`check_launch`), writes ``OUT/config.json`` and runs
 then joins the process group (:func:`superneurons.train.rank.init_distributed`) and calls
 :func:`superneurons.train.loop.train`. Single node by default (c10d rendezvous on a free
 localhost port); ``--nnodes/--node-rank/--rdzv-endpoint`` or ``--master-addr/--master-port``
-pass through for several machines.
+pass through for several machines, and ``--max-restarts N`` to torchrun's elastic agent: when a
+rank fails, the agent stops the others and restarts all of them (up to N times), and the
+restarted ranks resume from the newest common checkpoint (:mod:`superneurons.train.loop`).
 """
 
 from __future__ import annotations
@@ -48,8 +50,11 @@ class Launch:
     rdzv_endpoint: str | None = None  # host:port of the c10d rendezvous
     master_addr: str | None = None  # static rendezvous instead (with master_port)
     master_port: int = 29500
+    max_restarts: int = 0  # torchrun restarts every worker after a failure, this many times
 
     def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.nproc < 1:
             raise ConfigError(f"--nproc must be >= 1, got {self.nproc}")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
@@ -83,6 +88,7 @@ def torchrun_command(launch: Launch, config_path: Path) -> list[str]:
     """The torchrun command line that runs every rank of this node on ``config_path``."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(launch.nproc)]
     command += ["--nnodes", str(launch.nnodes), "--node-rank", str(launch.node_rank)]
+    command += ["--max-restarts", str(launch.max_restarts)]
     if launch.master_addr is not None:
         command += ["--master-addr", launch.master_addr, "--master-port", str(launch.master_port)]
     else:

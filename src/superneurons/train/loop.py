@@ -3,20 +3,27 @@
 Per rank: seed, build the model and data, wrap in DDP, attach the synchronisation (gradient
 compression through DDP's hook, or an optimizer that communicates itself:
 :mod:`superneurons.train.sync`), then for each epoch train over this
-rank's shard (``DistributedSampler``), evaluate on the test split, checkpoint. ``--resume``
-loads the newest checkpoint every rank holds and continues exactly where an uninterrupted run
-would be, records included (``summary.json`` counts every step, ``metrics.jsonl`` holds each
-step once); a run without ``--resume`` starts over and removes an earlier run's checkpoint.
+rank's shard (``DistributedSampler``), evaluate on the test split, checkpoint (and every
+``checkpoint_every`` steps inside an epoch). ``--resume`` loads the newest checkpoint every rank
+holds and continues exactly where an uninterrupted run would be, mid-epoch included, records
+included (``summary.json`` counts every step, ``metrics.jsonl`` holds each step once); a run
+without ``--resume`` starts over and removes an earlier run's checkpoint.
+
+Workers that torchrun restarted after a failure (``--max-restarts``; ``TORCHELASTIC_RESTART_COUNT``
+> 0) resume by themselves: from the newest checkpoint every rank can read, or from the start if
+there is none yet, so at most ``checkpoint_every`` steps (or an epoch) are computed again.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,7 +44,7 @@ from superneurons.train.checkpoint import (
     save_checkpoint,
 )
 from superneurons.train.config import TrainConfig
-from superneurons.train.metrics import MetricsLog, summarize, write_summary
+from superneurons.train.metrics import MetricsLog, last_logged_step, summarize, write_summary
 from superneurons.train.rank import init_distributed, leave_process_group
 from superneurons.train.sync import (
     attach_synchronisation,
@@ -47,7 +54,7 @@ from superneurons.train.sync import (
 )
 from superneurons.train.task import Task, build_task
 
-__all__ = ["run_training", "train"]
+__all__ = ["restart_count", "run_training", "train"]
 
 logger = logging.getLogger("superneurons.train")
 
@@ -125,28 +132,42 @@ def run_training(config: TrainConfig, device: Placement | torch.device) -> dict[
     optimizer, compression = attach_synchronisation(
         config, model, ddp, decision=decision, optimizer=host
     )
-    start_epoch = step = 0
+    start_epoch = step = done_in_epoch = 0
     if saved is not None:
         model.load_state_dict(saved.model)
         optimizer.load_state_dict(saved.optimizer)
         compression.load_state_dict(saved.compression)
         restore_rng(saved.rng)
-        start_epoch, step = saved.epoch, saved.step
+        start_epoch, step, done_in_epoch = saved.epoch, saved.step, saved.epoch_step
     # NOTE: 1-bit Adam's residuals (and moments) are per rank by design: compare the model only
     replicated = [] if isinstance(optimizer, CompressedAdamW) else [optimizer]
     check_replicas(ddp, optimizers=replicated, process_group=ddp.process_group)
     test = {"test_loss": float("nan"), "test_accuracy": float("nan")}
     resume_at = None if saved is None else (saved.epoch, saved.step)
+    restart = restart_count()
+    logged = last_logged_step(Path(config.out_dir) / "metrics.jsonl") if rank == 0 else None
     with MetricsLog(config.out_dir, enabled=rank == 0, resume_at=resume_at) as log:
         if saved is not None:
             log.load_state_dict(saved.metrics or {"steps": saved.step})
+        if saved is not None or restart:
+            step_from = 0 if saved is None else saved.step
+            log.note_resume(step=step_from, restart=restart, last_logged_step=logged)
         for epoch in range(start_epoch, config.epochs):
             sampler.set_epoch(epoch)
             ddp.train()
             progress = _progress(steps_per_epoch, f"epoch {epoch + 1}/{config.epochs}", rank)
-            for index, (inputs, targets) in enumerate(loader):
+            if done_in_epoch:  # NOTE: a DataLoader iterator draws a seed; the checkpoint's
+                with torch.random.fork_rng(devices=[]):  # RNG state came after that draw
+                    batches = iter(loader)
+                if progress is not None:
+                    progress.update(done_in_epoch)
+            else:
+                batches = iter(loader)
+            for index, (inputs, targets) in enumerate(batches):
                 if index >= steps_per_epoch:
                     break
+                if index < done_in_epoch:
+                    continue  # done before the checkpoint this run resumed from
                 inputs, targets = placement.batch((inputs, targets))
                 step_start_s = time.perf_counter()
                 optimizer.zero_grad(set_to_none=True)
@@ -175,6 +196,22 @@ def run_training(config: TrainConfig, device: Placement | torch.device) -> dict[
                 if progress is not None:
                     progress.update(1)
                     progress.set_postfix(loss=f"{loss_value:.3f}")
+                every = config.checkpoint_every
+                if every is not None and step % every == 0 and index < steps_per_epoch - 1:
+                    save_checkpoint(  # inside the epoch; its last step is saved below
+                        config.out_dir,
+                        rank,
+                        epoch=epoch,
+                        epoch_step=index + 1,
+                        step=step,
+                        model=model,
+                        optimizer=optimizer,
+                        compression=compression.state_dict(),
+                        config=asdict(config),
+                        world_size=world_size,
+                        metrics=log.state_dict(),
+                    )
+            done_in_epoch = 0
             if progress is not None:
                 progress.close()
             test = _evaluate(ddp.module, task, config, device)
@@ -198,6 +235,7 @@ def run_training(config: TrainConfig, device: Placement | torch.device) -> dict[
             codec=compression.codec,
             **compression.summary(),
             world_size=world_size,
+            restarts=restart,
             epochs=config.epochs,
             wall_s=log.wall_s,
             final_test_accuracy=test["test_accuracy"],
@@ -248,13 +286,33 @@ def _evaluate(
     return {"test_loss": loss_sum / max(count, 1), "test_accuracy": correct / max(count, 1)}
 
 
+def restart_count() -> int:
+    """How many times torchrun's elastic agent has restarted this run's workers (0: the first
+    start, or not under torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
 def _resume_or_start_over(config: TrainConfig, rank: int, world_size: int) -> Checkpoint | None:
-    """``--resume``: the checkpoint all ranks agree on. Otherwise remove an earlier run's
-    checkpoint, so that a later ``--resume`` can never mix its files with this run's."""
-    if config.resume:
-        return resume_checkpoint(config.out_dir, rank, config=asdict(config), world_size=world_size)
+    """``--resume``: the checkpoint all ranks agree on. Workers torchrun restarted: the same,
+    or a fresh start when no checkpoint is common to every rank yet. Otherwise remove an
+    earlier run's checkpoint, so that a later ``--resume`` can never mix its files with this
+    run's."""
+    restarted = restart_count()
+    if config.resume or restarted:
+        saved = resume_checkpoint(
+            config.out_dir,
+            rank,
+            config=asdict(config),
+            world_size=world_size,
+            missing_ok=not config.resume,
+        )
+        if restarted and rank == 0:
+            where = "the start" if saved is None else f"step {saved.step} (epoch {saved.epoch + 1})"
+            logger.warning("workers restarted (restart %d): continuing from %s", restarted, where)
+        if saved is not None:
+            return saved
     removed = remove_checkpoints(config.out_dir, rank)
-    if removed and rank == 0:
+    if removed and rank == 0 and not restarted:
         logger.warning(
             "starting over in %s: removed the earlier run's checkpoint (pass --resume to "
             "continue a run instead)",

@@ -11,7 +11,11 @@ backward with communication, optimizer). Epoch records: ``kind="epoch"``, ``epoc
 The records are honest across a resume: the checkpoint carries :meth:`MetricsLog.state_dict`
 (every step's time and bytes so far, the wall time so far), and a resumed run first drops the
 rows written after the checkpoint's step (atomically), so ``metrics.jsonl`` holds each step once
-and ``summary.json`` counts every step of the run, as an uninterrupted run would.
+and ``summary.json`` counts every step of the run, as an uninterrupted run would. The summary
+also lists each resume the run went through (``resumes``: the elastic restart it came from, the
+step it continued from, and the last step ``metrics.jsonl`` held before it: with
+``--log-every 1`` their difference is the work recomputed) and ``restarts``, how many times
+torchrun restarted the workers.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-__all__ = ["MetricsLog", "keep_records_until", "summarize", "write_summary"]
+__all__ = ["MetricsLog", "keep_records_until", "last_logged_step", "summarize", "write_summary"]
 
 METRICS_STATE_VERSION = 1
 
@@ -43,6 +47,22 @@ def _before(row: dict[str, Any], *, epochs_done: int, steps_done: int) -> bool:
     if row.get("kind") == "epoch":
         return int(row.get("epoch", 0)) < epochs_done
     return int(row.get("step", 0)) <= steps_done
+
+
+def last_logged_step(path: str | Path) -> int | None:
+    """The highest ``step`` of the step rows in ``path`` (None: no file or no step row)."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    steps = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and row.get("kind") == "step":
+            steps.append(int(row.get("step", 0)))
+    return max(steps, default=None)
 
 
 def keep_records_until(path: str | Path, *, epochs_done: int, steps_done: int) -> int:
@@ -92,6 +112,7 @@ class MetricsLog:
         self._wall_before_s = 0.0
         self._start_s = time.perf_counter()
         self._new_process = True
+        self.resumes: list[dict[str, Any]] = []  # every resume on the way to this point
         self._file: IO[str] | None = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -131,6 +152,15 @@ class MetricsLog:
         self.bytes_sent.append(bytes_sent)
         self.dense_bytes.append(dense_bytes)
 
+    def note_resume(self, *, step: int, restart: int, last_logged_step: int | None) -> None:
+        """This process continues the run from a checkpoint of ``step`` (0: from the start)
+        after torchrun's ``restart``-th restart of the workers (0: a ``--resume`` by hand);
+        ``last_logged_step``: the newest step row ``metrics.jsonl`` held before (None on ranks
+        that do not write it). Call after :meth:`load_state_dict`."""
+        self.resumes.append(
+            {"restart": restart, "step": step, "last_logged_step": last_logged_step}
+        )
+
     def write(self, kind: str, **fields: Any) -> None:
         if self._file is not None:
             self._file.write(json.dumps({"kind": kind, **fields}) + "\n")
@@ -145,6 +175,7 @@ class MetricsLog:
             "dense_bytes": list(self.dense_bytes),
             "cold_steps": list(self.cold_steps),
             "wall_s": self.wall_s,
+            "resumes": [dict(r) for r in self.resumes],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -155,6 +186,7 @@ class MetricsLog:
         self.dense_bytes = [int(b) for b in state.get("dense_bytes", [])]
         self.cold_steps = [int(i) for i in state.get("cold_steps", [])]
         self.steps = int(state.get("steps", len(self.step_s)))
+        self.resumes = [dict(r) for r in state.get("resumes", [])]
         self._wall_before_s = float(state.get("wall_s", 0.0))
         self._start_s = time.perf_counter()
         self._new_process = True
@@ -169,6 +201,7 @@ def summarize(log: MetricsLog, **fields: Any) -> dict[str, Any]:
     return {
         **fields,
         "steps": log.steps,
+        "resumes": [dict(r) for r in log.resumes],
         "mean_step_s": statistics.fmean(steady) if steady else None,
         "bytes_per_step": statistics.fmean(log.bytes_sent) if log.bytes_sent else None,
         "dense_bytes_per_step": statistics.fmean(log.dense_bytes) if log.dense_bytes else None,

@@ -56,8 +56,22 @@ def init_distributed(backend: str) -> Placement:
     placement = Placement(rank_device(choice.backend, local_rank))
     if placement.device.type == "cuda":
         torch.cuda.set_device(placement.device)
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None:
+        dist.init_process_group(choice.backend, timeout=timeout)
+        return placement
+    # NOTE: torchrun's agent keeps one TCP store for every restart of the workers, and the
+    # process group's keys (gloo's peer addresses) are not per attempt: restarted workers
+    # read the dead workers' addresses and fail with "Connection refused" (pytorch#167288).
+    # Each attempt gets its own key space.
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
     dist.init_process_group(
-        choice.backend, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        choice.backend,
+        store=dist.PrefixStore(f"superneurons/attempt{restart}", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
     )
     return placement
 
