@@ -157,11 +157,8 @@ def _usable(profiles: Sequence[Profile], strategy: str) -> list[Profile]:
     # NOTE: a head computing its gradient in the forward holds its weight's gradient from
     # forward to backward, which stepping in backward exists to avoid, and the state timeline
     # (by gradient births) would fetch its state in the forward: not combined
-    return [
-        p
-        for p in profiles
-        if not (strategy in _IN_BACKWARD and p.head and p.head.mode == "grad-in-forward")
-    ]
+    in_backward = strategy in _IN_BACKWARD
+    return [p for p in profiles if not (in_backward and p.head and p.head.mode != "recompute")]
 
 
 def _search(profile: Profile, strategy: str, budget_bytes: int | None, cost: CostModel) -> _Choice:
@@ -279,8 +276,9 @@ def make_plan(
     """Plan keep / offload / recompute per unit so the predicted peak fits ``budget_bytes``.
 
     ``allow_optimizer_in_backward=False`` keeps ``auto`` (and the minimum an infeasible budget
-    names) to strategies that step the optimizer after backward, as DDP needs: under
-    optimizer-in-backward a parameter would be stepped before its gradient is all-reduced.
+    names) to strategies that step the optimizer after backward, as DDP needs (a parameter
+    would be stepped before its gradient is all-reduced); ``allow_host_optimizer=False`` away
+    from ``offload+host-optimizer`` (a model DDP already wraps: the plan goes on before it).
 
     ``strategy``: ``eager`` (keep all), ``checkpoint`` (recompute every unit), ``recompute``
     (cost-aware recompute only), ``offload`` (cost-aware offload and recompute),
@@ -291,10 +289,6 @@ def make_plan(
     the state on the host only if nothing on the device fits), ``offload+host-optimizer``
     (the optimizer on the host, stepped per gradient bucket: DDP-compatible; ``auto`` takes it
     last, when nothing else fits).
-
-    ``allow_host_optimizer=False`` keeps ``auto`` (and the minimum an infeasible budget names)
-    away from ``offload+host-optimizer``: for a model already wrapped in DDP, whose reducer
-    holds its gradient buckets (the host optimizer needs the plan applied before wrapping).
 
     ``chunked``: profiles of the same step below the largest layer (the LM head + loss in
     chunks, sub-layers split over the sequence: ``memory.below``), tried in order by each
@@ -323,7 +317,7 @@ def make_plan(
             minima.pop(name, None)
     if not allow_host_optimizer:
         if strategy == HOST_OPTIMIZER:
-            raise ConfigError(f"strategy {HOST_OPTIMIZER!r} contradicts allow_host_optimizer=False")
+            raise ConfigError(f"{HOST_OPTIMIZER!r} contradicts allow_host_optimizer=False")
         minima.pop(HOST_OPTIMIZER, None)
     best_strategy = min(minima, key=lambda s: minima[s])
     if strategy == "auto":
