@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from integrations_support import ROOT, TinyLM, batch, check_example_ranks, torch
 from superneurons.errors import ConfigError
 from superneurons.integrations.hf import plan_for_batch, training_without_kv_cache
 from superneurons.memory import apply_plan
+from superneurons.memory.profile_types import ALLOCATOR_MARGIN_BYTES
 
 needs_hf = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None, reason="transformers not installed"
@@ -186,10 +188,10 @@ def test_plan_for_batch_on_cuda_keeps_gradients_exact() -> None:
 
 def _hf_step_peak(*, use_cache: bool) -> tuple[int, int]:
     """(predicted, measured) peak bytes of a steady-state step of a tiny HF GPT-2 under a
-    recompute plan; measured with the same live-storage tracker the profile uses."""
+    recompute plan; measured in the c10 allocator's view, which a real cpu profile predicts."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from superneurons.memory import LiveStorageTracker
+    from superneurons.bench.memory_meter import allocator_peak_bytes
 
     torch.manual_seed(0)
     config = GPT2Config(
@@ -200,26 +202,74 @@ def _hf_step_peak(*, use_cache: bool) -> tuple[int, int]:
     ids = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(0))
     data = {"input_ids": ids, "labels": ids}
     optimizer = torch.optim.AdamW(model.parameters())
-    model(**data).loss.backward()
-    optimizer.step()  # steady state: the optimizer's moments exist, as the plan predicts
+
+    def step() -> None:
+        model(**data).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def resident() -> list[torch.Tensor]:
+        state = [t for s in optimizer.state.values() for t in s.values()]
+        return [*model.parameters(), *model.buffers(), ids, *state]
+
+    step()  # steady state: the optimizer's moments exist, as the plan predicts
     plan = plan_for_batch(
         model, data, budget_fraction=0.8, optimizer=optimizer, strategy="checkpoint"
     )
-    optimizer.zero_grad(set_to_none=True)
-    tracker = LiveStorageTracker()
-    tracker.register([*model.parameters(), *model.buffers(), ids])
-    tracker.register([t for s in optimizer.state.values() for t in s.values()])
-    with apply_plan(model, plan), tracker:
-        model(**data).loss.backward()
-        optimizer.step()
-    return plan.predicted_peak_bytes, tracker.peak_bytes
+    with apply_plan(model, plan):
+        return plan.predicted_peak_bytes, allocator_peak_bytes(step, resident=resident)
 
 
 @needs_hf
 def test_hf_plan_peak_is_exact_with_and_without_kv_cache() -> None:
+    # exact up to the stated margin for what the allocator serves outside any op
     predicted, measured = _hf_step_peak(use_cache=False)
-    assert measured == predicted
+    assert predicted - ALLOCATOR_MARGIN_BYTES <= measured <= predicted
     # HF's default use_cache=True: under a plan the cache is off in training (as HF's own
     # gradient checkpointing does), so recomputed blocks cannot append to it again
-    predicted, measured = _hf_step_peak(use_cache=True)
-    assert measured == predicted
+    predicted_cached, measured = _hf_step_peak(use_cache=True)
+    assert predicted_cached == predicted
+    assert predicted - ALLOCATOR_MARGIN_BYTES <= measured <= predicted
+
+
+@needs_hf
+def test_keep_outputs_plans_the_no_trainer_loop_within_budget() -> None:
+    """HF's ``no_trainer`` loop keeps ``outputs`` (the logits) until the next step reassigns
+    them: ``plan_for_batch(..., keep_outputs=True)`` counts them, and the loop stays within."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from superneurons.bench.memory_meter import allocator_peak_bytes
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=3, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0,
+        eos_token_id=0, use_cache=False,
+    )  # fmt: skip
+    model = GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(0))
+    data = {"input_ids": ids, "labels": ids}
+    optimizer = torch.optim.AdamW(model.parameters())
+    kept: dict[str, Any] = {}
+
+    def step() -> None:
+        outputs = model(**data)
+        outputs.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        kept["outputs"] = outputs  # alive until the next step's outputs replace it
+
+    def resident() -> list[torch.Tensor]:
+        state = [t for s in optimizer.state.values() for t in s.values()]
+        logits = [kept["outputs"].logits] if kept else []
+        return [*model.parameters(), *model.buffers(), ids, *state, *logits]
+
+    step()
+    loss_only = plan_for_batch(model, data, budget_fraction=1.0, optimizer=optimizer)
+    eager = plan_for_batch(model, data, budget_fraction=1.0, optimizer=optimizer, keep_outputs=True)
+    assert eager.predicted_peak_bytes > loss_only.predicted_peak_bytes  # the logits count
+    budget = eager.predicted_peak_bytes - 1  # a plan that must act
+    plan = plan_for_batch(model, data, budget_bytes=budget, optimizer=optimizer, keep_outputs=True)
+    with apply_plan(model, plan):
+        measured = allocator_peak_bytes(step, resident=resident)
+    assert measured <= budget
+    assert plan.predicted_peak_bytes - ALLOCATOR_MARGIN_BYTES <= measured

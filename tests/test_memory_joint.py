@@ -248,8 +248,9 @@ def test_cuda_pinned_pool_prefetch_overlaps_compute() -> None:
 def test_device_presets_and_measured_copy_bandwidth() -> None:
     from superneurons.memory.cost import DEVICE_PRESETS, cost_model, measure_copy_bandwidth
 
-    assert set(DEVICE_PRESETS) == {"h100", "a100", "cpu"}
+    assert set(DEVICE_PRESETS) == {"h100", "a100", "a100-80gb", "rtx4090", "cpu"}
     h100 = cost_model("h100")
+    assert h100.memory_bytes == 80 * 2**30 and cost_model("rtx4090").memory_bytes == 24 * 2**30
     assert h100.fetch_s(54_600_000_000) == pytest.approx(1.0)  # measured on an H100: 54.6 GB/s back
     assert h100.copy_s(41_700_000_000) == pytest.approx(1.0)  # and 41.7 GB/s to the host
     assert cost_model("a100", bandwidth_bytes_per_s=1e9).bandwidth_bytes_per_s == 1e9

@@ -12,12 +12,13 @@ import pytest
 import torch
 from torch import nn
 
+from superneurons.bench.memory_meter import allocator_peak_bytes
 from superneurons.errors import ConfigError
 from superneurons.memory import apply_plan, make_plan, min_peak_bytes, profile_step
 from superneurons.memory.below import below_profiles, head_chunking
 from superneurons.memory.lmhead import chunk_head, find_output_embedding
 from superneurons.memory.plan import HeadChunking, Plan, UnitDecision
-from superneurons.memory.tracker import LiveStorageTracker
+from superneurons.memory.profile_types import ALLOCATOR_MARGIN_BYTES
 
 transformers = pytest.importorskip("transformers")
 
@@ -178,14 +179,20 @@ def test_planner_chunks_the_head_only_when_the_budget_needs_it() -> None:
         planned(batch).backward()  # warm-up: AdamW's state exists from now on
         opt2.step()
         opt2.zero_grad(set_to_none=True)
-        tracker = LiveStorageTracker()
-        state = [t for s in opt2.state.values() for t in s.values() if torch.is_tensor(t)]
-        tracker.register([*planned.parameters(), *planned.buffers(), *state])
-        tracker.register([t for t in batch.values()])
-        with tracker:
+
+        def one() -> None:
             planned(batch).backward()
             opt2.step()
-    assert tracker.peak_bytes == tight.predicted_peak_bytes
+            opt2.zero_grad(set_to_none=True)
+
+        def resident() -> list[torch.Tensor]:
+            state = [t for s in opt2.state.values() for t in s.values() if torch.is_tensor(t)]
+            return [*planned.parameters(), *planned.buffers(), *state, *batch.values()]
+
+        measured = allocator_peak_bytes(one, resident=resident)
+    # exact up to the stated margin for what the allocator serves outside any op
+    predicted = tight.predicted_peak_bytes
+    assert predicted - ALLOCATOR_MARGIN_BYTES <= measured <= predicted
 
 
 def _native() -> bool:

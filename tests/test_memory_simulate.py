@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from superneurons.bench.search import max_fitting
 from superneurons.errors import ConfigError
 from superneurons.memory.planner import make_plan, min_peak_bytes
 from superneurons.memory.predict import evaluate
 from superneurons.memory.profile import profile_step
+from superneurons.memory.search import max_fitting
 from superneurons.memory.simulate import profile_zoo, simulate_plan
 
 

@@ -3,7 +3,7 @@
 Deepest bottleneck ResNet ``[6, 32, n, 6]`` (batch 16, 224x224, fp32, SGD with momentum) whose
 predicted step peak fits ``0.95 x 12 GiB`` per strategy, and the largest batch of ResNet-50/101/152
 in 12 GiB. All on fake tensors (no memory used). Depth and batch come from the affine fit of
-:func:`superneurons.bench.search.max_fitting`; one direct profile at the eager answer's depth
+:func:`superneurons.memory.search.max_fitting`; one direct profile at the eager answer's depth
 validates the extrapolation. The anchors (depths measured on this machine with fake tensors) are
 compared in the same run as ratios.
 """
@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from superneurons.bench.artifacts import markdown_table, pyplot, write_json, write_markdown
-from superneurons.bench.search import max_fitting, zoo_peaks
+from superneurons.memory.plan import SEARCH_STRATEGIES
 from superneurons.memory.planner import min_peak_bytes
+from superneurons.memory.search import max_fitting, zoo_peaks
 from superneurons.models.resnet import n_to_depth
 
 __all__ = ["ANCHOR_DEPTHS", "PAPER_DEPTHS", "run_deeper"]
@@ -25,14 +26,6 @@ __all__ = ["ANCHOR_DEPTHS", "PAPER_DEPTHS", "run_deeper"]
 logger = logging.getLogger("superneurons.bench")
 
 GIB = 1024**3
-STRATEGIES = (
-    "eager",
-    "checkpoint",
-    "recompute",
-    "offload",
-    "offload+opt-in-backward",
-    "offload+opt-on-host",
-)
 # Row labels of the Markdown table (the strategy names are the planner's).
 LABELS: dict[str, str] = {
     "offload+opt-in-backward": "offload + optimizer in backward",
@@ -68,7 +61,7 @@ def run_deeper(
     records: list[dict[str, Any]] = []
     peaks = zoo_peaks("resnet", "n", optimizer="sgd", batch_size=16)
     fits = max_fitting(
-        peaks, STRATEGIES, budget_bytes=budget_bytes, sizes=DEPTH_SAMPLES, progress=say
+        peaks, SEARCH_STRATEGIES, budget_bytes=budget_bytes, sizes=DEPTH_SAMPLES, progress=say
     )
     eager_depth = n_to_depth(fits["eager"].size)
     for strategy, fit in fits.items():
@@ -120,7 +113,7 @@ def run_deeper(
     for name in ("resnet50", "resnet101", "resnet152"):
         fits_b = max_fitting(
             zoo_peaks(name, "batch", optimizer="sgd"),
-            STRATEGIES,
+            SEARCH_STRATEGIES,
             budget_bytes=device_bytes,
             sizes=BATCH_SAMPLES,
             progress=say,
@@ -310,7 +303,7 @@ def _write(
             width=0.25,
             label=model,
         )
-    right.set_xticks(range(len(STRATEGIES)), STRATEGIES, rotation=20)
+    right.set_xticks(range(len(SEARCH_STRATEGIES)), SEARCH_STRATEGIES, rotation=20)
     right.set_ylabel("max batch in 12 GiB")
     right.legend()
     fig.tight_layout()

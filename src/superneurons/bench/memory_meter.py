@@ -1,9 +1,12 @@
 """How the memory benchmark measures one training step: device peak and step time.
 
-* **CPU** (``device="cpu"``): the peak is the dispatch-level live-storage count
-  (:class:`~superneurons.memory.tracker.LiveStorageTracker`) of one steady-state step, host
-  buffers (the tensor pool's slab) subtracted, i.e. what a GPU would hold; time is the median
-  wall time of ``steps`` untracked steps, with the process CPU time beside it.
+* **CPU** (``device="cpu"``): the peak is the c10 CPU allocator's (:func:`allocator_peak_bytes`:
+  every allocation and free the allocator reports to ``torch.profiler``, so kernel scratch
+  buffers and what ``torch.compile``'s generated code allocates below the dispatcher are in it)
+  of one steady-state step on top of the resident tensors; the dispatch-level live-storage count
+  (:func:`device_peak_bytes`, what the planner predicts, host buffers such as the tensor pool's
+  slab subtracted) is reported beside it. Time is the median wall time of ``steps`` unmeasured
+  steps, with the process CPU time beside it.
 * **CUDA**: the peak is ``torch.cuda.max_memory_allocated`` over one steady-state step, with the
   peak statistics reset after the warm-up (cuDNN workspaces, allocator rounding and everything
   else the caching allocator serves are in it; pinned host memory is not); time is the median
@@ -24,21 +27,28 @@ import torch
 
 from superneurons.memory.tracker import LiveStorageTracker
 
-__all__ = ["StepMeasure", "device_peak_bytes", "measure_step"]
+__all__ = ["StepMeasure", "allocator_peak_bytes", "device_peak_bytes", "measure_step"]
 
 StepFn = Callable[[], None]
 
 
 @dataclass(frozen=True)
 class StepMeasure:
-    """One method's measured step. ``cpu_s`` is process CPU time (CPU device only)."""
+    """One method's measured step. ``cpu_s`` is process CPU time and ``tracked_peak_bytes`` the
+    live-storage view of the same step (CPU device only)."""
 
     peak_bytes: int
     step_s: float
     cpu_s: float | None = None
+    tracked_peak_bytes: int | None = None
 
     def as_record(self) -> dict[str, float | int | None]:
-        return {"peak_bytes": self.peak_bytes, "step_s": self.step_s, "step_cpu_s": self.cpu_s}
+        return {
+            "peak_bytes": self.peak_bytes,
+            "step_s": self.step_s,
+            "step_cpu_s": self.cpu_s,
+            "tracked_peak_bytes": self.tracked_peak_bytes,
+        }
 
 
 def device_peak_bytes(
@@ -47,14 +57,69 @@ def device_peak_bytes(
     """Live-storage peak of ``step()`` on top of ``resident`` tensors, ``host`` buffers excluded.
 
     ``host`` (e.g. ``handle.pool.host_buffers()``) is registered first and subtracted: pinned
-    host memory is not device memory.
+    host memory is not device memory. Pass fresh sequences (``resident=[...]``): the meter
+    drops its references before the step, so the step can free what it frees in a loop.
     """
     tracker = LiveStorageTracker()
     host_bytes = tracker.register(host)
     tracker.register(resident)
+    del resident, host  # the step may free them (a loop's previous outputs): hold no reference
     with tracker:
         step()
     return int(tracker.peak_bytes - host_bytes)
+
+
+def allocator_peak_bytes(step: StepFn, *, resident: Callable[[], Sequence[torch.Tensor]]) -> int:
+    """Peak bytes of the c10 CPU allocator over one ``step()``, on top of ``resident()``.
+
+    ``torch.profiler`` with ``profile_memory=True`` records every allocation and free the CPU
+    allocator serves (``[memory]`` events, in time order): tensors, the scratch buffers kernels
+    allocate for themselves (flash attention's, a reduction's), and what inductor's generated
+    code allocates, none of which a dispatch-level count sees. The allocator reports a free only
+    for blocks allocated while the profiler ran, so ``step()`` runs twice under it: once to
+    allocate what a loop carries from step to step (a previous step's ``outputs``), then the
+    measured step, marked with ``record_function``. The peak is the storage bytes of
+    ``resident()`` and of their ``.grad`` at the start of the measured step (parameters,
+    optimizer state, the batch: what is alive and never freed) plus the largest running sum of
+    the measured step's events. Blocks allocated before the profiler and freed by the step are
+    not subtracted (the peak can only be over-counted by them).
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    marker = "superneurons::measured_step"
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()  # what this step allocates and the next frees is known to the profiler
+        base = _storage_bytes(resident())
+        with record_function(marker):
+            step()
+    # NOTE: the kineto event list keeps each allocation as its own record; the aggregated
+    # ``prof.events()`` folds allocations inside an op into the op.
+    events = list(prof.profiler.kineto_results.events())  # type: ignore[union-attr]
+    window = next((e.start_ns(), e.end_ns()) for e in events if e.name() == marker)
+    memory = sorted(
+        (e.start_ns(), i, e.nbytes())
+        for i, e in enumerate(events)
+        if e.name() == "[memory]"
+        and e.device_type() == DeviceType.CPU
+        and window[0] <= e.start_ns() <= window[1]
+    )
+    running = peak = 0
+    for _, _, nbytes in memory:
+        running += nbytes
+        peak = max(peak, running)
+    return base + peak
+
+
+def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of the distinct cpu storages of ``tensors`` and of their gradients."""
+    alive = [*tensors, *(t.grad for t in tensors if t.is_leaf and t.grad is not None)]
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in alive
+        if t.device.type == "cpu"
+    }
+    return sum(storages.values())
 
 
 def measure_step(
@@ -72,14 +137,15 @@ def measure_step(
         step()
     if device.type == "cuda":
         return _measure_cuda(step, device, steps)
-    peak = device_peak_bytes(step, resident=resident(), host=host())
+    tracked = device_peak_bytes(step, resident=resident(), host=host())
+    peak = allocator_peak_bytes(step, resident=resident)
     walls, cpus = [], []
     for _ in range(steps):
         wall, cpu = time.perf_counter(), time.process_time()
         step()
         walls.append(time.perf_counter() - wall)
         cpus.append(time.process_time() - cpu)
-    return StepMeasure(peak, statistics.median(walls), statistics.median(cpus))
+    return StepMeasure(peak, statistics.median(walls), statistics.median(cpus), tracked)
 
 
 def _measure_cuda(step: StepFn, device: torch.device, steps: int) -> StepMeasure:

@@ -1,131 +1,195 @@
-"""Plan keep / offload / recompute for a zoo model under a device byte budget.
+"""Plan keep / offload / recompute for a model under a device byte budget (fake tensors).
 
-Profiles one training step on fake tensors (no memory is used) and prints the plan:
+Profiles one training step on fake tensors (no memory is used, no weights are read) and prints
+every strategy's floor and the plan for the budget:
 
     superneurons plan --model resnet --depth 590 --batch 16 --budget 12GiB
     superneurons plan --model gpt --batch 8 --budget 12GiB --optimizer adamw --json
+    superneurons plan --model hf:llama-3-8b --seq-len 8192 --dtype bf16 --device-preset h100
+    superneurons plan --model hf:path/to/config.json --seq-len 4096 --autocast bf16 --budget 24GiB
     superneurons plan --model resnet --batch 16 --budget 11.4GiB --max-depth
-    superneurons plan --model resnet50 --budget 12GiB --max-batch --strategy offload
+    superneurons plan --model hf:llama-3.2-1b --device-preset rtx4090 --max-seq-len
 
-``--max-depth`` / ``--max-batch`` search the largest ``[6, 32, n, 6]`` ResNet depth / batch whose
-smallest predicted peak fits, per strategy (an affine fit over three profiled sizes; see
-``superneurons.memory.simulate``). Progress goes to stderr.
+``--model hf:NAME_OR_PATH`` builds a Hugging Face causal LM from a configuration
+(``superneurons.models.hf_configs`` ships a few by name; a path is any ``config.json``) and
+profiles the step as people write it, modelling the target device's attention kernels and
+optimizer implementation (``superneurons.memory.llm``). ``--max-depth`` / ``--max-batch`` /
+``--max-seq-len`` search the largest size whose smallest predicted peak fits, per strategy (an
+affine fit over three profiled sizes, ``superneurons.memory.search``). Progress goes to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
-from superneurons.bench.search import max_fitting, profile_for_strategy, zoo_peaks
-from superneurons.bytesize import format_bytes, parse_bytes
+from superneurons.bytesize import format_bytes
+from superneurons.commands.plan_search import SEQ_QUANTUM, run_search
+from superneurons.commands.plan_target import (
+    HF,
+    ZOO_BUDGET,
+    budget_bytes_of,
+    device_cost,
+    lm_target,
+    progress,
+    zoo_kwargs,
+)
 from superneurons.errors import ConfigError
-from superneurons.memory.bounds import largest_unit_bytes, resident_bytes
-from superneurons.memory.cost import DEVICE_PRESETS, CostModel, cost_model
-from superneurons.memory.plan import STRATEGIES, InfeasibleBudgetError
-from superneurons.memory.planner import make_plan, min_peak_bytes
-from superneurons.memory.profile_types import GRANULARITIES
+from superneurons.memory.cost import DEVICE_PRESETS, CostModel
+from superneurons.memory.llm import DTYPES, OPTIMIZER_IMPLS, attention_ops, profile_causal_lm
+from superneurons.memory.plan import SEARCH_STRATEGIES, STRATEGIES, InfeasibleBudgetError, Plan
+from superneurons.memory.planner import make_plan, strategy_floors
+from superneurons.memory.profile_types import GRANULARITIES, Profile
+from superneurons.memory.search import profile_for_strategy
 from superneurons.memory.simulate import OPTIMIZERS, profile_zoo
 
 HELP = "plan keep/offload/recompute per unit under a memory budget (fake tensors)"
-SEARCH_STRATEGIES = (
-    "eager",
-    "checkpoint",
-    "recompute",
-    "offload",
-    "offload+opt-in-backward",
-    "offload+opt-on-host",
-)
-DEPTH_SAMPLES = (24, 48, 72)  # stage-3 blocks n; the peak sits in stage 3 from n ~ 20 on
-BATCH_SAMPLES = (4, 8, 16)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="resnet", help="zoo model (resnet, resnet50, gpt, ...)")
+    parser.add_argument(
+        "--model",
+        default="resnet",
+        help="zoo model (resnet, resnet50, gpt, ...) or hf:NAME_OR_PATH, a causal LM from a "
+        "shipped configuration (llama-3-8b, llama-3.2-1b, qwen2.5-7b, gpt2) or a config.json",
+    )
     parser.add_argument(
         "--depth", type=int, default=None, help="resnet depth (3n + 134 or 50/101/152)"
     )
-    parser.add_argument("--batch", type=int, default=16, help="batch size (default 16)")
-    parser.add_argument("--budget", default="12GiB", help="device budget, e.g. 12GiB, 11.4GiB")
+    parser.add_argument("--batch", type=int, default=None, help="batch size (16; hf: 1)")
+    parser.add_argument(
+        "--budget",
+        default=None,
+        help=f"device budget, e.g. 12GiB (default {ZOO_BUDGET}; hf: the device preset's memory)",
+    )
     parser.add_argument("--strategy", default="auto", choices=STRATEGIES)
     parser.add_argument("--image-size", type=int, default=None, help="image side (default 224)")
-    parser.add_argument("--optimizer", default="sgd", choices=tuple(OPTIMIZERS))
+    parser.add_argument(
+        "--optimizer", default=None, choices=tuple(OPTIMIZERS), help="default sgd; hf: adamw"
+    )
     parser.add_argument("--preset", default=None, help="gpt preset (default gpt2)")
     parser.add_argument(
         "--device-preset",
         default="a100",
         choices=tuple(DEVICE_PRESETS),
-        help="device speeds of the cost model (memory.cost.DEVICE_PRESETS; default a100)",
+        help="the device: speeds of the cost model and memory size (memory.cost.DEVICE_PRESETS; "
+        "default a100)",
     )
     parser.add_argument(
-        "--bandwidth", default=None, help="host<->device bytes/s (default: the preset's)"
+        "--bandwidth",
+        default=None,
+        help="host<->device rate: 16GB/s, 128gbit, or a byte size per second (default: the "
+        "preset's)",
     )
     parser.add_argument(
         "--granularity",
-        default="auto",
-        choices=GRANULARITIES,
-        help="units: blocks plus the rest of the step, every layer, or auto (default: blocks "
-        "or the largest blocks split into layers, whichever gives the strategy a lower floor)",
+        default=None,
+        choices=(*GRANULARITIES, "auto"),
+        help="units: blocks plus the rest of the step, every layer, the largest blocks split "
+        "into layers, or auto: block or split, whichever gives the strategy the lower floor "
+        "(default auto; hf: block)",
+    )
+    lm = parser.add_argument_group("language models (--model hf:...)")
+    lm.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (2048)")
+    lm.add_argument("--dtype", default="fp32", choices=tuple(DTYPES), help="parameter dtype")
+    lm.add_argument(
+        "--autocast", default=None, choices=("bf16",), help="forward + loss under autocast"
+    )
+    lm.add_argument(
+        "--optimizer-impl",
+        default=None,
+        choices=OPTIMIZER_IMPLS,
+        help="default: what torch.optim runs on the target device (foreach on cuda)",
+    )
+    lm.add_argument(
+        "--target-device",
+        default=None,
+        choices=("cuda", "cpu"),
+        help="whose kernels are modelled (default: cpu for --device-preset cpu, else cuda)",
+    )
+    lm.add_argument(
+        "--keep-outputs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the loop keeps outputs (the logits) alive through backward, as HF's no_trainer "
+        "examples do (default); --no-keep-outputs: freed before backward, as HF's Trainer",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     search = parser.add_mutually_exclusive_group()
     search.add_argument("--max-depth", action="store_true", help="largest resnet depth that fits")
     search.add_argument("--max-batch", action="store_true", help="largest batch that fits")
-
-
-def _model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {}
-    if args.image_size is not None:
-        kwargs["image_size"] = args.image_size
-    if args.model == "resnet" and args.depth is not None:
-        kwargs["depth"] = args.depth
-    elif args.depth is not None:
-        raise ConfigError("--depth applies to --model resnet only; use resnet50/101/152 by name")
-    if args.model == "gpt":
-        kwargs["preset"] = args.preset or "gpt2"
-    return kwargs
-
-
-def _progress(message: str) -> None:
-    print(f"[plan] {message}", file=sys.stderr, flush=True)
+    search.add_argument(
+        "--max-seq-len",
+        action="store_true",
+        help=f"hf: longest sequence (x{SEQ_QUANTUM}) that fits",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    budget_bytes = parse_bytes(args.budget)
-    if args.batch < 1:
+    if args.batch is not None and args.batch < 1:
         raise ConfigError(f"--batch must be >= 1, got {args.batch}")
-    cost: CostModel = cost_model(args.device_preset)
-    if args.bandwidth is not None:
-        rate = float(parse_bytes(args.bandwidth))
-        cost = cost_model(args.device_preset, bandwidth_bytes_per_s=rate, h2d_bytes_per_s=rate)
-    kwargs = _model_kwargs(args)
+    if args.seq_len is not None and args.seq_len < 1:
+        raise ConfigError(f"--seq-len must be >= 1, got {args.seq_len}")
+    cost = device_cost(args)
+    budget_bytes = budget_bytes_of(args, cost)
     strategies = SEARCH_STRATEGIES if args.strategy == "auto" else (args.strategy,)
-    if args.max_depth or args.max_batch:
-        return _search(args, kwargs, strategies, budget_bytes, cost)
-    _progress(f"profiling {args.model} batch {args.batch} on fake tensors")
-    options = dict(batch_size=args.batch, optimizer=args.optimizer, **kwargs)
-    if args.granularity == "auto":  # blocks, or the largest blocks split: the lower floor
+    language_model = args.model.startswith(HF)
+    if not language_model and (args.max_seq_len or args.seq_len or args.autocast):
+        raise ConfigError("--seq-len, --autocast and --max-seq-len apply to --model hf:... only")
+    if args.max_depth or args.max_batch or args.max_seq_len:
+        return run_search(args, strategies, budget_bytes, cost)
+    if language_model:
+        config, step, record = lm_target(args)
+        progress(f"profiling {args.model} {step.batch_size} x {step.seq_len} on fake tensors")
+        granularity = args.granularity or "block"
+        if granularity != "block":
+            raise ConfigError("hf: models are planned per block: leave --granularity out")
+        profile = profile_causal_lm(config, step)
+        record["attention_ops"] = attention_ops(profile)
+    else:
+        record, profile, granularity = _zoo(args, cost)
+    record["granularity"] = granularity
+    record["device_preset"] = args.device_preset
+    return _report(args, record, profile, budget_bytes, cost)
+
+
+def _zoo(args: argparse.Namespace, cost: CostModel) -> tuple[dict[str, Any], Profile, str]:
+    kwargs = zoo_kwargs(args)
+    batch = args.batch or 16
+    progress(f"profiling {args.model} batch {batch} on fake tensors")
+    options = dict(batch_size=batch, optimizer=args.optimizer or "sgd", **kwargs)
+    granularity = args.granularity or "auto"
+    if granularity == "auto":  # blocks, or the largest blocks split: the lower floor
         profile, granularity = profile_for_strategy(args.model, args.strategy, cost=cost, **options)
     else:
-        profile = profile_zoo(args.model, granularity=args.granularity, **options)
-        granularity = args.granularity
-    record: dict[str, Any] = {"model": args.model, **kwargs, "batch": args.batch}
-    record["granularity"] = granularity
+        profile = profile_zoo(args.model, granularity=granularity, **options)
+    return {"model": args.model, **kwargs, "batch": batch}, profile, granularity
+
+
+def _report(
+    args: argparse.Namespace,
+    record: dict[str, Any],
+    profile: Profile,
+    budget_bytes: int,
+    cost: CostModel,
+) -> int:
+    floors = strategy_floors(profile, cost=cost)
     record["eager_peak_bytes"] = profile.predicted_peak_bytes()
-    record["device_preset"] = args.device_preset
     # the largest-layer bound (SuperNeurons' claim): resident state + the largest working set
     # of one unit's forward + backward, next to the floor of the requested strategy
-    minima = min_peak_bytes(profile, cost=cost)
+    minima = {name: f.min_budget_bytes for name, f in floors.items()}
     floor = minima[args.strategy] if args.strategy in minima else min(minima.values())
-    record["resident_bytes"] = resident_bytes(profile)
-    record["largest_unit_bytes"] = largest_unit_bytes(profile)
+    any_floor = next(iter(floors.values()))
+    record["resident_bytes"] = profile.param_bytes + profile.grad_bytes
+    record["resident_bytes"] += profile.optimizer_state_bytes
+    record["largest_unit_bytes"] = any_floor.largest_unit_bytes
     record["floor_bytes"] = floor
     record["floor_over_largest_layer"] = floor / (
         record["resident_bytes"] + record["largest_unit_bytes"]
     )
     record["floor_over_eager"] = floor / record["eager_peak_bytes"]
+    record["strategies"] = {name: f.to_dict() for name, f in floors.items()}
     try:
         plan = make_plan(profile, budget_bytes=budget_bytes, strategy=args.strategy, cost=cost)
     except InfeasibleBudgetError as exc:
@@ -137,8 +201,11 @@ def run(args: argparse.Namespace) -> int:
             min_budget_strategy=exc.strategy,
             message=str(exc),
         )
-        print(json.dumps(record, indent=1) if args.json else f"infeasible: {exc}")
-        return 1
+        if args.json:
+            print(json.dumps(record, indent=1))
+        else:
+            _print_floors(record)
+        raise
     record.update(
         feasible=plan.feasible,
         strategy=plan.strategy,
@@ -152,18 +219,50 @@ def run(args: argparse.Namespace) -> int:
         optimizer_on_host=plan.optimizer_on_host,
         optimizer_host_bytes=plan.optimizer_host_bytes,
         optimizer_copy_s=plan.optimizer_copy_s,
+        peak_at=plan.peak_at,
+        breakdown=plan.breakdown,
         units={a: plan.count(a) for a in ("keep", "offload", "recompute", "recompute+offload")},
         segments=len({u.segment for u in plan.units if u.segment >= 0}),
     )
     if args.json:
         print(json.dumps({**record, "plan": plan.to_dict()}, indent=1))
-        return 0
+    else:
+        _print_floors(record)
+        _print_plan(record, plan)
+    return 0
+
+
+def _where(peak_at: dict[str, Any]) -> str:
+    return f"{peak_at.get('unit') or '-'} ({peak_at.get('phase', '?')})"
+
+
+def _print_floors(record: dict[str, Any]) -> None:
+    what = f"{record['model']} batch {record['batch']}"
+    if "seq_len" in record:
+        what += f" x {record['seq_len']} tokens, {record['dtype']}"
+        what += f" (autocast {record['autocast']})" if record["autocast"] else ""
+        what += f", {record['optimizer']} ({record['optimizer_impl']}), {record['target_device']}"
+    print(f"{what}: eager peak {format_bytes(record['eager_peak_bytes'])}")
+    print(f"  {'strategy':<26}{'floor':>12}  {'peak at':<30}{'host':>12}{'overhead':>12}")
+    for name, f in record["strategies"].items():
+        host = f["host_bytes"] + f["optimizer_host_bytes"]
+        print(
+            f"  {name:<26}{format_bytes(f['min_budget_bytes']):>12}  {_where(f['peak_at']):<30}"
+            f"{format_bytes(host):>12}{f['predicted_overhead_s'] * 1e3:>9.2f} ms"
+        )
+    if record.get("feasible") is False:
+        print(f"  budget {format_bytes(record['budget_bytes'])}: {record['message']}")
+
+
+def _print_plan(record: dict[str, Any], plan: Plan) -> None:
+    print(f"budget {format_bytes(plan.budget_bytes)}, strategy {plan.strategy}")
     print(
-        f"{args.model} batch {args.batch}: budget {format_bytes(budget_bytes)}, "
-        f"strategy {plan.strategy}"
+        f"  predicted peak    {format_bytes(plan.predicted_peak_bytes)} at {_where(plan.peak_at)}"
     )
-    print(f"  eager peak        {format_bytes(record['eager_peak_bytes'])}")
-    print(f"  predicted peak    {format_bytes(plan.predicted_peak_bytes)}")
+    print(
+        "  breakdown         "
+        + ", ".join(f"{k} {format_bytes(v)}" for k, v in plan.breakdown.items() if v)
+    )
     print(f"  minimum budget    {format_bytes(plan.min_budget_bytes)}")
     print(
         f"  largest layer     {format_bytes(record['resident_bytes'])} resident + "
@@ -175,68 +274,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"  transfers         {plan.transfer_s * 1e3:.2f} ms/step")
     print(
         f"  units             {record['units']}, recompute segments {record['segments']}, "
-        "optimizer in backward: "
-        f"{plan.optimizer_in_backward}"
+        f"optimizer in backward: {plan.optimizer_in_backward}"
     )
     if plan.optimizer_on_host:
         print(
             f"  optimizer state   {format_bytes(plan.optimizer_host_bytes)} in the host pool, "
             f"{plan.optimizer_copy_s * 1e3:.2f} ms/step of copies (both ways)"
         )
-    return 0
-
-
-def _search(
-    args: argparse.Namespace,
-    kwargs: dict[str, Any],
-    strategies: tuple[str, ...],
-    budget_bytes: int,
-    cost: CostModel,
-) -> int:
-    from superneurons.models.resnet import n_to_depth
-
-    kwargs.pop("depth", None)
-    if args.max_depth:
-        if args.model != "resnet":
-            raise ConfigError("--max-depth searches the [6, 32, n, 6] family: use --model resnet")
-        peaks = zoo_peaks(
-            args.model, "n", cost=cost, optimizer=args.optimizer, batch_size=args.batch, **kwargs
-        )
-        sizes = DEPTH_SAMPLES
-    else:
-        peaks = zoo_peaks(args.model, "batch", cost=cost, optimizer=args.optimizer, **kwargs)
-        sizes = BATCH_SAMPLES
-    # NOTE: batches are verified by direct profiles (cheap); depths trust the affine fit,
-    # which is exact once stage 3 holds the peak (validated in `superneurons bench deeper`).
-    fits = max_fitting(
-        peaks,
-        strategies,
-        budget_bytes=budget_bytes,
-        sizes=sizes,
-        progress=_progress,
-        verify=bool(args.max_batch),
-    )
-    records = []
-    for strategy, fit in fits.items():
-        record: dict[str, Any] = {
-            "strategy": strategy,
-            "model": args.model,
-            "budget_bytes": budget_bytes,
-            "fit_residual": fit.residual,
-            "slope_bytes": fit.slope_bytes,
-            "intercept_bytes": fit.intercept_bytes,
-        }
-        if args.max_depth:
-            record.update(
-                max_depth=n_to_depth(fit.size) if fit.size else 0, n=fit.size, batch=args.batch
-            )
-        else:
-            record.update(max_batch=fit.size)
-        records.append(record)
-    if args.json:
-        print(json.dumps(records[0] if len(records) == 1 else records, indent=1))
-    else:
-        key = "max_depth" if args.max_depth else "max_batch"
-        for r in records:
-            print(f"{r['strategy']:<26} {key} {r[key]:>6}   (fit residual {r['fit_residual']:.2%})")
-    return 0

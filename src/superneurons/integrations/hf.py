@@ -49,6 +49,7 @@ from superneurons.memory import (
     profile_step,
 )
 from superneurons.memory.isolate import unwrapped
+from superneurons.memory.profile import output_loss
 
 __all__ = [
     "LossOf",
@@ -78,22 +79,30 @@ class _BatchLoss(nn.Module):
     Its only child is named ``model``, so unit fqns are the model's own behind ``"model."``.
     """
 
-    def __init__(self, model: nn.Module, loss_of: LossOf) -> None:
+    def __init__(self, model: nn.Module, loss_of: LossOf, *, whole_output: bool = False) -> None:
         super().__init__()
         self.model = model
         self.loss_of = loss_of
+        self.whole_output = whole_output  # the loop keeps the output, not only its loss
 
-    def forward(self, batch: Mapping[str, Any]) -> torch.Tensor:
+    def forward(self, batch: Mapping[str, Any]) -> Any:
         output = self.loss_of(self.model, batch)
         if isinstance(output, torch.Tensor):
             return output
-        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
-        if loss is None:
-            raise ConfigError(
-                "the model returned no loss for the sample batch: include the labels in it "
-                "(e.g. batch['labels'] = batch['input_ids'] for a causal LM)"
-            )
-        return loss
+        if self.whole_output:
+            _loss_of_output(output)  # checked now: the same message as below
+            return output
+        return _loss_of_output(output)
+
+
+def _loss_of_output(output: Any) -> torch.Tensor:
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if loss is None:
+        raise ConfigError(
+            "the model returned no loss for the sample batch: include the labels in it "
+            "(e.g. batch['labels'] = batch['input_ids'] for a causal LM)"
+        )
+    return loss
 
 
 def plan_for_batch(
@@ -107,6 +116,8 @@ def plan_for_batch(
     units: list[str] | None = None,
     loss_of: LossOf = model_loss,
     reserved_bytes: int = 0,
+    keep_outputs: bool = False,
+    autocast: torch.dtype | None = None,
     **plan_options: Any,
 ) -> Plan:
     """Profile one step of ``model(**batch).loss`` and plan it under a device-memory budget.
@@ -128,6 +139,13 @@ def plan_for_batch(
         reserved_bytes: device bytes the step holds besides what the profile sees (DDP's
             gradient buckets): part of the eager peak a fraction refers to, and left out of
             the budget the plan gets (``plan.budget_bytes`` is the budget minus them).
+        keep_outputs: the loop keeps the model's whole output (the logits) alive through
+            backward and the optimizer step, until the next step reassigns it: HF's
+            ``no_trainer`` examples (``outputs = model(**batch); loss = outputs.loss``).
+            ``False`` (default): only the loss is kept, as HF's ``Trainer`` does.
+        autocast: the loop runs forward and loss under ``torch.autocast(device, dtype=...)``
+            and backward and the step outside it (PyTorch's AMP recipe); also read from an
+            enabled autocast block around this call.
         plan_options: further ``make_plan`` options (e.g. ``bandwidth_bytes_per_s``).
 
     Returns:
@@ -146,7 +164,7 @@ def plan_for_batch(
     if not isinstance(batch, Mapping):
         raise ConfigError(f"batch must be a dict of model inputs, got {type(batch).__name__}")
     model = unwrapped(model)
-    step = _BatchLoss(model, loss_of)
+    step = _BatchLoss(model, loss_of, whole_output=keep_outputs)
     chosen = units if units is not None else default_units(model)
     if not chosen:
         raise ConfigError("the model has no nn.ModuleList/nn.Sequential blocks: pass units=")
@@ -155,9 +173,12 @@ def plan_for_batch(
             step,
             dict(batch),
             None,
-            _loss_is_output,
+            output_loss if keep_outputs else _loss_is_output,
             optimizer,
             units=[_PREFIX + fqn for fqn in chosen],
+            keep_output=True,
+            carry_output=keep_outputs,
+            autocast=autocast,
         )
     _check_observed(profile, model, chosen)
     eager_bytes = profile.predicted_peak_bytes() + reserved_bytes

@@ -10,6 +10,7 @@ hot path); on fake tensors the planner uses a named preset of :data:`DEVICE_PRES
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -36,6 +37,8 @@ class CostModel:
             one thread, measured here: 375 M parameters/s, ``benchmarks/results/
             host_optimizer``; a server CPU's many cores step faster).
         name: the preset it came from (``"custom"`` when built by hand, ``"measured"``).
+        memory_bytes: the device's memory (datasheet capacity; 0: not known), the budget
+            ``plan`` uses for a language model when no ``--budget`` is given.
 
     Defaults: the ``a100`` preset (PCIe 4.0 x16 at ~25 GB/s effective; A100 datasheet fp32
     19.5 TFLOP/s and 1.555 TB/s HBM2).
@@ -47,6 +50,7 @@ class CostModel:
     h2d_bytes_per_s: float | None = None
     name: str = "custom"
     host_step_s_per_param: float = 1 / 375e6
+    memory_bytes: int = 0
 
     def __post_init__(self) -> None:
         for field in ("bandwidth_bytes_per_s", "flops_per_s", "memory_bandwidth_bytes_per_s"):
@@ -54,6 +58,8 @@ class CostModel:
                 raise ConfigError(f"{field} must be positive, got {getattr(self, field)}")
         if self.h2d_bytes_per_s is not None and not self.h2d_bytes_per_s > 0:
             raise ConfigError(f"h2d_bytes_per_s must be positive, got {self.h2d_bytes_per_s}")
+        if self.memory_bytes < 0:
+            raise ConfigError(f"memory_bytes must be >= 0, got {self.memory_bytes}")
 
     def compute_s(self, unit: Any, *, fake: bool) -> float:
         """Forward time of ``unit``: measured for real profiles, a roofline for fake ones."""
@@ -61,6 +67,28 @@ class CostModel:
             unit.flops / self.flops_per_s, unit.bytes_written / self.memory_bandwidth_bytes_per_s
         )
         return roofline_s if fake else max(unit.fwd_time_s, roofline_s)
+
+    def unit_seconds(self, profile: Any) -> dict[str, float]:
+        """Each unit's forward time, as the planner uses it: robust to timing noise, so the same
+        model and batch profiled twice gives the same plan.
+
+        Units of the same shape (forward FLOPs, bytes written, saved bytes: a transformer's
+        identical blocks) get the median of their times; each time is then rounded to a
+        quarter-octave grid (19% apart), so noise below ~9% moves no unit in the ordering of
+        :func:`superneurons.memory.planner.make_plan`. Fake profiles use the roofline alone.
+        """
+        raw = {u.fqn: self.compute_s(u, fake=profile.fake) for u in profile.units}
+        shapes: dict[tuple[int, int, int], list[float]] = {}
+        for unit in profile.units:
+            shapes.setdefault((unit.flops, unit.bytes_written, unit.saved_bytes), []).append(
+                raw[unit.fqn]
+            )
+        seconds = {}
+        for unit in profile.units:
+            same = sorted(shapes[(unit.flops, unit.bytes_written, unit.saved_bytes)])
+            median = same[len(same) // 2]
+            seconds[unit.fqn] = 2 ** (round(4 * math.log2(median)) / 4) if median > 0 else 0.0
+        return seconds
 
     def copy_s(self, nbytes: int) -> float:
         """Device -> host time of ``nbytes`` (the offload in forward)."""
@@ -71,15 +99,25 @@ class CostModel:
         return nbytes / (self.h2d_bytes_per_s or self.bandwidth_bytes_per_s)
 
 
-# NOTE: literal table; each figure says where it comes from.
+GIB = 1024**3
+
+# NOTE: literal table; each figure says where it comes from. Memory: the datasheet capacity
+# ("80GB" HBM is 80 GiB); the CUDA context and allocator reserve take a few hundred MiB of it.
 DEVICE_PRESETS: dict[str, CostModel] = {
     # Copies: pinned host<->device measured on an H100 80GB (torch 2.11+cu130):
     # 41.7 GB/s to host, 54.6 GB/s back. Compute: H100 SXM5 datasheet, fp32 67 TFLOP/s,
-    # HBM3 3.35 TB/s.
-    "h100": CostModel(41.7e9, 67e12, 3.35e12, h2d_bytes_per_s=54.6e9, name="h100"),
+    # HBM3 3.35 TB/s, 80 GB.
+    "h100": CostModel(
+        41.7e9, 67e12, 3.35e12, h2d_bytes_per_s=54.6e9, name="h100", memory_bytes=80 * GIB
+    ),
     # A100 40GB datasheet: fp32 19.5 TFLOP/s, HBM2 1.555 TB/s; PCIe 4.0 x16 ~25 GB/s effective
     # pinned each way (32 GB/s theoretical).
-    "a100": CostModel(25e9, 19.5e12, 1.555e12, name="a100"),
+    "a100": CostModel(25e9, 19.5e12, 1.555e12, name="a100", memory_bytes=40 * GIB),
+    # A100 80GB datasheet: the same fp32 rate, HBM2e 2.039 TB/s.
+    "a100-80gb": CostModel(25e9, 19.5e12, 2.039e12, name="a100-80gb", memory_bytes=80 * GIB),
+    # GeForce RTX 4090 datasheet: fp32 82.6 TFLOP/s, GDDR6X 1.008 TB/s, 24 GB; PCIe 4.0 x16
+    # as the A100's.
+    "rtx4090": CostModel(25e9, 82.6e12, 1.008e12, name="rtx4090", memory_bytes=24 * GIB),
     # This project's 2-core EPYC, one thread, measured here (shared machine): 1024^3 fp32
     # matmul 26 GFLOP/s; a 64 MiB tensor copy 2.7 GB/s (read + write 5.4 GB/s). The "host
     # pool" of a CPU device is another buffer in the same DRAM, so a copy is a memcpy.

@@ -33,12 +33,14 @@ from superneurons.memory.headloss import HEAD_MODES, IMPLEMENTATIONS
 __all__ = [
     "ACTIONS",
     "PLAN_VERSION",
+    "SEARCH_STRATEGIES",
     "SINGLE_DEVICE_STRATEGIES",
     "STRATEGIES",
     "HeadChunking",
     "InfeasibleBudgetError",
     "Plan",
     "SeqChunking",
+    "StrategyFloor",
     "TensorDecision",
     "UnitDecision",
 ]
@@ -60,8 +62,12 @@ STRATEGIES: tuple[str, ...] = (
     "offload+host-optimizer",
     "auto",
 )
-# they step the optimizer inside backward, before a DDP all-reduce could run: one device only
-SINGLE_DEVICE_STRATEGIES: tuple[str, ...] = ("offload+opt-in-backward", "offload+opt-on-host")
+# Every concrete strategy: what ``plan`` reports, ``plan --max-*`` and ``bench deeper`` search.
+SEARCH_STRATEGIES: tuple[str, ...] = tuple(s for s in STRATEGIES if s != "auto")
+# Strategies that step the optimizer inside backward, before DDP's all-reduce: one device only.
+SINGLE_DEVICE_STRATEGIES: frozenset[str] = frozenset(
+    {"offload+opt-in-backward", "offload+opt-on-host"}
+)
 
 
 class InfeasibleBudgetError(ConfigError):
@@ -185,6 +191,10 @@ class Plan:
         optimizer_host_bytes: optimizer-state bytes in the host pool (0 unless on host).
         optimizer_copy_s: predicted copy time of that state per step (both directions).
         predicted_peak_bytes: predicted device peak of one training step under the plan.
+        peak_at: where that peak is: ``{"unit", "phase", "event"}``
+            (:func:`superneurons.memory.where.locate`).
+        breakdown: the live bytes at that peak by what they are
+            (:data:`superneurons.memory.predict.BREAKDOWN`); they sum to the peak.
         min_budget_bytes: the smallest peak any strategy reaches for this profile.
         host_bytes: predicted pinned host bytes for offloaded activations.
         extra_compute_s: predicted recompute time per step.
@@ -225,6 +235,8 @@ class Plan:
     seq_chunks: tuple[SeqChunking, ...] = ()
     host_optimizer: bool = False
     grad_buckets: tuple[tuple[str, ...], ...] = ()
+    peak_at: dict[str, Any] = field(default_factory=dict)
+    breakdown: dict[str, int] = field(default_factory=dict)
     version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:
@@ -295,3 +307,38 @@ class Plan:
         if not isinstance(body, dict):
             raise ConfigError("plan JSON must be an object: write one with Plan.to_json")
         return cls.from_dict(body)
+
+
+@dataclass(frozen=True)
+class StrategyFloor:
+    """The smallest peak one strategy reaches on a profile, and what it is made of.
+
+    What ``plan --json`` reports per strategy (docs/CONTRACTS.md). ``resident_bytes`` is the
+    strategy's own: parameters, gradients unless the optimizer steps in backward (then each
+    gradient is freed at once), optimizer state unless it lives in the host pool.
+    ``predicted_overhead_s`` is extra compute plus exposed transfers per step (cost model).
+    """
+
+    strategy: str
+    min_budget_bytes: int
+    eager_peak_bytes: int
+    resident_bytes: int
+    largest_unit_bytes: int
+    host_bytes: int
+    predicted_overhead_s: float
+    peak_at: dict[str, Any]
+    breakdown: dict[str, int]
+    supports_ddp: bool
+    optimizer_on_host: bool = False
+    optimizer_host_bytes: int = 0
+
+    @property
+    def floor_over_largest_layer(self) -> float:
+        """``min_budget_bytes / (resident_bytes + largest_unit_bytes)``: 1.0 is SuperNeurons'
+        bound, a peak down to the largest layer's working set on top of the resident state."""
+        return self.min_budget_bytes / max(self.resident_bytes + self.largest_unit_bytes, 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        body = asdict(self)
+        body["floor_over_largest_layer"] = self.floor_over_largest_layer
+        return body

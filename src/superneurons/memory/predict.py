@@ -17,27 +17,42 @@ keeps no optimizer state on the device and each gradient only until its bucket i
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from superneurons.memory.buckets import assign_buckets, bucket_timeline
 from superneurons.memory.cost import CostModel
 from superneurons.memory.optim_backward import host_state_timeline
 from superneurons.memory.plan import OFFLOADING, RECOMPUTING
 from superneurons.memory.pool import MIN_OFFLOAD_BYTES
-from superneurons.memory.profile_types import CATEGORIES, Profile
+from superneurons.memory.predict_steps import host_optimizer_cost, step_in_backward, step_on_host
+from superneurons.memory.profile_types import CATEGORIES, Profile, StorageLife
+from superneurons.memory.where import locate
 
-__all__ = ["CostModel", "evaluate", "segment_runs"]
+__all__ = ["BREAKDOWN", "CostModel", "Outcome", "evaluate", "segment_runs"]
 
-# NOTE: a foreach optimizer's step holds temporaries of all its parameters at once; in
-# backward each parameter has its own optimizer, so no more than a single-tensor step's
-# (AdamW: 2 parameter-sized) is ever held per parameter: the measured ratio is capped
-_MAX_STEP_TEMP = 2.0
+# What the live bytes at a plan's peak are (docs/CONTRACTS.md, ``plan --json``): they sum to
+# the predicted peak exactly.
+BREAKDOWN: tuple[str, ...] = (
+    "params",
+    "grads",
+    "optimizer",
+    "activations",  # saved tensors of the units (and checkpoint inputs a plan keeps)
+    "head_loss",  # saved tensors and temporaries of the LM head unit and of the loss
+    "temporaries",  # everything else transient (recompute transients included)
+)
 
 
 @dataclass(frozen=True)
-class _Outcome:
+class Outcome:
+    """What :func:`evaluate` predicts for one set of actions.
+
+    ``breakdown`` (keys :data:`BREAKDOWN`) is the live bytes at the peak by what they are and
+    sums to ``peak_bytes``; ``peak_at`` is where the peak is
+    (:func:`~superneurons.memory.where.locate`).
+    """
+
     peak_bytes: int
     host_bytes: int
     extra_compute_s: float
@@ -46,6 +61,8 @@ class _Outcome:
     peak_event: int = -1
     optimizer_host_bytes: int = 0  # optimizer state in the host pool (optimizer_on_host)
     optimizer_copy_s: float = 0.0  # its copy time per step, both directions
+    breakdown: dict[str, int] = field(default_factory=dict)
+    peak_at: dict[str, Any] = field(default_factory=dict)
 
 
 def evaluate(
@@ -59,7 +76,7 @@ def evaluate(
     optimizer_on_host: bool = False,
     host_optimizer: bool = False,
     buckets: tuple[tuple[str, ...], ...] | None = None,
-) -> _Outcome:
+) -> Outcome:
     """Predict peak bytes, host bytes and time overheads of per-unit ``actions`` (fqn -> action).
 
     ``segments`` (fqn -> segment id) groups consecutive recompute units under one outer
@@ -77,41 +94,11 @@ def evaluate(
     cost = cost or CostModel()
     segments = segments or {}
     table = profile.timeline_array(steady_state=True)
+    head = profile.head_rows()  # (saved, temporaries) of the LM head + loss, inside table
     if optimizer_in_backward:
-        # the step's own transient (single-tensor AdamW: two parameter-sized temporaries, a
-        # fused kernel none), measured in the profile's step, now happens in each gradient's
-        # hook during backward: per byte of parameter, as the largest parameter's step shows
-        step_rows = table[CATEGORIES.index("temporaries"), profile.backward_end_event + 1 :]
-        per_byte = min(
-            float(step_rows.max(initial=0)) / max(profile.largest_param_bytes, 1), _MAX_STEP_TEMP
-        )
-        table[CATEGORIES.index("grads")] = 0
-        table[:, profile.backward_end_event + 1 :] = 0
-        table[CATEGORIES.index("params"), profile.backward_end_event + 1 :] = table[0, 0]
-        table[CATEGORIES.index("optimizer"), profile.backward_end_event + 1 :] = table[2, 0]
-        # each gradient lives one op: the post-accumulate hook steps its parameter (in place,
-        # as SGD/Adam do per parameter) and frees it at once
-        # (a gradient made before it is accumulated, e.g. in a chunked head's forward, lives
-        # from its birth to its hook)
-        last = profile.num_events - 1
-        for birth, ready, nbytes in profile.gradient_events():
-            table[CATEGORIES.index("grads"), min(birth, last) : min(ready, last) + 1] += nbytes
-            table[CATEGORIES.index("temporaries"), min(ready, last)] += int(per_byte * nbytes)
+        step_in_backward(table, head, profile)
     if host_optimizer:
-        be = profile.backward_end_event
-        params = int(table[CATEGORIES.index("params"), 0])
-        table[:, be + 1 :] = 0
-        table[CATEGORIES.index("params"), be + 1 :] = params
-        table[CATEGORIES.index("optimizer")] = 0
-        if buckets is None:
-            buckets = assign_buckets(profile.gradient_events(), profile.grad_params)
-        table[CATEGORIES.index("grads")] = bucket_timeline(
-            profile.gradient_events(),
-            profile.grad_params,
-            buckets,
-            num_events=profile.num_events,
-            backward_end=be,
-        )
+        step_on_host(table, head, profile, buckets)
     host_state = None
     if optimizer_in_backward and optimizer_on_host:
         # NOTE: timed by the gradients' births, not their hooks: measured here, the fetched state
@@ -123,6 +110,7 @@ def evaluate(
         table[CATEGORIES.index("optimizer")] = host_state.device_row
     total = table.sum(axis=0)
     change = np.zeros(profile.num_events + 1, dtype=np.int64)
+    head_change = np.zeros(profile.num_events + 1, dtype=np.int64)  # the head + loss part
     units = {u.fqn: u for u in profile.units}
     # one window per forward call of each unit, in forward order (a module called several
     # times saves, releases and gets back each call's tensors separately: one pool group each)
@@ -205,39 +193,59 @@ def evaluate(
         # NOTE: an unpack at event e happens after op e, when the storages that died at e are
         # already gone: what it brings back is live from op e + 1 on.
         release = max(releases) + 1
+        if life.cached:  # autocast's cache holds it to the end of the forward and loss
+            release = max(release, profile.forward_end_event + 1)
         if release >= death:
             continue
-        change[release] -= life.nbytes
-        change[death] += life.nbytes
+        targets = (change, head_change) if life.head else (change,)
+        for row in targets:
+            row[release] -= life.nbytes
+            row[death] += life.nbytes
         live_until = release
         for start, end in sorted((max(s, release), min(e, death)) for s, e in windows):
             start = max(start, live_until)
             if start < end:
-                change[start] += life.nbytes
-                change[end] -= life.nbytes
+                for row in targets:
+                    row[start] += life.nbytes
+                    row[end] -= life.nbytes
                 live_until = end
         host_bytes += life.nbytes if copies else 0  # units saving one storage share a copy
-    for fqn, action in actions.items():
-        unit = units[fqn]
-        _, fwd_end, bwd_start, bwd_end = unit.window(0)  # the first call's inputs
-        if action not in RECOMPUTING or not unit.unsaved_input_bytes or bwd_start < 0:
-            continue
-        if members.get(segments.get(fqn, -1), [fqn])[0] != fqn:
-            continue  # inside a segment: the segment's recompute brings it back
-        # a checkpoint keeps an input eager autograd would have freed in forward
-        end = min(max(bwd_end, bwd_start) + 1, profile.num_events)
-        start = fwd_end + 1
-        if action == "recompute+offload" and unit.unsaved_input_bytes >= min_offload_bytes:
-            start = prefetched(fqn) + 1
-            host_bytes += unit.unsaved_input_bytes
-        if start < end:
-            change[start] += unit.unsaved_input_bytes
-            change[end] -= unit.unsaved_input_bytes
+    # a checkpoint keeps inputs eager autograd frees in forward: per storage (one may feed
+    # several units, HF's position ids), over the union of its recomputing holders' windows,
+    # beyond where eager holds it anyway
+    for life in profile.unsaved_inputs or _per_unit_inputs(profile):
+        windows, offloaded = [], False
+        for fqn in life.units:
+            action = actions.get(fqn, "keep")
+            _, fwd_end, bwd_start, bwd_end = units[fqn].window(0)  # the first call's inputs
+            if action not in RECOMPUTING or bwd_start < 0:
+                continue
+            if members.get(segments.get(fqn, -1), [fqn])[0] != fqn:
+                continue  # inside a segment: the segment's recompute brings it back
+            start, end = fwd_end + 1, min(max(bwd_end, bwd_start) + 1, profile.num_events)
+            if action == "recompute+offload" and life.nbytes >= min_offload_bytes:
+                start, offloaded = prefetched(fqn) + 1, True
+            windows.append((start, end))
+        host_bytes += life.nbytes if offloaded else 0
+        targets = (change, head_change) if profile.head_unit in life.units else (change,)
+        covered = life.death + 1
+        for start, end in sorted(windows):
+            start = max(start, covered)
+            if start < end:
+                for row in targets:
+                    row[start] += life.nbytes
+                    row[end] -= life.nbytes
+                covered = end
+    if profile.rng_state_bytes:
+        _stash_rng_states(profile, actions, segments, members, change)
     total = total + np.cumsum(change[:-1])
+    spikes = np.zeros(profile.num_events, dtype=np.int64)  # recompute transients
+    head_spikes = np.zeros(profile.num_events, dtype=np.int64)
     extra_s = transfer_s = exposed_s = 0.0
+    seconds = cost.unit_seconds(profile)
     for fqn, action in actions.items():
         unit = units[fqn]
-        compute_s = cost.compute_s(unit, fake=profile.fake)
+        compute_s = seconds[fqn]
         if action in RECOMPUTING:
             # a unit inside a segment runs forward twice more: outer and inner recompute
             extra_s += compute_s * (2 if fqn in segments else 1)
@@ -247,10 +255,15 @@ def evaluate(
                 spike = max(unit.temp_peak_bytes - internal.get(fqn, 0) - unit.output_bytes, 0)
             # the recompute snapshots running statistics (once more for a segment's outer pass)
             spike += unit.norm_state_bytes * (2 if fqn in segments else 1)
+            spike += _forward_scratch(profile, unit)  # its ops' own scratch, run again
+            # the recompute forks the generator: one more state held while it runs
+            spike += profile.rng_state_bytes
             for call in range(max(len(unit.calls), 1)):  # each call recomputes in its backward
                 bwd_start = unit.window(call)[2]
                 if 0 <= bwd_start < profile.num_events - 1:
-                    total[bwd_start + 1] += spike
+                    spikes[bwd_start + 1] += spike
+                    if fqn == profile.head_unit:
+                        head_spikes[bwd_start + 1] += spike
         moved = {"offload": unit.saved_bytes, "recompute+offload": inputs.get(fqn, 0)}
         if action in moved:
             # the copy out overlaps this unit's forward, the prefetch the backward of the next
@@ -262,29 +275,35 @@ def evaluate(
     if host_state is not None:
         # the state goes out and comes back on two streams beside the whole backward (~2x the
         # forward compute): only the excess of either direction is exposed
-        backward_s = 2 * sum(cost.compute_s(u, fake=profile.fake) for u in profile.units)
+        backward_s = 2 * sum(seconds.values())
         out_s, in_s = cost.copy_s(host_state.copied_bytes), cost.fetch_s(host_state.copied_bytes)
         optimizer_copy_s = out_s + in_s
         transfer_s += optimizer_copy_s
         exposed_s += max(0.0, out_s - backward_s) + max(0.0, in_s - backward_s)
     host_optimizer_bytes = 0
     if host_optimizer:
-        # gradients go out and parameters come back beside backward; the host steps each
-        # bucket beside it too: only the excess over backward is exposed
-        backward_s = 2 * sum(cost.compute_s(u, fake=profile.fake) for u in profile.units)
-        out_s, in_s = cost.copy_s(profile.grad_bytes), cost.fetch_s(profile.param_bytes)
-        step_s = profile.param_numel * cost.host_step_s_per_param
-        optimizer_copy_s = out_s + in_s
-        transfer_s += optimizer_copy_s
-        exposed_s += sum(max(0.0, t - backward_s) for t in (out_s, step_s, in_s))
-        itemsize = profile.param_bytes / max(profile.param_numel, 1)
-        host_optimizer_bytes = 4 * profile.param_numel + int(
-            profile.optimizer_state_bytes * 4 / max(itemsize, 1)
-        )
+        copy_s, exposed, host_optimizer_bytes = host_optimizer_cost(profile, cost)
+        optimizer_copy_s = copy_s
+        transfer_s += copy_s
+        exposed_s += exposed
     # NOTE: a segment's outer recompute holds the inner inputs plus one inner unit's internals
     # at a time, less than what the last unit's own recompute holds right after it: no spike.
+    total = total + spikes
     peak_event = int(total.argmax()) if total.size else -1
-    return _Outcome(
+    breakdown = dict.fromkeys(BREAKDOWN, 0)
+    if peak_event >= 0:
+        at = peak_event
+        shifted, head_shifted = int(np.cumsum(change)[at]), int(np.cumsum(head_change)[at])
+        live = {name: int(table[i, at]) for i, name in enumerate(CATEGORIES)}
+        breakdown.update(
+            params=live["params"],
+            grads=live["grads"],
+            optimizer=live["optimizer"],
+            activations=live["saved"] - int(head[0, at]) + shifted - head_shifted,
+            head_loss=int(head[0, at] + head[1, at]) + head_shifted + int(head_spikes[at]),
+            temporaries=live["temporaries"] - int(head[1, at]) + int(spikes[at] - head_spikes[at]),
+        )
+    return Outcome(
         int(total.max(initial=0)),
         host_bytes,
         extra_s,
@@ -293,7 +312,54 @@ def evaluate(
         peak_event,
         host_state.host_bytes if host_state is not None else host_optimizer_bytes,
         optimizer_copy_s,
+        breakdown=breakdown,
+        peak_at=locate(profile, peak_event),
     )
+
+
+def _forward_scratch(profile: Profile, unit: Any) -> int:
+    """The largest scratch an op of the unit's forward allocated for itself."""
+    windows = [unit.window(c)[:2] for c in range(max(len(unit.calls), 1))]
+    return max(
+        (b for e, b in profile.scratch if any(s <= e <= end for s, end in windows)), default=0
+    )
+
+
+def _stash_rng_states(
+    profile: Profile,
+    actions: dict[str, str],
+    segments: dict[str, int],
+    members: dict[int, list[str]],
+    change: np.ndarray,
+) -> None:
+    """Each checkpointed call keeps the generator state it will replay (``preserve_rng_state``)
+    from its forward until its backward is over; a segment's outer checkpoint one more."""
+    units = {u.fqn: u for u in profile.units}
+    spans = []
+    for fqn, action in actions.items():
+        if action not in RECOMPUTING:
+            continue
+        unit = units[fqn]
+        for call in range(max(len(unit.calls), 1)):
+            fwd_start, _, bwd_start, bwd_end = unit.window(call)
+            spans.append((fwd_start, max(bwd_end, bwd_start)))
+        group = members.get(segments.get(fqn, -1), [])
+        if group and group[0] == fqn:
+            spans.append((unit.fwd_start_event, max(unit.bwd_end_event, unit.bwd_start_event)))
+    for start, end in spans:
+        if 0 <= start <= end:
+            change[start] += profile.rng_state_bytes
+            change[min(end + 1, profile.num_events)] -= profile.rng_state_bytes
+
+
+def _per_unit_inputs(profile: Profile) -> list[StorageLife]:
+    """Profiles that did not record their unsaved input storages: one per unit, freed by
+    eager right after the unit's forward."""
+    return [
+        StorageLife(u.unsaved_input_bytes, u.fwd_start_event, u.fwd_end_event, (u.fqn,))
+        for u in profile.units
+        if u.unsaved_input_bytes > 0
+    ]
 
 
 def segment_runs(profile: Profile, actions: dict[str, str]) -> dict[str, int]:

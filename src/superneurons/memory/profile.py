@@ -11,7 +11,8 @@ isolated (:mod:`.isolate`: the caller's state is untouched), with three observer
   its forward window, forward FLOPs (``torch.utils.flop_counter``'s formulas), bytes written,
   and where backward enters and leaves it (the runtime's prefetch points, :mod:`.nodes`).
 
-This is SuperNeurons' liveness analysis over the execution route (Wang et al., PPoPP'18 §3.1),
+The observers' bookkeeping and the record it becomes live in :mod:`.recording`. This is
+SuperNeurons' liveness analysis over the execution route (Wang et al., PPoPP'18 §3.1),
 measured rather than derived from a static graph: branches, shared modules, in-place ops,
 dropout and BatchNorm need no special cases. With ``fake=True`` the step runs under
 ``FakeTensorMode`` on fake *cpu* tensors: byte sizes are exact, nothing is allocated.
@@ -20,9 +21,10 @@ dropout and BatchNorm need no special cases. With ``fake=True`` the step runs un
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,19 +34,30 @@ from torch.utils._pytree import tree_flatten, tree_map
 from superneurons.errors import ConfigError
 from superneurons.memory.cost import EventTimer, measure_copy_bandwidth
 from superneurons.memory.isolate import IsolationError, isolated, unwrapped
+from superneurons.memory.owners import kept_in_place, with_owners
 from superneurons.memory.profile_types import (
+    ALLOCATOR_MARGIN_BYTES,
     CATEGORIES,
     Profile,
     SavedTensor,
     UnitProfile,
     default_units,
+    head_unit,
 )
 from superneurons.memory.recompute import running_stat_bytes
-from superneurons.memory.recorder import Recorder
+from superneurons.memory.recording import Recorder, build_profile
 from superneurons.memory.stateful import kv_cache_off
 from superneurons.memory.tracker import LiveStorageTracker
+from superneurons.memory.workspace import op_scratch, scratch_recorder
 
-__all__ = ["CATEGORIES", "Profile", "SavedTensor", "UnitProfile", "profile_step"]
+__all__ = [
+    "CATEGORIES",
+    "Profile",
+    "SavedTensor",
+    "UnitProfile",
+    "output_loss",
+    "profile_step",
+]
 
 logger = logging.getLogger("superneurons.memory")
 
@@ -63,6 +76,8 @@ def profile_step(
     fake_mode: Any = None,
     keep_output: bool = True,
     prepare: Callable[[nn.Module], Any] | None = None,
+    carry_output: bool = False,
+    autocast: torch.dtype | None = None,
 ) -> Profile:
     """Profile one training step (forward, ``loss_fn(output, targets)``, backward, optimizer step).
 
@@ -80,10 +95,24 @@ def profile_step(
         keep_output: the step holds the model's output through backward, as a loop that
             keeps ``output = model(x)`` in scope does (``train/loop.py``, ``bench memory``);
             ``False`` for ``loss_fn(model(x), y).backward()``, which frees whatever autograd
-            did not save (for GPT-2 124M at B=8, T=1024: 1.53 GiB of logits).
+            did not save (for GPT-2 124M at B=8, T=1024: 1.53 GiB of logits). HF's ``Trainer``
+            frees the outputs before backward: ``False``.
         prepare: applied to the isolated module tree before the step runs; returns a handle
             whose ``remove()`` undoes it, called before isolation ends (e.g. ``memory.below``
             chunks the LM head).
+        carry_output: (with ``keep_output``) the loop's variable keeps the output through the
+            optimizer step and, in steady state, through the next step's forward until it is
+            reassigned: ``outputs = model(**batch); outputs.loss.backward(); opt.step()`` in
+            HF's ``no_trainer`` examples. The output's bytes are then counted from the first
+            event to the end of the model's forward as well (``Profile.carried_output_bytes``).
+        autocast: run the forward and the loss under ``torch.autocast(device, dtype=autocast)``
+            and backward and the optimizer step outside it, as mixed-precision loops are
+            written (PyTorch's AMP recipe). Called inside an enabled ``torch.autocast`` block,
+            the step is profiled the same way with that block's dtype: backward and the step
+            of the real loop run outside it.
+
+    ``inputs`` that are a mapping are passed as keyword arguments (``model(**batch)``, the HF
+    style; use :func:`output_loss` as ``loss_fn`` to read ``outputs.loss``).
 
     Raises:
         ConfigError: the step fails under fake tensors (data-dependent ops such as ``nonzero`` or
@@ -110,6 +139,9 @@ def profile_step(
         raise ConfigError("the model's parameters are fake: pass the FakeTensorMode as fake_mode=")
     if mode is not None and not already_fake:
         inputs, targets = tree_map(_to_fake(mode), (inputs, targets))
+    device_type = _device_type(model, fake=mode is not None)
+    if autocast is None and torch.is_autocast_enabled(device_type):
+        autocast = torch.get_autocast_dtype(device_type)  # the caller's, around forward + loss
     try:
         with (
             isolated(model, optimizer, fake_mode=mode) as (model_c, opt_c),
@@ -126,6 +158,8 @@ def profile_step(
                     unit_fqns,
                     fake=mode is not None,
                     keep_output=keep_output,
+                    carry_output=carry_output,
+                    autocast=autocast,
                 )
             finally:
                 if prepared is not None:
@@ -163,8 +197,12 @@ def _run(
     *,
     fake: bool,
     keep_output: bool = True,
+    carry_output: bool = False,
+    autocast: torch.dtype | None = None,
 ) -> Profile:
-    tracker = LiveStorageTracker(record_timeline=False)
+    # a real cpu step: the allocator's own view too, for the scratch kernels allocate
+    on_cpu = not fake and _device_type(model, fake=fake) == "cpu"
+    tracker = LiveStorageTracker(record_timeline=False, mark_ops=on_cpu)
     rec = Recorder(tracker, unit_fqns)
     tracker._on_op = rec.on_op  # type: ignore[assignment]
     first = next(iter(model.parameters()), None)
@@ -173,7 +211,11 @@ def _run(
         rec.timer = EventTimer()
     handles = []
     for fqn, module in model.named_modules():
-        handles.append(module.register_forward_pre_hook(lambda _m, a, f=fqn: rec.pre(f, a)))
+        handles.append(
+            module.register_forward_pre_hook(
+                lambda _m, a, k, f=fqn: rec.pre(f, (a, k)), with_kwargs=True
+            )
+        )
         handles.append(module.register_forward_hook(lambda _m, _a, out, f=fqn: rec.post(f, out)))
     handles += kv_cache_off(model)  # HF use_cache=False in training, as under a plan
     ready: dict[str, int] = {}  # parameter fqn -> the event its gradient was accumulated at
@@ -196,21 +238,35 @@ def _run(
     events: dict[str, int] = {}
     start_s = time.perf_counter()
     try:
-        with tracker, torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack):
-            output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
-            events["model_end"] = tracker.event
-            loss = loss_fn(output, targets)
+        device_type = _device_type(model, fake=fake)
+        forward_autocast = torch.autocast(device_type, dtype=autocast, enabled=autocast is not None)
+        # backward and the step run outside the user's autocast (an enclosing one included)
+        no_autocast = torch.autocast(device_type, enabled=False)
+        recording = scratch_recorder(on_cpu)
+        with recording, tracker, torch.autograd.graph.saved_tensors_hooks(_pack(rec), rec.unpack):
+            with forward_autocast:
+                output = _call(model, inputs)
+                events["model_end"] = tracker.event
+                loss = loss_fn(output, targets)
+            if autocast is not None:  # the user's block ends here (an enclosing one too)
+                torch.clear_autocast_cache()
             if not keep_output:  # ``loss_fn(model(x), y).backward()``: only what autograd saved
                 del output
             events["forward_end"] = tracker.event
             rec.phase = "backward"
-            loss.backward()
+            with no_autocast:
+                loss.backward()
             del loss
-            output = None  # the step's output is released with the loss
+            carried: set[int] = set()
+            if keep_output and carry_output:  # the loop's variable holds it past the step
+                carried = _storages(tracker, output)
+            else:
+                output = None  # the step's output is released with the loss
             events["backward_end"] = tracker.event
             rec.phase = "step"
             if optimizer is not None:
-                optimizer.step()
+                with no_autocast:
+                    optimizer.step()
             events["step_end"] = tracker.event
     finally:
         for handle in handles:
@@ -233,24 +289,90 @@ def _run(
     grad_names.pop(None, None)
     grads = set(grad_names)
     opt_state = {tracker.serial_of(t) for t in _optimizer_tensors(optimizer)} - {None}
-    return Profile.from_recording(
-        tracker=tracker,
-        saved_rows=rec.saved,
-        unit_rows=rec.unit_rows,
+    profile = build_profile(
+        rec,
         # forward order (the runtime's one-ahead prefetch and the planner rely on it)
         unit_order=sorted(rec.unit_rows, key=lambda f: rec.unit_rows[f]["fwd_start"]),
-        param_storages=rec.param_storages,
         grad_storages=grads,  # type: ignore[arg-type]
         opt_storages=opt_state,  # type: ignore[arg-type]
-        op_of_storage=rec.op_of_storage,
         events=events,
         fake=fake,
         step_s=step_s,
         copy_bytes_per_s=bandwidth,
-        grad_names=grad_names,  # type: ignore[arg-type]
-        param_numel=sum(p.numel() for p in model.parameters()),
-        grad_ready=ready,
+        head_unit=head_unit(model, unit_fqns),
+        carried_storages=carried,
+        scratch=op_scratch(recording) if on_cpu else {},
+        # NOTE: checkpoint stashes the cpu generator's state per call (preserve_rng_state);
+        # on a cuda device that tensor is host memory
+        rng_state_bytes=int(torch.get_rng_state().numel()) if on_cpu else 0,
+        margin_bytes=ALLOCATOR_MARGIN_BYTES if on_cpu else 0,
     )
+    return with_owners(
+        profile,
+        rec,
+        grad_names=grad_names,  # type: ignore[arg-type]
+        opt_storages=opt_state,  # type: ignore[arg-type]
+        grad_ready=ready,
+        param_numel=sum(p.numel() for p in model.parameters()),
+    )
+
+
+def _pack(rec: Recorder) -> Callable[[torch.Tensor], Any]:
+    """``rec.pack``, marking the saves the tensor pool keeps on the device."""
+
+    def pack(tensor: torch.Tensor) -> Any:
+        packed = rec.pack(tensor)
+        if packed[0] is not None and kept_in_place(tensor):
+            rec.saved[packed[0]]["pool_keeps"] = True
+        return packed
+
+    return pack
+
+
+def _storages(tracker: LiveStorageTracker, value: Any) -> set[int]:
+    """Serials of the tracked storages of the tensors in ``value`` (a pytree or a ModelOutput)."""
+    if isinstance(value, Mapping):  # HF's ModelOutput is an OrderedDict
+        value = dict(value)
+    found = {tracker.serial_of(t) for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)}
+    return {s for s in found if s is not None}
+
+
+def _call(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, Mapping) and _takes(model, inputs):  # ``model(**batch)``
+        return model(**inputs)
+    return model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+
+
+def _takes(model: nn.Module, batch: Mapping[str, Any]) -> bool:
+    """The forward names the batch's keys (HF models): called with them as keywords; else the
+    mapping is the one positional input (a step wrapper's ``forward(batch)``)."""
+    try:
+        names = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+        return False
+    return any(key in names for key in batch)
+
+
+def _device_type(model: nn.Module, *, fake: bool) -> str:
+    """Where the step's autocast applies: fake tensors are cpu tensors."""
+    first = next(iter(model.parameters()), None)
+    return "cpu" if fake or first is None else first.device.type
+
+
+def output_loss(output: Any, _targets: Any = None) -> torch.Tensor:
+    """``loss_fn`` for models that compute their own loss: ``output.loss`` (HF ``ModelOutput``,
+    or a dict with ``"loss"``).
+
+    Raises:
+        ConfigError: the output holds no loss (a causal LM needs ``labels`` in the batch).
+    """
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigError(
+            "the model returned no loss for the sample batch: include the labels in it "
+            "(e.g. batch['labels'] = batch['input_ids'] for a causal LM)"
+        )
+    return loss
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:

@@ -8,14 +8,15 @@ samples its peak); storages alive before the step have birth 0, those alive afte
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from torch import nn
 
 from superneurons.memory.plan import HeadChunking, SeqChunking
-from superneurons.memory.units import GRANULARITIES, default_units, layer_units
 
 __all__ = [
     "CATEGORIES",
@@ -25,10 +26,95 @@ __all__ = [
     "StorageLife",
     "UnitProfile",
     "default_units",
+    "head_unit",
+    "head_windows",
+    "is_head_storage",
     "layer_units",
 ]
 
+# The unit sets a profile can be made with: blocks (``default_units``), every layer
+# (``layer_units``), or blocks with the largest split into layers (``bounds.split_largest``).
+GRANULARITIES: tuple[str, ...] = ("block", "layer", "split")
+
 CATEGORIES: tuple[str, ...] = ("params", "grads", "optimizer", "saved", "temporaries")
+# NOTE: what a real cpu profile reserves for allocations below the dispatcher outside any op's
+# profiler range (scalars made into tensors, generator states): a tiny GPT-2 with dropout under
+# a recompute plan held 24 B no range explained (the c10 allocator's view,
+# tests/test_memory_budget_matrix.py); 4 KiB states the margin with room
+ALLOCATOR_MARGIN_BYTES = 4096
+
+
+def default_units(model: nn.Module) -> list[str]:
+    """The blocks of the model, plus every other part of the step's path to them.
+
+    Blocks: the outermost non-leaf children of ``nn.Sequential``/``nn.ModuleList`` containers,
+    descending through containers of blocks (stages): the zoo ResNets' residual blocks, GPT's
+    transformer blocks. Then, so that a plan covers the whole step (the stem, the final norm, the
+    head), every child of the root or of an ancestor of a block that neither is nor contains a
+    block becomes a unit too (e.g. a ResNet's ``conv1``, ``bn1``, ``relu``, ``maxpool``, ``fc``;
+    GPT's ``transformer.wte``, ``transformer.ln_f``, ``lm_head``). A model with no blocks (e.g.
+    a flat ``nn.Sequential`` of layers) gets its leaf layers as units. Units come in
+    ``named_modules`` order.
+    """
+    containers = (nn.Sequential, nn.ModuleList)
+    found: list[str] = []
+    for fqn, module in model.named_modules():
+        if not isinstance(module, containers):
+            continue
+        for name, child in module.named_children():
+            child_fqn = f"{fqn}.{name}" if fqn else name
+            grandchildren = list(child.children())
+            if not grandchildren:
+                continue  # a leaf layer: units are blocks
+            if isinstance(child, containers) and all(any(g.children()) for g in grandchildren):
+                continue  # a stage of blocks: its blocks are the units
+            if not any(child_fqn.startswith(f + ".") for f in found):
+                found.append(child_fqn)
+    if not found:
+        if isinstance(model, nn.Sequential):
+            return [name for name, _ in model.named_children()]
+        return []
+    ancestors = {""} | {f.rsplit(".", i)[0] for f in found for i in range(1, f.count(".") + 1)}
+    blocks = set(found)
+    for fqn, module in model.named_modules():
+        if fqn not in ancestors:
+            continue
+        for name, _ in module.named_children():
+            child_fqn = f"{fqn}.{name}" if fqn else name
+            if child_fqn not in ancestors and child_fqn not in blocks:
+                found.append(child_fqn)
+    position = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}
+    return sorted(found, key=position.__getitem__)
+
+
+def head_unit(model: nn.Module, units: Iterable[str]) -> str:
+    """The unit that is or holds the model's output embedding (an LM head), "" if none.
+
+    The output embedding is what a ``transformers`` model's ``get_output_embeddings()`` returns
+    (on the model or a submodule: a step wrapper holds the model as a child), else a module
+    named ``lm_head`` (the zoo GPT's).
+    """
+    names = {id(m): fqn for fqn, m in model.named_modules()}
+    target = ""
+    for module in model.modules():
+        getter = getattr(module, "get_output_embeddings", None)
+        embedding = getter() if callable(getter) else None
+        if isinstance(embedding, nn.Module) and id(embedding) in names:
+            target = names[id(embedding)]
+            break
+    if not target:
+        target = next((f for f in names.values() if f.rpartition(".")[2] == "lm_head"), "")
+    if not target:
+        return ""
+    holding = [u for u in units if u and (target == u or target.startswith(u + "."))]
+    return max(holding, key=len, default="")  # the innermost unit holding it
+
+
+def layer_units(model: nn.Module) -> list[str]:
+    """Every leaf module (layer) as a unit: SuperNeurons' own granularity (Wang et al.,
+    PPoPP'18 §3: the peak falls toward one *layer's* working set). Many more units than
+    :func:`default_units` (ResNet-50: 126 instead of 22), so planning takes longer."""
+    return [fqn for fqn, m in model.named_modules() if fqn and not any(m.children())]
 
 
 @dataclass(frozen=True)
@@ -73,6 +159,10 @@ class StorageLife:
     # one of its saves is a view the tensor pool does not move (broadcast, stride 0): the
     # storage stays on the device however its units are planned (memory.pool)
     pool_keeps: bool = False
+    head: bool = False  # the LM head's or the loss's (``Profile.head_unit``; ``breakdown``)
+    # a parameter cast autocast's cache holds until the autocast block exits (the end of the
+    # forward and loss): a plan cannot free it before
+    cached: bool = False
 
     def call_of(self, unit: str) -> int:
         """The call of ``unit`` that saved this storage (0 when not recorded)."""
@@ -181,27 +271,83 @@ class Profile:
     # post-accumulate hook); later than the birth when the storage was made earlier (a head
     # computing its gradient in the forward); () when not recorded: the birth
     grad_ready: tuple[int, ...] = ()
+    # the unit holding the model's output embedding (an LM head; "": none) and, per event, the
+    # eager live bytes of (saved, temporaries) that belong to it or to the loss: what
+    # ``breakdown["head_loss"]`` counts (see :meth:`head_rows`)
+    head_unit: str = ""
+    head_timeline: tuple[tuple[int, ...], ...] = ()
+    # bytes of the model's output the loop carries into the next step (``carry_output``): live
+    # in steady state from event 0 to ``model_end_event`` too; of which head + loss bytes
+    carried_output_bytes: int = 0
+    carried_head_bytes: int = 0
+    # each storage some unit's first call took as input (positional or keyword) that autograd
+    # does not save, with the units that took it: what checkpoints of those units keep
+    unsaved_inputs: tuple[StorageLife, ...] = ()
+    # device bytes no tensor holds (real cpu profiles; none on fake ones, and on CUDA, where
+    # ``memory.workspace`` handles workspaces): (event, bytes) of the scratch an op allocated
+    # for itself (counted as temporaries at that event), and the cpu generator state a
+    # checkpoint stashes per recomputed call
+    scratch: tuple[tuple[int, int], ...] = ()
+    rng_state_bytes: int = 0
+    # a stated margin, counted at every event, for the few bytes allocated below the dispatcher
+    # outside any op's range (``ALLOCATOR_MARGIN_BYTES`` on real cpu profiles, else 0)
+    margin_bytes: int = 0
 
-    def gradient_events(self) -> list[tuple[int, int, int]]:
-        """``(birth, ready, nbytes)`` of each gradient (``ready >= birth``)."""
-        ready = self.grad_ready or tuple(b for b, _ in self.grad_births)
-        return [(b, max(b, r), n) for (b, n), r in zip(self.grad_births, ready, strict=True)]
+    @property
+    def scratch_bytes(self) -> int:
+        """The largest scratch one op of the step allocated for itself (0: none recorded)."""
+        return max((nbytes for _, nbytes in self.scratch), default=0)
 
     @property
     def saved_bytes(self) -> int:
         return sum(s.nbytes for s in self.storages)
 
     def timeline_array(self, *, steady_state: bool = True) -> np.ndarray:
-        """``(len(CATEGORIES), num_events)`` int64 array of live bytes.
+        """``(len(CATEGORIES), num_events)`` int64 array of live bytes (a fresh copy).
 
         With ``steady_state`` the optimizer state the first step creates is counted from event 0,
         as it is resident from the second step on.
         """
-        table = np.array(self.timeline, dtype=np.int64).reshape(len(CATEGORIES), -1)
-        if steady_state and self.optimizer_births:
-            row = CATEGORIES.index("optimizer")
-            for birth, nbytes in self.optimizer_births:
-                table[row, : max(birth, 0)] += nbytes
+        return (self._steady_table if steady_state else self._table).copy()
+
+    # NOTE: the planner evaluates hundreds of candidate plans per profile; converting the
+    # timeline tuples to arrays each time was half of its time on a 28,000-event step
+    @functools.cached_property
+    def _table(self) -> np.ndarray:
+        return np.array(self.timeline, dtype=np.int64).reshape(len(CATEGORIES), -1)
+
+    @functools.cached_property
+    def _steady_table(self) -> np.ndarray:
+        table = self._table.copy()
+        row = CATEGORIES.index("optimizer")
+        for birth, nbytes in self.optimizer_births:
+            table[row, : max(birth, 0)] += nbytes
+        for event, nbytes in self.scratch:  # what the op allocated for itself, inside it
+            table[CATEGORIES.index("temporaries"), event] += nbytes
+        table[CATEGORIES.index("temporaries")] += self.margin_bytes
+        # the previous step's output, until the model's forward returns the new one
+        table[CATEGORIES.index("temporaries"), : self.model_end_event + 1] += (
+            self.carried_output_bytes
+        )
+        return table
+
+    def head_rows(self) -> np.ndarray:
+        """``(2, num_events)`` int64 array: the eager live bytes (steady state) of saved tensors
+        and of temporaries that belong to the LM head unit (:attr:`head_unit`) or to the loss.
+
+        A storage belongs to them when the head unit saved it, or when it was born inside the
+        head unit's forward, in the loss's forward (after the last unit's forward, up to
+        :attr:`forward_end_event`) or in backward before it left the head unit (the loss's
+        backward, the logits' gradient): the ``head_loss`` row of a plan's ``breakdown``.
+        """
+        return self._head_table.copy()
+
+    @functools.cached_property
+    def _head_table(self) -> np.ndarray:
+        if not self.head_timeline:
+            return np.zeros((2, self.num_events), dtype=np.int64)
+        table = np.array(self.head_timeline, dtype=np.int64).reshape(2, -1)
+        table[1, : self.model_end_event + 1] += self.carried_head_bytes
         return table
 
     def predicted_peak_bytes(self, *, steady_state: bool = True) -> int:
@@ -213,173 +359,40 @@ class Profile:
         at = int(table.sum(axis=0).argmax())
         return {name: int(table[i, at]) for i, name in enumerate(CATEGORIES)}
 
-    @classmethod
-    def from_recording(
-        cls,
-        *,
-        tracker: Any,
-        saved_rows: list[dict[str, Any]],
-        unit_rows: Mapping[str, Mapping[str, Any]],
-        unit_order: Iterable[str],
-        param_storages: set[int],
-        grad_storages: set[int],
-        opt_storages: set[int],
-        op_of_storage: Mapping[int, str],
-        events: Mapping[str, int],
-        fake: bool,
-        step_s: float,
-        copy_bytes_per_s: tuple[float, float] = (0.0, 0.0),
-        grad_names: Mapping[int, str] | None = None,
-        head: HeadChunking | None = None,
-        seq_chunks: tuple[SeqChunking, ...] = (),
-        param_numel: int = 0,
-        grad_ready: Mapping[str, int] | None = None,
-    ) -> Profile:
-        num_events = max(tracker.event + 1, 1)
-        last = num_events - 1
-        saved_sids = {row["sid"] for row in saved_rows}
-        delta = np.zeros((len(CATEGORIES), num_events + 1), dtype=np.int64)
-        totals = dict.fromkeys(("params", "grads", "optimizer"), 0)
-        opt_births: list[tuple[int, int]] = []
-        grad_births: list[tuple[int, int]] = []
-        grad_params: list[str] = []
-        for sid, nbytes in tracker.nbytes.items():
-            if sid in param_storages:
-                cat = "params"
-            elif sid in opt_storages:
-                cat = "optimizer"
-            elif sid in grad_storages:
-                cat = "grads"
-            elif sid in saved_sids:
-                cat = "saved"
-            else:
-                cat = "temporaries"
-            birth = max(tracker.births[sid], 0)
-            death = tracker.deaths.get(sid, last) if not tracker.is_live(sid) else last
-            if cat in totals:
-                totals[cat] += nbytes
-            if cat == "optimizer" and tracker.births[sid] >= 0:
-                opt_births.append((birth, nbytes))
-            if cat == "grads":
-                grad_births.append((birth, nbytes))
-                grad_params.append((grad_names or {}).get(sid, ""))
-            cat_row = CATEGORIES.index(cat)
-            delta[cat_row, birth] += nbytes
-            delta[cat_row, min(death, last) + 1] -= nbytes
-        timeline = np.cumsum(delta[:, :num_events], axis=1)
-        index_of: dict[int, int] = {}
-        lives: list[dict[str, Any]] = []
-        saved: list[SavedTensor] = []
-        for row in saved_rows:
-            sid = row["sid"]
-            if sid not in index_of:
-                index_of[sid] = len(lives)
-                death = last if tracker.is_live(sid) else tracker.deaths.get(sid, last)
-                lives.append(
-                    dict(
-                        nbytes=row["nbytes"],
-                        birth=max(tracker.births.get(sid, 0), 0),
-                        from_caller=tracker.births.get(sid, 0) < 0,
-                        death=death,
-                        units=[],
-                        calls=[],
-                        pool_keeps=False,
-                    )
-                )
-            life = lives[index_of[sid]]
-            life["pool_keeps"] = life["pool_keeps"] or bool(row.get("pool_keeps", False))
-            if row["unit"] not in life["units"]:
-                life["units"].append(row["unit"])
-                life["calls"].append(int(row.get("unit_call", 0)))
-            saved.append(
-                SavedTensor(
-                    key=row["key"],
-                    module=row["module"],
-                    op=op_of_storage.get(sid, "input"),
-                    unit=row["unit"],
-                    nbytes=row["nbytes"] if row["first"] else 0,
-                    storage=index_of[sid],
-                    created_event=life["birth"],
-                    last_use_event=row["last_use"],
-                )
-            )
-        storages = tuple(
-            StorageLife(
-                v["nbytes"],
-                v["birth"],
-                v["death"],
-                tuple(v["units"]),
-                tuple(v["calls"]),
-                from_caller=v["from_caller"],
-                pool_keeps=v["pool_keeps"],
-            )
-            for v in lives
-        )
-        units = []
-        for fqn in unit_order:
-            u = unit_rows[fqn]
-            units.append(
-                UnitProfile(
-                    fqn=fqn,
-                    fwd_start_event=u["fwd_start"],
-                    fwd_end_event=u["fwd_end"],
-                    bwd_start_event=u["bwd_start"],
-                    flops=u["flops"],
-                    bytes_written=u["written"],
-                    fwd_time_s=u["time_s"],
-                    temp_peak_bytes=u["temp_peak"],
-                    saved_bytes=sum(s.nbytes for s in storages if fqn in s.units),
-                    output_bytes=int(u.get("out_bytes", 0)),
-                    input_bytes=sum(
-                        s.nbytes
-                        for s in storages
-                        if fqn in s.units and not s.from_caller and s.birth < u["fwd_start"]
-                    ),
-                    bwd_end_event=int(u.get("bwd_end", -1)),
-                    inplace=bool(u.get("inplace", False)),
-                    norm_state_bytes=int(u.get("norm_state_bytes", 0)),
-                    in_sequential=bool(u.get("in_sequential", False)),
-                    calls=tuple(
-                        (int(a), int(b), int(c), int(d)) for a, b, c, d in u.get("calls", ())
-                    ),
-                    edges=tuple((int(a), int(b)) for a, b in u.get("edges", ())),
-                    recompute_peak_bytes=int(u.get("recompute_peak", -1)),
-                    unsaved_input_bytes=sum(
-                        tracker.nbytes[sid]
-                        for sid in u.get("first_in_sids", ())
-                        if sid not in saved_sids
-                        and sid not in param_storages
-                        and tracker.births.get(sid, -1) >= 0
-                    ),
-                )
-            )
-        return cls(
-            fake=fake,
-            num_events=num_events,
-            forward_end_event=events.get("forward_end", last),
-            backward_end_event=events.get("backward_end", last),
-            model_end_event=events.get("model_end", -1),
-            copy_bytes_per_s=copy_bytes_per_s,
-            step_s=step_s,
-            param_bytes=totals["params"],
-            grad_bytes=totals["grads"],
-            optimizer_state_bytes=totals["optimizer"],
-            measured_peak_bytes=int(tracker.peak_bytes),
-            timeline=tuple(tuple(int(v) for v in r) for r in timeline),
-            saved=tuple(saved),
-            storages=storages,
-            units=tuple(units),
-            optimizer_births=tuple(opt_births),
-            grad_births=tuple(grad_births),
-            grad_params=tuple(grad_params),
-            grad_ready=tuple(
-                (grad_ready or {}).get(name, birth)
-                for name, (birth, _) in zip(grad_params, grad_births, strict=True)
-            ),
-            head=head,
-            seq_chunks=tuple(seq_chunks),
-            param_numel=param_numel,
-            largest_param_bytes=max(
-                (tracker.nbytes[sid] for sid in param_storages if sid in tracker.nbytes), default=0
-            ),
-        )
+
+def head_windows(
+    unit_rows: Mapping[str, Mapping[str, Any]],
+    events: Mapping[str, int],
+    head_unit: str,
+    num_events: int,
+) -> np.ndarray:
+    """Per event: inside the head unit's forward, the loss's forward, or backward before it
+    left the head unit (before the first unit's backward when there is no head unit)."""
+    mask = np.zeros(num_events + 1, dtype=bool)
+    last = num_events - 1
+    forward_end = events.get("forward_end", last)
+    backward_end = events.get("backward_end", last)
+    calls = [c for row in unit_rows.values() for c in row.get("calls", ())]
+    last_unit_end = max((int(c[1]) for c in calls), default=-1)
+    mask[last_unit_end + 1 : forward_end + 1] = True  # the loss's forward
+    head = unit_rows.get(head_unit) if head_unit else None
+    if head is not None:
+        for start, end, bwd_start, bwd_end in head.get("calls", ()):
+            mask[start : end + 1] = True
+            bwd_end = max(bwd_start, bwd_end)
+            if bwd_end >= 0:  # the loss's backward, then the head's own
+                mask[forward_end + 1 : min(bwd_end, backward_end) + 1] = True
+    else:
+        entered = [int(c[2]) for c in calls if int(c[2]) > forward_end]
+        mask[forward_end + 1 : min(entered, default=backward_end + 1)] = True
+    return mask
+
+
+def is_head_storage(category: str, units: set[str], head_unit: str, born_in_window: bool) -> bool:
+    """A storage of the head + loss row: saved by the head unit, or born in its windows and
+    saved by no other unit (a temporary, or a tensor the loss saved)."""
+    if category not in ("saved", "temporaries"):
+        return False
+    if head_unit and head_unit in units:
+        return True
+    return born_in_window and not (units - {""})

@@ -33,6 +33,8 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from superneurons.errors import ConfigError
+
 __all__ = ["RecomputeStats", "checkpointed_forward", "norm_layers", "running_stat_bytes"]
 
 
@@ -107,6 +109,8 @@ def checkpointed_forward(
 
     @functools.wraps(forward)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return _traced(forward, norms, *args, **kwargs)
         stats.forward_calls += 1
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
@@ -137,3 +141,22 @@ def checkpointed_forward(
             )
 
     return wrapped
+
+
+def _traced(forward: Callable[..., Any], norms: list[_NormBase], *args: Any, **kwargs: Any) -> Any:
+    """Under ``torch.compile``: the plain non-reentrant checkpoint dynamo traces into one graph
+    (its ``tag_activation_checkpoint``; early stop is the default). No counters, no contexts.
+
+    Raises:
+        ConfigError: the unit holds BatchNorm layers, whose running statistics the recompute
+            keeps exact through a context dynamo cannot trace.
+    """
+    if norms:
+        raise ConfigError(
+            "a recompute unit with BatchNorm layers cannot run under torch.compile (its running "
+            "statistics are kept exact by a context dynamo does not trace): run it eagerly, or "
+            "give the unit 'keep'"
+        )
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)

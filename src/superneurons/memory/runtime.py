@@ -264,6 +264,13 @@ def _resolve_units(model: nn.Module, plan: Plan) -> list[tuple[str, str, nn.Modu
         if unit.action != "keep":
             units.append((unit.fqn, unit.action, module))
     active = [fqn for fqn, _, _ in units]
+    for fqn, _, module in units:
+        if any(getattr(m, "gradient_checkpointing", False) is True for m in module.modules()):
+            raise ConfigError(
+                f"plan unit {fqn!r} runs under Hugging Face gradient checkpointing: turn it off "
+                "(model.gradient_checkpointing_disable()); the plan recomputes where the "
+                "budget needs it"
+            )
     for outer in active:
         for inner in active:
             if inner != outer and (outer == "" or inner.startswith(outer + ".")):

@@ -8,7 +8,7 @@ so a 12 GiB step costs only the Python time of its ops (~0.1 ms each).
 (:func:`superneurons.memory.runtime.apply_plan`: the same checkpoint wrappers, segments and
 Unified Tensor Pool, prefetch included), with the pool's host copies on ``meta`` so that the
 live-storage tracker counts exactly the device bytes. One executor, two kinds of tensors.
-The zoo searches (largest depth / batch) live in :mod:`superneurons.bench.search`.
+The zoo searches (largest depth / batch) live in :mod:`superneurons.memory.search`.
 """
 
 from __future__ import annotations
@@ -47,13 +47,13 @@ def profile_zoo(
     *,
     batch_size: int,
     optimizer: str = "sgd",
-    granularity: str = "auto",
+    granularity: str = "split",
     **model_kwargs: Any,
 ) -> Profile:
     """Profile one step of zoo model ``name`` on fake tensors (no real memory).
 
     ``granularity``: ``"block"`` (:func:`default_units`), ``"layer"`` (:func:`layer_units`) or
-    ``"auto"`` (blocks, then the blocks with the largest working sets split into their layers
+    ``"split"`` (blocks, then the blocks with the largest working sets split into their layers
     and profiled again: :func:`superneurons.memory.bounds.split_largest`).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -74,7 +74,7 @@ def profile_zoo(
     units = layer_units(model) if granularity == "layer" else default_units(model)
     loss_fn = default_loss(name)
     profile = profile_step(model, inputs, targets, loss_fn, opt, fake_mode=mode, units=units)
-    if granularity == "auto":
+    if granularity == "split":
         split = split_largest(model, profile)
         if split != units:
             profile = profile_step(

@@ -120,7 +120,7 @@ def _no_cache(fqn: str, position: int) -> Any:
             return None
         if len(args) > position:  # passed positionally: left to the unit-level refusal
             return None
-        if not warned[0]:
+        if not warned[0] and not torch.compiler.is_compiling():  # no logging in traced code
             warned[0] = True
             logger.warning(
                 "%s (%s): use_cache=True is incompatible with a memory plan in training (the "
@@ -136,7 +136,7 @@ def _no_cache(fqn: str, position: int) -> Any:
 
 def _refuse_cache(fqn: str) -> Any:
     def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-        if not (module.training and torch.is_grad_enabled()):
+        if not (module.training and torch.is_grad_enabled()) or torch.compiler.is_compiling():
             return
         if any(is_kv_cache(v) for v in tree_flatten((args, kwargs))[0]):
             raise ConfigError(
@@ -184,12 +184,16 @@ class _StateWatch:
         return state
 
     def before(self, module: nn.Module, args: Any) -> None:
+        # NOTE: the checks read ids and version counters, which dynamo cannot trace: a
+        # compiled model is checked by its eager forwards only
+        if torch.compiler.is_compiling():
+            return
         if self.checks_left > 0 and _training(module):
             self.checks_left -= 1
             self.before_state = self._snapshot()
 
     def after(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.before_state is None:
+        if self.before_state is None or torch.compiler.is_compiling():
             return
         before, self.before_state = self.before_state, None
         after = self._snapshot()

@@ -31,7 +31,9 @@ from torch.utils._pytree import tree_flatten
 
 from superneurons.compat import custom_op_function
 
-__all__ = ["LiveStorageTracker", "untracked"]
+__all__ = ["MARKER", "LiveStorageTracker", "untracked"]
+
+MARKER = "superneurons::op"  # + the event index: the profiler range of each op (``mark_ops``)
 
 _PAUSED = threading.local()
 
@@ -57,6 +59,9 @@ class LiveStorageTracker(TorchDispatchMode):
         peak_bytes: the largest ``live_bytes`` seen right after an op's outputs were created.
         peak_event: the op index of that peak.
         timeline_bytes: ``live_bytes`` after each op (``record_timeline=True``).
+        mark_ops: wrap each op in a ``torch.profiler`` range named :data:`MARKER` + its event
+            index, so a profiler's allocator events can be placed on the events
+            (:func:`superneurons.memory.workspace.op_scratch`).
         births / deaths: storage serial -> op index of its creation / release.
         nbytes: storage serial -> its size in bytes, for every storage seen (serials are
             0, 1, 2, ... in registration order).
@@ -67,8 +72,10 @@ class LiveStorageTracker(TorchDispatchMode):
         *,
         record_timeline: bool = False,
         on_op: Callable[[int, Any, Any, Any, Any], None] | None = None,
+        mark_ops: bool = False,
     ) -> None:
         super().__init__()
+        self.mark_ops = mark_ops
         self.event = -1
         self.live_bytes = 0
         self.peak_bytes = 0
@@ -136,7 +143,11 @@ class LiveStorageTracker(TorchDispatchMode):
         if inner is not None:  # its own ops come back through this mode, one event each
             with self:
                 return inner(*args, **(kwargs or {}))
-        out = func(*args, **(kwargs or {}))
+        if self.mark_ops:  # a profiler marker per op: its allocator events fall inside it
+            with torch.autograd.profiler.record_function(f"{MARKER}{self.event + 1}"):
+                out = func(*args, **(kwargs or {}))
+        else:
+            out = func(*args, **(kwargs or {}))
         self.event += 1
         leaves, _ = tree_flatten(out)
         for leaf in leaves:

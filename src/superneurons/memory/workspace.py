@@ -32,6 +32,7 @@ fits (the v7 path re-searches). Set the cap before the first step with the plan'
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -41,9 +42,16 @@ import torch
 
 from superneurons.compat import memory_fraction
 from superneurons.errors import ConfigError
-from superneurons.memory.tracker import LiveStorageTracker
+from superneurons.memory.tracker import MARKER, LiveStorageTracker
 
-__all__ = ["WorkspaceLimit", "cudnn_settings", "limit_workspace", "untracked_peak_bytes"]
+__all__ = [
+    "WorkspaceLimit",
+    "cudnn_settings",
+    "limit_workspace",
+    "op_scratch",
+    "scratch_recorder",
+    "untracked_peak_bytes",
+]
 
 logger = logging.getLogger("superneurons.memory")
 
@@ -93,6 +101,54 @@ def untracked_peak_bytes(
     done.record()
     done.synchronize()  # max_memory_allocated counts frees at enqueue time; wait for the step
     return max(0, int(torch.cuda.max_memory_allocated(device)) - int(tracker.peak_bytes))
+
+
+def scratch_recorder(enabled: bool) -> Any:
+    """A ``torch.profiler`` session recording the CPU allocator's events (``profile_memory``),
+    or a null context: :func:`op_scratch` reads it."""
+    if not enabled:
+        return contextlib.nullcontext()
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+
+
+def op_scratch(recording: Any) -> dict[int, int]:
+    """Per event of a recorded CPU step, the scratch its op allocated for itself: the most the
+    c10 allocator held inside the op beyond what it held when the op returned (its outputs).
+
+    Kernels allocate such buffers below the dispatcher (CPU flash attention's per-thread blocks
+    of scores, a convolution's im2col), so no live-tensor count sees them. The ops are the
+    ranges :class:`~superneurons.memory.tracker.LiveStorageTracker` marks (``mark_ops``).
+    """
+    if recording is None or not hasattr(recording, "profiler"):
+        return {}
+    from torch.autograd import DeviceType
+
+    events = list(recording.profiler.kineto_results.events())
+    memory = sorted(
+        (e.start_ns(), i, e.nbytes())
+        for i, e in enumerate(events)
+        if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
+    )
+    ops = sorted(
+        (e.start_ns(), e.end_ns(), int(e.name()[len(MARKER) :]))
+        for e in events
+        if e.name().startswith(MARKER)
+    )
+    running, at, scratch = 0, 0, {}
+    for start, end, event in ops:
+        while at < len(memory) and memory[at][0] < start:
+            running += memory[at][2]
+            at += 1
+        highest = running
+        while at < len(memory) and memory[at][0] <= end:
+            running += memory[at][2]
+            highest = max(highest, running)
+            at += 1
+        if highest > running:
+            scratch[event] = highest - running
+    return scratch
 
 
 class WorkspaceLimit:

@@ -1,4 +1,4 @@
-"""The largest depth / batch of a zoo model that fits a budget, per memory strategy (fake tensors).
+"""The largest depth / batch / sequence that fits a budget, per memory strategy (fake tensors).
 
 :func:`max_fitting` finds the largest depth (the ``[6, 32, n, 6]`` ResNet family of SuperNeurons,
 Wang et al., PPoPP'18 §4) or batch whose smallest predicted peak under a strategy fits a budget,
@@ -11,6 +11,7 @@ against a direct profile at the answer where they can afford it (``verify=True``
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
@@ -20,11 +21,12 @@ from typing import Any
 
 from superneurons.errors import ConfigError
 from superneurons.memory.cost import CostModel
+from superneurons.memory.llm import LMStep, profile_causal_lm
 from superneurons.memory.planner import min_peak_bytes
 from superneurons.memory.profile_types import Profile
 from superneurons.memory.simulate import profile_zoo
 
-__all__ = ["FitResult", "max_fitting", "profile_for_strategy", "zoo_peaks"]
+__all__ = ["FitResult", "lm_peaks", "max_fitting", "profile_for_strategy", "zoo_peaks"]
 
 
 @dataclass(frozen=True)
@@ -158,7 +160,7 @@ def zoo_peaks(
         # NOTE: blocks suit checkpointing (a layer's checkpoint is its input: no saving);
         # splitting the largest blocks into layers suits the pool: each strategy its best
         block = min_peak_bytes(profile_zoo(name, granularity="block", **kwargs), cost=cost)
-        split = min_peak_bytes(profile_zoo(name, granularity="auto", **kwargs), cost=cost)
+        split = min_peak_bytes(profile_zoo(name, granularity="split", **kwargs), cost=cost)
         return {s: min(block[s], split[s]) for s in block}
 
     return peaks
@@ -168,12 +170,32 @@ def profile_for_strategy(
     name: str, strategy: str, *, cost: CostModel | None = None, **kwargs: Any
 ) -> tuple[Profile, str]:
     """The zoo profile (block or split granularity) whose floor for ``strategy`` is lower, and
-    that granularity's name: blocks suit checkpointing, split blocks suit the tensor pool."""
+    that granularity's name: blocks suit checkpointing, split blocks suit the tensor pool.
+    This is what ``--granularity auto`` means (and nothing else does)."""
     found = []
-    for granularity in ("block", "auto"):
+    for granularity in ("block", "split"):
         profile = profile_zoo(name, granularity=granularity, **kwargs)
         minima = min_peak_bytes(profile, cost=cost)
         floor = minima[strategy] if strategy in minima else min(minima.values())
         found.append((floor, granularity, profile))
     floor, granularity, profile = min(found, key=lambda f: f[0])
     return profile, granularity
+
+
+def lm_peaks(
+    config: Any, step: LMStep, axis: str, *, cost: CostModel | None = None, quantum: int = 1
+) -> Callable[[int], dict[str, int]]:
+    """``f(size)`` -> each strategy's smallest peak for a causal LM (:mod:`.llm`): ``axis``
+    ``"seq_len"`` (``size * quantum`` tokens) or ``"batch"`` (``size`` sequences). With fused
+    attention every activation is linear in ``B x T``, so the peak is affine in either."""
+    if axis not in ("seq_len", "batch"):
+        raise ConfigError(f"axis must be 'seq_len' or 'batch', got {axis!r}")
+
+    def peaks(size: int) -> dict[str, int]:
+        if axis == "seq_len":
+            sized = dataclasses.replace(step, seq_len=size * quantum)
+        else:
+            sized = dataclasses.replace(step, batch_size=size)
+        return min_peak_bytes(profile_causal_lm(config, sized), cost=cost)
+
+    return peaks
