@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from superneurons.bench.memory_meter import allocator_peak_bytes
-from superneurons.memory import PoolConfig, apply_plan, make_plan
+from superneurons.memory import PoolConfig, apply_plan, make_plan, min_peak_bytes
 from superneurons.memory.plan import InfeasibleBudgetError, Plan
 from superneurons.memory.profile import output_loss, profile_step
 
@@ -147,13 +147,20 @@ def test_measured_peak_within_budget_and_prediction(name: str, mode: str, kind: 
     eager = profile.predicted_peak_bytes()
     measured_eager = allocator_peak_bytes(loop.step, resident=loop.resident)
     assert abs(measured_eager - eager) <= 0.01 * measured_eager
-    ddp_floor = make_plan(profile, budget_bytes=eager, allow_optimizer_in_backward=False)
+    # NOTE: the host optimizer's masters and state are host memory, which on a CPU the
+    # allocator cannot tell apart from the device's: left out here (tests/test_memory_handover.py,
+    # benchmarks/below_largest_layer.py measure it with the host buffers subtracted)
+    ddp_floor = make_plan(
+        profile, budget_bytes=eager, allow_optimizer_in_backward=False, allow_host_optimizer=False
+    )
     # NOTE: 45% is below what DDP-safe strategies reach on these models: one device, the
     # optimizer stepping in backward (its state on the device: on a CPU the host pool is the
     # same memory, so a host-held state cannot be told apart by the allocator)
+    in_backward_floor = min_peak_bytes(profile)["offload+opt-in-backward"]
     budgets = [
         (int(0.60 * eager), "auto"),
-        (int(0.45 * eager), "offload+opt-in-backward"),
+        # (or its floor, where the step's per-gradient transients put that higher)
+        (max(int(0.45 * eager), in_backward_floor), "offload+opt-in-backward"),
         (ddp_floor.min_budget_bytes, "auto"),  # the reported minimum itself
     ]
     ran = 0
@@ -164,9 +171,13 @@ def test_measured_peak_within_budget_and_prediction(name: str, mode: str, kind: 
                 budget_bytes=budget,
                 strategy=strategy,
                 allow_optimizer_in_backward=strategy != "auto",
+                allow_host_optimizer=False,
             )
-        except InfeasibleBudgetError as exc:
-            assert exc.min_budget_bytes > budget  # refused, naming the minimum
+        except InfeasibleBudgetError as exc:  # refused, naming the minimum
+            floor = (
+                exc.min_budget_bytes if strategy == "auto" else min_peak_bytes(profile)[strategy]
+            )
+            assert floor > budget
             continue
         peak, planned = _run_planned(name, mode, kind, plan)
         ran += 1
