@@ -188,3 +188,15 @@ def test_bandwidth_reads_rates_and_byte_sizes() -> None:
     # a rate (bits or bytes per second), or a byte size per second as the flag first read it
     assert bandwidth_bytes_per_s("128gbit") == bandwidth_bytes_per_s("16GB/s") == 16e9
     assert bandwidth_bytes_per_s("16GB") == 16e9
+
+
+def test_max_seq_len_stops_at_the_positions(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "config.json"
+    _llama_config().to_json_file(str(path))  # type: ignore[attr-defined]
+    model = ["--model", f"hf:{path}", "--strategy", "eager", "--max-seq-len", "--device-preset"]
+    roomy = _plan_json(capsys, *model, "cpu", "--budget", "1GiB")
+    assert roomy["max_seq_len"] == 128 and roomy["limited_by_positions"]
+    tight = _plan_json(capsys, *model, "cpu", "--budget", "3MiB")
+    assert 0 < tight["max_seq_len"] < 128 and not tight["limited_by_positions"]

@@ -97,6 +97,17 @@ def test_verify_corrects_a_non_affine_fit() -> None:
     assert fitted["eager"].size > 14 and verified["eager"].size == 14  # 14^2 <= 200 < 15^2
 
 
+def test_the_answer_stops_at_the_limit_and_nothing_beyond_is_profiled() -> None:
+    called: list[int] = []
+
+    def peaks(n: int) -> dict[str, int]:
+        called.append(n)
+        return {"eager": n}
+
+    found = max_fitting(peaks, ("eager",), budget_bytes=100, sizes=(2, 4, 8), verify=True, limit=8)
+    assert found["eager"].size == 8 and max(called) == 8  # a model's positions end there
+
+
 @pytest.mark.parametrize("first", ["offload", "recompute+offload", "recompute"])
 @pytest.mark.parametrize(
     "second",

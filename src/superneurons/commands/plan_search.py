@@ -3,7 +3,8 @@
 Per strategy, an affine fit of the smallest predicted peak over three profiled sizes, solved for
 the budget (:func:`superneurons.memory.search.max_fitting`); batches and sequence lengths are
 then checked by direct profiles (``verify``). Sequence lengths are searched in multiples of
-:data:`SEQ_QUANTUM` tokens and capped at the configuration's positions.
+:data:`SEQ_QUANTUM` tokens (a quarter of the positions for configurations with fewer than 4 x
+that) and stop at the configuration's positions: nothing beyond them is profiled.
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ def run_search(
             raise ConfigError("--max-depth searches the [6, 32, n, 6] ResNet family")
         config, step, base = lm_target(args)
         axis, key = ("seq_len", "max_seq_len") if args.max_seq_len else ("batch", "max_batch")
-        quantum = SEQ_QUANTUM if args.max_seq_len else 1
-        peaks = lm_peaks(config, step, axis, cost=cost, quantum=quantum)
         limit = max_positions(config) if args.max_seq_len else None
+        quantum = SEQ_QUANTUM if args.max_seq_len else 1
+        if limit is not None and limit < 4 * SEQ_QUANTUM:  # a small configuration: 4 samples
+            quantum = max(limit // 4, 1)
+        peaks = lm_peaks(config, step, axis, cost=cost, quantum=quantum)
         top = (limit or 64 * SEQ_QUANTUM) // quantum if args.max_seq_len else 8
         sizes = (max(top // 4, 1), max(top // 2, 2), max(top, 3))
         fits = max_fitting(
@@ -46,14 +49,14 @@ def run_search(
             sizes=sizes,
             progress=progress,
             verify=True,
+            limit=limit // quantum if limit is not None else None,
         )
         records: list[dict[str, Any]] = []
         for strategy, fit in fits.items():
             size = fit.size * quantum
             found = {"strategy": strategy, **base, key: size, "budget_bytes": budget_bytes}
-            if limit is not None:
-                found["limited_by_positions"] = size > limit
-                found[key] = min(size, limit)
+            if limit is not None:  # the answer is the configuration's positions
+                found["limited_by_positions"] = size + quantum > limit
             found.update(fit_residual=fit.residual, slope_bytes=fit.slope_bytes)
             found.update(intercept_bytes=fit.intercept_bytes, device_preset=args.device_preset)
             records.append(found)

@@ -185,6 +185,8 @@ def profile_causal_lm(config: Any, step: LMStep, *, units: list[str] | None = No
             first = str(exc).strip().splitlines()[0][:200]
             raise ConfigError(f"cannot build a causal LM from this configuration: {first}") from exc
         model.train()
+        if getattr(model.config, "use_cache", False):
+            model.config.use_cache = False  # training: no key/value cache, as a plan runs it
         optimizer = _optimizer(step, list(model.parameters()))
         ids = torch.zeros(step.batch_size, step.seq_len, dtype=torch.long)  # (B, T)
     batch = {"input_ids": ids, "labels": ids}

@@ -61,6 +61,7 @@ def max_fitting(
     sizes: tuple[int, int, int],
     progress: Callable[[str], None] | None = None,
     verify: bool = False,
+    limit: int | None = None,
 ) -> dict[str, FitResult]:
     """Largest size per strategy with ``peaks(size)[strategy] <= budget_bytes`` (affine fit).
 
@@ -68,6 +69,8 @@ def max_fitting(
     ``min_peak_bytes(profile_zoo(...))``); it is called once per sample size. With ``verify``
     the fitted answer is then checked by direct calls (``size`` fits, ``size + 1`` does not)
     and corrected by a bracketing search where the peak is not affine (``verified=True``).
+    ``limit``: the largest size there is (a configuration's positions): answers stop there and
+    nothing beyond it is called.
     """
     if budget_bytes <= 0:
         raise ConfigError(f"budget must be positive, got {budget_bytes}")
@@ -96,8 +99,11 @@ def max_fitting(
             size = large if y_large <= budget_bytes else 0
         else:
             size = max(int(math.floor((budget_bytes - intercept) / slope)), 0)
+        if limit is not None:
+            size = min(size, limit)
         if verify:
-            size = _bracket(functools.partial(_fits, peak, strategy, budget_bytes), max(size, 1))
+            fits = functools.partial(_fits, peak, strategy, budget_bytes, limit)
+            size = _bracket(fits, max(size, 1))
         results[strategy] = FitResult(
             strategy=strategy,
             size=size,
@@ -111,8 +117,10 @@ def max_fitting(
     return results
 
 
-def _fits(peak: Callable[[int, str], int], strategy: str, budget_bytes: int, size: int) -> bool:
-    return peak(size, strategy) <= budget_bytes
+def _fits(
+    peak: Callable[[int, str], int], strategy: str, budget_bytes: int, limit: int | None, size: int
+) -> bool:
+    return (limit is None or size <= limit) and peak(size, strategy) <= budget_bytes
 
 
 def _bracket(fits: Callable[[int], bool], guess: int) -> int:
