@@ -65,7 +65,7 @@ def _mixed() -> Any:
         "module.fc2.weight": "powersgd:rank=2",
         "module.fc2.bias": "bf16",
         "module.out.weight": "topk:ratio=0.5",
-        "module.out.bias": "dense",
+        "module.out.bias": "twophase:bits=2,chunk=8,rounding=stochastic,transform=hadamard",
     }
     routes = {
         k.removeprefix("module."): None if v == "dense" else parse_spec(v)

@@ -177,3 +177,44 @@ def test_shaped_link_trains_the_same_steps_between_namespaces() -> None:
     assert math.isfinite(dense["final_metric"]) and auto["decision"]["link"] == "measured"
     # the link really is shaped: the fitted all-reduce moves at most ~100 Mbit/s
     assert auto["decision"]["network"]["all_reduce"]["beta_s_per_byte"] > 8 / 120e6
+
+
+def test_diloco_labels_name_diloco_with_error_feedback_on_a_lossy_wire() -> None:
+    from superneurons.bench.convergence_labels import scheme_of
+    from superneurons.codecs.feedback import ErrorFeedback
+    from superneurons.codecs.qsgd import QSGDCodec
+    from superneurons.schemes.diloco import DiLoCo
+
+    assert scheme_of("adamw", "diloco[steps=4]:qsgd") == DiLoCo(ErrorFeedback(QSGDCodec()), 4)
+    assert scheme_of("sgd", "diloco:steps=4") == DiLoCo(steps=4)
+    assert applies("sgd", "diloco:steps=4") and applies("adamw", "diloco:steps=4")
+    with pytest.raises(ConfigError, match="steps"):
+        ConvergenceConfig(codecs=("dense", "diloco:steps=0"))
+
+
+def test_time_to_loss_interpolates_between_curve_points() -> None:
+    from superneurons.bench.convergence_report import time_to_loss_s
+
+    record = {"curve": [[10, 3.0], [20, 2.6], [30, 2.5]], "curve_train_s": [5.0, 9.0, 13.0]}
+    assert time_to_loss_s(record, 3.1) == 5.0  # the first point already
+    assert time_to_loss_s(record, 2.8) == pytest.approx(7.0)  # halfway from 3.0 to 2.6
+    assert time_to_loss_s(record, 2.5) == pytest.approx(13.0)
+    assert time_to_loss_s(record, 2.4) is None
+    assert time_to_loss_s({"curve": record["curve"]}, 2.8) is None  # an untimed record
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.skipif(not any(SHAKESPEARE_ROOT.glob("*.txt")), reason="needs the Shakespeare texts")
+def test_diloco_counts_its_rounds_bytes_and_times_its_curve() -> None:
+    config = ConvergenceConfig(
+        codecs=("dense", "diloco[steps=2]:fp16"),
+        tasks=(replace(SHAKESPEARE, steps=5, batch_size=4, eval_points=2, eval_limit=8),),
+        shakespeare_root=str(SHAKESPEARE_ROOT),
+    )
+    dense, diloco = run_convergence_bench(config, progress=lambda _m: None)
+    # rounds after steps 2, 4 and 5 (the run's end), fp16 (2 bytes) against fp32 every step
+    assert diloco["ratio_vs_dense"] == pytest.approx(5 * 4 / (3 * 2))
+    assert len(diloco["curve_train_s"]) == len(diloco["curve"]) == 2
+    assert 0 < diloco["curve_train_s"][0] < diloco["curve_train_s"][1]
+    assert math.isfinite(diloco["final_metric"]) and dense["ratio_vs_dense"] == 1.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -68,7 +69,7 @@ def test_loopback_run_records_and_artifacts(tmp_path: Path) -> None:
     assert {p.name for p in paths} == {"network.json", "network.md", "network.png"}
     body = json.loads((tmp_path / "network.json").read_text())
     assert body["records"][1]["codec"] == "torch-fp16" and "environment" in body
-    assert "| loopback | mlp | torch-fp16 |" in (tmp_path / "network.md").read_text()
+    assert "| loopback | 2 | mlp | torch-fp16 |" in (tmp_path / "network.md").read_text()
 
 
 @pytest.mark.slow
@@ -85,6 +86,33 @@ def test_shaped_run_between_namespaces() -> None:
     assert 50e6 < record["measured_link_bit_s"] < 101e6
 
 
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.netns
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("tc") is None, reason="needs root with ip and tc"
+)
+def test_bytes_received_per_rank_are_measured_on_each_ranks_interface() -> None:
+    """2 and 3 ranks (a direct veth pair, then a bridge): the interface counters see what the
+    transports move per rank: a ring all-reduce 2 (P-1)/P of 4 bytes per value, the two-phase
+    exchange about 2 (P-1)/P of its segment per owner, both plus TCP/IP headers."""
+    codecs = ("dense", "twophase:bits=8,chunk=64")
+    config = _tiny(bandwidths_bit_s=(1_000_000_000,), codecs=codecs, shaping=True, nprocs=(2, 3))
+    config = dataclasses.replace(config, measure_link=False)
+    records = run_network_bench(config, progress=lambda _msg: None)
+    numel = sum(p.numel() for p in build_model("mlp", **TINY["mlp"]).parameters())
+    assert [(r["nproc"], r["codec"]) for r in records] == [(p, c) for p in (2, 3) for c in codecs]
+    for record in records:
+        assert record["status"] == "ok", record.get("error")
+        p = record["nproc"]
+        ring = 2 * (p - 1) / p * 4 * numel  # dense: what each rank receives
+        received = record["bytes_received_per_rank"]
+        if record["codec"] == "dense":
+            assert ring < received < 1.3 * ring + 20_000  # headers, the barriers' bytes
+        else:
+            assert received < ring / 2  # 8 bits: a quarter of fp32 each way, plus scales
+
+
 def test_unknown_codec_fails_before_any_rank_starts() -> None:
     with pytest.raises(ConfigError):
         _tiny(codecs=("dense", "no-such-codec"))
@@ -98,7 +126,7 @@ def test_failed_codec_is_recorded_and_fresh_ranks_run_the_rest(
         ("mean_step_s", "compute_step_s", "bytes_per_step", "first_loss", "last_loss"), 1.0
     )
 
-    def fake_ranks(config, link, model, codecs, workdir):  # type: ignore[no-untyped-def]
+    def fake_ranks(config, link, nproc, model, codecs, workdir):  # type: ignore[no-untyped-def]
         calls.append(codecs)
         if "torch-fp16" in codecs:  # the ranks finish dense, then die on torch-fp16
             return [
@@ -170,7 +198,9 @@ def test_bad_cli_input_is_one_line_error(capsys: pytest.CaptureFixture[str]) -> 
     assert main(["bench", "network", "--bandwidth", "fast", "--out", "x"]) == 2
     assert "cannot parse bandwidth" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="nproc"):
-        _tiny(nproc=1)
+        _tiny(nprocs=(1,))
+    assert main(["bench", "network", "--nproc", "2,x", "--no-shaping", "--out", "x"]) == 2
+    assert "--nproc takes world sizes" in capsys.readouterr().err
 
 
 def test_from_partial_writes_artifacts_of_an_interrupted_run(tmp_path: Path) -> None:
@@ -186,3 +216,88 @@ def test_from_partial_writes_artifacts_of_an_interrupted_run(tmp_path: Path) -> 
     assert [r["speedup_vs_dense"] for r in body["records"]] == [1.0, 4.0]
     assert "Interrupted run" in body["note"]
     assert "fft 4.00x dense (target >= 4.0x: met)" in (tmp_path / "network.md").read_text()
+
+
+def test_scale_lines_judge_bytes_and_step_targets_across_world_sizes() -> None:
+    from superneurons.bench.network_scale import exchange_kind, scale_lines
+
+    assert [exchange_kind(c) for c in ("dense", "torch-fp16", "bf16", "powersgd:rank=4")] == [
+        "dense",
+        "anchor",
+        "ring",
+        "ring",
+    ]
+    assert exchange_kind("twophase:bits=4") == "twophase"
+    assert exchange_kind("ef(ctopk)") == "gather" and exchange_kind("auto") == "auto"
+
+    def record(p: int, codec: str, received: float, step_s: float) -> dict[str, object]:
+        return {"bandwidth": "1gbit", "model": "fc-heavy", "status": "ok", "nproc": p,
+                "codec": codec, "bytes_received_per_rank": received, "mean_step_s": step_s}  # fmt: skip
+
+    records = [
+        record(2, "twophase:bits=4", 100.0, 1.0),
+        record(8, "twophase:bits=4", 105.0, 1.0),
+        record(2, "ctopk", 10.0, 1.0),
+        record(8, "ctopk", 70.0, 1.3),
+        record(8, "torch-fp16", 400.0, 1.6),
+        record(8, "auto", 50.0, 1.02),
+    ]
+    lines = scale_lines(records)
+    assert any("twophase:bits=4" in ln and "1.05x; target within 10%: met" in ln for ln in lines)
+    assert any("predict 2(P-1)/P: 1.75x" in ln for ln in lines)
+    assert any(
+        "ctopk" in ln and "7.00x; all-gather predicts (P-1) growth: 7.00x" in ln for ln in lines
+    )
+    best = next(ln for ln in lines if "best two-phase" in ln)
+    assert "1.60x torch-fp16 (target >= 1.5x: met)" in best
+    assert "1.30x the best all-gather codec ctopk (target >= 1.2x: met)" in best
+    assert any(
+        "auto 1.020 s/step, 0.98x the best fixed choice" in ln and ": met)" in ln for ln in lines
+    )
+    records[1]["bytes_received_per_rank"] = 120.0
+    assert any("1.20x; target within 10%: NOT met" in ln for ln in scale_lines(records))
+
+
+def test_extrapolation_sets_measured_beside_predicted_and_says_what_auto_would_choose(
+    tmp_path: Path,
+) -> None:
+    from superneurons.bench.network_extrapolate import extrapolation, write_extrapolation
+    from superneurons.compress import parse_spec
+    from superneurons.strategy import DENSE, BucketTiming, CodecCost, DecisionInputs, ring_network
+
+    def inputs(p: int) -> dict[str, object]:
+        costs = [DENSE] + [
+            CodecCost(parse_spec(s), s != "ctopk", 1e-10, 1e-10, bits, 0.1)  # type: ignore[arg-type]
+            for s, bits in (("bf16", 16.0), ("ctopk", 1.1))
+        ]
+        made = DecisionInputs(
+            buckets=(BucketTiming("fc", ("fc.weight",), 25_000_000, 0.05),),
+            costs=tuple(costs),
+            backward_s=0.3,
+            outside_s=0.1,
+            network=ring_network(p, alpha_s=1e-4, bandwidth_bytes_per_s=1.25e8),
+            max_rel_error=0.6,
+        )
+        return made.to_dict()
+
+    def record(p: int, codec: str, step_s: float) -> dict[str, object]:
+        return {"bandwidth": "1gbit", "bandwidth_bit_s": 1_000_000_000, "model": "fc-heavy",
+                "status": "ok", "nproc": p, "codec": codec, "mean_step_s": step_s,
+                **({"sync_inputs": inputs(p)} if codec == "auto" else {})}  # fmt: skip
+
+    records = [record(p, c, 1.0) for p in (2, 8) for c in ("dense", "ctopk", "auto")]
+    rows, choices = extrapolation(records, predict_nprocs=(64,))
+    at = {(r["codec"], r["rate_bit_s"], r["nproc"]): r for r in rows}
+    assert at[("dense", 1e9, 8)]["measured_step_s"] == 1.0  # measured where it ran ...
+    assert at[("dense", 1e10, 8)]["measured_step_s"] is None  # ... and at no other rate
+    assert at[("ctopk", 1e9, 64)]["predicted_step_s"] > at[("ctopk", 1e9, 8)]["predicted_step_s"]
+    assert at[("twophase:bits=4", 1e9, 8)]["predicted_step_s"] is None  # not a candidate here
+    assert at[("dense", 1e11, 64)]["predicted_step_s"] < at[("dense", 1e9, 64)]["predicted_step_s"]
+    assert len(choices) == 3 and all("P=64" in line for line in choices)
+    paths = write_extrapolation(records, tmp_path, predict_nprocs=(64, 512))
+    assert [p.name for p in paths] == [
+        "extrapolation.json",
+        "extrapolation.md",
+        "extrapolation.png",
+    ]
+    assert "| fc-heavy | dense | 1 Gbit/s | **1** / " in (tmp_path / "extrapolation.md").read_text()

@@ -184,6 +184,7 @@ def _ddp_run(rank: int, world_size: int, spec: str) -> list[torch.Tensor]:
         "adam-momentum[warmup=2]:terngrad",
         "adam-update[warmup=1]:signsgd",
         "adam-update:fp16",
+        "adam-momentum[warmup=1,wire=fp16]:twophase:bits=1,chunk=8",
     ],
 )
 def test_two_ranks_stay_identical(spec: str) -> None:
@@ -196,3 +197,36 @@ def test_two_ranks_stay_identical(spec: str) -> None:
     single = _model()
     _train(single, CompressedAdamW(single.parameters(), lr=1e-2, **parsed.kwargs()), range(4))
     assert any(not torch.equal(a, b) for a, b in zip(first, single.parameters(), strict=True))
+
+
+def _twophase_resume(rank: int, world_size: int) -> list[list[torch.Tensor]]:
+    """1-bit Adam over the two-phase exchange: 4 steps straight, and 2 + save/load + 2."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    parsed = parse_scheme("adam-momentum[warmup=1]:twophase:bits=1,chunk=8", adam=True)
+    assert isinstance(parsed, AdamMomentum)
+    runs = []
+    for resume in (False, True):
+        ddp = DistributedDataParallel(_model())
+        register_local_gradients(ddp)
+        opt = CompressedAdamW(ddp.parameters(), lr=1e-2, **parsed.kwargs())
+        _train(ddp, opt, range(2), rank)
+        if resume:
+            saved = {"model": ddp.module.state_dict(), "opt": opt.state_dict()}
+            assert opt.twophase is not None and opt.twophase.worker  # residuals exist
+            ddp = DistributedDataParallel(_model())
+            register_local_gradients(ddp)
+            opt = CompressedAdamW(ddp.parameters(), lr=1e-2, **parsed.kwargs())
+            ddp.module.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+        _train(ddp, opt, range(2, 4), rank)
+        runs.append([p.detach().clone() for p in ddp.parameters()])
+    assert opt.bytes_sent_step > 0
+    return runs
+
+
+@pytest.mark.dist
+def test_one_bit_adam_over_the_two_phase_exchange_resumes_bitwise() -> None:
+    for straight, resumed in shared_ranks(2).run(_twophase_resume):
+        for a, b in zip(straight, resumed, strict=True):
+            assert torch.equal(a, b)

@@ -35,6 +35,7 @@ LAYERS: dict[str, int] = {
     "strategy": 5,
     "ddp": 6,
     "optim": 6,
+    "localsgd": 6,  # DiLoCo's outer loop and the outer gradient's transport (process groups)
     "replicas": 6,  # the cross-rank consistency check (a collective)
     "compress": 7,  # the public import path: re-exports of codecs, spec, ddp and optim
     "train": 8,

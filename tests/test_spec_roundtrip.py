@@ -26,6 +26,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "choice": ("rd", "l1"),
     "header": ("fixed", "sparse"),
     "bases": ("spatial", "fourier", "dct", "spatial+dct", "dct+fourier", "fourier+spatial+dct"),
+    "rounding": ("nearest", "stochastic"),
+    "transform": ("none", "hadamard", "dct"),
 }
 _INTS = (1, 2, 3, 4, 5, 8, 16, 32, 64, 100, 128, 255, 512, 1000, 4096)
 SEEDS = range(5)

@@ -56,6 +56,42 @@ def test_network_model_dict_round_trip_and_version() -> None:
         LinkModel(alpha_s=-1.0, beta_s_per_byte=0.0)
 
 
+def test_network_model_carried_to_another_world_size() -> None:
+    """Per-byte times scale with the bytes each rank moves, latencies with the message steps."""
+    for p in (2, 4, 8):
+        net = ring_network(p, alpha_s=1e-4, bandwidth_bytes_per_s=1.25e8)
+        for target in (2, 8, 64, 512):
+            moved = net.at_world_size(target)
+            expect = ring_network(target, alpha_s=1e-4, bandwidth_bytes_per_s=1.25e8)
+            assert moved.world_size == target
+            for kind in ("all_reduce", "all_gather", "alltoall"):
+                got, want = getattr(moved, kind), getattr(expect, kind)
+                assert got.beta_s_per_byte == pytest.approx(want.beta_s_per_byte)
+            # ring all-reduce: 2(P-1) message steps, the others P-1: the same ratio
+            assert moved.all_reduce.alpha_s == pytest.approx(1e-4 * (target - 1) / (p - 1))
+            assert moved.all_gather.alpha_s == pytest.approx(1e-4 * (target - 1) / (p - 1))
+    # a two-phase exchange (all-to-all of S, all-gather of S/P) moves a ring's bytes at any P
+    for target in (8, 512):
+        net = ring_network(2, alpha_s=0.0, bandwidth_bytes_per_s=1e8).at_world_size(target)
+        two_phase = net.alltoall.time_s(MB) + net.all_gather.time_s(MB // target)
+        assert two_phase == pytest.approx(net.all_reduce.time_s(MB), rel=1e-3)
+    with pytest.raises(ConfigError, match="at least 2"):
+        NetworkModel(1, LinkModel(0, 0), LinkModel(0, 0)).at_world_size(4)
+
+
+def test_network_model_reads_version_one_without_all_to_all() -> None:
+    old = {
+        "version": 1,
+        "world_size": 4,
+        "all_reduce": {"alpha_s": 1e-4, "beta_s_per_byte": 1e-8},
+        "all_gather": {"alpha_s": 2e-4, "beta_s_per_byte": 3e-8},
+    }
+    net = NetworkModel.from_dict(old)
+    assert net.all_to_all is None
+    # derived from the all-gather: the same cost per byte a rank receives
+    assert net.alltoall == LinkModel(2e-4, 3e-8 / 4)
+
+
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_all_gather_pays_only_when_ratio_exceeds_half_the_ranks(world: int) -> None:
     """Ring all-reduce moves 2(P−1)/P·S per rank, all-gather (P−1)·S/CR: CR > P/2 pays."""
@@ -142,3 +178,35 @@ def test_powersgd_first_all_reduce_waits_for_a_busy_link() -> None:
         pytest.approx(0.7)
     )
     assert predicted_step_s([second], {"b": two}, backward_s=0.0, network=net) == 0.02
+
+
+def test_two_phase_waits_for_its_all_to_all_then_gathers_one_slice() -> None:
+    """Hand-computed: ready 0.1, encode 0.01; the all-to-all (waited for in the hook) of the
+    whole payload, the owner's stage, then an all-gather of one slice; decode after both."""
+    from superneurons.codecs.twophase import TwoPhase
+
+    net = ring_network(4, alpha_s=0.0, bandwidth_bytes_per_s=1e8)
+    numel = 1_000_000  # 4 MB of fp32; 4 bits + one fp32 scale per 512: 4.0625 bits
+    cost = CodecCost(TwoPhase(bits=4), True, 0.01 / 4e6, 0.03 / 4e6, 4.0625, 0.1,
+                     collectives=2, owner_s_per_byte=0.02 / 4e6)  # fmt: skip
+    payload = cost.payload_bytes(numel)
+    alltoall = 3 / 4 * payload / 1e8
+    gather = 3 * -(-payload // 4) / 1e8
+    bucket = BucketTiming("b", ("w",), numel=numel, ready_s=0.1)
+    start = 0.1 + 0.01 + alltoall + 0.02  # the hook returns after the owner's stage
+    backward = 0.5  # backward is delayed by the hook: 0.5 + (start - 0.1)
+    expected = max(backward + (start - 0.1), start + gather) + 0.01  # + the final decode
+    got = predicted_step_s([bucket], {"b": cost}, backward_s=backward, network=net)
+    assert got == pytest.approx(expected)
+    # its wire time does not grow with P; an all-gathered payload of the same size does
+    gathered = CodecCost(parse_spec("qsgd"), False, 0.0, 0.0, 4.0625, 0.1)  # type: ignore[arg-type]
+    free = CodecCost(TwoPhase(bits=4), True, 0.0, 0.0, 4.0625, 0.1, collectives=2)
+    times = {}
+    for p in (8, 64, 512):
+        wide = ring_network(p, alpha_s=0.0, bandwidth_bytes_per_s=1e8)
+        times[p] = [
+            predicted_step_s([bucket], {"b": c}, backward_s=0.0, network=wide) - 0.1
+            for c in (free, gathered)
+        ]
+    assert times[512][0] == pytest.approx(times[8][0], rel=0.15)
+    assert times[512][1] / times[8][1] == pytest.approx(511 / 7, rel=0.01)

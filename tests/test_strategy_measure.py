@@ -58,6 +58,14 @@ def test_measure_codecs_costs_are_consistent() -> None:
         assert cost.encode_s_per_byte > 0 and cost.decode_s_per_byte > 0
         # error feedback's own work (add the residual, compute the new one) is measured too
         assert cost.feedback_s_per_byte > 0
+    # two-phase: the all-to-all's input per element (codes + a scale per chunk of 512),
+    # the owner's stage part of the decode, two collectives, a small error at 4 bits
+    for bits, budget in ((4, 0.2), (1, 1.0)):
+        two = by_spec[f"twophase:bits={bits},chunk=512,rounding=nearest,transform=none"]
+        assert two.two_phase and two.collectives == 2
+        assert two.bits_per_element == pytest.approx(bits + 32 / 512)
+        assert 0 < two.owner_s_per_byte < two.decode_s_per_byte
+        assert 0 < two.rel_error < budget
 
 
 def test_measure_codecs_feeds_select() -> None:

@@ -19,7 +19,11 @@ Adam tasks choose dense AdamW or 1-bit Adam (:mod:`superneurons.optim.autoadam`;
 ``decision`` holds the choice and its predictions); ``adam-momentum[warmup=N,wire=W]:SPEC`` and
 ``adam-update[...]:SPEC`` train with :class:`~superneurons.optim.adam.CompressedAdamW`; a
 suffix ``|diminishing:start=S,floor=F,drops=D,until=U`` gives the hook a
-:class:`~superneurons.codecs.schedule.DiminishingTheta` (HPDC'20's two θ claims).
+:class:`~superneurons.codecs.schedule.DiminishingTheta` (HPDC'20's two θ claims);
+``diloco[steps=H,...]:SPEC`` trains with DiLoCo (:mod:`superneurons.localsgd`: the task's
+optimizer as the inner one, the last window closed at the last step, evaluated on the synced
+model). ``curve_train_s``: rank 0's seconds since the start at each curve point, its
+evaluations left out (time to a loss).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
@@ -52,7 +57,9 @@ from superneurons.bench.convergence_labels import (
     theta_schedule,
 )
 from superneurons.errors import ConfigError
+from superneurons.localsgd.diloco import LocalSGD, attach_local_sgd
 from superneurons.schemes.adam import AdamAuto, AdamMomentum, AdamUpdate
+from superneurons.schemes.diloco import DiLoCo
 from superneurons.train.launch import free_port
 from superneurons.train.rank import exit_rank, leave_process_group
 
@@ -230,7 +237,8 @@ def _train_one(
     evals = {round(total * (i + 1) / task.eval_points) for i in range(task.eval_points)}
     quick_eval, full_eval = slice(0, 2000), slice(0, task.eval_limit or x_test.shape[0])
     curve: list[list[float]] = []
-    start_s, start_cpu_s, step_s = time.perf_counter(), time.process_time(), []
+    curve_train_s: list[float] = []
+    start_s, start_cpu_s, step_s, eval_s = time.perf_counter(), time.process_time(), [], 0.0
     for step in range(1, total + 1):
         i = (step - 1) % steps_per_epoch
         if i == 0 and step > 1:
@@ -241,10 +249,17 @@ def _train_one(
         loss = loss_fn(ddp(x_train[idx]), y_train[idx])
         loss.backward()
         opt.step()
+        if isinstance(state, LocalSGD):
+            state.step(end_of_window=step == total)
         step_s.append(time.perf_counter() - step_start_s)  # evaluations not included
         if step in evals and rank == 0:
+            eval_start_s = time.perf_counter()
+            curve_train_s.append(eval_start_s - start_s - eval_s)
             part = full_eval if step == total else quick_eval
-            curve.append([step, _evaluate(model, x_test[part], y_test[part], task.task)])
+            synced = state.synced_weights() if isinstance(state, LocalSGD) else nullcontext()
+            with synced:
+                curve.append([step, _evaluate(model, x_test[part], y_test[part], task.task)])
+            eval_s += time.perf_counter() - eval_start_s
     wall_s, cpu_s = time.perf_counter() - start_s, time.process_time() - start_cpu_s
     dense_bytes = sum(4 * p.numel() for p in model.parameters() if p.requires_grad)
     sent = getattr(state, "bytes_sent_total", 0)
@@ -257,6 +272,7 @@ def _train_one(
         "metric": "test_accuracy_pct" if task.task == "fashion-mnist" else "val_loss_nats",
         "final_train_loss": float(loss.item()),
         "curve": curve,
+        "curve_train_s": curve_train_s,
         "wall_s": wall_s,
         "cpu_s": cpu_s,  # rank 0's process time over the loop (evaluations included)
         "median_step_s": statistics.median(step_s),  # rank 0, forward to optimizer step
@@ -277,7 +293,10 @@ def _setup(
 
     schedule = split_label(label)[1]
     decay = 0.01 if task.optimizer == "adamw" else 0.0
-    if isinstance(scheme, AdamMomentum | AdamUpdate):
+    state: Any = None
+    if isinstance(scheme, DiLoCo):  # the task's optimizer is the inner one
+        state = attach_local_sgd(ddp, scheme, seed=seed)
+    elif isinstance(scheme, AdamMomentum | AdamUpdate):
         if task.optimizer == "sgd":
             raise ConfigError(f"{label!r} replaces Adam/AdamW; task {task.task} uses SGD")
         from superneurons.ddp.local import register_local_gradients
@@ -287,8 +306,7 @@ def _setup(
             ddp.parameters(), lr=task.lr, weight_decay=decay, seed=seed, **scheme.kwargs()
         )
         return opt, opt
-    state = None
-    if scheme is not None:
+    elif scheme is not None:
         from superneurons.compress import Scheduled
         from superneurons.ddp.hook import register_compression
         from superneurons.schemes.compose import with_defaults

@@ -6,7 +6,8 @@ with a θ schedule after ``|`` (``fft|diminishing:start=0.99,floor=0.9,drops=4,u
 optimizer-side spec ``adam-momentum[...]:SPEC`` / ``adam-update[...]:SPEC``
 (:class:`~superneurons.optim.adam.CompressedAdamW`); or, on Adam tasks, ``auto`` /
 ``auto:link=RATE`` (:mod:`superneurons.optim.autoadam`: dense AdamW or 1-bit Adam, chosen by
-the cost model; ``link=`` plans for a stated link instead of the measured one).
+the cost model; ``link=`` plans for a stated link instead of the measured one); or DiLoCo,
+``diloco[steps=H,...]:SPEC`` (a ``train --sync`` spec; error feedback added to a lossy wire).
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ __all__ = ["adam_auto", "applies", "check_label", "scheme_of", "split_label", "t
 
 def scheme_of(optimizer: str, label: str) -> Any:
     """The object ``label``'s spec names on a task with ``optimizer`` (``auto`` is
-    :class:`~superneurons.schemes.adam.AdamAuto` with Adam/AdamW); None for ``dense``."""
+    :class:`~superneurons.schemes.adam.AdamAuto` with Adam/AdamW; ``diloco...`` is
+    :class:`~superneurons.schemes.diloco.DiLoCo`); None for ``dense``."""
     from superneurons.schemes.grammar import parse_scheme
 
     spec = split_label(label)[0]
+    if spec.startswith("diloco"):
+        return _diloco(spec)
     return None if spec == "dense" else parse_scheme(spec, adam=optimizer != "sgd")
 
 
@@ -43,6 +47,20 @@ def _adam_auto_or_none(spec: str) -> Any:
     except ConfigError:
         return None
     return scheme if isinstance(scheme, AdamAuto) else None
+
+
+def _diloco(spec: str) -> Any:
+    """A DiLoCo label as ``train --sync`` reads it: error feedback around a lossy wire."""
+    from dataclasses import replace
+
+    from superneurons.schemes.compose import with_defaults
+    from superneurons.schemes.diloco import DiLoCo
+    from superneurons.schemes.grammar import parse_sync
+
+    sync = parse_sync(spec)
+    if not isinstance(sync, DiLoCo) or sync.inner is None:
+        return sync
+    return replace(sync, inner=with_defaults(sync.inner))
 
 
 def split_label(label: str) -> tuple[str, dict[str, float] | None]:
@@ -67,7 +85,7 @@ def check_label(label: str) -> None:
     spec, schedule = split_label(label)
     if spec in ("dense", "auto"):
         return  # "auto" on SGD is resolved by register_compression (the hook branch)
-    if spec.startswith("adam-"):
+    if spec.startswith(("adam-", "diloco")):
         scheme_of("adam", spec)  # raises for a bad one
         return
     if spec.startswith("auto:") and _adam_auto_or_none(spec) is not None:

@@ -1,21 +1,19 @@
 """The bandwidth benchmark: data-parallel step time of every codec over real shaped links.
 
-For each bandwidth, :func:`run_network_bench` creates one network namespace per rank joined by
-veth links rate-limited with tbf (:mod:`superneurons.bench.netns`), measures the link's TCP
-goodput once, and for each (model, codec) starts one process per rank inside its namespace
-(:mod:`superneurons.bench.network_worker`: gloo over the veth, one thread per rank). Each
-record says the mean step time after warm-up, the speedup over plain DDP (dense fp32 ring
-all-reduce) at the same bandwidth and model, bytes sent per rank per step and the compute-only
-step time (no communication) for reference.
+For each world size and bandwidth, :func:`run_network_bench` creates one network namespace
+per rank joined by veth links rate-limited with tbf (:mod:`superneurons.bench.netns`; more
+than 2 ranks share a bridge), measures the link's TCP goodput once, and for each (model,
+codec) starts one process per rank inside its namespace (:mod:`superneurons.bench.
+network_worker`: gloo over the veth, one thread per rank). Each record says the mean step
+time after warm-up, the speedup over plain DDP at the same bandwidth, world size and model,
+bytes sent and received per rank per step, and the compute-only step time for reference.
 
-Why compression may not pay (Wang et al., HPDC'20 report 2.26x for FFT over InfiniBand with
-8 GPUs): gathered payloads cost each rank ``(P-1) S / CR`` on the wire vs
-``2 (P-1)/P S`` for a ring all-reduce, so gathering wins only when ``CR > P/2``; and on one
-CPU core per rank the encode/decode time can exceed the wire time it saves at 1 Gbit/s.
+Why compression may not pay (Wang et al., HPDC'20: 2.26x for FFT on 8 GPUs): gathered payloads
+cost each rank ``(P-1) S / CR`` vs ``2 (P-1)/P S`` for a ring (gathering wins only when
+``CR > P/2``), and on a CPU the encode/decode can exceed the wire time it saves.
 
-A bandwidth of ``None`` (``--bandwidth loopback``) runs the ranks on loopback in the host
-namespace, unshaped, next to the shaped links of the same run; ``shaping=False`` runs every
-setting that way (no root needed): the numbers then measure codec cost, not a network.
+A bandwidth of ``None`` (``--bandwidth loopback``) runs the ranks on loopback, unshaped;
+``shaping=False`` runs every setting that way (no root): codec cost, not a network.
 
 ``auto`` (:mod:`superneurons.schemes.auto`) is one more codec here; its worker extends the
 untimed warm-up until its first decision is made, so the timed steps measure the decision.
@@ -86,7 +84,8 @@ class NetworkBenchConfig:
     """What to measure. ``bandwidths_bit_s`` entries are link rates; ``None`` = unshaped."""
 
     bandwidths_bit_s: tuple[int | None, ...] = (100_000_000, 1_000_000_000)
-    nproc: int = 2
+    nprocs: tuple[int, ...] = (2,)  # world sizes, each a run of its own
+    predict_nprocs: tuple[int, ...] = (64, 512)  # predicted by the report from auto's inputs
     models: dict[str, dict[str, Any]] = field(default_factory=lambda: dict(DEFAULT_MODELS))
     codecs: tuple[str, ...] = ALL_CODECS
     batch_size: int = 32
@@ -103,8 +102,8 @@ class NetworkBenchConfig:
     def __post_init__(self) -> None:
         if self.data not in DATA_CHOICES:
             raise ConfigError(f"--data must be one of {', '.join(DATA_CHOICES)}, got {self.data!r}")
-        if self.nproc < 2:
-            raise ConfigError(f"--nproc must be >= 2 (a network needs two ranks), got {self.nproc}")
+        if not self.nprocs or min(self.nprocs) < 2 or len(set(self.nprocs)) < len(self.nprocs):
+            raise ConfigError(f"--nproc: distinct world sizes >= 2, got {list(self.nprocs)}")
         if not self.bandwidths_bit_s:
             raise ConfigError("give at least one bandwidth, e.g. --bandwidth 100mbit")
         if not self.codecs or not self.models:
@@ -151,11 +150,13 @@ class _Link:
 
 
 @contextmanager
-def _link(config: NetworkBenchConfig, rate_bit_s: int | None, say: Progress) -> Iterator[_Link]:
+def _link(
+    config: NetworkBenchConfig, rate_bit_s: int | None, nproc: int, say: Progress
+) -> Iterator[_Link]:
     if not config.shaping or rate_bit_s is None:  # loopback, unshaped
         yield _Link(None, None)
         return
-    with network_namespaces(config.nproc, rate_bit_s=rate_bit_s) as topology:
+    with network_namespaces(nproc, rate_bit_s=rate_bit_s) as topology:
         measured = measure_throughput_bit_s(topology) if config.measure_link else None
         if measured is not None:
             say(f"link {format_rate(rate_bit_s or 0)}: measured {measured / 1e6:.0f} Mbit/s TCP")
@@ -163,7 +164,7 @@ def _link(config: NetworkBenchConfig, rate_bit_s: int | None, say: Progress) -> 
 
 
 def _run_codecs(
-    config: NetworkBenchConfig, link: _Link, model: str, workdir: Path, say: Progress
+    config: NetworkBenchConfig, link: _Link, nproc: int, model: str, workdir: Path, say: Progress
 ) -> Iterator[dict[str, Any]]:
     """Measure every codec on ``model``: one worker per rank runs the codecs in turn. If the
     ranks fail (a crash, or a hang past the timeout), fresh ranks retry the codec they were
@@ -173,7 +174,7 @@ def _run_codecs(
     retried: set[str] = set()
     while remaining:
         say(f"  {model}: {', '.join(remaining)}")
-        done, error = _run_ranks(config, link, model, tuple(remaining), workdir)
+        done, error = _run_ranks(config, link, nproc, model, tuple(remaining), workdir)
         for record in done:
             result = {"status": "ok", **record, "attempts": 1 + (record["codec"] in retried)}
             say(_describe(result))
@@ -195,6 +196,7 @@ def _run_codecs(
 def _run_ranks(
     config: NetworkBenchConfig,
     link: _Link,
+    nproc: int,
     model: str,
     codecs: tuple[str, ...],
     workdir: Path,
@@ -205,10 +207,10 @@ def _run_ranks(
     port = 29500 + int(time.monotonic_ns() % 400) if link.topology else free_port()
     with ExitStack() as stack:
         procs, logs = [], []
-        for rank in range(config.nproc):
+        for rank in range(nproc):
             worker = {
                 "rank": rank,
-                "world_size": config.nproc,
+                "world_size": nproc,
                 "master_addr": link.master_addr(),
                 "master_port": port,
                 "model": model,
@@ -263,15 +265,20 @@ def _wait_all(procs: Sequence[subprocess.Popen[bytes]], *, timeout_s: float) -> 
     return [int(proc.wait()) for proc in procs]
 
 
+def _done(record: dict[str, Any]) -> bool:
+    return record.get("status") == "ok" and bool(record.get("mean_step_s"))
+
+
+def _setting(record: dict[str, Any]) -> tuple[Any, ...]:
+    """What a record is compared within: the same bandwidth, world size and model."""
+    return record["bandwidth"], record.get("nproc", 2), record["model"]
+
+
 def add_speedups(records: list[dict[str, Any]]) -> None:
     """Set ``speedup_vs_dense`` = dense step time / this step time, per (bandwidth, model)."""
-    dense = {
-        (r["bandwidth"], r["model"]): r["mean_step_s"]
-        for r in records
-        if r["codec"] == "dense" and r.get("status") == "ok"
-    }
+    dense = {_setting(r): r["mean_step_s"] for r in records if r["codec"] == "dense" and _done(r)}
     for record in records:
-        base = dense.get((record["bandwidth"], record["model"]))
+        base = dense.get(_setting(record))
         step_s = record.get("mean_step_s")
         ok = base is not None and isinstance(step_s, float) and step_s > 0
         record["speedup_vs_dense"] = base / step_s if ok else None  # type: ignore[operator]
@@ -283,13 +290,13 @@ def add_predictions(records: list[dict[str, Any]]) -> None:
     ``by_spec`` from backward's start plus its measured ``outside_s``); the ``auto`` records
     get their own decision's. None where auto did not measure that codec."""
     autos = {
-        (r["bandwidth"], r["model"]): r["sync_assignment"]
+        _setting(r): r["sync_assignment"]
         for r in records
         if r["codec"] == "auto" and r.get("status") == "ok" and r.get("sync_assignment")
     }
     for record in records:
         own = record.get("sync_assignment")
-        by_auto = autos.get((record["bandwidth"], record["model"]))
+        by_auto = autos.get(_setting(record))
         predicted = None
         if own and "predicted_train_step_s" in own:
             predicted = own["predicted_train_step_s"]
@@ -299,32 +306,35 @@ def add_predictions(records: list[dict[str, Any]]) -> None:
 
 
 def add_breakdown(records: list[dict[str, Any]]) -> None:
-    """Split each step: ``wire_s_est`` = bytes per step over the measured link goodput,
+    """Split each step: ``wire_s_est`` = bytes per step over the measured link goodput (the
+    rank's interface bytes, the larger direction, where measured: a gathered payload or an
+    all-to-all segment crosses the wire P - 1 times, which ``bytes_per_step`` does not say),
     ``other_s`` = step - compute-only - wire (encode/decode, synchronisation, waiting for the
     peer; negative when communication overlaps backward); ``idle_step_s_est`` = CPU seconds
     per step + wire, and ``idle_speedup_est`` its ratio to dense's."""
     for record in records:
         link = record.get("measured_link_bit_s")
         ok = record.get("status") == "ok" and link
-        wire_s = record["bytes_per_step"] * 8 / link if ok else None
+        on_wire = [record.get("bytes_received_per_rank"), record.get("bytes_sent_wire_per_rank")]
+        nbytes = max(b for b in on_wire if b) if any(on_wire) else record.get("bytes_per_step")
+        wire_s = nbytes * 8 / link if ok and nbytes is not None else None
         record["wire_s_est"] = wire_s
-        record["other_s"] = (
-            record["mean_step_s"] - record["compute_step_s"] - wire_s
-            if wire_s is not None
-            else None
-        )
+        # comm_s: what communication adds, the step minus the compute-only step
+        comm_s = record["mean_step_s"] - record["compute_step_s"] if _done(record) else None
+        record["comm_s"] = comm_s
+        record["other_s"] = comm_s - wire_s if wire_s is not None and comm_s is not None else None
         # NOTE: an estimate for a machine where each rank has a core to itself: the rank's CPU
         # seconds per step (compute, encode/decode, gloo threads; no waiting) plus the wire
         # time, with no overlap between them (so an upper bound when backward hides the wire).
         cpu_s = record.get("cpu_step_s")
         record["idle_step_s_est"] = cpu_s + wire_s if wire_s is not None and cpu_s else None
     dense = {
-        (r["bandwidth"], r["model"]): r["idle_step_s_est"]
+        _setting(r): r["idle_step_s_est"]
         for r in records
         if r["codec"] == "dense" and r.get("idle_step_s_est")
     }
     for record in records:
-        base = dense.get((record["bandwidth"], record["model"]))
+        base = dense.get(_setting(record))
         est = record.get("idle_step_s_est")
         record["idle_speedup_est"] = base / est if base and est else None
 
@@ -341,25 +351,27 @@ def run_network_bench(
     say = progress or log.info
     records: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="sn-network-") as tmp:
-        for rate_bit_s in config.bandwidths_bit_s:
-            bandwidth = format_rate(rate_bit_s) if rate_bit_s else "loopback"
-            say(f"== {bandwidth}, {config.nproc} ranks ==")
-            with _link(config, rate_bit_s, say) as link:
-                for model in config.models:
-                    for result in _run_codecs(config, link, model, Path(tmp), say):
-                        records.append(
-                            {
-                                "bandwidth": bandwidth,
-                                "bandwidth_bit_s": rate_bit_s,
-                                "measured_link_bit_s": link.measured_bit_s,
-                                "model": model,
-                                "model_kwargs": config.models[model],
-                                **result,
-                                "load_avg_1m": os.getloadavg()[0],
-                            }
-                        )
-                        if on_record is not None:
-                            on_record(records[-1])
+        for nproc in config.nprocs:
+            for rate_bit_s in config.bandwidths_bit_s:
+                bandwidth = format_rate(rate_bit_s) if rate_bit_s else "loopback"
+                say(f"== {bandwidth}, {nproc} ranks ==")
+                with _link(config, rate_bit_s, nproc, say) as link:
+                    for model in config.models:
+                        for result in _run_codecs(config, link, nproc, model, Path(tmp), say):
+                            records.append(
+                                {
+                                    "bandwidth": bandwidth,
+                                    "bandwidth_bit_s": rate_bit_s,
+                                    "measured_link_bit_s": link.measured_bit_s,
+                                    "nproc": nproc,
+                                    "model": model,
+                                    "model_kwargs": config.models[model],
+                                    **result,
+                                    "load_avg_1m": os.getloadavg()[0],
+                                }
+                            )
+                            if on_record is not None:
+                                on_record(records[-1])
     add_speedups(records)
     add_breakdown(records)
     add_predictions(records)
@@ -377,5 +389,9 @@ def _describe(record: dict[str, Any]) -> str:
 
 
 def config_dict(config: NetworkBenchConfig) -> dict[str, Any]:
-    """The config as JSON-ready data for the artifact."""
-    return asdict(config)
+    """The config as JSON-ready data for the artifact (``nproc``: the world size, or the list
+    of them when several were run)."""
+    data = asdict(config)
+    nprocs = data.pop("nprocs")
+    data["nproc"] = nprocs[0] if len(nprocs) == 1 else list(nprocs)
+    return data

@@ -11,6 +11,8 @@ from typing import Any
 
 from superneurons.bench.artifacts import markdown_table, pyplot, write_json, write_markdown
 from superneurons.bench.network import NetworkBenchConfig, config_dict
+from superneurons.bench.network_extrapolate import write_extrapolation
+from superneurons.bench.network_scale import scale_lines
 
 __all__ = ["summary_lines", "write_artifacts"]
 
@@ -18,7 +20,9 @@ __all__ = ["summary_lines", "write_artifacts"]
 def summary_lines(records: Sequence[dict[str, Any]]) -> list[str]:
     """The targets (FFT >= 4x dense and >= torch-powersgd at 100 Mbit/s, >= 1.5x at 1 Gbit/s,
     on the FC-heavy model) checked against the measurements."""
-    by_key = {(r["bandwidth"], r["model"], r["codec"]): r for r in records}
+    by_key = {
+        (r["bandwidth"], r["model"], r["codec"]): r for r in records if r.get("nproc", 2) == 2
+    }
     lines = []
     for bandwidth, target in (("100mbit", 4.0), ("1gbit", 1.5)):
         fft = by_key.get((bandwidth, "fc-heavy", "fft"))
@@ -42,9 +46,10 @@ def summary_lines(records: Sequence[dict[str, Any]]) -> list[str]:
 
 
 _COLUMNS = (
-    "bandwidth", "model", "codec", "data", "mean_step_s", "predicted_train_step_s",
-    "speedup_vs_dense", "compute_step_s", "wire_s_est", "other_s", "cpu_step_s", "idle_step_s_est", "idle_speedup_est",
-    "bytes_per_step", "bytes_source", "status",
+    "bandwidth", "nproc", "model", "codec", "data", "mean_step_s", "predicted_train_step_s",
+    "speedup_vs_dense", "compute_step_s", "comm_s", "wire_s_est", "other_s", "cpu_step_s",
+    "idle_step_s_est", "idle_speedup_est", "bytes_per_step", "bytes_source",
+    "bytes_received_per_rank", "status",
 )  # fmt: skip
 
 
@@ -53,6 +58,7 @@ def write_artifacts(
 ) -> list[Path]:
     """DIR/network.json, DIR/network.md (table + targets) and DIR/network.png."""
     extra: dict[str, Any] = {"note": note} if note else {}
+    scale = scale_lines(records)
     paths = [write_json(out_dir / "network.json", records, config=config_dict(config), **extra)]
     link_lines = sorted(
         {
@@ -63,7 +69,9 @@ def write_artifacts(
     )
     body = (
         (f"**{note}**\n\n" if note else "")
-        + f"{config.nproc} ranks, one thread each, gloo over veth links shaped with tbf; "
+        + f"{', '.join(map(str, config.nprocs))} ranks, one thread each, gloo over veth links "
+        "shaped with tbf (more than 2 ranks: one veth per rank into a bridge, both ends "
+        "shaped); "
         f"batch {config.batch_size} per rank; {config.warmup_steps} warm-up steps excluded "
         "(`auto`: every step up to its decision; each record's `warmup_steps`), "
         f"mean of {config.steps} timed steps. `bytes_per_step`: bytes one rank sends per step "
@@ -86,9 +94,11 @@ def write_artifacts(
         + "\n## Targets\n\n"
         + ("\n".join(summary_lines(records)) or "(fc-heavy at 100mbit/1gbit not measured)")
         + "\n"
+        + ("\n## Across world sizes\n\n" + "\n".join(scale) + "\n" if scale else "")
     )
     paths.append(write_markdown(out_dir / "network.md", "Network benchmark", body))
     paths.append(_plot(records, out_dir / "network.png", pyplot()))
+    paths += write_extrapolation(records, out_dir, predict_nprocs=config.predict_nprocs)
     return paths
 
 
@@ -105,16 +115,21 @@ def _load_note(records: Sequence[dict[str, Any]]) -> str:
 
 def _plot(records: Sequence[dict[str, Any]], path: Path, plt: Any) -> Path:
     models = list(dict.fromkeys(r["model"] for r in records))
-    bandwidths = list(dict.fromkeys(r["bandwidth"] for r in records))
+    several = len({r.get("nproc", 2) for r in records}) > 1
+
+    def series(record: dict[str, Any]) -> str:
+        return (
+            f"{record['bandwidth']}, P={record.get('nproc', 2)}" if several else record["bandwidth"]
+        )
+
+    bandwidths = list(dict.fromkeys(series(r) for r in records))
     codecs = list(dict.fromkeys(r["codec"] for r in records))
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     width = 0.8 / max(len(bandwidths), 1)
     for ax, model in zip(axes[0], models, strict=True):
         for b, bandwidth in enumerate(bandwidths):
             rows = {
-                r["codec"]: r
-                for r in records
-                if r["model"] == model and r["bandwidth"] == bandwidth
+                r["codec"]: r for r in records if r["model"] == model and series(r) == bandwidth
             }
             heights = [rows.get(c, {}).get("mean_step_s") or 0.0 for c in codecs]
             xs = [i + (b - (len(bandwidths) - 1) / 2) * width for i in range(len(codecs))]

@@ -15,7 +15,10 @@ ops 30-50x slower here), joins a gloo group over the shaped link, and:
 Rank 0 appends one JSON line per finished codec to ``out``, so a crash or hang in one codec
 loses nothing measured before it (the parent restarts the ranks for the codecs after it). Bytes per step come from the hook's counter where
 the hook keeps one, otherwise from the analytic volume of a ring all-reduce (stated in the
-record's ``bytes_source``).
+record's ``bytes_source``). Inside a network namespace every rank also reads its own
+interface's byte counters (``/proc/net/dev``, which shows the namespace's interfaces) around
+the timed steps: ``bytes_received_per_rank`` is what the wire delivered to a rank per step
+(the mean over ranks; payload plus TCP/IP headers), measured, not computed from sizes.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from superneurons.bench.wire_bytes import interface_bytes, wire_bytes_per_rank
 from superneurons.errors import ConfigError
 from superneurons.train.rank import exit_rank, leave_process_group
 
@@ -305,9 +309,11 @@ def _run_codec(
         profiler = cProfile.Profile()
         profiler.enable()
     each: list[tuple[float, float]] = []
+    wire_before = interface_bytes(os.environ.get("GLOO_SOCKET_IFNAME", ""))  # this namespace's
     step_s, cpu_s, last_loss = _timed_steps(
         ddp, optimizer, batches, config.steps, loss_fn=loss_fn, sync=dist.barrier, each=each
     )
+    wire = wire_bytes_per_rank(wire_before, config.steps)
     if profiler is not None:
         profiler.disable()
         name = f"{config.model}-{codec}-{time.time_ns()}.prof".replace(":", "_")
@@ -330,10 +336,21 @@ def _run_codec(
         "cpu_step_s_each": [round(cpu, 4) for _, cpu in each],
         "bytes_per_step": bytes_per_step,
         "bytes_source": source,
+        **wire,
         "ddp_bucket_cap_mb": bucket_cap_mb or 25,
         "first_loss": first_loss,
         "last_loss": last_loss,
-        **({"sync_assignment": state.summary()["sync_assignment"]} if auto is not None else {}),
+        **(_auto_fields(state) if auto is not None else {}),
+    }
+
+
+def _auto_fields(state: Any) -> dict[str, Any]:
+    """``auto``'s decision and, on rank 0 (which measured them), the inputs it was made from:
+    the report replays them at other world sizes and link rates (``strategy.decide_at``)."""
+    inputs = state.auto.inputs
+    return {
+        "sync_assignment": state.summary()["sync_assignment"],
+        "sync_inputs": inputs.to_dict() if inputs is not None else None,
     }
 
 

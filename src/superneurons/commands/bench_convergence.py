@@ -8,6 +8,8 @@ Example:
       --codecs dense,fft,adam-update[warmup=10]:signsgd --out /tmp/conv-lm
   superneurons bench convergence --tasks shakespeare --bandwidth 100mbit \
       --codecs "dense;auto;adam-momentum[warmup=20,wire=fp16]:signsgd" --out /tmp/conv-100m
+  superneurons bench convergence --tasks shakespeare --nproc 4 --bandwidth 10mbit \
+      --codecs "dense;diloco[steps=25]:fp16" --out /tmp/conv-diloco
 """
 
 from __future__ import annotations
@@ -43,11 +45,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--epochs", type=int, default=None, help="Fashion-MNIST epochs")
     parser.add_argument(
+        "--model",
+        choices=("mlp", "resnet"),
+        default=None,
+        help="Fashion-MNIST model: mlp (default) or resnet (the network benchmark's narrow "
+        "ResNet-18 for 28x28x1 images)",
+    )
+    parser.add_argument(
         "--train-limit", type=int, default=None, help="Fashion-MNIST: first N training images"
     )
     parser.add_argument("--lm-steps", type=int, default=None, help="Shakespeare steps")
+    parser.add_argument(
+        "--eval-points", type=int, default=None, help="evaluations along each run (the curve)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="initial weights and data order")
-    parser.add_argument("--nproc", type=int, default=2, help="gloo ranks on loopback")
+    parser.add_argument(
+        "--nproc", type=int, default=2, help="gloo ranks (loopback, or namespaces with --bandwidth)"
+    )
     parser.add_argument(
         "--fashion-mnist-root", default="/usr/share/datasets/fashion-mnist", help="IDX files"
     )
@@ -62,7 +76,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _override(task: TaskConfig, args: argparse.Namespace) -> TaskConfig:
+    if args.eval_points is not None:
+        task = replace(task, eval_points=args.eval_points)
     if task.task == "fashion-mnist":
+        if args.model == "resnet":
+            from superneurons.bench.network import DEFAULT_MODELS
+
+            task = replace(task, model="resnet", model_kwargs=dict(DEFAULT_MODELS["resnet"]))
         if args.epochs is not None:
             task = replace(task, epochs=args.epochs)
         if args.train_limit is not None:

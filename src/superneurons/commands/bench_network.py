@@ -25,6 +25,7 @@ from superneurons.bench.network import (
     run_network_bench,
 )
 from superneurons.bench.network_report import summary_lines, write_artifacts
+from superneurons.bench.network_scale import scale_lines
 from superneurons.errors import ConfigError
 from superneurons.rates import parse_rate
 
@@ -41,7 +42,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated link rates (tc syntax: 10mbit, 100mbit, 1gbit) or 'loopback' "
         "(unshaped, host namespace); default %(default)s",
     )
-    parser.add_argument("--nproc", type=int, default=2, help="ranks, one namespace each")
+    parser.add_argument(
+        "--nproc",
+        default="2",
+        help="ranks, one namespace each; a comma-separated list (2,4,8) measures every world "
+        "size in turn (more than 2 ranks join a shaped bridge); default %(default)s",
+    )
+    parser.add_argument(
+        "--predict-nproc",
+        default="64,512",
+        help="world sizes to predict from the measured ones: what auto would choose there and "
+        "each codec's step time, from auto's recorded inputs and the fitted alpha-beta network "
+        "carried to that size (needs 'auto' among --codecs); default %(default)s",
+    )
     parser.add_argument(
         "--models",
         default=None,
@@ -107,7 +120,8 @@ def _config(args: argparse.Namespace) -> NetworkBenchConfig:
     steps = args.steps if args.steps is not None else (3 if args.quick else 5)
     return NetworkBenchConfig(
         bandwidths_bit_s=bandwidths,
-        nproc=args.nproc,
+        nprocs=parse_nprocs(args.nproc),
+        predict_nprocs=parse_nprocs(args.predict_nproc),
         models={name: dict(DEFAULT_MODELS[name]) for name in model_names},
         codecs=tuple(c.strip() for c in codecs if c.strip()),
         batch_size=args.batch_size,
@@ -117,6 +131,17 @@ def _config(args: argparse.Namespace) -> NetworkBenchConfig:
         shaping=not args.no_shaping,
         data=args.data,
     )
+
+
+def parse_nprocs(text: str) -> tuple[int, ...]:
+    """``"2,4,8"`` -> ``(2, 4, 8)`` (a ConfigError that says what to write otherwise)."""
+    try:
+        values = tuple(int(part) for part in str(text).split(",") if part.strip())
+    except ValueError:
+        raise ConfigError(f"--nproc takes world sizes such as 2 or 2,4,8, got {text!r}") from None
+    if not values:
+        raise ConfigError("--nproc needs at least one world size, e.g. --nproc 2")
+    return values
 
 
 def run(args: argparse.Namespace) -> int:
@@ -150,7 +175,15 @@ def run(args: argparse.Namespace) -> int:
         records = run_network_bench(config, progress=progress, on_record=save)
         paths = write_artifacts(records, args.out, config)
         partial.unlink(missing_ok=True)
-    columns = ("bandwidth", "model", "codec", "mean_step_s", "speedup_vs_dense", "bytes_per_step")
+    columns = (
+        "bandwidth",
+        "nproc",
+        "model",
+        "codec",
+        "mean_step_s",
+        "speedup_vs_dense",
+        "bytes_per_step",
+    )
     print("  ".join(f"{c:>22}" for c in columns))
     for record in records:
         cells = []
@@ -158,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
             value = record.get(column)
             cells.append(f"{value:>22.4g}" if isinstance(value, float) else f"{value!s:>22}")
         print("  ".join(cells))
-    for line in summary_lines(records):
+    for line in summary_lines(records) + scale_lines(records):
         print(line)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0 if all(r.get("status") == "ok" for r in records) else 1

@@ -27,6 +27,13 @@ chooses between dense AdamW and 1-bit Adam by the predicted step time (auto:link
 for a stated link instead of the measured one).
   superneurons train --model gpt --data shakespeare --nproc 2 --optimizer adamw \\
       --compress "adam-momentum[warmup=20,wire=fp16]:signsgd" --out runs/gpt-1bit
+--sync diloco:steps=H (DiLoCo, for slow links) averages nothing per step: every rank runs its
+optimizer on its own shard, and every H steps (and at each epoch's end) the outer gradient is
+averaged and an outer Nesterov step taken (lr=0.7,momentum=0.9); diloco[steps=H]:CODEC sends
+the outer gradient through a codec or the two-phase all-reduce (diloco[steps=H]:twophase:bits=4),
+with error feedback unless --no-error-feedback.
+  superneurons train --model gpt --data shakespeare --nproc 4 --optimizer adamw \\
+      --sync "diloco[steps=25]:fp16" --out runs/gpt-diloco
 """
 
 from __future__ import annotations
@@ -86,6 +93,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--compress",
         default="dense",
         help="codec spec, anchor, auto, or with adam(w) adam-momentum[...]:CODEC (see above)",
+    )
+    comm.add_argument(
+        "--sync",
+        default="every-step",
+        help="every-step (gradients through --compress) or DiLoCo: diloco:steps=H[,lr=0.7,"
+        "momentum=0.9,nesterov=true], diloco[steps=H,...]:CODEC (see above)",
     )
     comm.add_argument("--warmup-steps", type=int, default=0, help="dense steps before compressing")
     comm.add_argument(
@@ -155,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
         backend=args.backend,
         resume=args.resume,
         budget_bytes=parse_bytes(args.budget) if args.budget is not None else None,
+        sync=args.sync,
         checkpoint_every=args.checkpoint_every,
     )
     launch = Launch(

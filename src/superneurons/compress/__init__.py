@@ -42,6 +42,7 @@ from superneurons.codecs.schedule import (
 from superneurons.codecs.sign import SignSGDCodec
 from superneurons.codecs.terngrad import TernGradCodec
 from superneurons.codecs.topk import TopKCodec
+from superneurons.codecs.twophase import TwoPhase
 from superneurons.ddp.deferred import DeferredCompression, deferred_compression_hook
 from superneurons.ddp.hook import CompressionState, register_compression
 from superneurons.ddp.local import register_local_gradients
@@ -75,6 +76,8 @@ __all__ = [
     "SignSGDCodec",
     "TernGradCodec",
     "TopKCodec",
+    # the two-phase quantised all-reduce (bytes per rank independent of the world size)
+    "TwoPhase",
     # PyTorch's own reductions (anchors) and the per-bucket choice
     "Auto",
     "TorchDense",

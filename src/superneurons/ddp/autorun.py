@@ -37,7 +37,7 @@ from superneurons.schemes.auto import Auto
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
 
-    from superneurons.strategy import Assignment, CodecCost, NetworkModel
+    from superneurons.strategy import Assignment, CodecCost, DecisionInputs, NetworkModel
 
 __all__ = ["AutoController"]
 
@@ -100,6 +100,9 @@ class AutoController:
         self._ends: list[tuple[int, Any, Any]] = []  # (step, t0 mark, averaged mark)
         self._sample: torch.Tensor | None = None
         self._drifting = 0
+        # what rank 0 measured for its last decision: ``strategy.decide_at`` replays it at
+        # another world size or link rate (None on the other ranks and after a resume)
+        self.inputs: DecisionInputs | None = None
 
     # -- registration -------------------------------------------------------------------
     def attach(self, ddp_model: DistributedDataParallel, state: CompressionState) -> None:
@@ -242,7 +245,12 @@ class AutoController:
         return {s: mark for s, (_span, mark) in latest.items()}
 
     def _select(self, world_size: int, step: int) -> Assignment:
-        from superneurons.strategy import DEFAULT_CANDIDATES, BucketTiming, measure_codecs, select
+        from superneurons.strategy import (
+            DEFAULT_CANDIDATES,
+            BucketTiming,
+            DecisionInputs,
+            measure_codecs,
+        )
 
         if self.network is None or self._clock is None or self._sample is None:
             raise ConfigError("auto: nothing observed; run at least one training step")
@@ -263,15 +271,16 @@ class AutoController:
         costs = measure_codecs(DEFAULT_CANDIDATES, self._sample, world_size=world_size)
         if self.error_feedback:  # what the hook does per step beyond the encode (see reduce)
             costs = [_with_feedback(cost) for cost in costs]
-        return select(
-            buckets,
-            costs,
+        self.inputs = DecisionInputs(
+            buckets=tuple(buckets),
+            costs=tuple(costs),
             backward_s=statistics.median(backward.values()),
+            outside_s=self._outside_s(step),
             network=self.network,
             max_rel_error=self.config.max_rel_error,
             max_rel_error_lowrank=self.config.max_rel_error_lowrank,
-            outside_s=self._outside_s(step),
         )
+        return self.inputs.decide()
 
     def _track_drift(self, step: int) -> None:
         """Compare the last finished step's exposed time with the prediction."""
@@ -314,13 +323,13 @@ class AutoController:
 
 
 def _with_feedback(cost: CodecCost) -> CodecCost:
-    """``cost`` as the hook pays it with error feedback: gathered codecs and PowerSGD add the
-    residual in and compute the new one before the collective's result is needed (measured
-    as ``feedback_s_per_byte``); cast routes and dense carry none under auto (see
-    :func:`~superneurons.ddp.reduce.reduce_bucket`)."""
+    """``cost`` as the hook pays it with error feedback: gathered codecs, PowerSGD and the
+    two-phase quantisers add the residual in and compute the new one before the collective's
+    result is needed (measured as ``feedback_s_per_byte``); cast routes and dense carry none
+    under auto (see :func:`~superneurons.ddp.reduce.reduce_bucket`)."""
     import dataclasses
 
-    if cost.codec is None or (cost.summable and not cost.low_rank):
+    if cost.codec is None or (cost.summable and not cost.low_rank and not cost.two_phase):
         return cost
     return dataclasses.replace(
         cost, encode_s_per_byte=cost.encode_s_per_byte + cost.feedback_s_per_byte

@@ -3,7 +3,8 @@
 DDP hands the comm hook one flat buffer per bucket; everything the hook keeps is keyed by
 parameter name (DDP rebuilds its buckets after the first step and after a resume), so the
 bucket is split into :class:`Piece` views first. A :data:`Route` says how one parameter is
-averaged: ``None`` is the plain fp32 all-reduce, otherwise a codec or :class:`PowerSGD`.
+averaged: ``None`` is the plain fp32 all-reduce, otherwise a codec, :class:`PowerSGD` or
+:class:`TwoPhase`.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import torch.distributed as dist
 
 from superneurons.codecs.codec import Codec
 from superneurons.codecs.powersgd import PowerSGD
+from superneurons.codecs.twophase import TwoPhase
 from superneurons.errors import ConfigError
 
 __all__ = ["Piece", "Route", "pieces_of"]
 
-Route = Codec | PowerSGD | None  # None: plain fp32 all-reduce
+Route = Codec | PowerSGD | TwoPhase | None  # None: plain fp32 all-reduce
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ error feedback by default, see :func:`~superneurons.schemes.compose.with_default
   which changes after the first step and again after a resume: a resumed run continues bit
   for bit, and ``bucket_cap_mb`` only changes the overlap, never the numbers;
 * PowerSGD (``powersgd:rank=4``) runs its two all-reduces (see :mod:`.powersgd`);
+* the two-phase quantised all-reduce (``twophase:bits=4``) runs an all-to-all and an
+  all-gather whose bytes per rank do not grow with the world size (see :mod:`.twophase`);
 * PyTorch's own hooks (``dense``, ``torch-fp16``, ``torch-powersgd``) are anchors
   (see :mod:`.torch_hooks`);
 * ``auto`` chooses per bucket (see :mod:`.auto`, :mod:`.autorun`); every bucket, whatever its
@@ -50,6 +52,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from superneurons.codecs.codec import Codec
 from superneurons.codecs.powersgd import PowerSGD
+from superneurons.codecs.twophase import TwoPhase
 from superneurons.compat import all_gather_into_tensor
 from superneurons.ddp.bucket import Route, pieces_of
 from superneurons.ddp.powersgd import PowerSGDState
@@ -220,7 +223,7 @@ def compression_hook(
         routes = [None] * n
     else:
         base = pipeline.base
-        assert isinstance(base, (PowerSGD, Codec))
+        assert isinstance(base, (PowerSGD, TwoPhase, Codec))
         routes = [base] * n
         if pipeline.schedule is not None and isinstance(base, Codec) and not base.summable:
             codecs_for_step = _codecs_for_step(state, pipeline, base, bucket)

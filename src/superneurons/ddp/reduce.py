@@ -6,7 +6,9 @@ fp16, bf16: cast and all-reduce), :class:`PowerSGD` (its two all-reduces), or a 
 travel as rows + indices instead (see :mod:`.rowsparse`). A bucket whose parameters take
 different routes (``auto``) issues, on every rank in the same order: the row-count all-reduce
 (row-sparse only), the fp32 all-reduce, one all-reduce per cast codec (sorted by spec),
-PowerSGD's two all-reduces, then ONE all-gather for every gathered payload and row block.
+PowerSGD's two all-reduces, the two-phase routes' all-to-all and all-gather (every
+:class:`TwoPhase` parameter in one message, see :mod:`.twophase`), then ONE all-gather for
+every gathered payload and row block.
 
 Hook overhead, what this module does to keep it low (``benchmarks/hook_overhead.py``,
 ``benchmarks/results/hook_overhead/``):
@@ -34,12 +36,14 @@ import torch.distributed as dist
 from superneurons.codecs.codec import Codec, Payload
 from superneurons.codecs.coding.finite import all_finite
 from superneurons.codecs.powersgd import PowerSGD
+from superneurons.codecs.twophase import TwoPhase
 from superneurons.compat import all_gather_into_tensor
 from superneurons.ddp.bucket import Piece, Route, pieces_of
 from superneurons.ddp.callbacks import then_same_threads
 from superneurons.ddp.powersgd import PowerSGDState, powersgd_reduce
 from superneurons.ddp.rowblocks import RowBlock, decide_rows, gather_row_counts
 from superneurons.ddp.state import CompressionState, WireBuffers
+from superneurons.ddp.twophase import release_twophase, twophase_reduce
 
 __all__ = ["reduce_bucket"]
 
@@ -53,11 +57,13 @@ def _aligned(nbytes: int) -> int:
 
 
 def _lossless(route: Route) -> bool:
-    return route is None or (not isinstance(route, PowerSGD) and route.spec == "identity")
+    return route is None or (
+        not isinstance(route, PowerSGD | TwoPhase) and route.spec == "identity"
+    )
 
 
 def _kind(route: Route) -> str:
-    """``dense`` | ``cast`` | ``lowrank`` | ``gathered``.
+    """``dense`` | ``cast`` | ``lowrank`` | ``twophase`` | ``gathered``.
 
     NOTE: a route is None, a :class:`PowerSGD` or a codec, so it is told apart by concrete
     checks: ``isinstance(route, Codec)`` on the runtime-checkable protocol cost 17 ms per step
@@ -67,6 +73,8 @@ def _kind(route: Route) -> str:
         return "dense"
     if isinstance(route, PowerSGD):
         return "lowrank"
+    if isinstance(route, TwoPhase):
+        return "twophase"
     return "cast" if route.summable else "gathered"
 
 
@@ -104,10 +112,16 @@ def reduce_bucket(
     futures: list[Future] = []
     finishers: list[Callable[[], None]] = []
 
+    if state.twophase is not None and state.twophase.configs:  # a route left two-phase
+        release_twophase(
+            state, pieces, [i for i, r in enumerate(routes) if not isinstance(r, TwoPhase)]
+        )
     rows: list[RowBlock] = []
     if state.pipeline.row_sparse:
         rows = decide_rows(state, pieces, routes, gather_row_counts(state, pieces))
     in_rows = {block.index for block in rows}
+    if rows and state.twophase is not None:
+        release_twophase(state, pieces, sorted(in_rows))
 
     kinds = [_kind(r) if i not in in_rows else "rows" for i, r in enumerate(routes)]
     # 1. plain fp32 all-reduce (dense routes, identity)
@@ -130,7 +144,12 @@ def reduce_bucket(
     if low_rank:
         futures.append(_powersgd(state, buffer, routes, [pieces[i] for i in low_rank], low_rank))
 
-    # 4. one all-gather: every gathered payload and row block
+    # 4. the two-phase routes: ONE all-to-all (waited for), ONE all-gather
+    two = [i for i, k in enumerate(kinds) if k == "twophase"]
+    if two:
+        futures.append(twophase_reduce(state, pieces, routes, two, finishers))
+
+    # 5. one all-gather: every gathered payload and row block
     gathered = [i for i, k in enumerate(kinds) if k == "gathered"]
     if gathered or rows:
         futures.append(_gathered_reduce(state, buffer, pieces, routes, gathered, rows, finishers))

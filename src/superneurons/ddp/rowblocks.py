@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from superneurons.codecs.codec import Codec
 from superneurons.codecs.powersgd import PowerSGD
+from superneurons.codecs.twophase import TwoPhase
 from superneurons.ddp.bucket import Piece, Route
 
 if TYPE_CHECKING:
@@ -101,6 +102,8 @@ def _route_volume(route: Route, piece: Piece, world_size: int) -> float:
         return ring * piece.flat.numel() * 4
     if isinstance(route, PowerSGD):
         return ring * route.payload_bytes([piece.shape])
+    if isinstance(route, TwoPhase):  # (P - 1) slices in the all-to-all, (P - 1) in the gather
+        return 2 * (world_size - 1) * route.layout(piece.flat.numel(), world_size).slice_bytes
     if isinstance(route, Codec):
         size = route.payload_bytes(piece.flat.numel())
         return ring * size if route.summable else (world_size - 1) * size

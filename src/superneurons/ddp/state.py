@@ -3,7 +3,7 @@
 Everything that changes during training lives here and round-trips through
 ``state_dict()``/``load_state_dict()``: the step counter, error-feedback residuals keyed by
 parameter name (DDP rebuilds its buckets after the first step, so bucket indices are not
-stable), PowerSGD's warm-start factors, the RNG of stochastic codecs, ``auto``'s decision and
+stable), PowerSGD's warm-start factors, the two-phase routes' worker and owner residuals, the RNG of stochastic codecs, ``auto``'s decision and
 the byte counters. The process group is never part of the state dict.
 """
 
@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from superneurons.ddp.powersgd import PowerSGDState
+from superneurons.ddp.twophase_state import TwoPhaseState
 from superneurons.errors import ConfigError
 from superneurons.schemes.compose import Base, Compression, Pipeline
 
@@ -62,6 +63,7 @@ class CompressionState:
     step: int = 0
     residuals: dict[str, torch.Tensor] = field(default_factory=dict)
     powersgd: PowerSGDState | None = None
+    twophase: TwoPhaseState | None = None  # residuals of the two-phase routes, by name
     torch_state: TorchPowerSGDState | None = None
     auto: AutoController | None = None
     bytes_sent_step: int = 0
@@ -132,6 +134,8 @@ class CompressionState:
         }
         if self.powersgd is not None:
             state["powersgd"] = self.powersgd.state_dict()
+        if self.twophase is not None:
+            state["twophase"] = self.twophase.state_dict()
         if self.torch_state is not None:
             state["torch_powersgd"] = self.torch_state.__getstate__()
         if self.auto is not None:
@@ -158,6 +162,10 @@ class CompressionState:
             if self.powersgd is None:
                 self.powersgd = PowerSGDState(seed=self.seed)
             self.powersgd.load_state_dict(state["powersgd"])
+        if "twophase" in state:  # created on first use too
+            if self.twophase is None:
+                self.twophase = TwoPhaseState(seed=self.seed, world_size=self.world_size)
+            self.twophase.load_state_dict(state["twophase"])
         if self.torch_state is not None:
             self.torch_state.__setstate__(state["torch_powersgd"])
             self.torch_state.process_group = self.process_group

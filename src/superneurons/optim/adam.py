@@ -42,7 +42,9 @@ import torch.distributed as dist
 
 from superneurons.codecs.codec import Codec, Payload
 from superneurons.codecs.feedback import feedback_step
+from superneurons.codecs.twophase import TwoPhase
 from superneurons.compat import all_gather_into_tensor
+from superneurons.ddp.twophase import TwoPhaseState, average_
 from superneurons.errors import ConfigError
 
 __all__ = [
@@ -80,7 +82,7 @@ class CompressedAdamW(torch.optim.Optimizer):
         self,
         params: Iterable[Any],
         *,
-        codec: Codec,
+        codec: Codec | TwoPhase,
         mode: str = "momentum",
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
@@ -100,8 +102,10 @@ class CompressedAdamW(torch.optim.Optimizer):
             raise ConfigError(f"betas must be two numbers in [0, 1), got {betas}")
         if warmup_steps < 0:
             raise ConfigError(f"warmup_steps must be >= 0, got {warmup_steps}")
-        if not isinstance(codec, Codec):
-            raise ConfigError(f"codec must be a Codec (parse_spec('signsgd')), got {codec!r}")
+        if not isinstance(codec, Codec | TwoPhase):
+            raise ConfigError(
+                f"codec must be a Codec (parse_spec('signsgd')) or TwoPhase, got {codec!r}"
+            )
         if mode not in MODES:
             raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
         if mode == "momentum" and warmup_steps < 1:
@@ -129,6 +133,8 @@ class CompressedAdamW(torch.optim.Optimizer):
         self.bytes_sent_total = 0
         self.dense_bytes_step = 0
         self.dense_bytes_total = 0
+        # the two-phase exchange's residuals (worker and owned slice) by parameter position
+        self.twophase = TwoPhaseState(seed=seed) if isinstance(codec, TwoPhase) else None
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -140,6 +146,8 @@ class CompressedAdamW(torch.optim.Optimizer):
             "codec": self.codec.spec,
             "mode": self.mode,
         }
+        if self.twophase is not None:
+            state["compression"]["twophase"] = self.twophase.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -157,6 +165,8 @@ class CompressedAdamW(torch.optim.Optimizer):
         self.steps = int(extra["steps"])
         self.bytes_sent_total = int(extra["bytes_sent_total"])
         self.dense_bytes_total = int(extra["dense_bytes_total"])
+        if self.twophase is not None:
+            self.twophase.load_state_dict(extra["twophase"])
 
     # -- the step ----------------------------------------------------------------------------
     def _world(self) -> tuple[int, int]:
@@ -170,7 +180,8 @@ class CompressedAdamW(torch.optim.Optimizer):
         if not state:
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["residual"] = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+            if self.twophase is None:  # the two-phase residuals live in self.twophase
+                state["residual"] = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
         return state
 
     def _adam_direction(
@@ -281,6 +292,8 @@ class CompressedAdamW(torch.optim.Optimizer):
         rank: int,
     ) -> tuple[list[torch.Tensor], int]:
         codec = self.codec
+        if isinstance(codec, TwoPhase):
+            return self._average_twophase(codec, updates, world, rank)
         payloads: list[Payload] = []
         for index, ((p, _), update) in enumerate(zip(params, updates, strict=True)):
             state = self.state[p]
@@ -314,3 +327,22 @@ class CompressedAdamW(torch.optim.Optimizer):
                 for i, u in enumerate(updates)
             ]
         return [s.div_(world) for s in summed], sent
+
+    def _average_twophase(
+        self, config: TwoPhase, updates: list[torch.Tensor], world: int, rank: int
+    ) -> tuple[list[torch.Tensor], int]:
+        """Average through the two-phase exchange (:func:`superneurons.ddp.twophase.average_`):
+        error feedback at the worker and at each slice's owner, bytes per rank independent of
+        the world size; one exchange per step for every parameter."""
+        averaged = [u.float().contiguous().clone() for u in updates]
+        if world == 1 or not averaged:
+            return averaged, 0
+        assert self.twophase is not None
+
+        def generators(key: str) -> torch.Generator:
+            seed = f"{self.seed}/{rank}/{self.steps}/{key}".encode()
+            return torch.Generator().manual_seed(zlib.crc32(seed))
+
+        tensors = [(f"p{i}", flat, config) for i, flat in enumerate(averaged)]
+        sent = average_(tensors, self.twophase, group=self.process_group, generators=generators)
+        return averaged, sent

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 from superneurons.codecs.canonical import Canonical
 from superneurons.codecs.codec import Codec
+from superneurons.codecs.twophase import TwoPhase
 from superneurons.errors import ConfigError
 
 __all__ = ["DEFAULT_MARGIN", "AdamAuto", "AdamMomentum", "AdamScheme", "AdamUpdate"]
@@ -34,13 +35,14 @@ class _CompressedAdam(Canonical):
     :class:`~superneurons.optim.adam.CompressedAdamW` besides AdamW's hyper-parameters.
 
     Args:
-        inner: the codec of the momentum (or update); error feedback is always on.
+        inner: the codec of the momentum (or update), or :class:`TwoPhase` (the two-phase
+            quantised all-reduce); error feedback is always on.
         warmup_steps: the first steps average gradients (momentum) or updates through ``wire``.
         wire: a summable codec for the warm-up (``fp16``, ``bf16``); None: fp32.
         clip_rms: momentum mode: clip each tensor's frozen-variance direction to this RMS.
     """
 
-    inner: Codec
+    inner: Codec | TwoPhase
     warmup_steps: int = field(default=0, metadata={"key": "warmup"})
     wire: Codec | None = None
     clip_rms: float | None = field(default=None, metadata={"key": "clip"})
@@ -49,8 +51,10 @@ class _CompressedAdam(Canonical):
     SPEC_DEFAULTS: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.inner, Codec):
-            raise ConfigError(f"{self.NAME}: the part after ':' must be a codec, got {self.inner}")
+        if not isinstance(self.inner, Codec | TwoPhase):
+            raise ConfigError(
+                f"{self.NAME}: the part after ':' must be a codec or twophase, got {self.inner}"
+            )
         steps = self.warmup_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ConfigError(f"{self.NAME}: warmup must be an integer >= 0, got {steps!r}")

@@ -22,6 +22,7 @@ from superneurons.codecs.feedback import ErrorFeedback
 from superneurons.codecs.powersgd import PowerSGD
 from superneurons.codecs.rowsparse import RowSparse
 from superneurons.codecs.schedule import Scheduled, ThetaSchedule, Warmup, with_theta
+from superneurons.codecs.twophase import TwoPhase
 from superneurons.errors import ConfigError
 from superneurons.schemes.anchors import TorchAnchor, TorchDense, TorchFp16
 from superneurons.schemes.auto import Auto
@@ -43,7 +44,7 @@ class Pipeline:
     @property
     def codec(self) -> Codec | None:
         """The base when it is a codec (encode/decode), else None."""
-        return None if isinstance(self.base, (PowerSGD, TorchAnchor, Auto)) else self.base
+        return None if isinstance(self.base, (PowerSGD, TwoPhase, TorchAnchor, Auto)) else self.base
 
 
 def unwrap(compression: Compression) -> Pipeline:
@@ -69,7 +70,7 @@ def unwrap(compression: Compression) -> Pipeline:
         )
     base: Base = node  # type: ignore[assignment]
     if schedule is not None:
-        if isinstance(base, (PowerSGD, TorchAnchor, Auto)):
+        if isinstance(base, (PowerSGD, TwoPhase, TorchAnchor, Auto)):
             raise ConfigError(f"{base.spec} has no θ to schedule; use fft or topk")
         with_theta(base, 0.5)  # raises ConfigError for codecs without a θ
     if isinstance(base, Auto) and row_sparse:

@@ -7,6 +7,8 @@ Grammar (parsed once, at the edge, into an object that is passed on as that obje
              | ADAM ["[" OPTION ("," OPTION)* "]"] ":" SPEC
                                                   e.g. adam-momentum[warmup=20,wire=fp16]:signsgd
     OPTION  := KEY "=" VALUE
+    SYNC    := SYNCNAME [":" OPTION ("," OPTION)*]        e.g. diloco:steps=50 (train --sync)
+             | SYNCNAME "[" OPTION ("," OPTION)* "]" ":" SPEC          e.g. diloco[steps=50]:fp16
 
 NAMEs are codecs (``CODECS``), ``powersgd``, PyTorch's anchors (``dense``, ``torch-allreduce``
 = ``dense``, ``torch-fp16``, ``torch-powersgd``) and ``auto``; WRAPPERs are ``ef`` (error
@@ -17,7 +19,8 @@ communicates); with an Adam-family optimizer (``parse_spec(text, adam=True)``) `
 :class:`~superneurons.schemes.adam.AdamAuto` (``auto:link=100mbit``) instead of the hook's
 :class:`~superneurons.schemes.auto.Auto`. ``str(obj)`` (``obj.spec``) is the canonical form,
 derived from the fields (:mod:`superneurons.codecs.canonical`), and parses back to an equal
-object. Values are converted by the dataclass field types (``int``, ``float``, ``str``,
+object. ``train --sync`` takes a SYNC (:func:`parse_sync`, the names in ``SYNCS``:
+``every-step`` and ``diloco``, :mod:`.diloco`). Values are converted by the dataclass field types (``int``, ``float``, ``str``,
 ``bool``, ``X | None``, ``Literal[...]``, a codec) or a field's ``rate`` metadata
 (:func:`superneurons.rates.parse_rate`); the class's own ``__post_init__`` validates ranges.
 
@@ -48,11 +51,13 @@ from superneurons.codecs.schedule import Scheduled, Warmup
 from superneurons.codecs.sign import SignSGDCodec
 from superneurons.codecs.terngrad import TernGradCodec
 from superneurons.codecs.topk import TopKCodec
+from superneurons.codecs.twophase import TwoPhase
 from superneurons.errors import ConfigError
 from superneurons.rates import parse_rate
 from superneurons.schemes.adam import AdamAuto, AdamMomentum, AdamScheme, AdamUpdate
 from superneurons.schemes.anchors import TorchDense, TorchFp16, TorchPowerSGD
 from superneurons.schemes.auto import Auto
+from superneurons.schemes.diloco import DiLoCo, EveryStep, Sync
 
 __all__ = [
     "ADAM",
@@ -62,11 +67,13 @@ __all__ = [
     "Scheme",
     "GRAMMAR",
     "SPECS",
+    "SYNCS",
     "WRAPPERS",
     "describe_codecs",
     "parse_codec",
     "parse_scheme",
     "parse_spec",
+    "parse_sync",
 ]
 
 CODECS: dict[str, type[Codec]] = {
@@ -87,6 +94,7 @@ CODECS: dict[str, type[Codec]] = {
 SPECS: dict[str, type] = {
     **CODECS,
     "powersgd": PowerSGD,
+    "twophase": TwoPhase,
     "dense": TorchDense,
     "torch-allreduce": TorchDense,  # an alias: str() gives "dense"
     "torch-fp16": TorchFp16,
@@ -95,7 +103,7 @@ SPECS: dict[str, type] = {
 }
 
 # What a spec names: a base reduction, or wrappers around one (``Scheduled`` has no spec name).
-Base = Codec | PowerSGD | TorchDense | TorchFp16 | TorchPowerSGD | Auto
+Base = Codec | PowerSGD | TwoPhase | TorchDense | TorchFp16 | TorchPowerSGD | Auto
 Compression = Base | ErrorFeedback | Warmup | Scheduled | RowSparse
 
 WRAPPERS: dict[str, type] = {
@@ -109,6 +117,9 @@ ADAM: dict[str, type] = {"adam-momentum": AdamMomentum, "adam-update": AdamUpdat
 
 # Everything a spec can name: what the gradient hook takes, or what the optimizer runs.
 Scheme = Compression | AdamScheme | AdamAuto
+
+# What ``train --sync`` names: when ranks synchronise (:mod:`.diloco`).
+SYNCS: dict[str, type] = {"every-step": EveryStep, "diloco": DiLoCo}
 
 GRAMMAR = (
     "NAME[:KEY=VALUE,...] or WRAPPER([KEY=VALUE,...,]SPEC) (e.g. 'fft:theta=0.9,bits=8', "
@@ -321,6 +332,33 @@ def parse_scheme(text: str, *, adam: bool) -> Scheme:
     _check_text(text)
     scheme: Scheme = _parse(text, text, {**SPECS, "auto": AdamAuto if adam else Auto})
     return scheme
+
+
+SYNC_GRAMMAR = "every-step, diloco:steps=H[,lr=F,momentum=F,nesterov=B] or diloco[steps=H,...]:SPEC"
+
+
+def parse_sync(text: str) -> Sync:
+    """``train --sync``: :class:`~superneurons.schemes.diloco.EveryStep` or ``DiLoCo``, whose
+    outer gradient's wire (``SPEC`` after ``]:``) is a :func:`parse_spec` codec or ``ef(codec)``.
+    Raises ConfigError (one line) for an unknown name, option or value, or a malformed string.
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise ConfigError(f"empty or missing --sync; expected {SYNC_GRAMMAR}")
+    head, bracket, rest = re.match(r"^\s*([\w-]*)\s*(\[?)(.*)$", text, re.DOTALL).groups()  # type: ignore[union-attr]
+    if head.lower() not in SYNCS:
+        raise ConfigError(f"unknown --sync {head!r}; valid: {', '.join(SYNCS)} ({SYNC_GRAMMAR})")
+    cls = SYNCS[head.lower()]
+    options, close, wire = rest.partition("]:") if bracket else ("", "", "")
+    if bracket and (cls is not DiLoCo or not close or not wire.strip()):
+        raise ConfigError(f"malformed --sync {text!r}: expected {SYNC_GRAMMAR}")
+    if not bracket:
+        colon, options = rest[:1], rest[1:]
+        if rest.strip() and (colon != ":" or not options.strip()):
+            raise ConfigError(f"malformed --sync {text!r}: expected {SYNC_GRAMMAR}")
+    items = options.split(",") if options.strip() else []
+    kwargs = _options(head.lower(), cls, items, text)
+    sync: Sync = cls(parse_spec(wire), **kwargs) if bracket else cls(**kwargs)
+    return sync
 
 
 def _check_text(text: object) -> None:

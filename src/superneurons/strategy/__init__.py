@@ -25,6 +25,7 @@ from superneurons.strategy.netmodel import (
     ring_network,
 )
 from superneurons.strategy.select import ASSIGNMENT_VERSION, Assignment, select
+from superneurons.strategy.whatif import DecisionInputs, decide_at, predicted_steps
 
 __all__ = [
     # the network (Hockney α-β)
@@ -47,4 +48,8 @@ __all__ = [
     "ASSIGNMENT_VERSION",
     "Assignment",
     "select",
+    # the same decision at another world size or link rate
+    "DecisionInputs",
+    "decide_at",
+    "predicted_steps",
 ]

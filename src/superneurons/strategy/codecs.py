@@ -24,9 +24,18 @@ import torch
 
 from superneurons.codecs.cast import Bf16Codec, Fp16Codec
 from superneurons.codecs.codec import Codec
+from superneurons.codecs.coding.chunkquant import (
+    dequantize_rows,
+    quantize_rows,
+    read_rows,
+    write_rows_,
+)
+from superneurons.codecs.coding.orthogonal import forward_, inverse_, rademacher
+from superneurons.codecs.compacttopk import CompactTopKCodec
 from superneurons.codecs.powersgd import PowerSGD, orthogonalize_
 from superneurons.codecs.qsgd import QSGDCodec
 from superneurons.codecs.topk import TopKCodec
+from superneurons.codecs.twophase import TwoPhase
 from superneurons.errors import ConfigError
 from superneurons.strategy.timing import time_call_s
 
@@ -40,17 +49,22 @@ __all__ = [
 
 logger = logging.getLogger("superneurons.strategy")
 
-Candidate = Codec | PowerSGD
+Candidate = Codec | PowerSGD | TwoPhase
 
 # NOTE: a few densities per family, not a sweep: the selection is per bucket, and each
 # candidate costs one encode/decode measurement at registration. Dense is always a candidate.
+# The all-gathered ones (top-k, ctopk, qsgd) pay (P - 1) payloads per rank; the two-phase
+# quantisers and the all-reduced ones (casts, PowerSGD) do not grow with P.
 DEFAULT_CANDIDATES: tuple[Candidate, ...] = (
     Fp16Codec(),
     Bf16Codec(),
     PowerSGD(rank=1),
     PowerSGD(rank=4),
+    TwoPhase(bits=1),
+    TwoPhase(bits=4),
     TopKCodec(ratio=0.1),
     TopKCodec(ratio=0.01),
+    CompactTopKCodec(),
     QSGDCodec(),
 )
 
@@ -68,7 +82,11 @@ class CodecCost:
     ``collectives`` is the number of collective calls per bucket (PowerSGD: 2 all-reduces),
     each paying the link's latency α. ``feedback_s_per_byte`` is what error feedback adds to
     the encode when it is on (adding the residual in, computing the new one), measured with
-    the hook's own operations (see :mod:`superneurons.ddp.reduce`).
+    the hook's own operations (see :mod:`superneurons.ddp.reduce`). ``owner_s_per_byte``: the
+    part of ``decode_s_per_byte`` that runs between a two-phase exchange's collectives, in the
+    hook (the owner's decode, average and re-quantisation). For a two-phase candidate
+    ``bits_per_element`` counts the all-to-all's input (every slice); the all-gather sends one
+    slice of it.
     """
 
     codec: Candidate | None
@@ -79,6 +97,7 @@ class CodecCost:
     rel_error: float
     collectives: int = 1
     feedback_s_per_byte: float = 0.0
+    owner_s_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -87,6 +106,7 @@ class CodecCost:
             "bits_per_element",
             "rel_error",
             "feedback_s_per_byte",
+            "owner_s_per_byte",
         ):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value >= 0.0 or math.isinf(value):
@@ -98,6 +118,11 @@ class CodecCost:
     def spec(self) -> str:
         """The candidate's spec string (``"dense"`` for dense), for records and logs."""
         return "dense" if self.codec is None else self.codec.spec
+
+    @property
+    def two_phase(self) -> bool:
+        """A two-phase exchange: an all-to-all waited for in the hook, then an all-gather."""
+        return isinstance(self.codec, TwoPhase)
 
     @property
     def low_rank(self) -> bool:
@@ -208,6 +233,80 @@ def _measure_cast(codec: Codec, flat: torch.Tensor, repeats: int, world_size: in
     )
 
 
+def _measure_twophase(
+    config: TwoPhase, flat: torch.Tensor, repeats: int, world_size: int
+) -> CodecCost:
+    """A two-phase candidate timed with the exchange's own stages (:mod:`superneurons.ddp.
+    twophase`) on one process: the worker's transform, quantisation and packing (encode) and
+    its residual (feedback); the owner's decode of every rank's slice, their sum and the
+    re-quantisation (owner); every owner's slice decoded and transformed back (decode)."""
+    layout = config.layout(flat.numel(), world_size)
+    device, n, cols = flat.device, layout.padded_numel, layout.cols
+    padded = torch.zeros(n, device=device)
+    padded[: flat.numel()] = flat
+    signs = rademacher(0, "sample", cols, device)
+    x = torch.empty(n, device=device)
+    codes = torch.empty(n, dtype=torch.uint8, device=device)
+    work, residual, out = (torch.zeros(n, device=device) for _ in range(3))
+    message = torch.zeros(world_size, layout.slice_bytes, dtype=torch.uint8, device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    bits, rounding = config.bits, config.rounding
+    if bits == 32:
+        raise ConfigError("twophase:bits=32 is lossless: not a candidate (use dense)")
+
+    def quantise(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_rows(
+            values, bits=bits, rounding=rounding, generator=gen,
+            codes=codes[: values.numel()], work=work[: values.numel()],
+        )  # fmt: skip
+
+    def encode() -> None:
+        rows = forward_(x.copy_(padded).view(-1, cols), config.transform, signs)
+        q, s = quantise(rows)
+        write_rows_(q.view(world_size, layout.rows, cols), s.view(world_size, -1),
+                           bits=bits, out=message)  # fmt: skip
+
+    def feedback() -> object:
+        rows = x.view(-1, cols).add_(residual.view(-1, cols))
+        q, s = quantise(rows)
+        error = dequantize_rows(q, s, bits=bits, out=residual.view(-1, cols))
+        return torch.sub(rows, error, out=error)
+
+    encode()  # a valid message for the decodes
+
+    def owner() -> None:
+        read_rows(message, layout.rows, cols, bits=bits, out=out.view(-1, cols), codes=codes)
+        mine = out.view(world_size, -1).sum(dim=0).div_(world_size).view(-1, cols)
+        q, s = quantise(mine)
+        write_rows_(q.view(1, layout.rows, cols), s.view(1, -1), bits=bits,
+                           out=message[:1])  # fmt: skip
+
+    def decode() -> object:
+        read_rows(message, layout.rows, cols, bits=bits, out=out.view(-1, cols), codes=codes)
+        return inverse_(out.view(-1, cols), config.transform, signs)
+
+    input_bytes = flat.numel() * 4
+    owner_s = _timed(owner, device, repeats) / input_bytes
+    # one-shot error: the worker's quantisation, then the owner's of what it decoded
+    rows = forward_(padded.clone().view(-1, cols), config.transform, signs)
+    once = rows
+    for _ in range(2):
+        q, s = quantize_rows(once, bits=bits, rounding=rounding, generator=gen)
+        once = dequantize_rows(q, s, bits=bits)
+    approx = inverse_(once, config.transform, signs).reshape(-1)[: flat.numel()]
+    return CodecCost(
+        codec=config,
+        summable=True,
+        encode_s_per_byte=_timed(encode, device, repeats) / input_bytes,
+        decode_s_per_byte=owner_s + _timed(decode, device, repeats) / input_bytes,
+        bits_per_element=world_size * layout.slice_bytes * 8 / flat.numel(),
+        rel_error=_rel_error(approx, flat),
+        collectives=2,
+        feedback_s_per_byte=_timed(feedback, device, repeats) / input_bytes,
+        owner_s_per_byte=owner_s,
+    )
+
+
 def _measure_codec(codec: Codec, flat: torch.Tensor, repeats: int, world_size: int) -> CodecCost:
     if codec.summable:
         return _measure_cast(codec, flat, repeats, world_size)
@@ -251,7 +350,8 @@ def measure_codecs(
       ``world_size``) for gathered codecs (the receiver decodes one payload per rank),
       ``decode`` time / bytes for summable ones;
     * ``bits_per_element``: ``payload_bytes(numel) · 8 / numel`` at the sample's size;
-    * ``rel_error``: ``‖decode(encode(g)) − g‖ / ‖g‖`` once (no error feedback);
+    * ``rel_error``: ``‖decode(encode(g)) − g‖ / ‖g‖`` once (no error feedback; two-phase:
+      the worker's quantisation then the owner's);
     * ``feedback_s_per_byte``: error feedback's extra work per byte, as the hook does it.
 
     A codec that raises on this device is logged and left out.
@@ -271,6 +371,8 @@ def measure_codecs(
         try:
             if isinstance(codec, PowerSGD):
                 costs.append(_measure_powersgd(codec, sample.detach(), repeats))
+            elif isinstance(codec, TwoPhase):
+                costs.append(_measure_twophase(codec, flat, repeats, world_size))
             else:
                 costs.append(_measure_codec(codec, flat, repeats, world_size))
         except (RuntimeError, ConfigError) as exc:

@@ -16,6 +16,8 @@ The timeline (pure arithmetic over measured numbers, see :func:`predicted_step_s
   model's time for its payload (all-reduce when summable, all-gather otherwise), plus one
   latency α per extra collective (PowerSGD: two); PowerSGD's first all-reduce is waited for
   inside the hook, so it stalls backward until the link is free and that all-reduce is done;
+  so is a two-phase exchange's all-to-all (its whole payload), followed in the hook by the
+  owner's work, then an all-gather of one slice (1/P of the payload), asynchronously;
 * decodes run on the compute resource after backward, in the order the collectives end;
 * the step ends when backward, the last collective and the last decode are all done.
 """
@@ -62,15 +64,32 @@ class BucketTiming:
 
 
 def _comm_s(cost: CodecCost, numel: int, network: NetworkModel) -> float:
-    """Wire seconds of one bucket under ``cost`` (summable: all-reduce; else all-gather)."""
+    """Wire seconds of one bucket under ``cost`` (summable: all-reduce; else all-gather;
+    two-phase: an all-to-all of the payload and an all-gather of one slice)."""
+    if cost.two_phase:
+        return _first_s(cost, numel, network) + _gather_slice_s(cost, numel, network)
     link = network.all_reduce if cost.summable else network.all_gather
     return link.time_s(cost.payload_bytes(numel)) + (cost.collectives - 1) * link.alpha_s
 
 
+def _first_s(cost: CodecCost, numel: int, network: NetworkModel) -> float:
+    """Seconds of the collective the hook waits for: PowerSGD's first all-reduce (about half
+    the payload), a two-phase exchange's all-to-all (all of it)."""
+    if cost.two_phase:
+        return network.alltoall.time_s(cost.payload_bytes(numel))
+    link = network.all_reduce if cost.summable else network.all_gather
+    return link.time_s(cost.payload_bytes(numel) // 2)
+
+
+def _gather_slice_s(cost: CodecCost, numel: int, network: NetworkModel) -> float:
+    return network.all_gather.time_s(-(-cost.payload_bytes(numel) // network.world_size))
+
+
 def _decode_s(cost: CodecCost, numel: int, world_size: int) -> float:
-    """Decode seconds: gathered codecs decode one payload per rank."""
+    """Decode seconds after the collectives: gathered codecs decode one payload per rank; a
+    two-phase exchange decodes every owner's slice once (its owner stage runs in the hook)."""
     payloads = 1 if cost.summable else world_size
-    return cost.decode_s_per_byte * 4 * numel * payloads
+    return (cost.decode_s_per_byte - cost.owner_s_per_byte) * 4 * numel * payloads
 
 
 def predicted_step_s(
@@ -103,12 +122,19 @@ def predicted_step_s(
         cost = choices[bucket.key]
         encode_s = cost.encode_s_per_byte * 4 * bucket.numel
         comm_s = _comm_s(cost, bucket.numel, network)
-        if cost.collectives > 1:
+        if cost.two_phase:
+            # the all-to-all is waited for in the hook, then the owner's decode and
+            # re-quantisation run there too; the all-gather of one slice is asynchronous
+            now_s = bucket.ready_s + delay_s
+            first_end_s = max(now_s + encode_s, link_free_s) + _first_s(cost, bucket.numel, network)
+            start_s = first_end_s + cost.owner_s_per_byte * 4 * bucket.numel
+            delay_s += start_s - now_s
+            link_free_s = start_s + _gather_slice_s(cost, bucket.numel, network)
+        elif cost.collectives > 1:
             # PowerSGD: its first all-reduce (P, about half the payload) is waited for in the
             # hook, so backward stalls until the link is free and P is summed; the second
             # half of the encode follows, then the second all-reduce runs asynchronously.
-            link = network.all_reduce if cost.summable else network.all_gather
-            first_s = link.time_s(cost.payload_bytes(bucket.numel) // 2)
+            first_s = _first_s(cost, bucket.numel, network)
             now_s = bucket.ready_s + delay_s
             first_end_s = max(now_s + encode_s / 2, link_free_s) + first_s
             delay_s += first_end_s + encode_s / 2 - now_s

@@ -5,11 +5,17 @@ CS-2", Parallel Computing 20, 1994): one message of ``n`` bytes costs ``T(n) = �
 fixed latency plus a per-byte time. Collectives keep that form per call for a fixed world
 size P (Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication Operations in
 MPICH", IJHPCA 2005): a ring all-reduce of ``S`` bytes per rank moves ``2(P−1)/P·S`` bytes per
-rank, an all-gather of ``S`` bytes per rank moves ``(P−1)·S``. So compression that must be
-all-gathered (its payloads differ in support per rank) pays only when its ratio ``CR > P/2``.
+rank, an all-gather of ``S`` bytes per rank moves ``(P−1)·S``, an all-to-all of ``S`` bytes
+per rank ``(P−1)/P·S``. So compression that must be all-gathered (its payloads differ in support
+per rank) pays only when its ratio ``CR > P/2``, while a two-phase all-reduce (all-to-all, then
+an all-gather of ``S/P``) moves ``2(P−1)/P·S`` like a ring.
 
-We do not trust those constants: :func:`measure_network` times both collectives on the real
-process group at a few sizes and :func:`fit_link` fits α and β by least squares.
+We do not trust those constants: :func:`measure_network` times the collectives on the real
+process group at a few sizes and :func:`fit_link` fits α and β by least squares. The same
+factors carry a fit to another world size (:meth:`NetworkModel.at_world_size`): per-byte times
+scale with the bytes each rank moves, latencies with the ``2(P−1)`` or ``P−1`` message steps
+(ring all-reduce; all-gather and all-to-all), the same link under every rank (one switch
+port each, as the benchmark's bridge gives them).
 """
 
 from __future__ import annotations
@@ -28,7 +34,18 @@ from superneurons.strategy.timing import time_call_s
 
 __all__ = ["LinkModel", "NetworkModel", "fit_link", "measure_network", "ring_network"]
 
-NETWORK_MODEL_VERSION = 1
+NETWORK_MODEL_VERSION = 2
+# bytes each rank moves per input byte, and message steps, of each collective at P ranks
+_BYTES_FACTOR = {
+    "all_reduce": lambda p: 2.0 * (p - 1) / p,
+    "all_gather": lambda p: float(p - 1),
+    "all_to_all": lambda p: (p - 1) / p,
+}
+_STEPS_FACTOR = {
+    "all_reduce": lambda p: 2.0 * (p - 1),
+    "all_gather": lambda p: float(p - 1),
+    "all_to_all": lambda p: float(p - 1),
+}
 
 
 @dataclass(frozen=True)
@@ -51,17 +68,25 @@ class LinkModel:
         return 0.0 if nbytes == 0 else self.alpha_s + self.beta_s_per_byte * nbytes
 
 
+def _line(link: LinkModel) -> dict[str, float]:
+    return {"alpha_s": link.alpha_s, "beta_s_per_byte": link.beta_s_per_byte}
+
+
 @dataclass(frozen=True)
 class NetworkModel:
-    """The two collectives the DDP hook issues, fitted on one process group of ``world_size``.
+    """The collectives the DDP hook issues, fitted on one process group of ``world_size``.
 
     ``all_reduce.time_s(n)``: one all-reduce of ``n`` bytes of input per rank;
-    ``all_gather.time_s(n)``: one all-gather where every rank sends ``n`` bytes.
+    ``all_gather.time_s(n)``: one all-gather where every rank sends ``n`` bytes;
+    ``alltoall.time_s(n)``: one all-to-all of ``n`` bytes of input per rank (``all_to_all`` as
+    fitted, or None for a model fitted without it: then derived from the all-gather line,
+    which moves ``P`` times the bytes per rank for the same input).
     """
 
     world_size: int
     all_reduce: LinkModel
     all_gather: LinkModel
+    all_to_all: LinkModel | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int):
@@ -69,33 +94,68 @@ class NetworkModel:
         if self.world_size < 1:
             raise ConfigError(f"world_size must be >= 1, got {self.world_size}")
 
+    @property
+    def alltoall(self) -> LinkModel:
+        """The all-to-all line: fitted, or the all-gather's per received byte."""
+        if self.all_to_all is not None:
+            return self.all_to_all
+        gather = self.all_gather
+        return LinkModel(gather.alpha_s, gather.beta_s_per_byte / self.world_size)
+
+    def at_world_size(self, world_size: int) -> NetworkModel:
+        """This network's lines carried to ``world_size`` ranks by the ring factors (module
+        docs): per-byte times scale with the bytes each rank moves, latencies with the
+        message steps. Needs a model fitted on at least 2 ranks."""
+        if world_size == self.world_size:
+            return self
+        if self.world_size < 2 or world_size < 2:
+            raise ConfigError(
+                f"a network fitted on {self.world_size} rank(s) cannot be carried to "
+                f"{world_size}: both need at least 2 ranks"
+            )
+        old, new = self.world_size, world_size
+
+        def scaled(kind: str, link: LinkModel) -> LinkModel:
+            steps, per_byte = _STEPS_FACTOR[kind], _BYTES_FACTOR[kind]
+            return LinkModel(
+                link.alpha_s * steps(new) / steps(old),
+                link.beta_s_per_byte * per_byte(new) / per_byte(old),
+            )
+
+        return NetworkModel(
+            world_size=new,
+            all_reduce=scaled("all_reduce", self.all_reduce),
+            all_gather=scaled("all_gather", self.all_gather),
+            all_to_all=scaled("all_to_all", self.alltoall),
+        )
+
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "version": NETWORK_MODEL_VERSION,
             "world_size": self.world_size,
-            "all_reduce": {
-                "alpha_s": self.all_reduce.alpha_s,
-                "beta_s_per_byte": self.all_reduce.beta_s_per_byte,
-            },
-            "all_gather": {
-                "alpha_s": self.all_gather.alpha_s,
-                "beta_s_per_byte": self.all_gather.beta_s_per_byte,
-            },
+            "all_reduce": _line(self.all_reduce),
+            "all_gather": _line(self.all_gather),
         }
+        if self.all_to_all is not None:
+            d["all_to_all"] = _line(self.all_to_all)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> NetworkModel:
+        """Reads this version and version 1 (no all-to-all line)."""
         version = d.get("version", NETWORK_MODEL_VERSION)
-        if version != NETWORK_MODEL_VERSION:
+        if version not in (1, NETWORK_MODEL_VERSION):
             raise ConfigError(
                 f"NetworkModel version {version!r} is not supported (expected "
                 f"{NETWORK_MODEL_VERSION}); measure the network again"
             )
         try:
+            alltoall = d.get("all_to_all")
             return cls(
                 world_size=int(d["world_size"]),
                 all_reduce=LinkModel(**d["all_reduce"]),
                 all_gather=LinkModel(**d["all_gather"]),
+                all_to_all=LinkModel(**alltoall) if alltoall is not None else None,
             )
         except (KeyError, TypeError) as exc:
             raise ConfigError(f"malformed NetworkModel dict: {exc}") from None
@@ -103,7 +163,8 @@ class NetworkModel:
 
 def ring_network(world_size: int, *, alpha_s: float, bandwidth_bytes_per_s: float) -> NetworkModel:
     """The textbook ring model (Thakur et al. 2005) of a link of ``bandwidth_bytes_per_s``:
-    all-reduce moves ``2(P−1)/P`` bytes per input byte, all-gather ``P−1`` per sent byte.
+    all-reduce moves ``2(P−1)/P`` bytes per input byte, all-gather ``P−1`` per sent byte,
+    all-to-all ``(P−1)/P`` per input byte; one latency ``alpha_s`` per call.
     For planning without measurements and for hand-checkable tests."""
     if bandwidth_bytes_per_s <= 0:
         raise ConfigError(f"bandwidth_bytes_per_s must be > 0, got {bandwidth_bytes_per_s}")
@@ -113,6 +174,7 @@ def ring_network(world_size: int, *, alpha_s: float, bandwidth_bytes_per_s: floa
         world_size=p,
         all_reduce=LinkModel(alpha_s, 2.0 * (p - 1) / p * per_byte),
         all_gather=LinkModel(alpha_s, (p - 1) * per_byte),
+        all_to_all=LinkModel(alpha_s, (p - 1) / p * per_byte),
     )
 
 
@@ -154,6 +216,15 @@ def _collective(
             dist.all_reduce(buf, group=group)
 
         return all_reduce
+    if kind == "all_to_all":
+        size = -(-nbytes // world) * world  # equal splits
+        source = torch.ones(size, dtype=torch.uint8, device=device)
+        target = torch.empty(size, dtype=torch.uint8, device=device)
+
+        def all_to_all() -> None:
+            dist.all_to_all_single(target, source, group=group)
+
+        return all_to_all
     send = torch.ones(nbytes, dtype=torch.uint8, device=device)
     recv = torch.empty(nbytes * world, dtype=torch.uint8, device=device)
 
@@ -170,7 +241,8 @@ def measure_network(
     sizes_bytes: Sequence[int] = (2**12, 2**18, 2**22),
     repeats: int = 3,
 ) -> NetworkModel:
-    """Fit α-β lines for all-reduce and all-gather on ``group`` (collective: every rank calls it).
+    """Fit α-β lines for all-reduce, all-gather and all-to-all on ``group`` (collective: every
+    rank calls it).
 
     Each size is run once to warm up, then ``repeats`` times; the median per size enters the
     fit. Every rank's medians are agreed by an all-reduce MAX (a collective ends when its
@@ -180,7 +252,8 @@ def measure_network(
         raise ConfigError("measure_network: repeats >= 1 and every size >= 4 bytes")
     world = dist.get_world_size(group)
     medians: list[float] = []
-    for kind in ("all_reduce", "all_gather"):
+    kinds = ("all_reduce", "all_gather", "all_to_all")
+    for kind in kinds:
         for nbytes in sizes_bytes:
             call = _collective(kind, nbytes, world, device, group)
             call()  # warm-up: connection set-up and allocator growth are not the link
@@ -189,8 +262,7 @@ def measure_network(
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
     times = [float(t) for t in agreed.cpu()]
     k = len(sizes_bytes)
-    return NetworkModel(
-        world_size=world,
-        all_reduce=fit_link(sizes_bytes, times[:k]),
-        all_gather=fit_link(sizes_bytes, times[k:]),
-    )
+    lines = {
+        kind: fit_link(sizes_bytes, times[i * k : (i + 1) * k]) for i, kind in enumerate(kinds)
+    }
+    return NetworkModel(world_size=world, **lines)

@@ -34,6 +34,7 @@ from typing import Any
 
 from superneurons.codecs.codec import Codec
 from superneurons.codecs.powersgd import PowerSGD
+from superneurons.codecs.twophase import TwoPhase
 from superneurons.errors import ConfigError
 from superneurons.schemes.grammar import parse_spec
 from superneurons.strategy.codecs import DENSE, Candidate, CodecCost
@@ -112,7 +113,7 @@ class Assignment:
             d = json.loads(s)
             routes: dict[str, Candidate | None] = {}  # each distinct spec parsed once
             for spec in {*d["choices"].values(), *d["params"].values()}:
-                routes[str(spec)] = _route(str(spec))
+                routes[str(spec)] = route_of(str(spec))
             return cls(
                 version=int(d["version"]),
                 choices={str(k): routes[str(v)] for k, v in d["choices"].items()},
@@ -132,12 +133,12 @@ def _spec(route: Candidate | None) -> str:
     return "dense" if route is None else route.spec
 
 
-def _route(spec: str) -> Candidate | None:
+def route_of(spec: str) -> Candidate | None:
     """A spec of :meth:`Assignment.to_json` back to its codec (None: dense)."""
     if spec == "dense":
         return None
     parsed = parse_spec(spec)
-    if not isinstance(parsed, Codec | PowerSGD):
+    if not isinstance(parsed, Codec | PowerSGD | TwoPhase):
         raise ConfigError(f"the assignment names {spec!r}, not a codec")
     return parsed
 

@@ -49,7 +49,10 @@ logger = logging.getLogger("superneurons.train")
 
 CHECKPOINT_VERSION = 1
 # Fields of the run configuration that must match to resume (the rest may change, e.g. epochs).
-RESUME_KEYS = ("model", "data", "compress", "batch_size", "optimizer", "seed", "error_feedback")
+RESUME_KEYS: tuple[str, ...] = ("model", "data", "compress", "batch_size", "optimizer", "seed")
+RESUME_KEYS += ("error_feedback", "sync")  # sync: when ranks synchronise (train --sync)
+# What a key that an older checkpoint's config lacks meant then.
+_ABSENT_MEANT = {"sync": "every-step"}
 _START_OVER = "remove the checkpoint directory and run without --resume to start over"
 
 
@@ -263,9 +266,10 @@ def _check_same_run(
             f"--resume: {path} was written by {body['world_size']} ranks, this run has "
             f"{world_size}; resume with --nproc {body['world_size']} (times --nnodes)"
         )
-    changed = [k for k in RESUME_KEYS if body["config"].get(k) != config.get(k)]
+    saved = {k: body["config"].get(k, _ABSENT_MEANT.get(k)) for k in RESUME_KEYS}
+    changed = [k for k in RESUME_KEYS if saved[k] != config.get(k, _ABSENT_MEANT.get(k))]
     if changed:
-        detail = ", ".join(f"{k}: {body['config'].get(k)!r} -> {config.get(k)!r}" for k in changed)
+        detail = ", ".join(f"{k}: {saved[k]!r} -> {config.get(k)!r}" for k in changed)
         raise CheckpointError(f"--resume: settings differ from {path} ({detail})")
 
 

@@ -3,21 +3,24 @@
 A frozen, validated dataclass that round-trips through JSON: the launcher writes it to
 ``OUT/config.json`` and every torchrun rank reads it back, so all ranks run the very same
 configuration (the compression hook checks that again across ranks). ``--compress`` is parsed
-once per process, here, into :attr:`TrainConfig.scheme`: the object everything after uses.
+once per process, here, into :attr:`TrainConfig.scheme`: the object everything after uses;
+``--sync`` likewise into :attr:`TrainConfig.sync_scheme`.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from superneurons.errors import ConfigError
 from superneurons.schemes.adam import AdamAuto, AdamMomentum, AdamUpdate
+from superneurons.schemes.anchors import TorchDense
 from superneurons.schemes.compose import compose
-from superneurons.schemes.grammar import Scheme, parse_scheme
+from superneurons.schemes.diloco import DiLoCo, Sync
+from superneurons.schemes.grammar import Scheme, parse_scheme, parse_sync
 
 __all__ = ["ADAM_FAMILY", "OPTIMIZERS", "TrainConfig"]
 
@@ -61,6 +64,7 @@ class TrainConfig:
     backend: str = "auto"
     resume: bool = False
     budget_bytes: int | None = None
+    sync: str = "every-step"  # or diloco[...]: when ranks synchronise (parsed: sync_scheme)
     checkpoint_every: int | None = None  # also checkpoint every N steps inside an epoch
     version: int = CONFIG_VERSION
 
@@ -88,6 +92,7 @@ class TrainConfig:
         if self.version != CONFIG_VERSION:
             raise ConfigError(f"config version {self.version} is not supported ({CONFIG_VERSION})")
         self.scheme  # noqa: B018  (parses --compress now: bad input fails before any rank starts)
+        self.sync_scheme  # noqa: B018  (and --sync)
 
     @cached_property
     def scheme(self) -> Scheme:
@@ -116,6 +121,28 @@ class TrainConfig:
                 )
             return scheme
         return compose(scheme, error_feedback=self.error_feedback, warmup_steps=self.warmup_steps)
+
+    @cached_property
+    def sync_scheme(self) -> Sync:
+        """``--sync`` as one object: ``every-step``, or DiLoCo with ``--no-error-feedback``
+        composed into its wire (error feedback is on by default for a lossy codec, as with
+        ``--compress``).
+
+        Raises:
+            ConfigError: a bad spec; DiLoCo with ``--compress`` or ``--warmup-steps`` (its
+                wire is part of the spec: ``diloco[steps=H]:CODEC``).
+        """
+        sync = parse_sync(self.sync)
+        if not isinstance(sync, DiLoCo):
+            return sync
+        if not isinstance(self.scheme, TorchDense) or self.warmup_steps:
+            raise ConfigError(
+                f"--sync {self.sync!r} averages no gradients: its outer gradient's codec is "
+                "part of the spec (diloco[steps=H]:CODEC); drop --compress and --warmup-steps"
+            )
+        if sync.inner is None:
+            return sync
+        return replace(sync, inner=compose(sync.inner, error_feedback=self.error_feedback))
 
     @property
     def learning_rate(self) -> float:

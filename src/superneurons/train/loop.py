@@ -32,10 +32,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from superneurons.compress import CompressedAdamW
 from superneurons.device import Placement
 from superneurons.errors import ConfigError
-from superneurons.replicas import check_replicas
 from superneurons.train.checkpoint import (
     Checkpoint,
     remove_checkpoints,
@@ -139,9 +137,7 @@ def run_training(config: TrainConfig, device: Placement | torch.device) -> dict[
         compression.load_state_dict(saved.compression)
         restore_rng(saved.rng)
         start_epoch, step, done_in_epoch = saved.epoch, saved.step, saved.epoch_step
-    # NOTE: 1-bit Adam's residuals (and moments) are per rank by design: compare the model only
-    replicated = [] if isinstance(optimizer, CompressedAdamW) else [optimizer]
-    check_replicas(ddp, optimizers=replicated, process_group=ddp.process_group)
+    compression.check_replicas(ddp, optimizer)  # what must be equal on every rank
     test = {"test_loss": float("nan"), "test_accuracy": float("nan")}
     resume_at = None if saved is None else (saved.epoch, saved.step)
     restart = restart_count()
@@ -175,6 +171,7 @@ def run_training(config: TrainConfig, device: Placement | torch.device) -> dict[
                 loss = task.loss_fn(output, targets)
                 loss.backward()
                 optimizer.step()
+                compression.after_step(end_of_epoch=index == steps_per_epoch - 1)  # DiLoCo
                 step_s = time.perf_counter() - step_start_s
                 loss_value = float(loss.detach())
                 step += 1

@@ -16,9 +16,11 @@ from superneurons.errors import ConfigError
 __all__ = [
     "byte_codes",
     "pack_bits",
+    "pack_rows_",
     "pack_sextets",
     "packed_bytes",
     "unpack_bits",
+    "unpack_rows",
     "unpack_sextets",
 ]
 
@@ -197,3 +199,39 @@ def byte_codes(bits: int, device: torch.device) -> torch.Tensor:
     byte = torch.arange(256, dtype=torch.int32, device=device).unsqueeze(1)  # (256, 1)
     shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=device)  # (8 // bits,)
     return (byte >> shifts) & ((1 << bits) - 1)
+
+
+def pack_rows_(codes: torch.Tensor, bits: int, *, out: torch.Tensor) -> torch.Tensor:
+    """``pack_bits`` of each row of ``codes`` (uint8 ``(blocks, n)``, contiguous, ``n * bits`` a
+    multiple of 64) written into ``out`` (uint8 ``(blocks, n * bits / 8)``, may be a strided
+    view of a larger message), ``bits`` in 1, 2, 4, 8. No allocation: ``codes`` is used as the
+    multiply-gather's words and is overwritten (1 and 2 bits)."""
+    if bits == 8:
+        return out.copy_(codes)
+    if bits == 4:
+        pairs = codes.view(codes.shape[0], -1, 2)
+        torch.bitwise_left_shift(pairs[..., 1], 4, out=out)
+        return out.bitwise_or_(pairs[..., 0])
+    if bits not in (1, 2):
+        raise ConfigError(f"pack_rows_ packs 1, 2, 4 or 8 bits, got {bits}")
+    word, gather = (torch.int64, _GATHER1) if bits == 1 else (torch.int32, _GATHER2)
+    words = codes.view(word).mul_(gather)  # (blocks, bytes out): the byte is the top one
+    size = words.element_size()
+    return out.copy_(words.view(torch.uint8).view(*out.shape, size)[..., size - 1])
+
+
+def unpack_rows(data: torch.Tensor, bits: int, *, out: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_rows_`: ``data`` (uint8 ``(blocks, nbytes)``, may be strided) into
+    ``out`` (uint8 ``(blocks, nbytes * 8 / bits)``, contiguous); byte operations only."""
+    if bits == 8:
+        return out.copy_(data)
+    per = 8 // bits
+    if per * bits != 8 or bits > 8:
+        raise ConfigError(f"unpack_rows unpacks 1, 2, 4 or 8 bits, got {bits}")
+    slots = out.view(*data.shape, per)
+    mask = (1 << bits) - 1
+    for j in range(per):
+        torch.bitwise_right_shift(data, j * bits, out=slots[..., j])
+        if j < per - 1:  # the top code needs no mask: the shift left nothing above it
+            slots[..., j].bitwise_and_(mask)
+    return out

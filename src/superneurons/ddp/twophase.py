@@ -1,0 +1,362 @@
+"""The two-phase compressed all-reduce across ranks: all-to-all, owner re-quantisation,
+all-gather, with error feedback at the worker and at the owner (see
+:mod:`superneurons.codecs.twophase` for the algorithm, its sources and the layout).
+
+:func:`exchange` averages named flat tensors in place; the DDP hook passes a bucket's
+parameters (:mod:`.reduce`), and anything else that averages a flat vector with error
+feedback (an outer gradient, an optimizer's momentum) calls :func:`average_` with its own
+:class:`TwoPhaseState`. The message one rank sends to owner ``j`` (its *segment*) is the
+concatenation of every tensor's slice ``j`` in the order given, which must be the same on
+every rank; each tensor's residuals are keyed by its name, so they do not depend on DDP's
+bucket layout (rebuilt after the first step and on resume).
+
+Collectives, issued from the caller's thread in this order on every rank: ONE
+``all_to_all_single`` (waited for: the owners need it), then ONE ``all_gather``
+(asynchronous; the decode runs when it completes). gloo and NCCL both implement
+``all_to_all_single`` (gloo's was checked on torch 2.13: ``alltoall_base``); both buffers
+are fixed-size, so no sizes are exchanged.
+
+Non-finite values (the project's policy): a rank whose compensated tensor holds NaN/Inf
+sends NaN scales, every owner's average of that tensor is NaN, and so is the result on
+every rank; residuals are only updated from finite values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from superneurons.codecs.coding.chunkquant import (
+    dequantize_rows,
+    quantize_rows,
+    read_rows,
+    write_rows_,
+)
+from superneurons.codecs.coding.orthogonal import forward_, inverse_
+from superneurons.codecs.twophase import SliceLayout, TwoPhase
+from superneurons.compat import all_gather_into_tensor
+from superneurons.ddp.callbacks import then_same_threads
+from superneurons.ddp.twophase_state import TwoPhaseState
+from superneurons.errors import ConfigError
+
+if TYPE_CHECKING:
+    from superneurons.ddp.bucket import Piece, Route
+    from superneurons.ddp.state import CompressionState
+
+Future = torch.futures.Future[Any]
+
+__all__ = [
+    "Exchange",
+    "TwoPhaseState",
+    "average_",
+    "exchange",
+    "release_twophase",
+    "twophase_reduce",
+]
+
+Generators = Callable[[str], torch.Generator]
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """A started exchange: ``future`` completes when the all-gather is done; ``finish()``
+    then decodes every owner's slice into the tensors (call it once, after ``future``)."""
+
+    future: torch.futures.Future[Any]
+    finish: Callable[[], None]
+    bytes_sent: int  # the inputs of the two collectives: P segments, then one
+
+
+@dataclass(frozen=True)
+class _Item:
+    name: str
+    flat: torch.Tensor  # (numel,) float32, contiguous: averaged in place
+    config: TwoPhase
+    layout: SliceLayout
+    offset: int  # byte offset of this tensor's slice in a segment
+
+
+def exchange(
+    tensors: Sequence[tuple[str, torch.Tensor, TwoPhase]],
+    state: TwoPhaseState,
+    *,
+    group: dist.ProcessGroup | None,
+    error_feedback: bool,
+    generators: Generators | None = None,
+) -> Exchange:
+    """Start averaging ``(name, flat float32 tensor, config)`` across ``group`` in place.
+
+    Collective (see the module docs). ``tensors`` may be overwritten as scratch before the
+    result arrives. ``generators(key)`` draws the stochastic rounding of ``key`` (a tensor's
+    name, ``name + "/owner"`` for the owner's stage): derive it from (seed, rank, step, key)
+    for reproducible runs; None uses torch's default generator.
+    """
+    world_size = dist.get_world_size(group)
+    if state.world_size is None:
+        state.world_size = world_size
+    elif state.world_size != world_size:
+        raise ConfigError(
+            f"this two-phase state belongs to a group of {state.world_size} ranks, not {world_size}"
+        )
+    items, offset = [], 0
+    for name, flat, config in tensors:
+        if flat.dtype != torch.float32 or not flat.is_contiguous() or flat.dim() != 1:
+            raise ConfigError(f"two-phase: {name!r} must be a flat contiguous float32 tensor")
+        if state.configs.get(name, config) != config:  # another layout: send what it owes
+            owed = state.release(name, flat.numel(), dist.get_rank(group))
+            if owed is not None:
+                flat.add_(owed)
+        layout = config.layout(flat.numel(), world_size)
+        items.append(_Item(name, flat, config, layout, offset))
+        if error_feedback:
+            state.configs[name] = config
+        offset += layout.slice_bytes
+    segment = offset
+    device = tensors[0][1].device if tensors else torch.device("cpu")
+    key = tuple((i.name, i.config.spec, i.flat.numel()) for i in items)
+    send = state.buffer(("send", *key), world_size * segment, torch.uint8, device)
+    received = state.buffer(("received", *key), world_size * segment, torch.uint8, device)
+    for item in items:
+        _encode(item, state, send.view(world_size, segment), error_feedback, generators)
+    dist.all_to_all_single(received, send, group=group)
+    owned = state.buffer(("owned", *key), segment, torch.uint8, device)
+    for item in items:
+        _reduce_owned(
+            item, state, received.view(world_size, segment), owned, error_feedback, generators
+        )
+    gathered = state.buffer(("gathered", *key), world_size * segment, torch.uint8, device)
+    work = all_gather_into_tensor(gathered, owned, group=group, async_op=True)
+
+    def finish() -> None:
+        table = gathered.view(world_size, segment)
+        for item in items:
+            _decode(item, state, table, key)
+
+    return Exchange(work.get_future(), finish, send.numel() + owned.numel())
+
+
+def average_(
+    tensors: Sequence[tuple[str, torch.Tensor, TwoPhase]],
+    state: TwoPhaseState,
+    *,
+    group: dist.ProcessGroup | None = None,
+    error_feedback: bool = True,
+    generators: Generators | None = None,
+) -> int:
+    """:func:`exchange`, waited for: every tensor holds the average when it returns.
+    Returns the bytes this rank put into the two collectives."""
+    started = exchange(
+        tensors, state, group=group, error_feedback=error_feedback, generators=generators
+    )
+    then_same_threads(started.future, lambda _: started.finish()).wait()
+    return started.bytes_sent
+
+
+def _part(table: torch.Tensor, item: _Item) -> torch.Tensor:
+    """This tensor's part of every segment: ``(rows of table, slice_bytes)`` uint8 view."""
+    return table[:, item.offset : item.offset + item.layout.slice_bytes]
+
+
+def _generator(generators: Generators | None, key: str) -> torch.Generator | None:
+    return generators(key) if generators is not None else None
+
+
+def _quantize(
+    rows: torch.Tensor, item: _Item, state: TwoPhaseState, *, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Codes and scales of ``rows`` in the shared scratch, and whether ``rows`` was finite.
+
+    NOTE: the per-chunk scales are maxima (or L1 norms) that NaN and ±inf propagate into, so
+    they say whether every value was finite without another pass. When one was not, every
+    scale is NaN (the tensor decodes to NaN on every rank) and the codes are zeros.
+    """
+    numel, device = rows.numel(), rows.device
+    codes, scales = quantize_rows(
+        rows,
+        bits=item.config.bits,
+        rounding=item.config.rounding,
+        generator=generator,
+        codes=state.buffer(("codes",), numel, torch.uint8, device),
+        work=state.buffer(("work",), numel, torch.float32, device),
+    )
+    finite = bool(torch.isfinite(scales).all())
+    if not finite:
+        scales.fill_(float("nan"))
+        codes.zero_()
+    return codes, scales, finite
+
+
+def _keep_error(
+    store: dict[str, torch.Tensor],
+    item: _Item,
+    rows: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+) -> None:
+    """``store[name] = rows - decode(codes, scales)``, in the old residual's storage."""
+    residual = store.get(item.name)
+    if residual is None or residual.numel() != rows.numel():
+        residual = store[item.name] = torch.empty(rows.numel(), device=rows.device)
+    error = dequantize_rows(codes, scales, bits=item.config.bits, out=residual.view_as(rows))
+    torch.sub(rows, error, out=error)
+
+
+def _encode(
+    item: _Item,
+    state: TwoPhaseState,
+    send: torch.Tensor,
+    error_feedback: bool,
+    generators: Generators | None,
+) -> None:
+    """Worker side: compensate, transform, quantise; write slice j into segment j."""
+    layout, config, name = item.layout, item.config, item.name
+    if layout.padded_numel == layout.numel and config.transform == "none":
+        x = item.flat  # NOTE: in place: the caller's tensor is overwritten by the average
+    else:
+        # NOTE: scratch shared by every tensor's encode and owner stage: they run one after
+        # another on the caller's thread; decodes may run on the backend's thread meanwhile,
+        # so they have their own (per exchange, see _decode).
+        x = state.buffer(("x",), layout.padded_numel, torch.float32, item.flat.device)
+        x[: layout.numel].copy_(item.flat)
+        x[layout.numel :].zero_()
+    rows = x.view(-1, layout.cols)  # (P * rows, cols)
+    if config.transform != "none":
+        rows = forward_(rows, config.transform, state.signs(name, layout.cols, x.device))
+    residual = state.worker.get(name) if error_feedback else None
+    if residual is not None:
+        rows.add_(residual.view_as(rows))
+    part = _part(send, item)
+    world_size = layout.world_size
+    if config.bits == 32:  # NaN and ±inf travel as they are
+        part.view(torch.float32).copy_(rows.view(world_size, layout.slice_numel))
+        return
+    codes, scales, finite = _quantize(rows, item, state, generator=_generator(generators, name))
+    if error_feedback and finite:
+        _keep_error(state.worker, item, rows, codes, scales)
+    write_rows_(
+        codes.view(world_size, layout.rows, layout.cols),
+        scales.view(world_size, layout.rows),
+        bits=config.bits,
+        out=part,
+    )
+
+
+def _reduce_owned(
+    item: _Item,
+    state: TwoPhaseState,
+    received: torch.Tensor,
+    owned: torch.Tensor,
+    error_feedback: bool,
+    generators: Generators | None,
+) -> None:
+    """Owner side: average the P copies of this rank's slice, compensate, re-quantise."""
+    layout, config, name = item.layout, item.config, item.name
+    world_size, device = layout.world_size, received.device
+    copies = state.buffer(("copies",), layout.padded_numel, torch.float32, device)
+    parts = _part(received, item)
+    if config.bits == 32:
+        copies.view(world_size, -1).copy_(parts.view(torch.float32))
+    else:
+        codes = state.buffer(("codes",), layout.padded_numel, torch.uint8, device)
+        read_rows(
+            parts,
+            layout.rows,
+            layout.cols,
+            bits=config.bits,
+            out=copies.view(-1, layout.cols),
+            codes=codes,
+        )
+    average = state.buffer(("average",), layout.slice_numel, torch.float32, device)
+    torch.sum(copies.view(world_size, layout.slice_numel), dim=0, out=average).div_(world_size)
+    residual = state.owner.get(name) if error_feedback else None
+    if residual is not None:
+        average.add_(residual)
+    out = owned[item.offset : item.offset + layout.slice_bytes].view(1, -1)
+    if config.bits == 32:
+        out.view(torch.float32).copy_(average.view(1, -1))
+        return
+    rows = average.view(layout.rows, layout.cols)
+    generator = _generator(generators, name + "/owner")
+    codes, scales, finite = _quantize(rows, item, state, generator=generator)
+    if error_feedback and finite:
+        _keep_error(state.owner, item, rows, codes, scales)
+    write_rows_(
+        codes.view(1, layout.rows, layout.cols), scales.view(1, -1), bits=config.bits, out=out
+    )
+
+
+def _decode(item: _Item, state: TwoPhaseState, table: torch.Tensor, key: tuple[Any, ...]) -> None:
+    """Every rank: decode every owner's slice, undo the transform, write the average."""
+    layout, config, name = item.layout, item.config, item.name
+    parts, device = _part(table, item), item.flat.device
+    in_place = layout.padded_numel == layout.numel and config.transform == "none"
+    if in_place:
+        x = item.flat
+    else:
+        x = state.buffer(("decode", *key), layout.padded_numel, torch.float32, device)
+    rows = x.view(-1, layout.cols)
+    if config.bits == 32:
+        x.view(layout.world_size, -1).copy_(parts.view(torch.float32))
+    else:
+        codes = state.buffer(("decode codes", *key), layout.padded_numel, torch.uint8, device)
+        read_rows(parts, layout.rows, layout.cols, bits=config.bits, out=rows, codes=codes)
+    if config.transform != "none":
+        rows = inverse_(rows, config.transform, state.signs(name, layout.cols, x.device))
+    if not in_place:
+        item.flat.copy_(rows.reshape(-1)[: layout.numel])
+
+
+def release_twophase(state: CompressionState, pieces: list[Piece], indices: Sequence[int]) -> None:
+    """What two-phase residuals still owe, moved to ``state.residuals`` for the route that
+    now carries those parameters (``auto`` moved them)."""
+    assert state.twophase is not None
+    for i in indices:
+        piece = pieces[i]
+        owed = state.twophase.release(piece.name, piece.flat.numel(), state.rank)
+        if owed is not None:
+            held = state.residuals.get(piece.name)
+            state.residuals[piece.name] = owed if held is None else held + owed
+
+
+def twophase_reduce(
+    state: CompressionState,
+    pieces: list[Piece],
+    routes: list[Route],
+    indices: list[int],
+    finishers: list[Callable[[], None]],
+) -> Future:
+    """A DDP bucket's two-phase parameters (``indices``) in one :func:`exchange` (the route of
+    :func:`~superneurons.ddp.reduce.reduce_bucket`); the decode joins ``finishers``."""
+    if state.twophase is None:
+        state.twophase = TwoPhaseState(seed=state.seed, world_size=state.world_size)
+    tensors = []
+    for i in indices:
+        piece = pieces[i]
+        flat = piece.flat if piece.flat.dtype == torch.float32 else piece.flat.float()
+        owed = state.residuals.pop(piece.name, None)  # what another route left: sent now
+        if owed is not None and state.pipeline.error_feedback:
+            flat.add_(owed)
+        route = routes[i]
+        assert isinstance(route, TwoPhase)
+        tensors.append((piece.name, flat, route))
+    started = exchange(
+        tensors,
+        state.twophase,
+        group=state.process_group,
+        error_feedback=state.pipeline.error_feedback,
+        generators=state.generator_for,
+    )
+    state.count(sent_bytes=started.bytes_sent, dense_bytes=0)
+
+    def finish() -> None:
+        started.finish()
+        for i, (_, flat, _) in zip(indices, tensors, strict=True):
+            if flat is not pieces[i].flat:  # a bucket of another dtype: written back
+                pieces[i].flat.copy_(flat)
+
+    finishers.append(finish)
+    return started.future
