@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import statistics
 import time
@@ -398,7 +399,13 @@ def ddp_records(plan: Any) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/below_largest_layer"))
+    parser.add_argument(
+        "--render", type=Path, help="only write the Markdown of a JSON an earlier run wrote"
+    )
     args = parser.parse_args()
+    if args.render is not None:
+        write_report(json.loads(args.render.read_text()), args.out)
+        return
     torch.set_num_threads(1)
     load_before = os.getloadavg()
     heads = head_records()
@@ -421,21 +428,33 @@ def main() -> None:
         "vocab": VOCAB, "batch": BATCH, "seq_len": SEQ, "dtype": "fp32", "optimizer": "AdamW fused",
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    write_json(
+    path = write_json(
         args.out / "below_largest_layer.json",
         [*({"table": "head", **r} for r in heads), *({"table": "step", **r} for r in steps)],
         config=config, summary=summary, ddp=ddp, load=load,
     )  # fmt: skip
+    write_report(json.loads(path.read_text()), args.out)
+
+
+def write_report(run: dict[str, Any], out: Path) -> None:
+    """The Markdown of one run's JSON (``write_json``'s layout)."""
+    heads = [r for r in run["records"] if r["table"] == "head"]
+    steps = [r for r in run["records"] if r["table"] == "step"]
+    config, summary, ddp, load = run["config"], run["summary"], run["ddp"], run["load"]
+    lowest = next(
+        r for r in steps if r["method"] == f"plan {summary['lowest_floor_strategy']} at its floor"
+    )
     head_cols = ["method", "chunk_tokens", "peak_mib", "peak_over_unchunked", "cpu_s",
                  "time_over_unchunked", "loss_rel_err", "hidden_grad_rel_err",
                  "weight_grad_rel_err"]  # fmt: skip
     step_cols = ["method", "budget_mib", "predicted_mib", "peak_mib", "measured_over_predicted",
                  "within_budget", "peak_over_hf_checkpointing", "cpu_s", "cpu_over_eager", "head",
                  "mlp_pieces"]  # fmt: skip
+    measured = run["environment"]
     lines = [
-        "# Below the largest layer: the LM head in chunks, the optimizer on the host (CPU)",
+        f"Measured by `{measured['command']}` at {measured['time_utc']}.",
         "",
-        f"Tiny Llama ({config}); one thread; load average {load_before} before, "
+        f"Tiny Llama ({config}); one thread; load average {load['loadavg_before']} before, "
         f"{load['loadavg_after']} after (timings are CPU time of this process).",
         "",
         "## The head + loss alone",
@@ -446,17 +465,22 @@ def main() -> None:
         "",
         markdown_table(steps, step_cols),
         "",
-        f"Lowest floor {summary['lowest_floor_mib']:.1f} MiB ({summary['lowest_floor_strategy']}) "
-        f"= {summary['lowest_floor_over_hf_checkpointing']:.3f} x HF checkpointing's peak "
+        f"Lowest floor {summary['lowest_floor_mib']:.2f} MiB predicted "
+        f"({summary['lowest_floor_strategy']}), {lowest['peak_mib']:.2f} MiB measured "
+        f"= {lowest['peak_over_hf_checkpointing']:.3f} x HF checkpointing's peak "
         f"({summary['hf_checkpointing_peak_mib']:.1f} MiB).",
         "",
         "## Per rank under DDP (2 gloo ranks, DDP's gradient buckets included)",
         "",
         f"HF checkpointing + DDP {ddp['per_rank_hf_checkpointing_mib']:.1f} MiB; the host "
-        f"optimizer {ddp['per_rank_host_optimizer_mib']:.1f} MiB (predicted "
-        f"{ddp['per_rank_predicted_mib']:.1f}): {ddp['per_rank_over_hf_checkpointing']:.3f} x.",
+        f"optimizer {ddp['per_rank_host_optimizer_mib']:.2f} MiB (predicted "
+        f"{ddp['per_rank_predicted_mib']:.2f}): {ddp['per_rank_over_hf_checkpointing']:.3f} x.",
     ]
-    write_markdown(args.out / "below_largest_layer.md", "\n".join(lines))
+    write_markdown(
+        out / "below_largest_layer.md",
+        "Below the largest layer: the LM head in chunks, the optimizer on the host (CPU)",
+        "\n".join(lines),
+    )
 
 
 if __name__ == "__main__":
