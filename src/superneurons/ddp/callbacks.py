@@ -18,7 +18,7 @@ and DDP's backward raises with it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -43,7 +43,7 @@ def then_same_threads(
     return fut.then(run)
 
 
-def raise_if_failed(done: torch.futures.Future[object]) -> None:
+def raise_if_failed(done: torch.futures.Future[Any]) -> None:
     """Raise the error of ``done``, or of any future in its value (``collect_all``)."""
     value = done.value()  # raises what the collective raised
     if isinstance(value, list):
