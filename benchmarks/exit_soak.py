@@ -8,10 +8,11 @@ OUT/<mode>.md (the counts):
   teardown, pytorch#179291). Target: 0 aborts, 0 non-zero exits.
 - ``train``: ``superneurons train --nproc 2`` for 1 short epoch of the MLP (Fashion-MNIST,
   ``--limit-steps 8``, fft codec). Target: 0 aborts, 0 non-zero exits.
-- ``kill``: ``superneurons train --nproc 2 --max-restarts 3 --checkpoint-every K`` (2 epochs of
-  8 steps, dense all-reduce), SIGKILL to a random rank at a random step; the run must end by
-  itself with status 0, its checkpoints bit for bit those of an uninterrupted run, every step
-  once in ``metrics.jsonl`` and ``summary.json``, at most K steps redone.
+- ``kill``: ``superneurons train --nproc 2 --max-restarts 3 --checkpoint-every 3`` (2 epochs
+  of 8 steps; ``--compress`` qsgd by default, or e.g. dense), SIGKILL to a random rank at a
+  random step; the run must end by itself with status 0, its checkpoints bit for bit those of
+  an uninterrupted run, every step once in ``metrics.jsonl`` and ``summary.json``, at most 3
+  steps redone.
 
 ``--burner`` runs ``yes > /dev/null`` beside the ranks for the whole soak (killed at the end);
 ``--until HH:MM`` (UTC) stops starting runs at that time, so a soak fits a window. Run it
@@ -101,17 +102,18 @@ def kill(index: int, logs: Path, args: argparse.Namespace) -> dict[str, Any]:
     chooser = random.Random(args.seed * 1000 + index)
     rank, at_step = chooser.randrange(2), chooser.randrange(1, 16)
     start = time.monotonic()
-    record: dict[str, Any] = {"run": index, "rank": rank, "killed_at_step": at_step}
+    record: dict[str, Any] = {"run": index, "compress": args.compress, "rank": rank}
+    record["killed_at_step"] = at_step
     here = logs / f"run{index}"  # its own directory; the data and the reference run shared
     here.mkdir(parents=True, exist_ok=True)
     if not (logs / "data").exists():
         write_fashion_mnist(logs / "data", n_train=256, n_test=32)
-    for shared in ("data", "straight"):
+    for shared in ("data", f"straight-{args.compress}"):
         (logs / shared).mkdir(exist_ok=True)
         if not (here / shared).exists():
             (here / shared).symlink_to(logs / shared)
     try:
-        resume = kill_one_rank_and_check(here, rank=rank, at_step=at_step)
+        resume = kill_one_rank_and_check(here, rank=rank, at_step=at_step, compress=args.compress)
     except (AssertionError, subprocess.SubprocessError) as exc:
         record.update(passed=False, failure=repr(exc)[:400])
     else:
@@ -153,6 +155,7 @@ def main() -> int:
     parser.add_argument("--burner", action="store_true", help="a busy loop beside the ranks")
     parser.add_argument("--seed", type=int, default=0, help="kill: the random ranks and steps")
     parser.add_argument("--data-dir", type=Path, default=FASHION_MNIST)
+    parser.add_argument("--compress", default="qsgd", help="kill: the gradient route")
     parser.add_argument("--logs", type=Path, default=Path("/tmp/exit_soak"))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/clean_exits"))
     args = parser.parse_args()

@@ -206,6 +206,7 @@ def test_every_anchor_runs_every_bench_model_with_eager_gradients(model: str) ->
             assert torch.equal(got[name], grad), f"{model} {anchor}: {name}"
 
 
+@pytest.mark.slow  # a ResNet-50 step at 64 px: ~20 s on a loaded 2-core CPU
 def test_quick_resnet50_gives_the_planner_activations_to_trade(tmp_path: Path) -> None:
     """--quick sizes ResNet-50 so that activations dominate: half of eager's peak is a plan
     that fits, not an infeasible budget."""

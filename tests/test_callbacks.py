@@ -1,4 +1,5 @@
-"""Collective callbacks compute as the rank's own thread does (bitwise resume depends on it)."""
+"""Collective callbacks compute as the rank's own thread does (bitwise resume depends on it),
+and never turn a failed collective into a completed step."""
 
 from __future__ import annotations
 
@@ -44,3 +45,23 @@ def _products_in_callbacks(rank: int, world_size: int) -> list[bool]:
 def test_callback_products_equal_the_ranks_own(ranks: Ranks) -> None:
     for same in ranks.run(_products_in_callbacks):
         assert all(same), same
+
+
+def _failed() -> torch.futures.Future[torch.Tensor]:
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_exception(RuntimeError("Connection closed by peer"))  # gloo's words for a lost rank
+    return fut
+
+
+@pytest.mark.parametrize("collected", [False, True])
+def test_a_failed_collective_raises_through_the_callback(collected: bool) -> None:
+    """The callback that writes the average into the bucket never runs on a failed collective
+    (alone, or among the futures a ``collect_all`` gathered); the chain raises instead."""
+    ran = []
+    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    done.set_result(torch.zeros(1))
+    source = torch.futures.collect_all([done, _failed()]) if collected else _failed()
+    chained = then_same_threads(source, lambda _: ran.append(1))  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        chained.wait()
+    assert ran == []

@@ -274,7 +274,9 @@ def test_sigkill_during_a_checkpoint_write_then_resume_is_bit_exact(tmp_path: Pa
     assert have == [r["step"] for r in _records(straight) if r["kind"] == "step"]
 
 
-def kill_one_rank_and_check(tmp_path: Path, *, rank: int, at_step: int) -> dict[str, Any]:
+def kill_one_rank_and_check(
+    tmp_path: Path, *, rank: int, at_step: int, compress: str = "qsgd"
+) -> dict[str, Any]:
     """``superneurons train --max-restarts 3 --checkpoint-every 3`` on 2 ranks (16 steps);
     SIGKILL ``rank`` once ``metrics.jsonl`` shows step ``at_step``. The run must finish by
     itself, end bit for bit where an uninterrupted run ends, count each step once and redo
@@ -286,15 +288,14 @@ def kill_one_rank_and_check(tmp_path: Path, *, rank: int, at_step: int) -> dict[
         write_fashion_mnist(data, n_train=256, n_test=32)
     command = [sys.executable, "-m", "superneurons.cli", "train", "--model", "mlp"]
     command += ["--data", "fashion-mnist", "--data-dir", str(data), "--batch-size", "16"]
-    # NOTE: dense (PyTorch's all-reduce), whose failed collective raises at once on the peer
-    # of a killed rank; the compressed routes' compression state across a resume is the
-    # in-process tests' (test_a_checkpoint_inside_an_epoch_resumes_bit_exact).
-    command += ["--nproc", "2", "--epochs", "2", "--compress", "dense", "--log-every", "1"]
+    # the peer of a killed rank must not complete the step: its failed collective raises
+    # through the hook's callbacks (superneurons.ddp.callbacks), as PyTorch's all-reduce does
+    command += ["--nproc", "2", "--epochs", "2", "--compress", compress, "--log-every", "1"]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
-    straight = tmp_path / "straight"
+    straight = tmp_path / f"straight-{compress}"
     if not (straight / "summary.json").exists():  # uninterrupted, no mid-epoch checkpoints
         subprocess.run([*command, "--out", str(straight)], env=env, capture_output=True, check=True)
-    out = tmp_path / f"killed-rank{rank}-step{at_step}"
+    out = tmp_path / f"killed-{compress}-rank{rank}-step{at_step}"
     elastic = ["--max-restarts", "3", "--checkpoint-every", "3", "--out", str(out)]
     with (tmp_path / f"{out.name}.log").open("wb") as log:
         launcher = subprocess.Popen(

@@ -185,3 +185,48 @@ def test_checkpoint_rotation_keeps_the_last_complete_file(
     assert Path(f"{newest}.tmp").exists() and resume_step() == 3
     save(5)  # the leftover temporary file is simply overwritten
     assert resume_step() == 5 and not Path(f"{newest}.tmp").exists()
+
+
+def _host_floor_bytes(optimizer: str) -> tuple[int, dict[str, int]]:
+    """The smallest budget ``superneurons train`` meets for the MLP at batch 16, and every
+    strategy's floor (the optimizer's state counted)."""
+    from superneurons.memory import min_peak_bytes, profile_step
+    from superneurons.models import build_model, default_loss
+    from superneurons.train.sync import build_optimizer
+
+    torch.manual_seed(0)
+    model = build_model("mlp")
+    config = mlp_config(Path("."), optimizer=optimizer)
+    batch = (torch.randn(16, 1, 28, 28), torch.randint(0, 10, (16,)))
+    profile = profile_step(
+        model, *batch, default_loss("mlp"), build_optimizer(config, list(model.parameters()))
+    )
+    floors = min_peak_bytes(profile)
+    return floors["offload+host-optimizer"], floors
+
+
+@needs_data
+@pytest.mark.dist
+@pytest.mark.slow
+def test_budget_only_the_host_optimizer_meets_trains_and_resumes_exactly(
+    ranks: Ranks, tmp_path: Path
+) -> None:
+    budget, floors = _host_floor_bytes("sgd")
+    device_floors = [v for k, v in floors.items() if k in ("recompute", "offload", "checkpoint")]
+    assert budget < min(device_floors)  # nothing that steps on the device fits
+    common = {"optimizer": "sgd", "compress": "torch-fp16"}
+    plain, straight, split = tmp_path / "plain", tmp_path / "straight", tmp_path / "split"
+    ranks.run(run_rank, mlp_config(plain, epochs=2, **common), timeout_s=120)
+    ranks.run(
+        run_rank, mlp_config(straight, epochs=2, budget_bytes=budget, **common), timeout_s=120
+    )
+    ranks.run(run_rank, mlp_config(split, epochs=1, budget_bytes=budget, **common), timeout_s=120)
+    resumed = mlp_config(split, epochs=2, budget_bytes=budget, resume=True, **common)
+    ranks.run(run_rank, resumed, timeout_s=120)
+    for rank in range(2):
+        p, a, b = (load_checkpoint(d, rank) for d in (plain, straight, split))
+        assert "masters" in a["optimizer"]  # the host optimizer's state, fp32 masters included
+        for key in ("model", "optimizer", "compression", "rng"):
+            _assert_same(a[key], b[key], f"rank{rank}.{key}")
+        for name, value in p["model"].items():  # the same SGD, stepped on the host per bucket
+            torch.testing.assert_close(a["model"][name], value, rtol=1e-6, atol=1e-7)

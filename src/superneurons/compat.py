@@ -14,8 +14,10 @@ from typing import Any
 
 __all__ = [
     "all_gather_into_tensor",
+    "custom_op_function",
     "fake_cache_disabled",
     "memory_fraction",
+    "native_linear_cross_entropy",
     "selective_checkpoint_contexts",
 ]
 
@@ -95,3 +97,34 @@ def fake_cache_disabled(fake_mode: Any) -> Iterator[None]:
         yield
     finally:
         fake_mode.cache_enabled = old
+
+
+def native_linear_cross_entropy() -> tuple[Callable[..., Any], Any] | None:
+    """``(torch.nn.functional.linear_cross_entropy, torch.nn.LinearCrossEntropyOptions)``: the
+    chunked linear cross-entropy PyTorch ships from 2.13 on (pure PyTorch, pytorch#175039 and
+    follow-ups); ``None`` on an older torch, whose callers use their own chunked loop."""
+    import torch
+
+    function = getattr(torch.nn.functional, "linear_cross_entropy", None)
+    options = getattr(torch.nn, "LinearCrossEntropyOptions", None)
+    if function is None or options is None:
+        return None
+    return function, options
+
+
+def custom_op_function(func: Any) -> Callable[..., Any] | None:
+    """The Python function behind ``func`` when it is an operator defined with
+    ``torch.library.custom_op`` (its one implementation, made of ordinary torch ops), else None.
+
+    A dispatch mode sees such an operator as one op; calling this function inside the mode
+    instead lets it see the operator's own buffers (``memory.tracker``)."""
+    try:
+        from torch._library.custom_ops import _maybe_get_opdef
+    except ImportError:  # no custom_op registry in this torch
+        return None
+    name = getattr(func, "_name", None)
+    if not isinstance(name, str) or name.startswith(("aten::", "prim::", "prims::")):
+        return None
+    opdef = _maybe_get_opdef(name)
+    function = getattr(opdef, "_init_fn", None)
+    return function if callable(function) else None

@@ -160,7 +160,7 @@ def reduce_bucket(
         return buffer
 
     if len(futures) == 1 and not finishers:  # one collective, nothing to scatter: one callback
-        return futures[0].then(lambda _: buffer)
+        return then_same_threads(futures[0], lambda _: buffer)
     return then_same_threads(torch.futures.collect_all(futures), finish)  # type: ignore[arg-type]
 
 

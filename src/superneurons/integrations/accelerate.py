@@ -52,6 +52,8 @@ from superneurons.integrations.hf import (
     training_without_kv_cache,
 )
 from superneurons.memory import Plan, PlanHandle, apply_plan
+from superneurons.memory.handover import factory_like, hand_over
+from superneurons.memory.host_optimizer import HostOptimizerView
 from superneurons.memory.isolate import unwrapped
 from superneurons.replicas import check_replicas
 
@@ -84,12 +86,35 @@ class SuperNeuronsSetup:
         to unregister one). Idempotent."""
         self._undo.close()
 
+    @property
+    def host_optimizer(self) -> HostOptimizerView | None:
+        """The host optimizer a plan with ``host_optimizer`` steps (None otherwise)."""
+        return self.plan_handle.optimizer if self.plan_handle is not None else None
+
     def state_dict(self) -> dict[str, Any]:
-        """The compression state (error-feedback residuals, step) and the plan, for checkpoints."""
+        """The compression state (error-feedback residuals, step), the plan and the host
+        optimizer's state (fp32 masters, moments; None without one), for checkpoints
+        (``accelerator.register_for_checkpointing(setup)``)."""
+        host = self.host_optimizer
         return {
             "compression": self.compression.state_dict() if self.compression else None,
             "plan": self.plan.to_dict() if self.plan else None,
+            "host_optimizer": host.state_dict() if host is not None else None,
         }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved (the plan stays the one applied)."""
+        if state.get("compression") is not None and self.compression is not None:
+            self.compression.load_state_dict(state["compression"])
+        saved_host = state.get("host_optimizer")
+        host = self.host_optimizer
+        if (saved_host is None) != (host is None):
+            raise ConfigError(
+                "the saved state and this setup differ in whether the optimizer steps on the "
+                "host: resume with the budget and strategy the checkpoint was written with"
+            )
+        if host is not None and saved_host is not None:
+            host.load_state_dict(saved_host)
 
 
 def prepare_superneurons(
@@ -120,7 +145,10 @@ def prepare_superneurons(
             :func:`~superneurons.integrations.hf.plan_for_batch`); neither: no memory plan.
             Under DDP it includes DDP's gradient buckets (:func:`ddp_reserved_bytes`), which
             the plan leaves room for.
-        optimizer: the (prepared) optimizer, so its state counts in the profiled peak.
+        optimizer: the (prepared) optimizer, so its state counts in the profiled peak; when
+            the plan steps the optimizer on the host (``offload+host-optimizer``, one process
+            only), the loop keeps stepping it and the host optimizer does the work
+            (:mod:`superneurons.memory.handover`; its state: ``setup.state_dict()``).
         strategy: the planner's strategy (``auto`` by default).
         loss_of: how the training loop gets the loss, ``loss_of(model, batch)`` (default
             ``model(**batch)``), so the profile runs the forward training will call.
@@ -163,10 +191,35 @@ def prepare_superneurons(
                 strategy=strategy,
                 loss_of=loss_of,
                 reserved_bytes=setup.reserved_bytes,
+                # NOTE: DDP already holds its gradient buckets: the host optimizer needs the
+                # plan applied before the model is wrapped (superneurons train does so)
+                allow_host_optimizer=ddp is None,
             )
         )
         setup._undo.enter_context(training_without_kv_cache(inner))
-        setup.plan_handle = setup._undo.enter_context(apply_plan(inner, setup.plan))
+        factory = None
+        if setup.plan.host_optimizer:
+            if optimizer is None:
+                raise ConfigError(
+                    "the plan steps the optimizer on the host (offload+host-optimizer): pass "
+                    "optimizer=, the optimizer the loop steps"
+                )
+            if getattr(accelerator, "gradient_accumulation_steps", 1) > 1:
+                raise ConfigError(
+                    "the plan steps the optimizer on the host after every backward, which "
+                    "gradient accumulation cannot follow: set gradient_accumulation_steps=1 "
+                    "(a larger batch per step), or a budget that fits without the host optimizer"
+                )
+            factory = factory_like(optimizer, inner)
+        setup.plan_handle = setup._undo.enter_context(
+            apply_plan(inner, setup.plan, optimizer_factory=factory)
+        )
+        if setup.plan.host_optimizer:
+            setup._undo.callback(hand_over(optimizer, setup.plan_handle).remove)
+            logger.info(
+                "the optimizer steps on the host, bucket by bucket in backward: the loop's "
+                "optimizer.step() waits for it; its state is setup.state_dict()['host_optimizer']"
+            )
     if compression is not None and ddp is not None:
         setup.compression = register_compression(ddp, compression, **compression_options)
     if ddp is not None:  # replicas: the same state on every rank, or an error naming a tensor

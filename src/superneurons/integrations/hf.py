@@ -293,4 +293,12 @@ def _relative(plan: Plan) -> Plan:
 
     units = tuple(replace(u, fqn=strip(u.fqn)) for u in plan.units)
     tensors = tuple(replace(t, key=strip(t.key), unit=strip(t.unit)) for t in plan.tensors)
-    return replace(plan, units=units, tensors=tensors)
+    head = None if plan.head is None else replace(plan.head, fqn=strip(plan.head.fqn))
+    return replace(
+        plan,
+        units=units,
+        tensors=tensors,
+        head=head,
+        seq_chunks=tuple(replace(c, fqn=strip(c.fqn)) for c in plan.seq_chunks),
+        grad_buckets=tuple(tuple(strip(f) for f in bucket) for bucket in plan.grad_buckets),
+    )

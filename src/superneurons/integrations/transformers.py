@@ -125,26 +125,46 @@ class SuperNeuronsCallback(TrainerCallback):  # type: ignore[misc]
                 loss_of=_loss_of(trainer),
                 **self.compression_options,
             )
-        if hooked:
+        if self.setup.host_optimizer is not None and float(args.max_grad_norm or 0) > 0:
+            self.setup.remove()
+            raise ConfigError(
+                "the plan steps the optimizer on the host, bucket by bucket during backward, "
+                "before a global gradient norm exists: set max_grad_norm=0 in TrainingArguments, "
+                "or give a budget that fits without the host optimizer"
+            )
+        if hooked:  # its compression state goes on; a host optimizer is a new one
             assert previous is not None
             self.setup.compression = previous.compression
-        elif self.setup.compression is not None and state.global_step > 0:
-            self._resume(args, state)
+        if state.global_step > 0:
+            self._resume(args, state, skip=("compression",) if hooked else ())
         self._hooked_model = trainer.model_wrapped
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Write this rank's compression state (error-feedback residuals, step, counters) into
-        the checkpoint Trainer just wrote, next to its per-rank RNG state."""
-        if self.setup is None or self.setup.compression is None:
+        """Write this rank's compression state (error-feedback residuals, step, counters) and
+        host optimizer state (fp32 masters, moments: Trainer's ``optimizer.pt`` then holds the
+        hyperparameters only) into the checkpoint Trainer just wrote, next to its per-rank RNG
+        state."""
+        if self.setup is None:
             return
-        path = _state_file(Path(args.output_dir) / f"checkpoint-{state.global_step}", args)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(self.setup.compression.state_dict(), path)
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        for kind, part in self._parts().items():
+            path = _state_file(folder, args, kind)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(part.state_dict(), path)
 
-    def _resume(self, args: Any, state: Any) -> None:
+    def _parts(self) -> dict[str, Any]:
+        """What this callback saves per rank, by the name of its file."""
+        assert self.setup is not None
+        parts = {"compression": self.setup.compression, "host-optimizer": self.setup.host_optimizer}
+        return {kind: part for kind, part in parts.items() if part is not None}
+
+    def _resume(self, args: Any, state: Any, *, skip: tuple[str, ...] = ()) -> None:
         """Trainer resumed at ``state.global_step``: load what :meth:`on_save` wrote into the
-        checkpoint folder ``train()`` was given."""
-        assert self.setup is not None and self.setup.compression is not None
+        checkpoint folder ``train()`` was given (but the kinds in ``skip``)."""
+        assert self.setup is not None
+        parts = {k: v for k, v in self._parts().items() if k not in skip}
+        if not parts:
+            return
         folder = _resumed_from(self.trainer)
         if folder is None:
             folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
@@ -154,25 +174,32 @@ class SuperNeuronsCallback(TrainerCallback):  # type: ignore[misc]
                 state.global_step,
                 folder,
             )
-        path = _state_file(folder, args)
-        if not path.is_file():
-            logger.warning(
-                "resumed at step %d but %s does not exist: compression restarts its state "
-                "(error-feedback residuals at zero)",
-                state.global_step,
-                path,
-            )
-            return
-        self.setup.compression.load_state_dict(torch.load(path, weights_only=False))
+        restarts = {
+            "compression": "compression restarts its state (error-feedback residuals at zero)",
+            "host-optimizer": "the host optimizer starts from the state the trainer's optimizer "
+            "held (none after a run with the host optimizer)",
+        }
+        for kind, part in parts.items():
+            path = _state_file(folder, args, kind)
+            if not path.is_file():
+                logger.warning(
+                    "resumed at step %d but %s does not exist: %s",
+                    state.global_step,
+                    path,
+                    restarts[kind],
+                )
+                continue
+            part.load_state_dict(torch.load(path, weights_only=False))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.setup is not None:
             self.setup.remove()
 
 
-def _state_file(folder: Path, args: Any) -> Path:
-    """Where the compression state of this rank lives in one of Trainer's checkpoint folders."""
-    return folder / f"superneurons-compression-rank{args.process_index}.pt"
+def _state_file(folder: Path, args: Any, kind: str) -> Path:
+    """Where this rank's ``kind`` of state (``compression``, ``host-optimizer``) lives in one
+    of Trainer's checkpoint folders."""
+    return folder / f"superneurons-{kind}-rank{args.process_index}.pt"
 
 
 def _resumed_from(trainer: Any) -> Path | None:

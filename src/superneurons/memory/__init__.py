@@ -6,16 +6,21 @@ recomputation, in eager PyTorch. The verbs: ``profile_step`` -> ``make_plan`` ->
 
 from __future__ import annotations
 
+from superneurons.memory.below import below_profiles
 from superneurons.memory.bounds import largest_unit_bytes, resident_bytes, working_sets
 from superneurons.memory.cost import DEVICE_PRESETS, CostModel, cost_model, measure_copy_bandwidth
+from superneurons.memory.headloss import linear_cross_entropy
+from superneurons.memory.host_optimizer import HostOptimizer, HostOptimizerView
 from superneurons.memory.optim_backward import register_optimizer_in_backward
 from superneurons.memory.optim_host import HostOptimizerState, HostStateStats
 from superneurons.memory.plan import (
     ACTIONS,
     PLAN_VERSION,
     STRATEGIES,
+    HeadChunking,
     InfeasibleBudgetError,
     Plan,
+    SeqChunking,
     TensorDecision,
     UnitDecision,
 )
@@ -55,8 +60,15 @@ __all__ = [
     "UnitDecision",
     "make_plan",
     "min_peak_bytes",
+    # below the largest layer: the LM head + loss in chunks, MLPs over the sequence
+    "HeadChunking",
+    "SeqChunking",
+    "below_profiles",
+    "linear_cross_entropy",
     # running a plan
+    "HostOptimizer",
     "HostOptimizerState",
+    "HostOptimizerView",
     "HostStateStats",
     "PlanHandle",
     "PoolConfig",

@@ -26,8 +26,11 @@ __all__ = ["LOSS", "largest_unit_bytes", "resident_bytes", "split_largest", "wor
 LOSS = "<loss>"
 
 
-def resident_bytes(profile: Profile) -> int:
-    """Parameters + gradients + optimizer state of the step."""
+def resident_bytes(profile: Profile, *, host_optimizer: bool = False) -> int:
+    """Parameters + gradients + optimizer state of the step; with ``host_optimizer`` (state on
+    the host, gradients leaving bucket by bucket) the parameters alone."""
+    if host_optimizer:
+        return profile.param_bytes
     return profile.param_bytes + profile.grad_bytes + profile.optimizer_state_bytes
 
 

@@ -33,6 +33,9 @@ class CostModel:
         memory_bandwidth_bytes_per_s: device memory bandwidth (roofline memory bound).
         h2d_bytes_per_s: host -> device (pinned) copy bandwidth; ``None``: the same as
             ``bandwidth_bytes_per_s``.
+        host_step_s_per_param: the host optimizer's step time per parameter (fused CPU AdamW,
+            one thread, measured here: 375 M parameters/s, ``benchmarks/results/
+            host_optimizer``; a server CPU's many cores step faster).
         name: the preset it came from (``"custom"`` when built by hand, ``"measured"``).
         memory_bytes: the device's memory (datasheet capacity; 0: not known), the budget
             ``plan`` uses for a language model when no ``--budget`` is given.
@@ -46,6 +49,7 @@ class CostModel:
     memory_bandwidth_bytes_per_s: float = 1.555e12
     h2d_bytes_per_s: float | None = None
     name: str = "custom"
+    host_step_s_per_param: float = 1 / 375e6
     memory_bytes: int = 0
 
     def __post_init__(self) -> None:

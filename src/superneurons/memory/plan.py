@@ -10,6 +10,12 @@ SuperNeurons does: the unit is recomputed in backward and its *checkpoint* (the 
 checkpoint saves) lives in the host pool between forward and a prefetch one unit ahead, so
 nothing of the unit stays on the device.
 
+Below the largest layer (the language-model case): ``head`` evaluates the LM head and its loss
+in chunks of tokens (:mod:`superneurons.memory.headloss`), ``seq_chunks`` runs position-wise
+sub-layers (a block's MLP) over chunks of the sequence under recomputation, and
+``host_optimizer`` keeps the optimizer (state, fp32 master weights, its step) on the host,
+stepping bucket by bucket as gradients are ready (:mod:`superneurons.memory.host_optimizer`).
+
 A Plan is frozen data with a ``version`` and a JSON round trip, so the runtime (another
 process, another machine) can execute a plan made here. It is made by
 :func:`superneurons.memory.planner.make_plan` (this module imports nothing from the planner).
@@ -22,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from superneurons.errors import ConfigError
+from superneurons.memory.headloss import HEAD_MODES, IMPLEMENTATIONS
 
 __all__ = [
     "ACTIONS",
@@ -29,15 +36,19 @@ __all__ = [
     "SEARCH_STRATEGIES",
     "SINGLE_DEVICE_STRATEGIES",
     "STRATEGIES",
+    "HeadChunking",
     "InfeasibleBudgetError",
     "Plan",
+    "SeqChunking",
     "StrategyFloor",
     "TensorDecision",
     "UnitDecision",
 ]
 
-PLAN_VERSION = 2  # 2: the ``recompute+offload`` action, resident/largest-unit bounds
-_READABLE_VERSIONS = (1, 2)
+# 2: the ``recompute+offload`` action, resident/largest-unit bounds; 3: head and sequence
+# chunking, the host optimizer
+PLAN_VERSION = 3
+_READABLE_VERSIONS = (1, 2, 3)
 ACTIONS: tuple[str, ...] = ("keep", "offload", "recompute", "recompute+offload")
 RECOMPUTING: frozenset[str] = frozenset({"recompute", "recompute+offload"})
 OFFLOADING: frozenset[str] = frozenset({"offload", "recompute+offload"})
@@ -48,6 +59,7 @@ STRATEGIES: tuple[str, ...] = (
     "offload",
     "offload+opt-in-backward",
     "offload+opt-on-host",
+    "offload+host-optimizer",
     "auto",
 )
 # Every concrete strategy: what ``plan`` reports, ``plan --max-*`` and ``bench deeper`` search.
@@ -102,6 +114,47 @@ class UnitDecision:
 
 
 @dataclass(frozen=True)
+class HeadChunking:
+    """The LM head and its loss evaluated ``chunk_tokens`` tokens at a time.
+
+    Attributes:
+        fqn: the output embedding (a Hugging Face causal LM's ``get_output_embeddings()``, the
+            zoo GPT's ``lm_head``); its parent module is the model called with the labels.
+        chunk_tokens: tokens per chunk (``headloss.chunk_tokens_for``).
+        mode: ``"recompute"`` (logits recomputed in backward) or ``"grad-in-forward"``.
+        impl: ``"native"`` (PyTorch's ``F.linear_cross_entropy``) or ``"pure"``: the one the
+            plan was profiled with.
+    """
+
+    fqn: str
+    chunk_tokens: int
+    mode: str = "recompute"
+    impl: str = "pure"
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens < 1:
+            raise ConfigError(f"head {self.fqn!r}: chunk_tokens must be >= 1")
+        if self.mode not in HEAD_MODES:
+            raise ConfigError(f"head {self.fqn!r}: mode must be one of {', '.join(HEAD_MODES)}")
+        if self.impl not in IMPLEMENTATIONS:
+            raise ConfigError(f"head {self.fqn!r}: impl must be one of {IMPLEMENTATIONS}")
+
+
+@dataclass(frozen=True)
+class SeqChunking:
+    """A position-wise sub-layer (a transformer block's MLP) run over ``chunks`` pieces of the
+    sequence, each under its own non-reentrant checkpoint, so its intermediates exist for one
+    piece at a time (memory-centric recomputation, SuperNeurons §3.3)."""
+
+    fqn: str
+    chunks: int
+
+    def __post_init__(self) -> None:
+        if self.chunks < 2:
+            raise ConfigError(f"{self.fqn!r}: a sequence split needs >= 2 chunks")
+
+
+@dataclass(frozen=True)
 class TensorDecision:
     """The action a plan implies for one saved tensor of the profile.
 
@@ -151,6 +204,14 @@ class Plan:
         resident_bytes: parameters + gradients + optimizer state of the step (steady state).
         largest_unit_bytes: the largest working set of one unit's (or the loss's) forward +
             backward; ``resident_bytes + largest_unit_bytes`` is the largest-layer bound.
+        head: the LM head + loss in chunks (None: as the model computes it).
+        seq_chunks: sub-layers run over pieces of the sequence.
+        host_optimizer: the optimizer runs on the host: its state and fp32 master weights live
+            there, each bucket of gradients goes to the host once ready (after its all-reduce
+            under DDP) and the updated parameters come back; no gradient, state or master byte
+            stays on the device between buckets.
+        grad_buckets: with ``host_optimizer``, the parameter fqns of each gradient bucket in the
+            order they are launched (the same on every rank).
         version: format version of this record.
     """
 
@@ -170,6 +231,10 @@ class Plan:
     optimizer_on_host: bool = False
     optimizer_host_bytes: int = 0
     optimizer_copy_s: float = 0.0
+    head: HeadChunking | None = None
+    seq_chunks: tuple[SeqChunking, ...] = ()
+    host_optimizer: bool = False
+    grad_buckets: tuple[tuple[str, ...], ...] = ()
     peak_at: dict[str, Any] = field(default_factory=dict)
     breakdown: dict[str, int] = field(default_factory=dict)
     version: int = PLAN_VERSION
@@ -190,6 +255,11 @@ class Plan:
             raise ConfigError(
                 "optimizer_on_host needs optimizer_in_backward: the host state is fetched in "
                 "each parameter's gradient hook"
+            )
+        if self.host_optimizer and self.optimizer_in_backward:
+            raise ConfigError(
+                "host_optimizer and optimizer_in_backward exclude each other: the host optimizer "
+                "steps each bucket itself"
             )
         fqns = [u.fqn for u in self.units]
         if len(set(fqns)) != len(fqns):
@@ -218,6 +288,10 @@ class Plan:
             data = dict(body)
             data["units"] = tuple(UnitDecision(**u) for u in data["units"])
             data["tensors"] = tuple(TensorDecision(**t) for t in data.get("tensors", ()))
+            if data.get("head") is not None:
+                data["head"] = HeadChunking(**data["head"])
+            data["seq_chunks"] = tuple(SeqChunking(**c) for c in data.get("seq_chunks", ()))
+            data["grad_buckets"] = tuple(tuple(b) for b in data.get("grad_buckets", ()))
             return cls(**data)
         except (KeyError, TypeError) as exc:
             raise ConfigError(

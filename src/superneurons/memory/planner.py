@@ -24,196 +24,49 @@ step phase drop to the largest single gradient. Strategy ``offload+opt-on-host``
 optimizer state in the host pool (ZeRO-Offload's placement, Ren et al. ATC'21): on the device only
 the state of the parameter being stepped and the one prefetched
 (:func:`~superneurons.memory.optim_backward.host_state_timeline`), its copies timed by the device
-preset beside backward.
+preset beside backward. Strategy ``offload+host-optimizer`` runs the optimizer itself on the host
+(state, fp32 masters and the step; ZeRO-Offload's placement), each bucket of gradients leaving
+the device once launched (:mod:`superneurons.memory.buckets`); unlike optimizer-in-backward it
+steps after each bucket's all-reduce, so DDP can use it.
+
+Below the largest layer: ``make_plan(..., chunked=...)`` takes profiles of the same step with the
+LM head + loss in chunks and block sub-layers split over the sequence
+(:mod:`superneurons.memory.below`); each strategy uses the plain profile when it fits the budget
+and the first chunked one that does otherwise, so chunks (and their recompute) are used only
+when the budget needs them.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import replace
 
 from superneurons.bytesize import format_bytes
 from superneurons.errors import ConfigError
 from superneurons.memory.bounds import largest_unit_bytes, resident_bytes
 from superneurons.memory.cost import CostModel
 from superneurons.memory.plan import (
-    SEARCH_STRATEGIES,
-    SINGLE_DEVICE_STRATEGIES,
     STRATEGIES,
     InfeasibleBudgetError,
     Plan,
-    StrategyFloor,
     TensorDecision,
     UnitDecision,
 )
-from superneurons.memory.predict import Outcome, evaluate, segment_runs
+from superneurons.memory.predict import evaluate
 from superneurons.memory.profile_types import Profile
+from superneurons.memory.strategy_search import (
+    HOST_OPTIMIZER,
+    IN_BACKWARD,
+    min_peak_bytes,
+    search_all,
+    strategy_floors,
+    usable,
+)
 
 __all__ = ["CostModel", "evaluate", "make_plan", "min_peak_bytes", "strategy_floors"]
 
 logger = logging.getLogger("superneurons.memory")
-
-
-def _candidates(
-    profile: Profile, allowed: tuple[str, ...], cost: CostModel
-) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """(fqn, action) steps in ascending cost per byte saved (recompute, or offload where compute
-    hides the copy), then the upgrades to ``recompute+offload`` (offload-capable strategies) in
-    ascending cost per checkpoint byte: the planner offloads beyond what compute hides only
-    when the budget demands it."""
-    steps: list[tuple[float, str, str]] = []
-    upgrades: list[tuple[float, str, str]] = []
-    seconds = cost.unit_seconds(profile)
-    for unit in profile.units:
-        if unit.saved_bytes == 0 or not allowed:
-            continue
-        compute_s = seconds[unit.fqn]
-        copy_s, fetch_s = cost.copy_s(unit.saved_bytes), cost.fetch_s(unit.saved_bytes)
-        options = {}
-        if "recompute" in allowed and not unit.inplace:
-            options["recompute"] = compute_s
-        if "offload" in allowed:
-            options["offload"] = max(0.0, copy_s - compute_s) + max(0.0, fetch_s - 2 * compute_s)
-            options["offload"] += 1e-3 * copy_s  # NOTE: tie-break: host bandwidth is not free
-        if not options:
-            continue
-        action = min(options, key=lambda a: options[a])
-        steps.append((options[action] / unit.saved_bytes, unit.fqn, action))
-        if "offload" in allowed and not unit.inplace and unit.input_bytes > 0:
-            in_s = cost.copy_s(unit.input_bytes) + cost.fetch_s(unit.input_bytes)
-            joint_s = compute_s + max(0.0, in_s - compute_s) + 1e-3 * in_s
-            upgrades.append((joint_s / unit.input_bytes, unit.fqn, "recompute+offload"))
-    return [(f, a) for _, f, a in sorted(steps)], [(f, a) for _, f, a in sorted(upgrades)]
-
-
-_ALLOWED: dict[str, tuple[str, ...]] = {
-    "eager": (),
-    "recompute": ("recompute",),
-    "offload": ("recompute", "offload"),
-    "offload+opt-in-backward": ("recompute", "offload"),
-    "offload+opt-on-host": ("recompute", "offload"),
-}
-_IN_BACKWARD = ("offload+opt-in-backward", "offload+opt-on-host")
-
-
-_SEGMENT: tuple[str, str] = ("", "segment")  # the step that turns on memory-centric segments
-_HOST_STATE: tuple[str, str] = ("", "optimizer-on-host")  # optimizer state to the host pool
-
-
-@dataclass
-class _Choice:
-    strategy: str
-    actions: dict[str, str]
-    segments: dict[str, int]
-    optimizer_in_backward: bool
-    outcome: Outcome
-    optimizer_on_host: bool = False
-
-
-def _search(profile: Profile, strategy: str, budget_bytes: int | None, cost: CostModel) -> _Choice:
-    """Shortest candidate prefix that fits ``budget_bytes`` (None: the prefix with least peak)."""
-    opt_in = strategy in _IN_BACKWARD
-    if strategy == "checkpoint":
-        actions = {u.fqn: "keep" if u.inplace else "recompute" for u in profile.units}
-        return _Choice(strategy, actions, {}, False, evaluate(profile, actions, cost=cost))
-    actions = {u.fqn: "keep" for u in profile.units}
-    first, upgrades = _candidates(profile, _ALLOWED[strategy], cost)
-    segment: list[tuple[str, str]] = [_SEGMENT] if "recompute" in _ALLOWED[strategy] else []
-    # NOTE: with a host pool, checkpoints go to the host (hidden behind recompute) before
-    # memory-centric segments, which recompute twice and still hold the segment inputs
-    # NOTE: optimizer state to the host first: its copies run on the pool's streams beside the
-    # whole backward (exposed only beyond it), the cheapest bytes per second there are
-    host = [_HOST_STATE] if strategy == "offload+opt-on-host" else []
-    steps = host + first + upgrades + segment
-    segmented = on_host = False
-
-    def outcome_of() -> Outcome:
-        segments = segment_runs(profile, actions) if segmented else {}
-        return evaluate(
-            profile,
-            actions,
-            optimizer_in_backward=opt_in,
-            cost=cost,
-            segments=segments,
-            optimizer_on_host=on_host,
-        )
-
-    def choice(outcome: Outcome) -> _Choice:
-        segments = segment_runs(profile, actions) if segmented else {}
-        return _Choice(strategy, dict(actions), segments, opt_in, outcome, on_host)
-
-    outcome = outcome_of()
-    best = choice(outcome)
-    for fqn, action in steps:
-        if budget_bytes is not None and outcome.peak_bytes <= budget_bytes:
-            return choice(outcome)
-        if (fqn, action) == _SEGMENT:
-            segmented = True
-        elif (fqn, action) == _HOST_STATE:
-            on_host = True
-        else:
-            actions[fqn] = action
-        outcome = outcome_of()
-        if outcome.peak_bytes < best.outcome.peak_bytes:
-            best = choice(outcome)
-    return best if budget_bytes is None else choice(outcome)
-
-
-_FLOORS: list[tuple[Profile, str, CostModel, _Choice]] = []  # the last few floor searches
-
-
-def _floor(profile: Profile, strategy: str, cost: CostModel) -> _Choice:
-    """``_search(profile, strategy, None, cost)``, remembered for the last few profiles: ``plan``
-    asks for every strategy's floor, then ``make_plan`` does again (an 8B-parameter step: 250
-    evaluations of a 28,000-event timeline each time)."""
-    for seen, name, model, choice in _FLOORS:
-        if seen is profile and name == strategy and model == cost:
-            return choice
-    choice = _search(profile, strategy, None, cost)
-    _FLOORS.append((profile, strategy, cost, choice))
-    del _FLOORS[: -2 * len(STRATEGIES)]
-    return choice
-
-
-def min_peak_bytes(profile: Profile, *, cost: CostModel | None = None) -> dict[str, int]:
-    """The smallest predicted peak each strategy reaches (strategy -> bytes)."""
-    cost = cost or CostModel()
-    return {s: _floor(profile, s, cost).outcome.peak_bytes for s in SEARCH_STRATEGIES}
-
-
-def strategy_floors(
-    profile: Profile,
-    *,
-    cost: CostModel | None = None,
-    strategies: tuple[str, ...] = SEARCH_STRATEGIES,
-) -> dict[str, StrategyFloor]:
-    """Each strategy's smallest predicted peak, where it is and what it holds (``plan --json``
-    ``strategies``): the plan each strategy reaches with no budget, evaluated once."""
-    cost = cost or CostModel()
-    eager = profile.predicted_peak_bytes()
-    largest = largest_unit_bytes(profile)
-    floors = {}
-    for strategy in strategies:
-        best = _floor(profile, strategy, cost)
-        outcome = best.outcome
-        resident = profile.param_bytes
-        resident += 0 if best.optimizer_in_backward else profile.grad_bytes
-        resident += 0 if best.optimizer_on_host else profile.optimizer_state_bytes
-        floors[strategy] = StrategyFloor(
-            strategy=strategy,
-            min_budget_bytes=outcome.peak_bytes,
-            eager_peak_bytes=eager,
-            resident_bytes=resident,
-            largest_unit_bytes=largest,
-            host_bytes=outcome.host_bytes,
-            predicted_overhead_s=outcome.extra_compute_s + outcome.exposed_s,
-            peak_at=outcome.peak_at,
-            breakdown=outcome.breakdown,
-            supports_ddp=strategy not in SINGLE_DEVICE_STRATEGIES,
-            optimizer_on_host=best.optimizer_on_host,
-            optimizer_host_bytes=outcome.optimizer_host_bytes,
-        )
-    return floors
 
 
 def make_plan(
@@ -224,13 +77,16 @@ def make_plan(
     bandwidth_bytes_per_s: float = 25e9,
     optimizer_in_backward: bool = False,
     allow_optimizer_in_backward: bool = True,
+    allow_host_optimizer: bool = True,
     cost: CostModel | None = None,
+    chunked: Sequence[Profile] = (),
 ) -> Plan:
     """Plan keep / offload / recompute per unit so the predicted peak fits ``budget_bytes``.
 
     ``allow_optimizer_in_backward=False`` keeps ``auto`` (and the minimum an infeasible budget
-    names) to strategies that step the optimizer after backward, as DDP needs: under
-    optimizer-in-backward a parameter would be stepped before its gradient is all-reduced.
+    names) to strategies that step the optimizer after backward, as DDP needs (a parameter
+    would be stepped before its gradient is all-reduced); ``allow_host_optimizer=False`` away
+    from ``offload+host-optimizer`` (a model DDP already wraps: the plan goes on before it).
 
     ``strategy``: ``eager`` (keep all), ``checkpoint`` (recompute every unit), ``recompute``
     (cost-aware recompute only), ``offload`` (cost-aware offload and recompute),
@@ -238,7 +94,13 @@ def make_plan(
     (that, with the optimizer state in the host pool when the budget needs it:
     ``Plan.optimizer_on_host``), ``auto`` (the feasible plan with the least exposed time,
     optimizer-in-backward only if nothing else fits, or if ``optimizer_in_backward=True``, and
-    the state on the host only if nothing on the device fits).
+    the state on the host only if nothing on the device fits), ``offload+host-optimizer``
+    (the optimizer on the host, stepped per gradient bucket: DDP-compatible; ``auto`` takes it
+    last, when nothing else fits).
+
+    ``chunked``: profiles of the same step below the largest layer (the LM head + loss in
+    chunks, sub-layers split over the sequence: ``memory.below``), tried in order by each
+    strategy when the plain profile does not fit; the plan carries the chunking it used.
 
     Raises:
         InfeasibleBudgetError: no plan of ``strategy`` fits; the message names the minimum budget
@@ -254,25 +116,34 @@ def make_plan(
         cost = replace(CostModel(), bandwidth_bytes_per_s=d2h, h2d_bytes_per_s=h2d, name="measured")
     if cost is None:
         cost = CostModel(bandwidth_bytes_per_s=bandwidth_bytes_per_s)
-    minima = min_peak_bytes(profile, cost=cost)
+    profiles = [profile, *chunked]
+    minima = min_peak_bytes(profile, cost=cost, chunked=chunked)
     if not allow_optimizer_in_backward:
-        if optimizer_in_backward or strategy in _IN_BACKWARD:
+        if optimizer_in_backward or strategy in IN_BACKWARD:
             raise ConfigError("optimizer_in_backward contradicts allow_optimizer_in_backward=False")
-        for name in _IN_BACKWARD:
+        for name in IN_BACKWARD:
             minima.pop(name, None)
+    if not allow_host_optimizer:
+        if strategy == HOST_OPTIMIZER:
+            raise ConfigError(f"{HOST_OPTIMIZER!r} contradicts allow_host_optimizer=False")
+        minima.pop(HOST_OPTIMIZER, None)
     best_strategy = min(minima, key=lambda s: minima[s])
     if strategy == "auto":
-        order = ["eager", "recompute", "offload", *_IN_BACKWARD]
+        order = ["eager", "recompute", "offload", *IN_BACKWARD, HOST_OPTIMIZER]
         if not allow_optimizer_in_backward:
-            order = order[: -len(_IN_BACKWARD)]
+            order = [s for s in order if s not in IN_BACKWARD]
+        if not allow_host_optimizer:
+            order.remove(HOST_OPTIMIZER)
         if optimizer_in_backward:
-            order = list(_IN_BACKWARD)
-        tried = [_search(profile, s, budget_bytes, cost) for s in order]
+            order = list(IN_BACKWARD)
+        order = [s for s in order if usable(profiles, s)]
+        tried = [search_all(profiles, s, budget_bytes, cost) for s in order]
         fits = [c for c in tried if c.outcome.peak_bytes <= budget_bytes]
         chosen = (
             min(
                 fits,
                 key=lambda c: (
+                    c.host_optimizer,
                     c.optimizer_in_backward,
                     c.optimizer_on_host,
                     c.outcome.extra_compute_s + c.outcome.exposed_s,
@@ -283,17 +154,18 @@ def make_plan(
         )
         minima["auto"] = min(minima[s] for s in order)
     else:
-        chosen = _search(profile, strategy, budget_bytes, cost)
+        chosen = search_all(profiles, strategy, budget_bytes, cost)
         if optimizer_in_backward and not chosen.optimizer_in_backward:
             chosen.optimizer_in_backward = True
             chosen.outcome = evaluate(
-                profile,
+                chosen.profile or profile,
                 chosen.actions,
                 optimizer_in_backward=True,
                 cost=cost,
                 segments=chosen.segments,
             )
     actions, outcome = chosen.actions, chosen.outcome
+    used = chosen.profile or profile
     if outcome.peak_bytes > budget_bytes:
         raise InfeasibleBudgetError(
             f"budget {format_bytes(budget_bytes)} is below the smallest predicted peak of strategy "
@@ -304,10 +176,10 @@ def make_plan(
             min_budget_bytes=minima[best_strategy],
             strategy=best_strategy,
         )
-    unit_bytes = {u.fqn: u.saved_bytes for u in profile.units}
+    unit_bytes = {u.fqn: u.saved_bytes for u in used.units}
     tensors = tuple(
         TensorDecision(s.key, s.unit, actions.get(s.unit, "keep") if s.unit else "keep", s.nbytes)
-        for s in profile.saved
+        for s in used.saved
     )
     return Plan(
         units=tuple(
@@ -324,11 +196,15 @@ def make_plan(
         transfer_s=outcome.transfer_s,
         feasible=True,
         tensors=tensors,
-        resident_bytes=resident_bytes(profile),
-        largest_unit_bytes=largest_unit_bytes(profile),
+        resident_bytes=resident_bytes(used, host_optimizer=chosen.host_optimizer),
+        largest_unit_bytes=largest_unit_bytes(used),
         optimizer_on_host=chosen.optimizer_on_host,
         optimizer_host_bytes=outcome.optimizer_host_bytes,
         optimizer_copy_s=outcome.optimizer_copy_s,
+        head=used.head,
+        seq_chunks=used.seq_chunks,
+        host_optimizer=chosen.host_optimizer,
+        grad_buckets=chosen.buckets,
         peak_at=outcome.peak_at,
         breakdown=outcome.breakdown,
     )

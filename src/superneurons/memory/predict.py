@@ -9,7 +9,9 @@ recompute adds its transient forward bytes at the unit's backward start.
 ``optimizer_in_backward`` frees each gradient as soon as it is applied, so the gradient row of
 the timeline and the step phase drop to the largest single gradient. :class:`CostModel` turns
 FLOPs, bytes and copies into seconds; :func:`segment_runs` groups consecutive recompute units
-into memory-centric segments (SuperNeurons, Wang et al., PPoPP'18 §3.3).
+into memory-centric segments (SuperNeurons, Wang et al., PPoPP'18 §3.3). ``host_optimizer``
+keeps no optimizer state on the device and each gradient only until its bucket is drained
+(:func:`superneurons.memory.buckets.bucket_timeline`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from superneurons.memory.cost import CostModel
 from superneurons.memory.optim_backward import host_state_timeline
 from superneurons.memory.plan import OFFLOADING, RECOMPUTING
 from superneurons.memory.pool import MIN_OFFLOAD_BYTES
+from superneurons.memory.predict_steps import host_optimizer_cost, step_in_backward, step_on_host
 from superneurons.memory.profile_types import CATEGORIES, Profile, StorageLife
 from superneurons.memory.where import locate
 
@@ -71,6 +74,8 @@ def evaluate(
     segments: dict[str, int] | None = None,
     min_offload_bytes: int = MIN_OFFLOAD_BYTES,
     optimizer_on_host: bool = False,
+    host_optimizer: bool = False,
+    buckets: tuple[tuple[str, ...], ...] | None = None,
 ) -> Outcome:
     """Predict peak bytes, host bytes and time overheads of per-unit ``actions`` (fqn -> action).
 
@@ -82,28 +87,23 @@ def evaluate(
     ``optimizer_on_host`` (with ``optimizer_in_backward``): the optimizer state lives in the
     host pool; on the device only what :func:`~superneurons.memory.optim_backward.
     host_state_timeline` keeps there.
+    ``host_optimizer``: the optimizer runs on the host; gradients live on the device as
+    ``buckets`` (default: :func:`~superneurons.memory.buckets.assign_buckets`) are launched and
+    drained; after backward only the parameters remain.
     """
     cost = cost or CostModel()
     segments = segments or {}
     table = profile.timeline_array(steady_state=True)
     head = profile.head_rows()  # (saved, temporaries) of the LM head + loss, inside table
     if optimizer_in_backward:
-        table[CATEGORIES.index("grads")] = 0
-        table[:, profile.backward_end_event + 1 :] = 0
-        head[:, profile.backward_end_event + 1 :] = 0
-        table[CATEGORIES.index("params"), profile.backward_end_event + 1 :] = table[0, 0]
-        table[CATEGORIES.index("optimizer"), profile.backward_end_event + 1 :] = table[2, 0]
-        # a loop that carries the output holds it through the (empty) step phase too
-        table[CATEGORIES.index("temporaries"), profile.backward_end_event + 1 :] = (
-            profile.carried_output_bytes
-        )
-        head[1, profile.backward_end_event + 1 :] = profile.carried_head_bytes
-        # each gradient lives one op: the post-accumulate hook steps its parameter (in place,
-        # as SGD/Adam do per parameter) and frees it at once
-        for birth, nbytes in profile.grad_births:
-            table[CATEGORIES.index("grads"), min(birth, profile.num_events - 1)] += nbytes
+        step_in_backward(table, head, profile)
+    if host_optimizer:
+        step_on_host(table, head, profile, buckets)
     host_state = None
     if optimizer_in_backward and optimizer_on_host:
+        # NOTE: timed by the gradients' births, not their hooks: measured here, the fetched state
+        # of the first large parameter of backward is live from its gradient's birth (the
+        # executed peak equals this model's on the zoo GPT's plans, test_memory_optim_host)
         host_state = host_state_timeline(
             profile.grad_births, profile.optimizer_state_bytes, profile.num_events
         )
@@ -161,7 +161,8 @@ def evaluate(
         # a new storage that lives until the eager death, as does what a prefetch brings back.
         releases, windows, held, copies = [], [], False, 0
         death = life.death + 1
-        small = life.nbytes < min_offload_bytes  # the pool keeps it where it is
+        # the pool keeps it where it is: too small to be worth a copy, or saved as a broadcast
+        small = life.nbytes < min_offload_bytes or life.pool_keeps
         for f in packers:
             action, call = actions[f], life.call_of(f)
             fwd_start, fwd_end, bwd_start, bwd_end = units[f].window(call)
@@ -279,6 +280,12 @@ def evaluate(
         optimizer_copy_s = out_s + in_s
         transfer_s += optimizer_copy_s
         exposed_s += max(0.0, out_s - backward_s) + max(0.0, in_s - backward_s)
+    host_optimizer_bytes = 0
+    if host_optimizer:
+        copy_s, exposed, host_optimizer_bytes = host_optimizer_cost(profile, cost)
+        optimizer_copy_s = copy_s
+        transfer_s += copy_s
+        exposed_s += exposed
     # NOTE: a segment's outer recompute holds the inner inputs plus one inner unit's internals
     # at a time, less than what the last unit's own recompute holds right after it: no spike.
     total = total + spikes
@@ -303,7 +310,7 @@ def evaluate(
         transfer_s,
         exposed_s,
         peak_event,
-        host_state.host_bytes if host_state is not None else 0,
+        host_state.host_bytes if host_state is not None else host_optimizer_bytes,
         optimizer_copy_s,
         breakdown=breakdown,
         peak_at=locate(profile, peak_event),

@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from superneurons.errors import ConfigError
 from superneurons.memory.cost import EventTimer, measure_copy_bandwidth
 from superneurons.memory.isolate import IsolationError, isolated, unwrapped
+from superneurons.memory.owners import kept_in_place, with_owners
 from superneurons.memory.profile_types import (
     ALLOCATOR_MARGIN_BYTES,
     CATEGORIES,
@@ -74,6 +75,7 @@ def profile_step(
     units: Sequence[str] | None = None,
     fake_mode: Any = None,
     keep_output: bool = True,
+    prepare: Callable[[nn.Module], Any] | None = None,
     carry_output: bool = False,
     autocast: torch.dtype | None = None,
 ) -> Profile:
@@ -95,6 +97,9 @@ def profile_step(
             ``False`` for ``loss_fn(model(x), y).backward()``, which frees whatever autograd
             did not save (for GPT-2 124M at B=8, T=1024: 1.53 GiB of logits). HF's ``Trainer``
             frees the outputs before backward: ``False``.
+        prepare: applied to the isolated module tree before the step runs; returns a handle
+            whose ``remove()`` undoes it, called before isolation ends (e.g. ``memory.below``
+            chunks the LM head).
         carry_output: (with ``keep_output``) the loop's variable keeps the output through the
             optimizer step and, in steady state, through the next step's forward until it is
             reassigned: ``outputs = model(**batch); outputs.loss.backward(); opt.step()`` in
@@ -142,18 +147,23 @@ def profile_step(
             isolated(model, optimizer, fake_mode=mode) as (model_c, opt_c),
             mode if mode is not None else contextlib.nullcontext(),
         ):
-            return _run(
-                model_c,
-                opt_c,
-                inputs,
-                targets,
-                loss_fn,
-                unit_fqns,
-                fake=mode is not None,
-                keep_output=keep_output,
-                carry_output=carry_output,
-                autocast=autocast,
-            )
+            prepared = prepare(model_c) if prepare is not None else None
+            try:
+                return _run(
+                    model_c,
+                    opt_c,
+                    inputs,
+                    targets,
+                    loss_fn,
+                    unit_fqns,
+                    fake=mode is not None,
+                    keep_output=keep_output,
+                    carry_output=carry_output,
+                    autocast=autocast,
+                )
+            finally:
+                if prepared is not None:
+                    prepared.remove()
     except (RuntimeError, NotImplementedError) as exc:
         if mode is None or isinstance(exc, IsolationError):
             raise
@@ -208,6 +218,16 @@ def _run(
         )
         handles.append(module.register_forward_hook(lambda _m, _a, out, f=fqn: rec.post(f, out)))
     handles += kv_cache_off(model)  # HF use_cache=False in training, as under a plan
+    ready: dict[str, int] = {}  # parameter fqn -> the event its gradient was accumulated at
+
+    def accumulated(fqn: str) -> None:
+        ready.setdefault(fqn, tracker.event)
+
+    for fqn, param in model.named_parameters():
+        if param.requires_grad:
+            handles.append(
+                param.register_post_accumulate_grad_hook(lambda _p, f=fqn: accumulated(f))
+            )
     params = [*model.parameters(), *model.buffers()]
     state_tensors = _optimizer_tensors(optimizer)
     leaves = [t for t in tree_flatten((inputs, targets))[0] if isinstance(t, torch.Tensor)]
@@ -223,7 +243,7 @@ def _run(
         # backward and the step run outside the user's autocast (an enclosing one included)
         no_autocast = torch.autocast(device_type, enabled=False)
         recording = scratch_recorder(on_cpu)
-        with recording, tracker, torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack):
+        with recording, tracker, torch.autograd.graph.saved_tensors_hooks(_pack(rec), rec.unpack):
             with forward_autocast:
                 output = _call(model, inputs)
                 events["model_end"] = tracker.event
@@ -263,9 +283,13 @@ def _run(
                 rec.unit_rows[fqn]["time_s"] = seconds
         assert first is not None
         bandwidth = measure_copy_bandwidth(first.device)
-    grads = {tracker.serial_of(p.grad) for p in model.parameters() if p.grad is not None} - {None}
+    grad_names = {
+        tracker.serial_of(p.grad): fqn for fqn, p in model.named_parameters() if p.grad is not None
+    }
+    grad_names.pop(None, None)
+    grads = set(grad_names)
     opt_state = {tracker.serial_of(t) for t in _optimizer_tensors(optimizer)} - {None}
-    return build_profile(
+    profile = build_profile(
         rec,
         # forward order (the runtime's one-ahead prefetch and the planner rely on it)
         unit_order=sorted(rec.unit_rows, key=lambda f: rec.unit_rows[f]["fwd_start"]),
@@ -283,6 +307,26 @@ def _run(
         rng_state_bytes=int(torch.get_rng_state().numel()) if on_cpu else 0,
         margin_bytes=ALLOCATOR_MARGIN_BYTES if on_cpu else 0,
     )
+    return with_owners(
+        profile,
+        rec,
+        grad_names=grad_names,  # type: ignore[arg-type]
+        opt_storages=opt_state,  # type: ignore[arg-type]
+        grad_ready=ready,
+        param_numel=sum(p.numel() for p in model.parameters()),
+    )
+
+
+def _pack(rec: Recorder) -> Callable[[torch.Tensor], Any]:
+    """``rec.pack``, marking the saves the tensor pool keeps on the device."""
+
+    def pack(tensor: torch.Tensor) -> Any:
+        packed = rec.pack(tensor)
+        if packed[0] is not None and kept_in_place(tensor):
+            rec.saved[packed[0]]["pool_keeps"] = True
+        return packed
+
+    return pack
 
 
 def _storages(tracker: LiveStorageTracker, value: Any) -> set[int]:

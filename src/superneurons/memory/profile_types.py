@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 from torch import nn
 
+from superneurons.memory.plan import HeadChunking, SeqChunking
+
 __all__ = [
     "CATEGORIES",
     "GRANULARITIES",
@@ -154,6 +156,9 @@ class StorageLife:
     units: tuple[str, ...]
     calls: tuple[int, ...] = ()
     from_caller: bool = False  # alive before the step (an input): no plan frees it
+    # one of its saves is a view the tensor pool does not move (broadcast, stride 0): the
+    # storage stays on the device however its units are planned (memory.pool)
+    pool_keeps: bool = False
     head: bool = False  # the LM head's or the loss's (``Profile.head_unit``; ``breakdown``)
     # a parameter cast autocast's cache holds until the autocast block exits (the end of the
     # forward and loss): a plan cannot free it before
@@ -255,6 +260,17 @@ class Profile:
     # pinned (device -> host, host -> device) bytes/s measured with the profile (real CUDA
     # profiles; 0: not measured, use a device preset)
     copy_bytes_per_s: tuple[float, float] = (0.0, 0.0)
+    # the fqn of the parameter each entry of ``grad_births`` belongs to ("" when not recorded)
+    grad_params: tuple[str, ...] = ()
+    # how the step was profiled below the largest layer: the LM head + loss in chunks, sub-layers
+    # split over the sequence (a plan made from this profile carries them: memory.plan)
+    head: HeadChunking | None = None
+    seq_chunks: tuple[SeqChunking, ...] = ()
+    param_numel: int = 0  # elements of the parameters (the host optimizer's fp32 masters)
+    # the event at which each entry of ``grad_births`` became its parameter's ``.grad`` (its
+    # post-accumulate hook); later than the birth when the storage was made earlier (a head
+    # computing its gradient in the forward); () when not recorded: the birth
+    grad_ready: tuple[int, ...] = ()
     # the unit holding the model's output embedding (an LM head; "": none) and, per event, the
     # eager live bytes of (saved, temporaries) that belong to it or to the loss: what
     # ``breakdown["head_loss"]`` counts (see :meth:`head_rows`)

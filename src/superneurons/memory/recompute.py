@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from superneurons.errors import ConfigError
@@ -113,14 +114,30 @@ def checkpointed_forward(
         stats.forward_calls += 1
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
+        # NOTE: every tensor input goes to checkpoint positionally, so that it is saved
+        # through the saved-tensor hooks (and the tensor pool can move it, as the planner
+        # assumes); a tensor in the keyword arguments (Hugging Face passes the rotary
+        # embeddings so) would otherwise stay on the device, referenced by a closure
+        leaves, spec = tree_flatten((args, kwargs))
+        where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        template = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+
+        def run(*tensors: torch.Tensor) -> Any:
+            filled = list(template)
+            for i, tensor in zip(where, tensors, strict=True):
+                filled[i] = tensor
+            call_args, call_kwargs = tree_unflatten(filled, spec)
+            return forward(*call_args, **call_kwargs)
+
+        tensors = [leaves[i] for i in where]
+        del leaves
         with set_checkpoint_early_stop(True):
             return checkpoint(
-                forward,
-                *args,
+                run,
+                *tensors,
                 use_reentrant=False,
                 preserve_rng_state=True,
                 context_fn=context_fn,
-                **kwargs,
             )
 
     return wrapped

@@ -11,7 +11,15 @@ prefetched one unit ahead, and the layers between checkpoints are recomputed. Wi
 stepped as soon as its gradient is accumulated and the gradient is freed at once
 (``Tensor.register_post_accumulate_grad_hook``), and with ``plan.optimizer_on_host`` its state
 lives in the host pool between steps, fetched one parameter ahead on the pool's streams
-(:mod:`superneurons.memory.optim_host`).
+(:mod:`superneurons.memory.optim_host`). With ``plan.host_optimizer`` the optimizer itself runs
+on the host, bucket by bucket as gradients arrive (:mod:`.host_buckets`,
+:mod:`.host_optimizer`): the loop's optimizer is ``handle.optimizer`` (whose ``step()`` and
+``zero_grad()`` have nothing left to do), and under DDP the plan is applied before wrapping
+and ``handle.attach(ddp_model)`` called after.
+
+With ``plan.head`` the model's head + loss runs in chunks of tokens (:mod:`.lmhead`; under
+such a plan a causal LM called with labels returns ``logits=None``), and ``plan.seq_chunks``
+runs sub-layers over pieces of the sequence (:mod:`.seqchunk`).
 
 The runtime only replaces the ``forward`` attribute of the unit modules (instance attributes,
 so the FQNs, ``state_dict`` and module hooks are unchanged) and :meth:`PlanHandle.remove`
@@ -35,12 +43,16 @@ import torch
 from torch import nn
 
 from superneurons.errors import ConfigError
+from superneurons.memory.host_buckets import GradientBuckets
+from superneurons.memory.host_optimizer import HostOptimizerView
+from superneurons.memory.lmhead import chunk_head
 from superneurons.memory.nodes import on_enter, on_leave, output_nodes
-from superneurons.memory.optim_backward import register_optimizer_in_backward
 from superneurons.memory.optim_host import HostOptimizerState
 from superneurons.memory.plan import OFFLOADING, Plan
+from superneurons.memory.plan_optimizer import attach_optimizer
 from superneurons.memory.pool import PoolConfig, PoolStats, TensorPool
 from superneurons.memory.recompute import RecomputeStats, checkpointed_forward
+from superneurons.memory.seqchunk import split_sequence
 from superneurons.memory.stateful import guard_stateful_forwards
 
 __all__ = ["PlanHandle", "apply_plan"]
@@ -60,6 +72,9 @@ class PlanHandle:
         recompute_stats: forward/recompute pass counts per ``recompute`` unit fqn.
         optimizers: per-parameter optimizers when ``plan.optimizer_in_backward`` (fqn -> opt).
         host_state: their state in the host pool when ``plan.optimizer_on_host``, else None.
+        optimizer: with ``plan.host_optimizer``, the optimizer a training loop holds
+            (:class:`~superneurons.memory.host_optimizer.HostOptimizerView`), else None.
+        buckets: with ``plan.host_optimizer``, the gradient buckets, else None.
     """
 
     def __init__(self, model: nn.Module, plan: Plan, pool: TensorPool) -> None:
@@ -69,6 +84,8 @@ class PlanHandle:
         self.recompute_stats: dict[str, RecomputeStats] = {}
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.host_state: HostOptimizerState | None = None
+        self.optimizer: HostOptimizerView | None = None
+        self.buckets: GradientBuckets | None = None
         self._restore: list[tuple[nn.Module, bool, Any]] = []
         self._hooks: list[Any] = []
         self._removed = False
@@ -102,9 +119,23 @@ class PlanHandle:
             "recompute": {k: v.state_dict() for k, v in self.recompute_stats.items()},
         }
 
+    def attach(self, ddp_model: nn.parallel.DistributedDataParallel) -> None:
+        """Average gradients over ``ddp_model``'s process group with its communication hook
+        (``plan.host_optimizer``; :meth:`GradientBuckets.attach`). Call it on every rank,
+        after wrapping the planned model, before the first backward."""
+        if self.buckets is None:
+            raise ConfigError("attach() is for plans with host_optimizer; this plan has none")
+        self.buckets.attach(ddp_model)
+
     def state_dict(self) -> dict[str, Any]:
         if self.host_state is not None:
             self.host_state.wait()  # the host copies of the optimizer state have landed
+        if self.optimizer is not None:
+            return {
+                "pool": self.pool.state_dict(),
+                "recompute": {k: v.state_dict() for k, v in self.recompute_stats.items()},
+                "host_optimizer": self.optimizer.state_dict(),
+            }
         return {
             "pool": self.pool.state_dict(),
             "recompute": {k: v.state_dict() for k, v in self.recompute_stats.items()},
@@ -117,6 +148,10 @@ class PlanHandle:
             self.recompute_stats[fqn].load_state_dict(counts)
         for fqn, opt_state in state.get("optimizers", {}).items():
             self.optimizers[fqn].load_state_dict(opt_state)
+        if "host_optimizer" in state:
+            if self.optimizer is None:
+                raise ConfigError("this state has a host optimizer; the plan applied has none")
+            self.optimizer.load_state_dict(state["host_optimizer"])
 
     def __enter__(self) -> PlanHandle:
         return self
@@ -147,7 +182,8 @@ def apply_plan(
         pool_config: tensor-pool options; by default its slab is preallocated with
             ``plan.host_bytes``.
         optimizer_factory: builds one optimizer for a list of parameters; required when
-            ``plan.optimizer_in_backward`` (then call no ``optimizer.step()`` yourself).
+            ``plan.optimizer_in_backward`` (then call no ``optimizer.step()`` yourself) and
+            when ``plan.host_optimizer`` (then use ``handle.optimizer`` as the loop's).
 
     Raises:
         ConfigError: a unit fqn is not a submodule, non-keep units are nested, the model
@@ -173,6 +209,10 @@ def apply_plan(
     handle = PlanHandle(model, plan, pool)
     trace = _CallTrace()
     try:
+        if plan.head is not None:
+            handle._hooks.append(chunk_head(model, plan.head))
+        if plan.seq_chunks:
+            handle._hooks.append(split_sequence(model, plan.seq_chunks))
         for unit in plan.units:  # every unit call, keep units included, in forward order
             hook = model.get_submodule(unit.fqn).register_forward_pre_hook(
                 lambda _m, _a, a=unit.action: trace.enter(a)
@@ -193,8 +233,8 @@ def apply_plan(
                 handle._wrap(module, forward)
         for members in _segments(model, plan):
             _wrap_segment(handle, members)
-        if plan.optimizer_in_backward:
-            _optimizer_in_backward(handle, model, optimizer_factory)
+        if plan.optimizer_in_backward or plan.host_optimizer:
+            attach_optimizer(handle, model, optimizer_factory)
         handle._hooks += guard_stateful_forwards(model, plan)  # HF cache, state in forward
     except BaseException:
         handle.remove()
@@ -338,26 +378,3 @@ def _offloaded_forward(
         return out
 
     return wrapped
-
-
-def _optimizer_in_backward(
-    handle: PlanHandle, model: nn.Module, factory: OptimizerFactory | None
-) -> None:
-    """Step each parameter as soon as its gradient is accumulated, then free the gradient
-    (:mod:`superneurons.memory.optim_backward`); with ``plan.optimizer_on_host`` the state
-    lives in the host pool between steps (:mod:`superneurons.memory.optim_host`)."""
-    if factory is None:
-        raise ConfigError(
-            "plan.optimizer_in_backward needs optimizer_factory=, e.g. "
-            "lambda params: torch.optim.SGD(params, lr=0.1)"
-        )
-    if handle.plan.optimizer_on_host:
-        handle.host_state = HostOptimizerState(
-            device=handle.pool.device,
-            host_device=handle.pool.config.host_device,
-            capacity_bytes=handle.plan.optimizer_host_bytes,
-            streams=handle.pool.copy_streams,
-        )
-    optimizers, hooks = register_optimizer_in_backward(model, factory, host_state=handle.host_state)
-    handle.optimizers.update(optimizers)
-    handle._hooks += hooks

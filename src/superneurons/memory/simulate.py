@@ -125,19 +125,22 @@ def simulate_plan(
             options = {k: v for k, v in optimizer.defaults.items() if k in accepted}
             return type(optimizer)(params, **options)
 
+        in_backward = plan.optimizer_in_backward or plan.host_optimizer
         handle: PlanHandle = apply_plan(
             model,
             plan,
             device=torch.device("cpu"),
             pool_config=config,
-            optimizer_factory=factory if plan.optimizer_in_backward else None,
+            optimizer_factory=factory if in_backward else None,
         )
         with handle:
             loss_fn(model(inputs), targets).backward()  # warm-up: optimizer state exists after it
-            if not plan.optimizer_in_backward:
+            if not in_backward:
                 optimizer.step()
             for p in model.parameters():
                 p.grad = None
             per_param = list(handle.optimizers.values())
             stepper: Any = _StepAll(per_param) if per_param else optimizer
+            if handle.optimizer is not None:  # the host optimizer: nothing on the device
+                stepper = handle.optimizer
             return profile_step(model, inputs, targets, loss_fn, stepper, fake_mode=mode, units=[])

@@ -7,6 +7,11 @@ allocator would have to serve (without its rounding and fragmentation, cuDNN wor
 CUDA context, which no CPU run models). It works with real tensors and under ``FakeTensorMode``
 (fake storages carry their byte size and die like real ones).
 
+Operators defined with ``torch.library.custom_op`` (PyTorch's chunked
+``F.linear_cross_entropy`` is one) are traced through: their Python implementation runs inside
+the mode, so their working buffers are counted as every other op's
+(:func:`superneurons.compat.custom_op_function`); seen as one op, they would be invisible.
+
 Measured here: it agrees with ``torch.distributed._tools.mem_tracker.MemTracker``
 within 0.5% on small models and is ~50x faster (a 590-layer ResNet step: 22 s vs > 21 min), because
 it does no per-module bookkeeping: one dict insert per new storage.
@@ -14,17 +19,35 @@ it does no per-module bookkeeping: one dict insert per new storage.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["MARKER", "LiveStorageTracker"]
+from superneurons.compat import custom_op_function
+
+__all__ = ["MARKER", "LiveStorageTracker", "untracked"]
 
 MARKER = "superneurons::op"  # + the event index: the profiler range of each op (``mark_ops``)
+
+_PAUSED = threading.local()
+
+
+@contextlib.contextmanager
+def untracked() -> Iterator[None]:
+    """Ops run in this block, on this thread, are invisible to every tracker: the runtime's
+    host-side work (the host optimizer's copies and step), which on a CPU-only build runs on
+    the same device as the model but is not device memory."""
+    _PAUSED.depth = getattr(_PAUSED, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _PAUSED.depth -= 1
 
 
 class LiveStorageTracker(TorchDispatchMode):
@@ -114,6 +137,12 @@ class LiveStorageTracker(TorchDispatchMode):
 
     # --- dispatch -----------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if getattr(_PAUSED, "depth", 0):
+            return func(*args, **(kwargs or {}))
+        inner = custom_op_function(func)
+        if inner is not None:  # its own ops come back through this mode, one event each
+            with self:
+                return inner(*args, **(kwargs or {}))
         if self.mark_ops:  # a profiler marker per op: its allocator events fall inside it
             with torch.autograd.profiler.record_function(f"{MARKER}{self.event + 1}"):
                 out = func(*args, **(kwargs or {}))

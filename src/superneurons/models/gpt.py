@@ -99,7 +99,10 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """``forward(idx: (B, T) int64) -> logits (B, T, vocab_size)``."""
+    """``forward(idx: (B, T) int64) -> logits (B, T, vocab_size)``; with ``targets`` ((B, T)
+    int64, aligned with ``idx``'s positions, -100 ignored) it returns the mean cross-entropy
+    instead, which a plan may compute in chunks without the logits
+    (:mod:`superneurons.memory.lmhead`)."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -129,7 +132,7 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         _, T = idx.shape
         if self.config.block_size < T:
             raise ConfigError(
@@ -139,7 +142,10 @@ class GPT(nn.Module):
         x = self.transformer["drop"](self.transformer["wte"](idx) + self.transformer["wpe"](pos))
         for block in cast(nn.ModuleList, self.transformer["h"]):
             x = block(x)  # (B, T, C)
-        return self.lm_head(self.transformer["ln_f"](x))  # (B, T, vocab_size)
+        logits = self.lm_head(self.transformer["ln_f"](x))  # (B, T, vocab_size)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
 
 
 def gpt(

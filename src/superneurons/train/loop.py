@@ -16,10 +16,12 @@ there is none yet, so at most ``checkpoint_every`` steps (or an epoch) are compu
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -42,7 +44,12 @@ from superneurons.train.checkpoint import (
 from superneurons.train.config import TrainConfig
 from superneurons.train.metrics import MetricsLog, last_logged_step, summarize, write_summary
 from superneurons.train.rank import init_distributed, leave_process_group
-from superneurons.train.sync import attach_synchronisation, decide_scheme
+from superneurons.train.sync import (
+    attach_synchronisation,
+    build_optimizer,
+    communicating_optimizer,
+    decide_scheme,
+)
 from superneurons.train.task import Task, build_task
 
 __all__ = ["restart_count", "run_training", "train"]
@@ -95,7 +102,12 @@ def run_training(config: TrainConfig, device: Placement | torch.device) -> dict[
     plan_handle = None
     if config.budget_bytes is not None:
         batch = placement.batch(next(iter(loader)))  # profiled where it will run
-        plan_handle = _apply_budget(model, batch, config.budget_bytes, loss_fn=task.loss_fn)
+        factory = None
+        if not communicating_optimizer(config):  # the host optimizer can stand in for it
+            factory = functools.partial(build_optimizer, config)
+        plan_handle = _apply_budget(
+            model, batch, config.budget_bytes, loss_fn=task.loss_fn, optimizer_factory=factory
+        )
     saved = _resume_or_start_over(config, rank, world_size)
     steps_per_epoch = min(len(loader), config.limit_steps or len(loader))
 
@@ -112,7 +124,12 @@ def run_training(config: TrainConfig, device: Placement | torch.device) -> dict[
         saved=None if saved is None else saved.compression,
     )
     ddp = DistributedDataParallel(model, bucket_cap_mb=config.bucket_cap_mb)
-    optimizer, compression = attach_synchronisation(config, model, ddp, decision=decision)
+    host = plan_handle.optimizer if plan_handle is not None else None
+    if plan_handle is not None and host is not None:
+        plan_handle.attach(ddp)  # the buckets run the comm hook registered next
+    optimizer, compression = attach_synchronisation(
+        config, model, ddp, decision=decision, optimizer=host
+    )
     start_epoch = step = done_in_epoch = 0
     if saved is not None:
         model.load_state_dict(saved.model)
@@ -311,9 +328,20 @@ def _progress(total: int, description: str, rank: int) -> Any:
     return progress_bar(total, desc=description, unit="step", leave=False)
 
 
-def _apply_budget(model: nn.Module, batch: Any, budget_bytes: int, *, loss_fn: Any) -> Any:
+def _apply_budget(
+    model: nn.Module,
+    batch: Any,
+    budget_bytes: int,
+    *,
+    loss_fn: Any,
+    optimizer_factory: Callable[[list[Any]], torch.optim.Optimizer] | None = None,
+) -> Any:
     """Fit training under ``budget_bytes`` of device memory (SuperNeurons, Wang et al.
     PPoPP'18): profile one step, plan keep/offload/recompute, apply the plan to ``model``.
+
+    With ``optimizer_factory`` (the loop's optimizer) its state counts in the profile, and the
+    planner may put the optimizer on the host (``offload+host-optimizer``, applied here before
+    DDP wraps the model; the handle's ``optimizer`` is then the loop's).
 
     The seam to the memory runtime: the only place the trainer touches it. Returns the plan
     handle (kept alive for the whole run).
@@ -325,8 +353,14 @@ def _apply_budget(model: nn.Module, batch: Any, budget_bytes: int, *, loss_fn: A
     except ImportError as exc:
         raise ConfigError(f"--budget needs the memory runtime ({exc})") from exc
     inputs, targets = batch
-    profile = profile_step(model, inputs, targets, loss_fn)
+    optimizer = optimizer_factory(list(model.parameters())) if optimizer_factory else None
+    profile = profile_step(model, inputs, targets, loss_fn, optimizer)
     # NOTE: no optimizer-in-backward under DDP: it would step before the all-reduce.
-    plan = make_plan(profile, budget_bytes=budget_bytes, allow_optimizer_in_backward=False)
+    plan = make_plan(
+        profile,
+        budget_bytes=budget_bytes,
+        allow_optimizer_in_backward=False,
+        allow_host_optimizer=optimizer_factory is not None,
+    )
     logger.info("memory plan for a budget of %d bytes: %s", budget_bytes, plan)
-    return apply_plan(model, plan)
+    return apply_plan(model, plan, optimizer_factory=optimizer_factory)

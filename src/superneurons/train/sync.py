@@ -41,7 +41,13 @@ from superneurons.schemes.anchors import TorchDense
 from superneurons.schemes.diloco import DiLoCo
 from superneurons.train.config import TrainConfig
 
-__all__ = ["Synchronisation", "attach_synchronisation", "decide_scheme"]
+__all__ = [
+    "Synchronisation",
+    "attach_synchronisation",
+    "build_optimizer",
+    "communicating_optimizer",
+    "decide_scheme",
+]
 
 _STATE_VERSION = 1
 
@@ -195,25 +201,25 @@ def attach_synchronisation(
     ddp: DistributedDataParallel,
     *,
     decision: AdamDecision | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> tuple[torch.optim.Optimizer, Synchronisation]:
     """The optimizer for ``model`` and the synchronisation registered on ``ddp``: DiLoCo when
-    ``--sync`` names it, else the scheme ``auto`` decided, else ``config.scheme``."""
+    ``--sync`` names it, else the scheme ``auto`` decided, else ``config.scheme``.
+    ``optimizer``: the one the loop steps when it is not built here (a memory plan's host
+    optimizer, whose buckets run the comm hook)."""
     scheme = config.scheme if decision is None else decision.scheme
     lr = config.learning_rate
-    decay = 0.01 if config.optimizer == "adamw" else 0.0
+    decay = _weight_decay(config)
     if isinstance(scheme, AdamMomentum | AdamUpdate):
+        if optimizer is not None:
+            raise ConfigError(f"--compress {config.compress} is an optimizer of its own")
         register_local_gradients(ddp)
         adam = CompressedAdamW(
             model.parameters(), lr=lr, weight_decay=decay, seed=config.seed, **scheme.kwargs()
         )
         return adam, Synchronisation(requested=config.compress, optimizer=adam, decision=decision)
-    optimizer: torch.optim.Optimizer
-    if config.optimizer == "sgd":
-        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    elif config.optimizer == "adam":
-        optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=decay)
+    if optimizer is None:
+        optimizer = build_optimizer(config, list(model.parameters()))
     if isinstance(config.sync_scheme, DiLoCo):  # the inner optimizer; DDP leaves grads local
         local_sgd = attach_local_sgd(ddp, config.sync_scheme, seed=config.seed)
         return optimizer, Synchronisation(requested=config.sync, local_sgd=local_sgd)
@@ -224,3 +230,26 @@ def attach_synchronisation(
     hook = register_compression(ddp, compression, seed=config.seed)
     sync = Synchronisation(requested=config.compress, hook=hook, decision=decision)
     return optimizer, sync
+
+
+def communicating_optimizer(config: TrainConfig) -> bool:
+    """Whether ``config``'s synchronisation is (or may be) an optimizer that communicates
+    itself (1-bit Adam) or steps locally between synchronisations (DiLoCo), which no other
+    optimizer can stand in for."""
+    if isinstance(config.sync_scheme, DiLoCo):
+        return True
+    return isinstance(config.scheme, AdamAuto | AdamMomentum | AdamUpdate)
+
+
+def build_optimizer(config: TrainConfig, params: list[Any]) -> torch.optim.Optimizer:
+    """``--optimizer`` over ``params`` (SGD with momentum 0.9, Adam, AdamW with decay 0.01)."""
+    lr = config.learning_rate
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if config.optimizer == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=_weight_decay(config))
+
+
+def _weight_decay(config: TrainConfig) -> float:
+    return 0.01 if config.optimizer == "adamw" else 0.0

@@ -1,0 +1,92 @@
+"""Where the optimizer steps, in a predicted timeline: inside backward, or on the host.
+
+:func:`~superneurons.memory.predict.evaluate` starts from the profile's steady-state timeline
+(the step after backward, on the device); a plan that steps the optimizer elsewhere changes the
+gradient, optimizer and step-phase rows as these functions do, in place (``table``: the
+``CATEGORIES`` rows; ``head``: the LM head + loss part of the saved and temporaries rows).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from superneurons.memory.buckets import assign_buckets, bucket_timeline, gradient_events
+from superneurons.memory.cost import CostModel
+from superneurons.memory.profile_types import CATEGORIES, Profile
+
+__all__ = ["host_optimizer_cost", "step_in_backward", "step_on_host"]
+
+# NOTE: a foreach optimizer's step holds temporaries of all its parameters at once; in
+# backward each parameter has its own optimizer, so no more than a single-tensor step's
+# (AdamW: 2 parameter-sized) is ever held per parameter: the measured ratio is capped
+_MAX_STEP_TEMP = 2.0
+
+
+def _after_backward(table: np.ndarray, head: np.ndarray, profile: Profile) -> None:
+    """The step phase holds the parameters (and the output a loop carries) only."""
+    be = profile.backward_end_event
+    params = int(table[CATEGORIES.index("params"), 0])
+    table[:, be + 1 :] = 0
+    head[:, be + 1 :] = 0
+    table[CATEGORIES.index("params"), be + 1 :] = params
+    # a loop that carries the output holds it through the (empty) step phase too
+    table[CATEGORIES.index("temporaries"), be + 1 :] = profile.carried_output_bytes
+    head[1, be + 1 :] = profile.carried_head_bytes
+
+
+def step_in_backward(table: np.ndarray, head: np.ndarray, profile: Profile) -> None:
+    """Each gradient's post-accumulate hook steps its parameter (in place, as SGD/Adam do per
+    parameter) and frees the gradient at once; the state stays where it was."""
+    be = profile.backward_end_event
+    # the step's own transient (single-tensor AdamW: two parameter-sized temporaries, a
+    # fused kernel none), measured in the profile's step, now happens in each gradient's
+    # hook during backward: per byte of parameter, as the largest parameter's step shows
+    step_rows = table[CATEGORIES.index("temporaries"), be + 1 :]
+    per_byte = min(
+        float(step_rows.max(initial=0)) / max(profile.largest_param_bytes, 1), _MAX_STEP_TEMP
+    )
+    state = int(table[CATEGORIES.index("optimizer"), 0])
+    table[CATEGORIES.index("grads")] = 0
+    _after_backward(table, head, profile)
+    table[CATEGORIES.index("optimizer"), be + 1 :] = state
+    # a gradient made before it is accumulated (a chunked head's forward) lives from its birth
+    # to its hook
+    last = profile.num_events - 1
+    for birth, ready, nbytes in gradient_events(profile.grad_births, profile.grad_ready):
+        table[CATEGORIES.index("grads"), min(birth, last) : min(ready, last) + 1] += nbytes
+        table[CATEGORIES.index("temporaries"), min(ready, last)] += int(per_byte * nbytes)
+
+
+def step_on_host(
+    table: np.ndarray,
+    head: np.ndarray,
+    profile: Profile,
+    buckets: tuple[tuple[str, ...], ...] | None,
+) -> None:
+    """The optimizer on the host: no state on the device, gradients live as ``buckets``
+    (default :func:`~superneurons.memory.buckets.assign_buckets`) are launched and drained."""
+    _after_backward(table, head, profile)
+    table[CATEGORIES.index("optimizer")] = 0
+    gradients = gradient_events(profile.grad_births, profile.grad_ready)
+    if buckets is None:
+        buckets = assign_buckets(gradients, profile.grad_params)
+    table[CATEGORIES.index("grads")] = bucket_timeline(
+        gradients,
+        profile.grad_params,
+        buckets,
+        num_events=profile.num_events,
+        backward_end=profile.backward_end_event,
+    )
+
+
+def host_optimizer_cost(profile: Profile, cost: CostModel) -> tuple[float, float, int]:
+    """(copy seconds, exposed seconds, host bytes) of the host optimizer: gradients go out and
+    parameters come back beside backward, and the host steps each bucket beside it too, so
+    only the excess over backward is exposed; the host holds fp32 masters and fp32 state."""
+    backward_s = 2 * sum(cost.compute_s(u, fake=profile.fake) for u in profile.units)
+    out_s, in_s = cost.copy_s(profile.grad_bytes), cost.fetch_s(profile.param_bytes)
+    step_s = profile.param_numel * cost.host_step_s_per_param
+    exposed_s = sum(max(0.0, t - backward_s) for t in (out_s, step_s, in_s))
+    itemsize = profile.param_bytes / max(profile.param_numel, 1)
+    host_bytes = 4 * profile.param_numel + int(profile.optimizer_state_bytes * 4 / max(itemsize, 1))
+    return out_s + in_s, exposed_s, host_bytes
