@@ -235,6 +235,9 @@ def _ours(
                 strategy=strategy,
                 bandwidth_bytes_per_s=bandwidth,
                 allow_optimizer_in_backward=config.optimizer_in_backward,
+                # the anchors keep the loop's optimizer on the device: so do our plans here
+                # (benchmarks/below_largest_layer.py measures the host optimizer)
+                allow_host_optimizer=False,
             )
         except InfeasibleBudgetError as exc:
             floor = (exc.min_budget_bytes + workspace_bytes) / eager_peak
