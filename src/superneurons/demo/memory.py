@@ -114,15 +114,26 @@ def compare_memory(
     optimizer = make_optimizer(planned_model)
     profile = profile_step(planned_model, inputs, targets, loss_fn, optimizer)
     budget_bytes = int(eager_peak * budget_fraction)
-    # The trainer runs the plan under DDP: no optimizer-in-backward (see train/loop.py).
+    # The trainer runs the plan under DDP: no optimizer-in-backward (see train/loop.py); this
+    # comparison steps the loop's own optimizer, so it stays on the device.
     try:
-        plan = make_plan(profile, budget_bytes=budget_bytes, allow_optimizer_in_backward=False)
+        plan = make_plan(
+            profile,
+            budget_bytes=budget_bytes,
+            allow_optimizer_in_backward=False,
+            allow_host_optimizer=False,
+        )
     except InfeasibleBudgetError as exc:
         if on_minimum is None:
             raise
         on_minimum(exc.min_budget_bytes / eager_peak)
         budget_bytes = exc.min_budget_bytes
-        plan = make_plan(profile, budget_bytes=budget_bytes, allow_optimizer_in_backward=False)
+        plan = make_plan(
+            profile,
+            budget_bytes=budget_bytes,
+            allow_optimizer_in_backward=False,
+            allow_host_optimizer=False,
+        )
     with apply_plan(planned_model, plan) as handle:
         planned, planned_peak = _measure(
             planned_model, optimizer, inputs, targets, loss_fn, host=handle.pool.host_buffers
