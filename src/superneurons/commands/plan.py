@@ -36,8 +36,8 @@ from superneurons.commands.plan_target import (
     zoo_kwargs,
 )
 from superneurons.errors import ConfigError
-from superneurons.memory.cost import DEVICE_PRESETS, CostModel
 from superneurons.memory.below import VARIANTS
+from superneurons.memory.cost import DEVICE_PRESETS, CostModel
 from superneurons.memory.llm import (
     BELOW_FLOOR,
     DTYPES,

@@ -22,7 +22,6 @@ refused at its first call: the chunked loss could not reproduce it.
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from superneurons.errors import ConfigError
-from superneurons.memory.bounds import largest_unit_bytes
+from superneurons.memory.bounds import head_loss_bytes, largest_unit_bytes
 from superneurons.memory.buckets import BUCKET_CAPS, assign_buckets, gradient_events
 from superneurons.memory.cost import CostModel
 from superneurons.memory.plan import (
@@ -287,5 +287,8 @@ def strategy_floors(
             supports_ddp=strategy not in SINGLE_DEVICE_STRATEGIES,
             optimizer_on_host=best.optimizer_on_host,
             optimizer_host_bytes=outcome.optimizer_host_bytes,
+            head_loss_working_set_bytes=head_loss_bytes(used),
+            head_chunk_tokens=used.head.chunk_tokens if used.head else None,
+            mlp_pieces=max((c.chunks for c in used.seq_chunks), default=1),
         )
     return floors
