@@ -27,6 +27,7 @@ from typing import Any
 from superneurons.bytesize import format_bytes
 from superneurons.commands.plan_search import SEQ_QUANTUM, run_search
 from superneurons.commands.plan_target import (
+    BELOW,
     HF,
     ZOO_BUDGET,
     budget_bytes_of,
@@ -36,10 +37,8 @@ from superneurons.commands.plan_target import (
     zoo_kwargs,
 )
 from superneurons.errors import ConfigError
-from superneurons.memory.below import VARIANTS
 from superneurons.memory.cost import DEVICE_PRESETS, CostModel
 from superneurons.memory.llm import (
-    BELOW_FLOOR,
     DTYPES,
     OPTIMIZER_IMPLS,
     attention_ops,
@@ -51,8 +50,6 @@ from superneurons.memory.profile_types import GRANULARITIES, Profile
 from superneurons.memory.search import profile_for_strategy
 from superneurons.memory.simulate import OPTIMIZERS, profile_zoo
 
-# ``--below``: which ``memory.below.VARIANTS`` ``plan --model hf:`` profiles besides the plain step
-BELOW: dict[str, tuple[str, ...]] = {"floor": BELOW_FLOOR, "all": VARIANTS, "off": ()}
 HELP = "plan keep/offload/recompute per unit under a memory budget (fake tensors)"
 
 
