@@ -15,7 +15,9 @@ every strategy's floor and the plan for the budget:
 profiles the step as people write it, modelling the target device's attention kernels and
 optimizer implementation (``superneurons.memory.llm``). ``--max-depth`` / ``--max-batch`` /
 ``--max-seq-len`` search the largest size whose smallest predicted peak fits, per strategy (an
-affine fit over three profiled sizes, ``superneurons.memory.search``). Progress goes to stderr.
+affine fit over three profiled sizes, ``superneurons.memory.search``). For ``hf:`` models the
+planner also searches the step below the largest layer (``--below``: the LM head + loss in chunks,
+block MLPs over sequence pieces, ``superneurons.memory.below``). Progress goes to stderr.
 """
 
 from __future__ import annotations
