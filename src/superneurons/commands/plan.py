@@ -294,6 +294,11 @@ def _print_plan(record: dict[str, Any], plan: Plan) -> None:
         f"{format_bytes(record['largest_unit_bytes'])} largest unit; floor / bound "
         f"{record['floor_over_largest_layer']:.3f}"
     )
+    if plan.head is not None:
+        print(
+            f"  chunked           LM head + loss in chunks of {plan.head.chunk_tokens} tokens "
+            f"({plan.head.mode}), block MLPs in {record['mlp_pieces']} sequence pieces"
+        )
     print(f"  host bytes        {format_bytes(plan.host_bytes)}")
     print(f"  extra compute     {plan.extra_compute_s * 1e3:.2f} ms/step (cost model)")
     print(f"  transfers         {plan.transfer_s * 1e3:.2f} ms/step")
