@@ -4,8 +4,9 @@ The Llama-3-8B shape (Meta's published ``config.json``: hidden 4096, 32 layers, 
 key-value heads, MLP 14336, vocabulary 128256, untied embeddings), bf16 parameters, AdamW,
 batch 1, built under ``FakeTensorMode`` (no weight is materialised) and profiled at each
 ``--seq-len``: the plain step and the step below the largest layer (the LM head + loss in
-chunks, each block's MLP split over the sequence: ``memory.below``). For every strategy: its
-floor over both profiles, whether DDP can use it, and for the lowest DDP-capable one the
+chunks, each block's MLP split over the sequence: ``memory.below``), through the library's
+own path (``memory.llm.profile_causal_lm_below``, as ``superneurons plan --model hf:``). For
+every strategy: its floor over both profiles, whether DDP can use it, and for the lowest DDP-capable one the
 largest-layer bound (``floor_over_largest_layer``), the head + loss working set and which unit
 binds. Bytes are device independent; attention is profiled with the CPU flash kernel, which
 holds no ``T x T`` scores (as CUDA's flash / memory-efficient kernels).
@@ -21,13 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from superneurons.bench.artifacts import markdown_table, write_json, write_markdown
-from superneurons.memory import default_units, make_plan, min_peak_bytes, profile_step
-from superneurons.memory.below import below_profiles
-from superneurons.memory.bounds import LOSS, largest_unit_bytes, resident_bytes, working_sets
+from superneurons.memory.bounds import head_loss_bytes
 from superneurons.memory.cost import cost_model
+from superneurons.memory.llm import LMStep, profile_causal_lm_below
+from superneurons.memory.strategy_search import strategy_floors
 
 GiB = 2**30
 # Meta's Llama-3-8B config.json (huggingface.co/meta-llama/Meta-Llama-3-8B)
@@ -36,102 +36,48 @@ LLAMA3_8B = dict(
     num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
     rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
 )  # fmt: skip
-# DDP cannot step the optimizer inside backward (before the all-reduce)
-NOT_DDP = ("offload+opt-in-backward", "offload+opt-on-host")
 
 
-class _Step(nn.Module):
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=ids, labels=ids).loss
-
-
-def _loss_is_output(out: torch.Tensor, _targets: Any) -> torch.Tensor:
-    return out
-
-
-def _unit_at(profile: Any, event: int) -> str:
-    """The innermost unit whose forward or backward window holds ``event``, with the phase."""
-    phase = "backward" if event > profile.forward_end_event else "forward"
-    best = ""
-    for unit in profile.units:
-        for start, end, b_start, b_end in unit.calls or [unit.window(0)]:
-            lo, hi = (start, end) if phase == "forward" else (b_start, max(b_end, b_start))
-            if 0 <= lo <= event <= hi:
-                best = unit.fqn
-    return f"{best or '-'} ({phase})"
+def _where(peak_at: dict[str, Any]) -> str:
+    return f"{peak_at.get('unit') or '-'} ({peak_at.get('phase', '?')})"
 
 
 def floors(seq_len: int) -> dict[str, Any]:
+    """The library's own path (``superneurons plan --model hf:... --below floor``): the step
+    as HF's Trainer runs it (outputs freed before backward), AdamW's single-tensor step."""
     import transformers
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     torch.set_num_threads(1)
-    config = transformers.LlamaConfig(**LLAMA3_8B, use_cache=False, attn_implementation="sdpa")
-    mode = FakeTensorMode()
-    with mode:
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            model = transformers.LlamaForCausalLM(config).train()
-        finally:
-            torch.set_default_dtype(torch.float32)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-        ids = torch.randint(0, config.vocab_size, (1, seq_len))
-    step = _Step(model)
-    units = ["model." + u for u in default_units(model)]
-    options: dict[str, Any] = dict(fake_mode=mode, units=units, keep_output=False)
-    start = time.perf_counter()
-    plain = profile_step(step, ids, None, _loss_is_output, optimizer, **options)
-    chunked = below_profiles(
-        step, ids, None, _loss_is_output, optimizer, profile=plain, tokens=seq_len,
-        seq_len=seq_len, variants=("recompute+split",), **options,
+    config = transformers.LlamaConfig(**LLAMA3_8B, use_cache=False)
+    step = LMStep(
+        seq_len=seq_len, dtype="bf16", optimizer="adamw", optimizer_impl="single",
+        keep_outputs=False, target_device="cpu",
     )  # fmt: skip
+    start = time.perf_counter()
+    plain, chunked = profile_causal_lm_below(config, step)
     profiled_s = time.perf_counter() - start
-    cost = cost_model("h100")
-    minima = min_peak_bytes(plain, cost=cost, chunked=chunked)
-    ddp = {s: v for s, v in minima.items() if s not in NOT_DDP}
-    best = min(ddp, key=lambda s: ddp[s])
-    plan = make_plan(plain, budget_bytes=ddp[best], strategy=best, cost=cost, chunked=chunked)
-    below = chunked[0]
-    sets = working_sets(below)
-    head = plan.head.fqn if plan.head else "model.lm_head"
-    plain_sets = working_sets(plain)
-    largest = max(sets, key=lambda u: sets[u])
-    bound = resident_bytes(below, host_optimizer=plan.host_optimizer) + largest_unit_bytes(below)
-    from superneurons.memory.predict import evaluate
-
-    outcome = evaluate(
-        below,
-        {u.fqn: u.action for u in plan.units},
-        cost=cost,
-        segments={u.fqn: u.segment for u in plan.units if u.segment >= 0},
-        host_optimizer=plan.host_optimizer,
-        buckets=plan.grad_buckets or None,
-    )
+    floors = strategy_floors(plain, cost=cost_model("h100"), chunked=chunked)
+    ddp = {s: f for s, f in floors.items() if f.supports_ddp}
+    best = min(ddp, key=lambda s: ddp[s].min_budget_bytes)
+    floor = ddp[best]
     return {
         "seq_len": seq_len,
         "eager_gib": plain.predicted_peak_bytes() / GiB,
-        "floors_gib": {s: v / GiB for s, v in minima.items()},
+        "floors_gib": {s: f.min_budget_bytes / GiB for s, f in floors.items()},
         "ddp_floor_strategy": best,
-        "ddp_floor_gib": ddp[best] / GiB,
-        "single_device_floor_gib": min(minima.values()) / GiB,
+        "ddp_floor_gib": floor.min_budget_bytes / GiB,
+        "single_device_floor_gib": min(f.min_budget_bytes for f in floors.values()) / GiB,
         "params_gib": plain.param_bytes / GiB,
-        "head_loss_working_set_gib": (sets.get(head, 0) + sets.get(LOSS, 0)) / GiB,
-        "head_loss_working_set_unchunked_gib": (plain_sets.get(head, 0) + plain_sets.get(LOSS, 0))
-        / GiB,
-        "largest_unit": largest,
-        "largest_unit_gib": sets[largest] / GiB,
-        "resident_gib": resident_bytes(below, host_optimizer=plan.host_optimizer) / GiB,
-        "floor_over_largest_layer": ddp[best] / bound,
-        "peak_at": _unit_at(below, outcome.peak_event),
-        "head_chunk_tokens": plan.head.chunk_tokens if plan.head else None,
-        "mlp_pieces": max((c.chunks for c in plan.seq_chunks), default=1),
-        "grad_buckets": len(plan.grad_buckets),
-        "optimizer_host_gib": plan.optimizer_host_bytes / GiB,
-        "host_activation_gib": plan.host_bytes / GiB,
+        "head_loss_working_set_gib": floor.head_loss_working_set_bytes / GiB,
+        "head_loss_working_set_unchunked_gib": head_loss_bytes(plain) / GiB,
+        "largest_unit_gib": floor.largest_unit_bytes / GiB,
+        "resident_gib": floor.resident_bytes / GiB,
+        "floor_over_largest_layer": floor.floor_over_largest_layer,
+        "peak_at": _where(floor.peak_at),
+        "head_chunk_tokens": floor.head_chunk_tokens,
+        "mlp_pieces": floor.mlp_pieces,
+        "optimizer_host_gib": floor.optimizer_host_bytes / GiB,
+        "host_activation_gib": floor.host_bytes / GiB,
         "profile_s": profiled_s,
     }
 
@@ -145,7 +91,7 @@ def main() -> None:
     write_json(args.out / "llama3_8b_floor.json", records, config=LLAMA3_8B)
     columns = ["seq_len", "eager_gib", "single_device_floor_gib", "ddp_floor_strategy",
                "ddp_floor_gib", "head_loss_working_set_unchunked_gib",
-               "head_loss_working_set_gib", "largest_unit", "largest_unit_gib",
+               "head_loss_working_set_gib", "largest_unit_gib",
                "floor_over_largest_layer", "peak_at", "head_chunk_tokens",
                "mlp_pieces"]  # fmt: skip
     strategies = [{"seq_len": r["seq_len"], **r["floors_gib"]} for r in records]

@@ -15,7 +15,9 @@ every strategy's floor and the plan for the budget:
 profiles the step as people write it, modelling the target device's attention kernels and
 optimizer implementation (``superneurons.memory.llm``). ``--max-depth`` / ``--max-batch`` /
 ``--max-seq-len`` search the largest size whose smallest predicted peak fits, per strategy (an
-affine fit over three profiled sizes, ``superneurons.memory.search``). Progress goes to stderr.
+affine fit over three profiled sizes, ``superneurons.memory.search``). For ``hf:`` models the
+planner also searches the step below the largest layer (``--below``: the LM head + loss in chunks,
+block MLPs over sequence pieces, ``superneurons.memory.below``). Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 from superneurons.bytesize import format_bytes
 from superneurons.commands.plan_search import SEQ_QUANTUM, run_search
 from superneurons.commands.plan_target import (
+    BELOW,
     HF,
     ZOO_BUDGET,
     budget_bytes_of,
@@ -37,7 +40,12 @@ from superneurons.commands.plan_target import (
 )
 from superneurons.errors import ConfigError
 from superneurons.memory.cost import DEVICE_PRESETS, CostModel
-from superneurons.memory.llm import DTYPES, OPTIMIZER_IMPLS, attention_ops, profile_causal_lm
+from superneurons.memory.llm import (
+    DTYPES,
+    OPTIMIZER_IMPLS,
+    attention_ops,
+    profile_causal_lm_below,
+)
 from superneurons.memory.plan import SEARCH_STRATEGIES, STRATEGIES, InfeasibleBudgetError, Plan
 from superneurons.memory.planner import make_plan, strategy_floors
 from superneurons.memory.profile_types import GRANULARITIES, Profile
@@ -115,6 +123,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the loop keeps outputs (the logits) alive through backward, as HF's no_trainer "
         "examples do (default); --no-keep-outputs: freed before backward, as HF's Trainer",
     )
+    lm.add_argument(
+        "--below",
+        default="floor",
+        choices=tuple(BELOW),
+        help="profiles below the largest layer the planner also searches: floor (default: the "
+        "LM head + loss in chunks and block MLPs over sequence pieces, one more profile), all "
+        "(also the head alone, recomputing or computing its gradient in the forward), off",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     search = parser.add_mutually_exclusive_group()
     search.add_argument("--max-depth", action="store_true", help="largest resnet depth that fits")
@@ -145,13 +161,15 @@ def run(args: argparse.Namespace) -> int:
         granularity = args.granularity or "block"
         if granularity != "block":
             raise ConfigError("hf: models are planned per block: leave --granularity out")
-        profile = profile_causal_lm(config, step)
+        profile, chunked = profile_causal_lm_below(config, step, variants=BELOW[args.below])
         record["attention_ops"] = attention_ops(profile)
+        record["below"] = args.below
     else:
         record, profile, granularity = _zoo(args, cost)
+        chunked = []
     record["granularity"] = granularity
     record["device_preset"] = args.device_preset
-    return _report(args, record, profile, budget_bytes, cost)
+    return _report(args, record, profile, budget_bytes, cost, chunked)
 
 
 def _zoo(args: argparse.Namespace, cost: CostModel) -> tuple[dict[str, Any], Profile, str]:
@@ -173,25 +191,29 @@ def _report(
     profile: Profile,
     budget_bytes: int,
     cost: CostModel,
+    chunked: list[Profile],
 ) -> int:
-    floors = strategy_floors(profile, cost=cost)
+    floors = strategy_floors(profile, cost=cost, chunked=chunked)
     record["eager_peak_bytes"] = profile.predicted_peak_bytes()
     # the largest-layer bound (SuperNeurons' claim): resident state + the largest working set
     # of one unit's forward + backward, next to the floor of the requested strategy
     minima = {name: f.min_budget_bytes for name, f in floors.items()}
-    floor = minima[args.strategy] if args.strategy in minima else min(minima.values())
-    any_floor = next(iter(floors.values()))
-    record["resident_bytes"] = profile.param_bytes + profile.grad_bytes
-    record["resident_bytes"] += profile.optimizer_state_bytes
-    record["largest_unit_bytes"] = any_floor.largest_unit_bytes
+    named = args.strategy if args.strategy in minima else min(minima, key=lambda s: minima[s])
+    floor = minima[named]
+    # the bound of the strategy that reaches the floor, with its own resident bytes (optimizer
+    # state on the host is not resident) and its own profile's largest unit (below the largest
+    # layer: the chunked one)
+    record["floor_strategy"] = named
+    record["resident_bytes"] = floors[named].resident_bytes
+    record["largest_unit_bytes"] = floors[named].largest_unit_bytes
     record["floor_bytes"] = floor
-    record["floor_over_largest_layer"] = floor / (
-        record["resident_bytes"] + record["largest_unit_bytes"]
-    )
+    record["floor_over_largest_layer"] = floors[named].floor_over_largest_layer
     record["floor_over_eager"] = floor / record["eager_peak_bytes"]
     record["strategies"] = {name: f.to_dict() for name, f in floors.items()}
     try:
-        plan = make_plan(profile, budget_bytes=budget_bytes, strategy=args.strategy, cost=cost)
+        plan = make_plan(
+            profile, budget_bytes=budget_bytes, strategy=args.strategy, cost=cost, chunked=chunked
+        )
     except InfeasibleBudgetError as exc:
         record.update(
             feasible=False,
@@ -223,6 +245,9 @@ def _report(
         breakdown=plan.breakdown,
         units={a: plan.count(a) for a in ("keep", "offload", "recompute", "recompute+offload")},
         segments=len({u.segment for u in plan.units if u.segment >= 0}),
+        head_chunk_tokens=plan.head.chunk_tokens if plan.head else None,
+        head_mode=plan.head.mode if plan.head else None,
+        mlp_pieces=max((c.chunks for c in plan.seq_chunks), default=1),
     )
     if args.json:
         print(json.dumps({**record, "plan": plan.to_dict()}, indent=1))
@@ -269,6 +294,11 @@ def _print_plan(record: dict[str, Any], plan: Plan) -> None:
         f"{format_bytes(record['largest_unit_bytes'])} largest unit; floor / bound "
         f"{record['floor_over_largest_layer']:.3f}"
     )
+    if plan.head is not None:
+        print(
+            f"  chunked           LM head + loss in chunks of {plan.head.chunk_tokens} tokens "
+            f"({plan.head.mode}), block MLPs in {record['mlp_pieces']} sequence pieces"
+        )
     print(f"  host bytes        {format_bytes(plan.host_bytes)}")
     print(f"  extra compute     {plan.extra_compute_s * 1e3:.2f} ms/step (cost model)")
     print(f"  transfers         {plan.transfer_s * 1e3:.2f} ms/step")

@@ -13,7 +13,7 @@ import argparse
 import json
 from typing import Any
 
-from superneurons.commands.plan_target import HF, lm_target, progress, zoo_kwargs
+from superneurons.commands.plan_target import BELOW, HF, lm_target, progress, zoo_kwargs
 from superneurons.errors import ConfigError
 from superneurons.memory.cost import CostModel
 from superneurons.memory.llm import max_positions
@@ -39,7 +39,8 @@ def run_search(
         quantum = SEQ_QUANTUM if args.max_seq_len else 1
         if limit is not None and limit < 4 * SEQ_QUANTUM:  # a small configuration: 4 samples
             quantum = max(limit // 4, 1)
-        peaks = lm_peaks(config, step, axis, cost=cost, quantum=quantum)
+        below = BELOW[args.below]
+        peaks = lm_peaks(config, step, axis, cost=cost, quantum=quantum, variants=below)
         top = (limit or 64 * SEQ_QUANTUM) // quantum if args.max_seq_len else 8
         sizes = (max(top // 4, 1), max(top // 2, 2), max(top, 3))
         fits = max_fitting(
@@ -55,6 +56,7 @@ def run_search(
         for strategy, fit in fits.items():
             size = fit.size * quantum
             found = {"strategy": strategy, **base, key: size, "budget_bytes": budget_bytes}
+            found["below"] = args.below
             if limit is not None:  # the answer is the configuration's positions
                 found["limited_by_positions"] = size + quantum > limit
             found.update(fit_residual=fit.residual, slope_bytes=fit.slope_bytes)

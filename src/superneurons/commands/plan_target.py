@@ -11,8 +11,10 @@ from typing import Any
 
 from superneurons.bytesize import parse_bytes
 from superneurons.errors import ConfigError
+from superneurons.memory.below import VARIANTS
 from superneurons.memory.cost import CostModel, cost_model
 from superneurons.memory.llm import (
+    BELOW_FLOOR,
     LM_OPTIMIZERS,
     LMStep,
     default_optimizer_impl,
@@ -22,6 +24,7 @@ from superneurons.memory.llm import (
 from superneurons.rates import parse_rate
 
 __all__ = [
+    "BELOW",
     "HF",
     "ZOO_BUDGET",
     "budget_bytes_of",
@@ -32,7 +35,13 @@ __all__ = [
 ]
 
 HF = "hf:"
-ZOO_BUDGET = "12GiB"  # the SuperNeurons experiments' card (a 12 GiB TITAN X)
+ZOO_BUDGET = "12GiB"
+# ``--below``: which ``memory.below.VARIANTS`` ``plan --model hf:`` profiles besides the plain step
+BELOW: dict[str, tuple[str, ...]] = {
+    "floor": BELOW_FLOOR,
+    "all": VARIANTS,
+    "off": (),
+}  # the SuperNeurons experiments' card (a 12 GiB TITAN X)
 
 
 def zoo_kwargs(args: argparse.Namespace) -> dict[str, Any]:

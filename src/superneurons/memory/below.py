@@ -67,6 +67,8 @@ def below_profiles(
     fake: bool = False,
     keep_output: bool = True,
     variants: Sequence[str] = VARIANTS,
+    carry_output: bool = False,
+    autocast: torch.dtype | None = None,
 ) -> list[Profile]:
     """Profiles of the step :func:`profile_step` profiled as ``profile`` (same arguments), with
     the head + loss in chunks and block MLPs split over the sequence (module docstring), in the
@@ -78,6 +80,7 @@ def below_profiles(
         seq_len: the sequence length (pieces keep at least ``seqchunk.MIN_PIECE_TOKENS``).
         variants: which of :data:`VARIANTS` to profile (``("recompute+split",)``: the floor
             only, one profile instead of three).
+        carry_output / autocast: as :func:`profile_step`.
     """
     unit_fqns = list(units) if units is not None else [u.fqn for u in profile.units]
     splits = sequence_splits(profile, seq_len=seq_len, units=unit_fqns)
@@ -91,7 +94,14 @@ def below_profiles(
             chosen.append((head, ()))
     if splits and "recompute+split" in variants:
         chosen.append((head_chunking(model, tokens=tokens, mode="recompute"), splits))
-    options = dict(units=unit_fqns, fake_mode=fake_mode, fake=fake, keep_output=keep_output)
+    options: dict[str, Any] = dict(
+        units=unit_fqns,
+        fake_mode=fake_mode,
+        fake=fake,
+        keep_output=keep_output,
+        carry_output=carry_output,
+        autocast=autocast,
+    )
     profiles = []
     for head, split in chosen:
         prepared = profile_step(

@@ -21,7 +21,14 @@ from torch import nn
 
 from superneurons.memory.profile_types import CATEGORIES, Profile, layer_units
 
-__all__ = ["LOSS", "largest_unit_bytes", "resident_bytes", "split_largest", "working_sets"]
+__all__ = [
+    "LOSS",
+    "head_loss_bytes",
+    "largest_unit_bytes",
+    "resident_bytes",
+    "split_largest",
+    "working_sets",
+]
 
 LOSS = "<loss>"
 
@@ -78,6 +85,13 @@ def working_sets(profile: Profile) -> dict[str, int]:
         loss = active[start : end + 1] - unit_saved[start : end + 1]
         sets[LOSS] = int(loss.max(initial=0))
     return sets
+
+
+def head_loss_bytes(profile: Profile) -> int:
+    """The working set of the LM head unit plus the loss's (:func:`working_sets`): what the
+    head + loss needs at once, chunked or not; 0 for a model without a head."""
+    sets = working_sets(profile)
+    return sets.get(profile.head_unit, 0) + sets.get(LOSS, 0) if profile.head_unit else 0
 
 
 def largest_unit_bytes(profile: Profile) -> int:

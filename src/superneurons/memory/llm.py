@@ -54,11 +54,13 @@ __all__ = [
     "FusedAttention",
     "LMStep",
     "OPTIMIZER_IMPLS",
+    "BELOW_FLOOR",
     "attention_ops",
     "default_optimizer_impl",
     "load_config",
     "max_positions",
     "profile_causal_lm",
+    "profile_causal_lm_below",
 ]
 
 logger = logging.getLogger("superneurons.memory")
@@ -67,6 +69,8 @@ DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 OPTIMIZER_IMPLS: tuple[str, ...] = ("single", "foreach", "fused")
 TARGET_DEVICES: tuple[str, ...] = ("cuda", "cpu")
 LM_OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd", "none")
+# below the largest layer, the floor only: the head + loss in chunks and the block MLPs split
+BELOW_FLOOR: tuple[str, ...] = ("recompute+split",)
 
 
 @dataclass(frozen=True)
@@ -164,7 +168,28 @@ def profile_causal_lm(config: Any, step: LMStep, *, units: list[str] | None = No
         ConfigError: ``seq_len`` beyond the configuration's positions, an architecture that is
             not a causal LM, or a step that fails under fake tensors.
     """
+    return profile_causal_lm_below(config, step, units=units, variants=())[0]
+
+
+def profile_causal_lm_below(
+    config: Any,
+    step: LMStep,
+    *,
+    units: list[str] | None = None,
+    variants: tuple[str, ...] = BELOW_FLOOR,
+) -> tuple[Profile, list[Profile]]:
+    """The plain profile of :func:`profile_causal_lm` and the profiles of the same step below
+    the largest layer (:func:`superneurons.memory.below.below_profiles`: the LM head + loss in
+    chunks, each block's MLP over pieces of the sequence), one model built once. ``variants``:
+    which of :data:`superneurons.memory.below.VARIANTS` (default the floor only, one profile);
+    ``()``: none. Pass both to ``make_plan(profile, chunked=...)`` / ``strategy_floors``.
+
+    Raises:
+        ConfigError: as :func:`profile_causal_lm`.
+    """
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from superneurons.memory.below import below_profiles
 
     transformers = _transformers()
     limit = max_positions(config)
@@ -192,19 +217,23 @@ def profile_causal_lm(config: Any, step: LMStep, *, units: list[str] | None = No
     batch = {"input_ids": ids, "labels": ids}
     chosen = default_units(model) if units is None else units
     kernels = FusedAttention() if step.target_device == "cuda" else contextlib.nullcontext()
+    options: dict[str, Any] = dict(
+        fake_mode=mode,
+        units=chosen,
+        keep_output=step.keep_outputs,
+        carry_output=step.keep_outputs,
+        autocast=DTYPES[step.autocast] if step.autocast else None,
+    )
     with kernels, _unpacked_rows(transformers):
-        return profile_step(
-            model,
-            batch,
-            None,
-            output_loss,
-            optimizer,
-            fake_mode=mode,
-            units=chosen,
-            keep_output=step.keep_outputs,
-            carry_output=step.keep_outputs,
-            autocast=DTYPES[step.autocast] if step.autocast else None,
-        )
+        plain = profile_step(model, batch, None, output_loss, optimizer, **options)
+        if not variants:
+            return plain, []
+        tokens = step.batch_size * step.seq_len
+        chunked = below_profiles(
+            model, batch, None, output_loss, optimizer, profile=plain, tokens=tokens,
+            seq_len=step.seq_len, variants=variants, **options,
+        )  # fmt: skip
+    return plain, chunked
 
 
 class FusedAttention(TorchFunctionMode):

@@ -21,6 +21,7 @@ refused at its first call: the chunked loss could not reproduce it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -141,6 +142,8 @@ def chunk_head(model: nn.Module, decision: HeadChunking) -> HeadHandle:
 def _model_forward(
     lm: nn.Module, forward: Callable[..., Any], call: _Call, style: str, name: str
 ) -> Callable[..., Any]:
+    # the model's own signature stays visible (``model(**batch)`` callers inspect it)
+    @functools.wraps(forward)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         key = "labels" if style == "hf" else "targets"
         if style == "targets" and len(args) > 1:  # GPT(idx, targets)

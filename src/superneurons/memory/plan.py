@@ -331,6 +331,11 @@ class StrategyFloor:
     supports_ddp: bool
     optimizer_on_host: bool = False
     optimizer_host_bytes: int = 0
+    # the profile the floor was reached on: the LM head + loss working set (``bounds.
+    # head_loss_bytes``), its chunk (tokens; None: unchunked) and the pieces of the block MLPs
+    head_loss_working_set_bytes: int = 0
+    head_chunk_tokens: int | None = None
+    mlp_pieces: int = 1
 
     @property
     def floor_over_largest_layer(self) -> float:

@@ -21,7 +21,7 @@ from typing import Any
 
 from superneurons.errors import ConfigError
 from superneurons.memory.cost import CostModel
-from superneurons.memory.llm import LMStep, profile_causal_lm
+from superneurons.memory.llm import LMStep, profile_causal_lm_below
 from superneurons.memory.planner import min_peak_bytes
 from superneurons.memory.profile_types import Profile
 from superneurons.memory.simulate import profile_zoo
@@ -191,11 +191,19 @@ def profile_for_strategy(
 
 
 def lm_peaks(
-    config: Any, step: LMStep, axis: str, *, cost: CostModel | None = None, quantum: int = 1
+    config: Any,
+    step: LMStep,
+    axis: str,
+    *,
+    cost: CostModel | None = None,
+    quantum: int = 1,
+    variants: tuple[str, ...] = (),
 ) -> Callable[[int], dict[str, int]]:
     """``f(size)`` -> each strategy's smallest peak for a causal LM (:mod:`.llm`): ``axis``
     ``"seq_len"`` (``size * quantum`` tokens) or ``"batch"`` (``size`` sequences). With fused
-    attention every activation is linear in ``B x T``, so the peak is affine in either."""
+    attention every activation is linear in ``B x T``, so the peak is affine in either (below
+    the largest layer, ``variants`` of ``memory.below``, chunk sizes step in powers of two:
+    nearly affine, which the caller's direct profiles check)."""
     if axis not in ("seq_len", "batch"):
         raise ConfigError(f"axis must be 'seq_len' or 'batch', got {axis!r}")
 
@@ -204,6 +212,7 @@ def lm_peaks(
             sized = dataclasses.replace(step, seq_len=size * quantum)
         else:
             sized = dataclasses.replace(step, batch_size=size)
-        return min_peak_bytes(profile_causal_lm(config, sized), cost=cost)
+        plain, chunked = profile_causal_lm_below(config, sized, variants=variants)
+        return min_peak_bytes(plain, cost=cost, chunked=chunked)
 
     return peaks

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from superneurons.errors import ConfigError
-from superneurons.memory.bounds import largest_unit_bytes
+from superneurons.memory.bounds import head_loss_bytes, largest_unit_bytes
 from superneurons.memory.buckets import BUCKET_CAPS, assign_buckets, gradient_events
 from superneurons.memory.cost import CostModel
 from superneurons.memory.plan import (
@@ -267,9 +267,13 @@ def strategy_floors(
     eager = profile.predicted_peak_bytes()
     profiles = [profile, *chunked]
     floors = {}
+    sets: dict[int, tuple[int, int]] = {}  # id(profile) -> (largest unit, head + loss) bytes
     for strategy in (s for s in strategies if usable(profiles, s)):
         best = _floor(profiles, strategy, cost)
         outcome, used = best.outcome, best.profile or profile
+        if id(used) not in sets:
+            sets[id(used)] = (largest_unit_bytes(used), head_loss_bytes(used))
+        largest, head_loss = sets[id(used)]
         resident = used.param_bytes
         if not best.host_optimizer:
             resident += 0 if best.optimizer_in_backward else used.grad_bytes
@@ -279,7 +283,7 @@ def strategy_floors(
             min_budget_bytes=outcome.peak_bytes,
             eager_peak_bytes=eager,
             resident_bytes=resident,
-            largest_unit_bytes=largest_unit_bytes(used),
+            largest_unit_bytes=largest,
             host_bytes=outcome.host_bytes,
             predicted_overhead_s=outcome.extra_compute_s + outcome.exposed_s,
             peak_at=outcome.peak_at,
@@ -287,5 +291,8 @@ def strategy_floors(
             supports_ddp=strategy not in SINGLE_DEVICE_STRATEGIES,
             optimizer_on_host=best.optimizer_on_host,
             optimizer_host_bytes=outcome.optimizer_host_bytes,
+            head_loss_working_set_bytes=head_loss,
+            head_chunk_tokens=used.head.chunk_tokens if used.head else None,
+            mlp_pieces=max((c.chunks for c in used.seq_chunks), default=1),
         )
     return floors
