@@ -333,8 +333,18 @@ def test_many_mixes_leave_pool_empty() -> None:
 
 
 def test_inside_ddp_equals_plain_ddp(tmp_path: Path) -> None:
-    """Plan applied to the inner module, then wrapped (one gloo rank: the reducer still runs)."""
+    """Plan applied to the inner module, then wrapped (one gloo rank: the reducer still runs).
+
+    The DDP wrappers hold the process group: they are dropped after a barrier (which waits with
+    the GIL released, so gloo's worker threads can finish destroying their all-reduce works, whose
+    thread-local state holds Python objects such as the pool's saved-tensor hooks). Dropping the
+    last reference while a worker still waits for the GIL to do that deadlocks the group's
+    destructor (it joins the worker holding the GIL)."""
+    import gc
+
     import torch.distributed as dist
+
+    from superneurons.train.rank import leave_process_group
 
     dist.init_process_group(
         "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
@@ -348,7 +358,11 @@ def test_inside_ddp_equals_plain_ddp(tmp_path: Path) -> None:
         with apply_plan(inner, plan, pool_config=ALL_BYTES):
             planned = nn.parallel.DistributedDataParallel(inner)
             grads = _train(planned, batches, F.cross_entropy)
-        for a, b in zip(_train(ref, batches, F.cross_entropy), grads, strict=True):
+        expected = _train(ref, batches, F.cross_entropy)
+        dist.barrier()
+        del ref, planned
+        gc.collect()
+        for a, b in zip(expected, grads, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     finally:
-        dist.destroy_process_group()
+        leave_process_group()
