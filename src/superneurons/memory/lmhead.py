@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from superneurons.errors import ConfigError
+from superneurons.memory.forwards import ForwardPatches
 from superneurons.memory.headloss import linear_cross_entropy
 from superneurons.memory.plan import HeadChunking
 
@@ -92,19 +93,8 @@ class _Call:
     loss: torch.Tensor | None = None
 
 
-class HeadHandle:
+class HeadHandle(ForwardPatches):
     """Undoes :func:`chunk_head` (``remove()``, idempotent)."""
-
-    def __init__(self, restore: list[tuple[nn.Module, bool, Any]]) -> None:
-        self._restore = restore
-
-    def remove(self) -> None:
-        for module, had_own, original in reversed(self._restore):
-            if had_own:
-                module.forward = original  # type: ignore[method-assign]
-            else:
-                del module.forward
-        self._restore.clear()
 
 
 def chunk_head(model: nn.Module, decision: HeadChunking) -> HeadHandle:
@@ -129,14 +119,10 @@ def chunk_head(model: nn.Module, decision: HeadChunking) -> HeadHandle:
             "zoo GPT: only their head + loss can run in chunks"
         )
     call = _Call()
-    restore: list[tuple[nn.Module, bool, Any]] = []
-    for module, forward in (
-        (lm, _model_forward(lm, lm.forward, call, style, type(lm).__name__)),
-        (head, _head_forward(head, head.forward, call, decision)),
-    ):
-        restore.append((module, "forward" in module.__dict__, module.__dict__.get("forward")))
-        module.forward = forward  # type: ignore[method-assign]
-    return HeadHandle(restore)
+    handle = HeadHandle()
+    handle.patch(lm, _model_forward(lm, lm.forward, call, style, type(lm).__name__))
+    handle.patch(head, _head_forward(head, head.forward, call, decision))
+    return handle
 
 
 def _model_forward(

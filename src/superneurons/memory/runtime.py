@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from superneurons.errors import ConfigError
+from superneurons.memory.forwards import ForwardPatches
 from superneurons.memory.host_buckets import GradientBuckets
 from superneurons.memory.host_optimizer import HostOptimizerView
 from superneurons.memory.lmhead import chunk_head
@@ -86,28 +87,21 @@ class PlanHandle:
         self.host_state: HostOptimizerState | None = None
         self.optimizer: HostOptimizerView | None = None
         self.buckets: GradientBuckets | None = None
-        self._restore: list[tuple[nn.Module, bool, Any]] = []
+        self._forwards = ForwardPatches()
         self._hooks: list[Any] = []
         self._removed = False
 
     def _wrap(self, module: nn.Module, forward: Callable[..., Any]) -> None:
-        had_own = "forward" in module.__dict__
-        self._restore.append((module, had_own, module.__dict__.get("forward")))
         setattr(forward, _MARK, True)
-        module.forward = forward  # type: ignore[method-assign]
+        self._forwards.patch(module, forward)
 
     def remove(self) -> None:
         """Restore every wrapped module and drop every hook (idempotent)."""
         if self._removed:
             return
-        for module, had_own, original in reversed(self._restore):
-            if had_own:
-                module.forward = original  # type: ignore[method-assign]
-            else:
-                del module.forward
+        self._forwards.remove()
         for hook in self._hooks:
             hook.remove()
-        self._restore.clear()
         self._hooks.clear()
         self._removed = True
 

@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from superneurons.errors import ConfigError
+from superneurons.memory.forwards import ForwardPatches
 from superneurons.memory.plan import SeqChunking
 from superneurons.memory.profile_types import Profile
 
@@ -70,19 +71,8 @@ def sequence_splits(
     return tuple(splits)
 
 
-class SplitHandle:
+class SplitHandle(ForwardPatches):
     """Undoes :func:`split_sequence` (``remove()``, idempotent)."""
-
-    def __init__(self, restore: list[tuple[nn.Module, bool, Any]]) -> None:
-        self._restore = restore
-
-    def remove(self) -> None:
-        for module, had_own, original in reversed(self._restore):
-            if had_own:
-                module.forward = original  # type: ignore[method-assign]
-            else:
-                del module.forward
-        self._restore.clear()
 
 
 def split_sequence(model: nn.Module, splits: Sequence[SeqChunking]) -> SplitHandle:
@@ -92,7 +82,7 @@ def split_sequence(model: nn.Module, splits: Sequence[SeqChunking]) -> SplitHand
     Raises:
         ConfigError: a fqn is not a submodule of ``model``.
     """
-    restore: list[tuple[nn.Module, bool, Any]] = []
+    handle = SplitHandle()
     try:
         for split in splits:
             try:
@@ -102,12 +92,11 @@ def split_sequence(model: nn.Module, splits: Sequence[SeqChunking]) -> SplitHand
                     f"the plan splits {split.fqn!r}, which {type(model).__name__} does not "
                     "have: re-plan this model"
                 ) from exc
-            restore.append((module, "forward" in module.__dict__, module.__dict__.get("forward")))
-            module.forward = _pieces(module.forward, split.chunks)  # type: ignore[method-assign]
+            handle.patch(module, _pieces(module.forward, split.chunks))
     except BaseException:
-        SplitHandle(restore).remove()
+        handle.remove()
         raise
-    return SplitHandle(restore)
+    return handle
 
 
 def _pieces(forward: Callable[..., Any], chunks: int) -> Callable[..., Any]:
