@@ -29,6 +29,10 @@ DDP: apply the plan to the inner module, before or after wrapping it (a
 ``DistributedDataParallel`` is unwrapped here); non-reentrant checkpoint is DDP-safe. Do not
 combine ``optimizer_in_backward`` with DDP: gradients would be stepped before all-reduce.
 Autocast: checkpoint replays the autocast state; offloaded tensors keep their dtype.
+
+``torch.compile``: a compiled call of the planned model (or of a plan unit) is refused with a
+``ConfigError`` unless the plan is applied with ``compile="trace"``
+(:mod:`superneurons.memory.compiled`: the budget holds for the eager step).
 """
 
 from __future__ import annotations
@@ -43,13 +47,14 @@ import torch
 from torch import nn
 
 from superneurons.errors import ConfigError
+from superneurons.memory.compiled import CompileGuard, CompileMode
 from superneurons.memory.forwards import ForwardPatches
 from superneurons.memory.host_buckets import GradientBuckets
 from superneurons.memory.host_optimizer import HostOptimizerView
 from superneurons.memory.lmhead import chunk_head
 from superneurons.memory.nodes import on_enter, on_leave, output_nodes
 from superneurons.memory.optim_host import HostOptimizerState
-from superneurons.memory.plan import OFFLOADING, Plan
+from superneurons.memory.plan import OFFLOADING, Plan, UnitDecision
 from superneurons.memory.plan_optimizer import attach_optimizer
 from superneurons.memory.pool import PoolConfig, PoolStats, TensorPool
 from superneurons.memory.recompute import RecomputeStats, checkpointed_forward
@@ -166,6 +171,7 @@ def apply_plan(
     device: torch.device | str | None = None,
     pool_config: PoolConfig | None = None,
     optimizer_factory: OptimizerFactory | None = None,
+    compile: CompileMode = "refuse",
 ) -> PlanHandle:
     """Execute ``plan`` on ``model`` until the returned handle is removed.
 
@@ -178,10 +184,16 @@ def apply_plan(
         optimizer_factory: builds one optimizer for a list of parameters; required when
             ``plan.optimizer_in_backward`` (then call no ``optimizer.step()`` yourself) and
             when ``plan.host_optimizer`` (then use ``handle.optimizer`` as the loop's).
+        compile: ``"refuse"`` (default): a ``torch.compile``-d call of the model or of a plan
+            unit raises ``ConfigError`` (the budget holds for the eager step the profile saw);
+            ``"trace"``: the hooks trace without a graph break of their own, recompute units
+            become dynamo's traced checkpoint, and the budget is measured, not promised
+            (:mod:`superneurons.memory.compiled`).
 
     Raises:
         ConfigError: a unit fqn is not a submodule, non-keep units are nested, the model
-            already runs a plan, or ``optimizer_in_backward`` lacks ``optimizer_factory``.
+            already runs a plan, ``optimizer_in_backward`` lacks ``optimizer_factory``, or
+            (``compile="refuse"``) at the first compiled call.
     """
     if isinstance(model, nn.parallel.DistributedDataParallel):
         model = model.module
@@ -191,6 +203,7 @@ def apply_plan(
     device = torch.device(device)
     config = pool_config or PoolConfig(host_bytes=plan.host_bytes)
 
+    guard = CompileGuard(compile)
     units = _resolve_units(model, plan)
     if any(getattr(m.forward, _MARK, False) for _, _, m in units):
         raise ConfigError("this model already runs a plan: remove() the first handle")
@@ -207,10 +220,13 @@ def apply_plan(
             handle._hooks.append(chunk_head(model, plan.head))
         if plan.seq_chunks:
             handle._hooks.append(split_sequence(model, plan.seq_chunks))
+        # the compile guard runs first, at the model and at every unit (a unit may be
+        # compiled on its own: ``module.compile()``)
+        hook = model.register_forward_pre_hook(lambda _m, _a: guard("model"), prepend=True)
+        handle._hooks.append(hook)
         for unit in plan.units:  # every unit call, keep units included, in forward order
-            hook = model.get_submodule(unit.fqn).register_forward_pre_hook(
-                lambda _m, _a, a=unit.action: trace.enter(a)
-            )
+            module = model.get_submodule(unit.fqn)
+            hook = module.register_forward_pre_hook(_unit_entered(guard, trace, unit))
             handle._hooks.append(hook)
         for fqn, action, module in units:
             if action == "recompute":
@@ -243,6 +259,16 @@ def apply_plan(
         plan.optimizer_in_backward,
     )
     return handle
+
+
+def _unit_entered(
+    guard: CompileGuard, trace: _CallTrace, unit: UnitDecision
+) -> Callable[..., None]:
+    def hook(_module: nn.Module, _args: Any) -> None:
+        guard(unit.fqn)
+        trace.enter(unit.action)
+
+    return hook
 
 
 def _resolve_units(model: nn.Module, plan: Plan) -> list[tuple[str, str, nn.Module]]:
