@@ -29,10 +29,7 @@ DDP: apply the plan to the inner module, before or after wrapping it (a
 ``DistributedDataParallel`` is unwrapped here); non-reentrant checkpoint is DDP-safe. Do not
 combine ``optimizer_in_backward`` with DDP: gradients would be stepped before all-reduce.
 Autocast: checkpoint replays the autocast state; offloaded tensors keep their dtype.
-
-``torch.compile``: a compiled call of the planned model (or of a plan unit) is refused with a
-``ConfigError`` unless the plan is applied with ``compile="trace"``
-(:mod:`superneurons.memory.compiled`: the budget holds for the eager step).
+``torch.compile``: refused unless ``compile="trace"`` (:mod:`superneurons.memory.compiled`).
 """
 
 from __future__ import annotations
@@ -220,8 +217,7 @@ def apply_plan(
             handle._hooks.append(chunk_head(model, plan.head))
         if plan.seq_chunks:
             handle._hooks.append(split_sequence(model, plan.seq_chunks))
-        # the compile guard runs first, at the model and at every unit (a unit may be
-        # compiled on its own: ``module.compile()``)
+        # the compile guard first, at the model and every unit (``unit.compile()`` alone)
         hook = model.register_forward_pre_hook(lambda _m, _a: guard("model"), prepend=True)
         handle._hooks.append(hook)
         for unit in plan.units:  # every unit call, keep units included, in forward order
