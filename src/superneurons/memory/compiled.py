@@ -27,14 +27,24 @@ whose text carries the same message as the disabled function's reason.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from torch import nn
 
 from superneurons.compat import compiler_disabled
 from superneurons.errors import ConfigError
 
-__all__ = ["COMPILE_MODES", "CompileMode", "CompileGuard", "refusal_message"]
+if TYPE_CHECKING:
+    from superneurons.memory.plan import Plan
+
+__all__ = [
+    "COMPILE_MODES",
+    "CompileGuard",
+    "CompileMode",
+    "guard_compiled_calls",
+    "refusal_message",
+]
 
 CompileMode = Literal["refuse", "trace"]
 COMPILE_MODES: tuple[str, ...] = ("refuse", "trace")
@@ -76,3 +86,17 @@ class CompileGuard:
     def __call__(self, where: str) -> None:
         if self._refuse is not None and torch.compiler.is_compiling():
             self._refuse(where)
+
+
+def guard_compiled_calls(model: nn.Module, plan: Plan, *, mode: str) -> list[Any]:
+    """Under ``"refuse"``, forward pre-hooks (run before any other) on ``model`` and on every
+    unit of ``plan`` (a unit may be compiled alone: ``unit.compile()``) that refuse a compiled
+    call; none under ``"trace"``. Returns the removable handles."""
+    guard = CompileGuard(mode)
+    if mode == "trace":
+        return []
+    where = {"model": model} | {unit.fqn: model.get_submodule(unit.fqn) for unit in plan.units}
+    return [
+        module.register_forward_pre_hook(lambda _m, _a, w=name: guard(w), prepend=True)
+        for name, module in where.items()
+    ]

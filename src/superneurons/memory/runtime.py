@@ -44,14 +44,14 @@ import torch
 from torch import nn
 
 from superneurons.errors import ConfigError
-from superneurons.memory.compiled import CompileGuard, CompileMode
+from superneurons.memory.compiled import CompileMode, guard_compiled_calls
 from superneurons.memory.forwards import ForwardPatches
 from superneurons.memory.host_buckets import GradientBuckets
 from superneurons.memory.host_optimizer import HostOptimizerView
 from superneurons.memory.lmhead import chunk_head
 from superneurons.memory.nodes import on_enter, on_leave, output_nodes
 from superneurons.memory.optim_host import HostOptimizerState
-from superneurons.memory.plan import OFFLOADING, Plan, UnitDecision
+from superneurons.memory.plan import OFFLOADING, Plan
 from superneurons.memory.plan_optimizer import attach_optimizer
 from superneurons.memory.pool import PoolConfig, PoolStats, TensorPool
 from superneurons.memory.recompute import RecomputeStats, checkpointed_forward
@@ -200,7 +200,6 @@ def apply_plan(
     device = torch.device(device)
     config = pool_config or PoolConfig(host_bytes=plan.host_bytes)
 
-    guard = CompileGuard(compile)
     units = _resolve_units(model, plan)
     if any(getattr(m.forward, _MARK, False) for _, _, m in units):
         raise ConfigError("this model already runs a plan: remove() the first handle")
@@ -217,12 +216,11 @@ def apply_plan(
             handle._hooks.append(chunk_head(model, plan.head))
         if plan.seq_chunks:
             handle._hooks.append(split_sequence(model, plan.seq_chunks))
-        # the compile guard first, at the model and every unit (``unit.compile()`` alone)
-        hook = model.register_forward_pre_hook(lambda _m, _a: guard("model"), prepend=True)
-        handle._hooks.append(hook)
+        handle._hooks += guard_compiled_calls(model, plan, mode=compile)
         for unit in plan.units:  # every unit call, keep units included, in forward order
-            module = model.get_submodule(unit.fqn)
-            hook = module.register_forward_pre_hook(_unit_entered(guard, trace, unit))
+            hook = model.get_submodule(unit.fqn).register_forward_pre_hook(
+                lambda _m, _a, a=unit.action: trace.enter(a)
+            )
             handle._hooks.append(hook)
         for fqn, action, module in units:
             if action == "recompute":
@@ -255,16 +253,6 @@ def apply_plan(
         plan.optimizer_in_backward,
     )
     return handle
-
-
-def _unit_entered(
-    guard: CompileGuard, trace: _CallTrace, unit: UnitDecision
-) -> Callable[..., None]:
-    def hook(_module: nn.Module, _args: Any) -> None:
-        guard(unit.fqn)
-        trace.enter(unit.action)
-
-    return hook
 
 
 def _resolve_units(model: nn.Module, plan: Plan) -> list[tuple[str, str, nn.Module]]:
