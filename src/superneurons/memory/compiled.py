@@ -69,9 +69,11 @@ def _refuse(where: str) -> None:
 
 
 class CompileGuard:
-    """Called at the start of every planned forward: refuses a compiled call under ``"refuse"``.
+    """Called by the pre-hooks of :func:`guard_compiled_calls`: under ``"refuse"`` it refuses
+    a compiled call; outside ``torch.compile`` a call costs one ``is_compiling()``.
 
-    Outside ``torch.compile`` (and under ``"trace"``) a call costs one ``is_compiling()``.
+    NOTE: ``torch.compiler.disable`` imports ``torch._dynamo`` (seconds, once per process) when
+    the plan is applied; a non-reentrant checkpoint, i.e. any recompute unit, imports it anyway.
     """
 
     def __init__(self, mode: str) -> None:
