@@ -219,8 +219,9 @@ def _recompute_peak(row: Mapping[str, Any], scratch: Mapping[int, int]) -> int:
     op by op with the scratch each op allocated for itself (-1: it saved nothing).
 
     NOTE: op by op, not the largest scratch on top of the largest live bytes: a tiny GPT-2
-    under autocast allocates its largest scratch in the attention's softmax, 0.3 MB below the
-    block's peak, and the sum over-predicted the recompute of every block by 1.9%.
+    block under autocast allocates its largest scratch (0.25 MiB) in the attention's softmax,
+    where it holds 2 MB less than at its peak; the sum over-predicted the step's peak with
+    every block recomputed by 1.9% (benchmarks/mixed_precision.py).
     """
     if "recompute_peak" not in row:
         return -1
