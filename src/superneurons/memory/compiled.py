@@ -5,8 +5,8 @@ another step: inductor fuses kernels and allocates its own buffers below the dis
 min-cut partitioner of AOTAutograd decides what the compiled forward saves for backward, so the
 profile does not describe the compiled step. Measured on the tiny Llama of
 ``benchmarks/compile_budget.py`` (CPU, AdamW, c10 allocator view,
-``benchmarks/results/compile/``): in fp32 a recompute plan at the reported minimum ran 15% over
-its budget compiled (+964,416 B, close to the logits' size; autocast and bf16 fitted), while
+``benchmarks/results/compile/``): in fp32 a recompute plan at the reported minimum ran 16% over
+its budget compiled (+1,033,856 B, close to the logits' size; autocast and bf16 fitted), while
 the same plan run eagerly meets its prediction to within 1%. So a compiled call of a planned model is refused by default, with a
 :class:`~superneurons.errors.ConfigError` that says what to do.
 
