@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from superneurons.memory.tracker import LiveStorageTracker
+from superneurons.memory.tracker import LiveStorageTracker, plain_tensors
 
 __all__ = ["StepMeasure", "allocator_peak_bytes", "device_peak_bytes", "measure_step"]
 
@@ -114,6 +114,7 @@ def allocator_peak_bytes(step: StepFn, *, resident: Callable[[], Sequence[torch.
 def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
     """Bytes of the distinct cpu storages of ``tensors`` and of their gradients."""
     alive = [*tensors, *(t.grad for t in tensors if t.is_leaf and t.grad is not None)]
+    alive = [plain for t in alive for plain in plain_tensors(t)]  # a DTensor: this rank's shard
     storages = {
         t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
         for t in alive
