@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from distributed import Ranks, shared_ranks
@@ -50,7 +51,9 @@ def _sharded() -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def _batch(rank: int, step: int) -> dict[str, torch.Tensor]:
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(step + 7 * rank))
+    ids = torch.randint(
+        0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(step + 7 * rank)
+    )
     return {"input_ids": ids, "labels": ids.clone()}
 
 
@@ -64,21 +67,36 @@ def _shards(model: nn.Module) -> list[torch.Tensor]:
     return [p.to_local().detach().clone() for p in model.parameters()]
 
 
-def _measured(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> int:
-    """Two steps; the c10 CPU allocator's peak of the second, resident state included."""
-    from superneurons.bench.memory_meter import allocator_peak_bytes
+def _measured(
+    model: nn.Module, optimizer: torch.optim.Optimizer, rank: int
+) -> tuple[int, int, list[torch.Tensor]]:
+    """A step, then the per-rank peak of a second one: the c10 CPU allocator's (resident state
+    included) and the live-storage tracker's (which sees frees on every thread); and the
+    shards after those two steps."""
+    from superneurons.bench.memory_meter import allocator_step_bytes, device_peak_bytes
 
     _step(model, optimizer, _batch(rank, 0))
     batch = _batch(rank, 1)
 
     def resident() -> list[torch.Tensor]:
         state = [t for s in optimizer.state.values() for t in s.values()]
-        return [*model.parameters(), *state, *batch.values()]
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        return [*model.parameters(), *grads, *state, *batch.values()]
 
-    import sys; sys.path.insert(0, "/tmp/fsdp"); from meter import allocator_detail
-    r = allocator_detail(lambda: _step(model, optimizer, batch), resident=resident)
-    print("DETAIL", rank, r, flush=True)
-    return r[0]
+    # NOTE: a gloo worker thread sometimes frees a collective's buffer where the profiler does
+    # not see it (``unfreed`` > 0, the peak over-counted): every rank measures such a step again
+    shards: list[torch.Tensor] = []
+    for _ in range(4):
+        peak, unfreed = allocator_step_bytes(
+            lambda: _step(model, optimizer, batch), resident=resident
+        )
+        shards = shards or _shards(model)
+        seen = torch.tensor([unfreed])
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+        if int(seen) == 0:
+            break
+    tracked = device_peak_bytes(lambda: _step(model, optimizer, batch), resident=resident())
+    return peak, tracked, shards
 
 
 def _budgets(rank: int, world_size: int) -> dict[str, Any]:
@@ -86,8 +104,7 @@ def _budgets(rank: int, world_size: int) -> dict[str, Any]:
     from superneurons.memory import InfeasibleBudgetError, apply_plan
 
     model, optimizer = _sharded()
-    eager_peak = _measured(model, optimizer, rank)
-    eager = _shards(model)
+    eager_peak, _, eager = _measured(model, optimizer, rank)
     out: dict[str, Any] = {"eager_peak": eager_peak}
     for name in ("60%", "floor"):
         model, optimizer = _sharded()
@@ -102,14 +119,15 @@ def _budgets(rank: int, world_size: int) -> dict[str, Any]:
         untouched = all(torch.equal(a, b) for a, b in zip(before, _shards(model), strict=True))
         untouched &= not optimizer.state and all(p.grad is None for p in model.parameters())
         with apply_plan(model, plan):
-            peak = _measured(model, optimizer, rank)
+            peak, tracked, shards = _measured(model, optimizer, rank)
         out[name] = {
             "plan": plan.to_json(),
             "budget": plan.budget_bytes,
             "predicted": plan.predicted_peak_bytes,
             "measured": peak,
+            "tracked": tracked,
             "untouched": untouched,
-            "bitwise": all(torch.equal(a, b) for a, b in zip(eager, _shards(model), strict=True)),
+            "bitwise": all(torch.equal(a, b) for a, b in zip(eager, shards, strict=True)),
             "recompute": plan.count("recompute"),
             "actions": [(u.fqn, u.action, u.segment) for u in plan.units],
         }
@@ -117,19 +135,20 @@ def _budgets(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_plans_fit_the_budget_per_rank_and_train_as_fsdp2_eager(ranks: Ranks) -> None:
-    results = ranks.run(_budgets, timeout_s=120)
+    results = ranks.run(_budgets, timeout_s=240)
     for result in results:
         for name in ("60%", "floor"):
             row = result[name]
             shown = f"{name}: " + str({k: v for k, v in row.items() if k != "plan"})
-            assert row["untouched"], name  # profiling changed no shard, gradient or state
-            print(shown)
-            assert row["bitwise"], name  # parameters after two steps equal FSDP2 eager's
-            assert row["recompute"] > 0, name
+            assert row["untouched"], shown  # profiling changed no shard, gradient or state
+            assert row["bitwise"], shown  # parameters after two steps equal FSDP2 eager's
+            assert row["recompute"] > 0, shown
             assert row["measured"] <= row["budget"], shown
-            # the prediction is the allocator's measured peak within 1%
-            assert abs(row["measured"] - row["predicted"]) <= 0.01 * row["predicted"], shown
+            assert row["tracked"] <= row["budget"], shown
+            # the prediction is the allocator's measured peak within 0.5%
+            assert abs(row["measured"] - row["predicted"]) <= 0.005 * row["predicted"], shown
         assert result["floor"]["budget"] < result["60%"]["budget"] < result["eager_peak"]
     for name in ("60%", "floor"):  # every rank runs the same plan
         assert results[0][name]["plan"] == results[1][name]["plan"]

@@ -171,6 +171,11 @@ def plan_for_batch(
     if not isinstance(batch, Mapping):
         raise ConfigError(f"batch must be a dict of model inputs, got {type(batch).__name__}")
     model = unwrapped(model)
+    if is_fully_sharded(model) and strategy not in ("auto", "recompute", "eager", "checkpoint"):
+        raise ConfigError(
+            f"strategy {strategy!r} on a fully_shard (FSDP2) model: use 'recompute' (or 'auto'); "
+            "FSDP2 already shards parameters, gradients and optimizer state"
+        )
     step = _BatchLoss(model, loss_of, whole_output=keep_outputs)
     chosen = units if units is not None else default_units(model)
     if not chosen:
@@ -208,11 +213,6 @@ def plan_for_batch(
     plan: Plan | None = None
     error: BaseException | None = None
     try:
-        if sharded and strategy not in ("recompute", "eager", "checkpoint"):
-            raise ConfigError(
-                f"strategy {strategy!r} on a fully_shard (FSDP2) model: use 'recompute' (or "
-                "'auto'); FSDP2 already shards parameters, gradients and optimizer state"
-            )
         plan = _plan(profile, budget_bytes, strategy, plan_options)
     except InfeasibleBudgetError as exc:
         # a sharded model runs recompute plans only: report their floor, not offload's

@@ -181,7 +181,7 @@ class LiveStorageTracker(TorchDispatchMode):
 
     def __enter__(self) -> LiveStorageTracker:
         if not _ACTIVE:
-            torch.UntypedStorage.resize_ = _reporting_resize  # type: ignore[method-assign]
+            torch.UntypedStorage.resize_ = _reporting_resize  # type: ignore[method-assign,assignment]
         _ACTIVE.append(self)
         return super().__enter__()  # type: ignore[no-any-return]
 
