@@ -39,7 +39,6 @@ import torch.distributed as dist
 from torch import nn
 
 from superneurons.errors import ConfigError
-from superneurons.memory.isolate import shadow_optimizer
 from superneurons.memory.plan import Plan
 from superneurons.memory.tracker import LiveStorageTracker
 
@@ -73,11 +72,13 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def sharded_isolated(
-    root: nn.Module, optimizer: torch.optim.Optimizer | None
+    root: nn.Module, shadow: torch.optim.Optimizer | None
 ) -> Iterator[tuple[nn.Module, torch.optim.Optimizer | None]]:
     """Yield ``(root, shadow)`` to run one training step of a ``fully_shard``-ed model on; on
-    exit the rank's shards, buffers, gradients, optimizer and RNG are as they were.
+    exit the rank's shards, buffers and gradients and the RNG are as they were.
 
+    ``shadow`` is a copy of the optimizer that steps ``root``'s own parameters (its state
+    cloned: :func:`~.isolate.shadow_optimizer` with a memo mapping each parameter to itself).
     Costs a copy of this rank's shards, buffers and optimizer state, as a replicated model's
     isolation does (:func:`~.isolate.isolated`).
     """
@@ -87,8 +88,6 @@ def sharded_isolated(
         shards = [_local(p).clone() for p in params]
         buffer_values = [b.clone() for b in buffers]
     grads = [p.grad for p in params]
-    memo: dict[int, Any] = {id(p): p for p in params}  # the shadow steps the real parameters
-    shadow = None if optimizer is None else shadow_optimizer(optimizer, memo)
     try:
         for param in params:
             param.grad = None

@@ -228,7 +228,9 @@ def isolated(
             raise ConfigError(
                 "a fully_shard (FSDP2) model is profiled with real tensors: pass fake=False"
             )
-        with sharded_isolated(root, inner) as pair:
+        itself: dict[int, Any] = {id(p): p for p in root.parameters()}  # steps the real ones
+        shadow = None if inner is None else shadow_optimizer(inner, itself)
+        with sharded_isolated(root, shadow) as pair:
             yield pair
         return
     copying = FakeCopyMode(fake_mode) if fake else contextlib.nullcontext()
