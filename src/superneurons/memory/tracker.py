@@ -52,6 +52,9 @@ _ORIGINAL_RESIZE = torch.UntypedStorage.resize_
 def _reporting_resize(storage: torch.UntypedStorage, nbytes: int) -> Any:
     out = _ORIGINAL_RESIZE(storage, nbytes)
     if not getattr(_PAUSED, "depth", 0):
+        # NOTE: every active tracker, whatever thread resizes: on CUDA, backward (FSDP2's
+        # pre-backward all-gather included) runs on autograd's device thread, where the
+        # dispatch mode follows the ops but a thread-local list would not
         for tracker in {id(t): t for t in _ACTIVE}.values():
             tracker._resized(storage)
     return out
