@@ -44,6 +44,7 @@ HIDDEN, LAYERS, HEADS, KV_HEADS, MLP, VOCAB = 256, 4, 4, 2, 688, 2000
 BATCH, SEQ = 4, 256
 WORLD = 2
 STEPS = 3
+ATTEMPTS = 8  # allocator measurements of a step while a rank's profiler missed a free
 MiB = 2**20
 
 
@@ -98,7 +99,8 @@ def measure(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> di
 
     after: list[torch.Tensor] = []
     attempts = 0
-    for attempts in range(1, 5):  # noqa: B007 - reported; every rank measures again while any rank saw an unfreed block
+    # every rank measures again while any rank saw an unfreed block (``attempts`` is reported)
+    for attempts in range(1, ATTEMPTS + 1):  # noqa: B007
         peak, unfreed = allocator_step_bytes(
             lambda: train_step(model, optimizer, b), resident=resident
         )
@@ -193,6 +195,7 @@ def row(
         "peak_over_eager": got["peak"] / eager["peak"],
         "params_bitwise_equal_eager": same,
         "measure_attempts": got["attempts"],
+        "unfreed_bytes": got["unfreed"],
         "cpu_s": got["cpu_s"],
         "cpu_over_eager": got["cpu_s"] / eager["cpu_s"],
     }
@@ -267,7 +270,8 @@ def write_report(run: dict[str, Any], out: Path) -> None:
     columns = ["rank", "method", "budget_mib", "budget_over_eager_predicted", "predicted_mib",
                "peak_mib", "measured_minus_predicted_bytes", "within_budget", "tracked_peak_mib",
                "peak_over_eager", "params_bitwise_equal_eager", "same_plan_on_all_ranks",
-               "recompute_units", "measure_attempts", "cpu_s", "cpu_over_eager"]  # fmt: skip
+               "recompute_units", "measure_attempts", "unfreed_bytes", "cpu_s",
+               "cpu_over_eager"]  # fmt: skip
     measured = run["environment"]
     body = "\n".join(
         [
@@ -279,8 +283,11 @@ def write_report(run: dict[str, Any], out: Path) -> None:
             "",
             "Peaks per rank, MiB = 2^20 B: the c10 CPU allocator's (`peak_mib`, resident state "
             "included) and the live-storage tracker's (`tracked_peak_mib`). `within_budget`: "
-            "allocator peak <= budget. The anchor is torchtitan's full activation checkpointing "
-            "(`checkpoint_wrapper` on every decoder layer, applied before `fully_shard`).",
+            "allocator peak <= budget. `unfreed_bytes`: what the measured step allocated and the "
+            "profiler saw no free of (a gloo worker thread's free; the step is measured again, "
+            "up to 8 times, while any rank has some; the last one is reported). The anchor is torchtitan's full activation "
+            "checkpointing (`checkpoint_wrapper` on every decoder layer, applied before "
+            "`fully_shard`).",
             "",
             markdown_table(run["records"], columns),
         ]
