@@ -11,7 +11,8 @@ isolated (:mod:`.isolate`: the caller's state is untouched), with three observer
   its forward window, forward FLOPs (``torch.utils.flop_counter``'s formulas), bytes written,
   and where backward enters and leaves it (the runtime's prefetch points, :mod:`.nodes`).
 
-The observers' bookkeeping and the record it becomes live in :mod:`.recording`. This is
+The observers' bookkeeping lives in :mod:`.recording`, the record it becomes in
+:mod:`.from_recording`. This is
 SuperNeurons' liveness analysis over the execution route (Wang et al., PPoPP'18 §3.1),
 measured rather than derived from a static graph: branches, shared modules, in-place ops,
 dropout and BatchNorm need no special cases. With ``fake=True`` the step runs under
@@ -33,6 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from superneurons.errors import ConfigError
 from superneurons.memory.cost import EventTimer, measure_copy_bandwidth
+from superneurons.memory.from_recording import build_profile
 from superneurons.memory.fsdp import count_unsharded_params, is_fully_sharded, with_lineage
 from superneurons.memory.isolate import IsolationError, isolated, unwrapped
 from superneurons.memory.owners import kept_in_place, with_owners
@@ -46,7 +48,7 @@ from superneurons.memory.profile_types import (
     head_unit,
 )
 from superneurons.memory.recompute import running_stat_bytes
-from superneurons.memory.recording import Recorder, build_profile
+from superneurons.memory.recording import Recorder
 from superneurons.memory.stateful import kv_cache_off
 from superneurons.memory.tracker import LiveStorageTracker
 from superneurons.memory.workspace import op_scratch, scratch_recorder
