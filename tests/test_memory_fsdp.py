@@ -63,6 +63,11 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, A
     optimizer.step()
 
 
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (the tensor itself otherwise)."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def _shards(model: nn.Module) -> list[torch.Tensor]:
     return [p.to_local().detach().clone() for p in model.parameters()]
 
@@ -161,6 +166,8 @@ def test_plans_fit_the_budget_per_rank_and_train_as_fsdp2_eager(ranks: Ranks) ->
 
 
 def _refusals(rank: int, world_size: int) -> list[str]:
+    """The refusals, after profiling a model that trained a step (its shards, gradients and
+    optimizer state are left exactly as they were)."""
     from superneurons.integrations.hf import plan_for_batch
     from superneurons.memory import apply_plan
     from superneurons.memory.fsdp import agree_plan
@@ -170,7 +177,14 @@ def _refusals(rank: int, world_size: int) -> list[str]:
     with pytest.raises(ConfigError) as info:
         plan_for_batch(model, _batch(rank, 0), budget_fraction=0.6, strategy="offload")
     messages.append(str(info.value))
-    plan = plan_for_batch(model, _batch(rank, 0), budget_fraction=0.6, optimizer=optimizer)
+    _step(model, optimizer, _batch(rank, 0))  # a trained model: optimizer state in DTensors
+    state = [_plain(t).clone() for s in optimizer.state.values() for t in s.values()]
+    before, grads = _shards(model), [p.grad for p in model.parameters()]
+    plan = plan_for_batch(model, _batch(rank, 1), budget_fraction=0.6, optimizer=optimizer)
+    after = [_plain(t) for s in optimizer.state.values() for t in s.values()]
+    assert all(torch.equal(a, b) for a, b in zip(before, _shards(model), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(state, after, strict=True))
+    assert all(a is p.grad for a, p in zip(grads, model.parameters(), strict=True))
     offloading = type(plan).from_json(plan.to_json().replace('"recompute"', '"offload"'))
     with pytest.raises(ConfigError) as info:
         apply_plan(model, offloading)
