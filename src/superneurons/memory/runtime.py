@@ -46,6 +46,7 @@ from torch import nn
 from superneurons.errors import ConfigError
 from superneurons.memory.compiled import CompileMode, guard_compiled_calls
 from superneurons.memory.forwards import ForwardPatches
+from superneurons.memory.fsdp import check_sharded_plan, is_fully_sharded
 from superneurons.memory.host_buckets import GradientBuckets
 from superneurons.memory.host_optimizer import HostOptimizerView
 from superneurons.memory.lmhead import chunk_head
@@ -189,8 +190,10 @@ def apply_plan(
 
     Raises:
         ConfigError: a unit fqn is not a submodule, non-keep units are nested, the model
-            already runs a plan, ``optimizer_in_backward`` lacks ``optimizer_factory``, or
-            (``compile="refuse"``) at the first compiled call.
+            already runs a plan, ``optimizer_in_backward`` lacks ``optimizer_factory``,
+            (``compile="refuse"``) at the first compiled call, or the model is
+            ``fully_shard``-ed (FSDP2) and the plan offloads or moves the optimizer
+            (:func:`superneurons.memory.fsdp.check_sharded_plan`).
     """
     if isinstance(model, nn.parallel.DistributedDataParallel):
         model = model.module
@@ -200,6 +203,8 @@ def apply_plan(
     device = torch.device(device)
     config = pool_config or PoolConfig(host_bytes=plan.host_bytes)
 
+    if is_fully_sharded(model):
+        check_sharded_plan(model, plan)
     units = _resolve_units(model, plan)
     if any(getattr(m.forward, _MARK, False) for _, _, m in units):
         raise ConfigError("this model already runs a plan: remove() the first handle")
