@@ -181,19 +181,38 @@ def _search(profile: Profile, strategy: str, budget_bytes: int | None, cost: Cos
 
     outcome = outcome_of()
     best = choice(outcome)
+    taken: list[str] = []  # units the prefix moved off "keep", in order
     for fqn, action in steps:
         if budget_bytes is not None and outcome.peak_bytes <= budget_bytes:
-            return choice(outcome)
+            break
         if (fqn, action) == _SEGMENT:
             segmented = True
         elif (fqn, action) == _HOST_STATE:
             on_host = True
         else:
+            if actions[fqn] == "keep":
+                taken.append(fqn)
             actions[fqn] = action
         outcome = outcome_of()
         if outcome.peak_bytes < best.outcome.peak_bytes:
             best = choice(outcome)
-    return best if budget_bytes is None else choice(outcome)
+    if budget_bytes is None:
+        return best
+    # NOTE: a unit whose cost per byte sits near another's can enter the prefix before the ones
+    # the budget needs and end up lowering nothing (the peak moved elsewhere): every taken unit
+    # is tried back to "keep", last first, and stays there where the plan still fits, so no unit
+    # pays for time the budget does not need, and timing noise that reorders such a unit does
+    # not change the plan
+    for fqn in reversed(taken):
+        if outcome.peak_bytes > budget_bytes:
+            break
+        action, actions[fqn] = actions[fqn], "keep"
+        trial = outcome_of()
+        if trial.peak_bytes <= budget_bytes:
+            outcome = trial
+        else:
+            actions[fqn] = action
+    return choice(outcome)
 
 
 def _widest_buckets(choice: _Choice, budget_bytes: int | None, cost: CostModel) -> _Choice:
