@@ -27,7 +27,13 @@ import torch
 
 from superneurons.memory.tracker import LiveStorageTracker
 
-__all__ = ["StepMeasure", "allocator_peak_bytes", "device_peak_bytes", "measure_step"]
+__all__ = [
+    "StepMeasure",
+    "allocator_peak_bytes",
+    "allocator_timeline_bytes",
+    "device_peak_bytes",
+    "measure_step",
+]
 
 StepFn = Callable[[], None]
 
@@ -70,7 +76,16 @@ def device_peak_bytes(
 
 
 def allocator_peak_bytes(step: StepFn, *, resident: Callable[[], Sequence[torch.Tensor]]) -> int:
-    """Peak bytes of the c10 CPU allocator over one ``step()``, on top of ``resident()``.
+    """Peak bytes of the c10 CPU allocator over one ``step()``, on top of ``resident()``: the
+    largest value of :func:`allocator_timeline_bytes`."""
+    return max(allocator_timeline_bytes(step, resident=resident))
+
+
+def allocator_timeline_bytes(
+    step: StepFn, *, resident: Callable[[], Sequence[torch.Tensor]]
+) -> list[int]:
+    """The c10 CPU allocator's bytes over one ``step()``, on top of ``resident()``: the first
+    value is the resident bytes, then one value after each allocation and free of the step.
 
     ``torch.profiler`` with ``profile_memory=True`` records every allocation and free the CPU
     allocator serves (``[memory]`` events, in time order): tensors, the scratch buffers kernels
@@ -78,11 +93,11 @@ def allocator_peak_bytes(step: StepFn, *, resident: Callable[[], Sequence[torch.
     code allocates, none of which a dispatch-level count sees. The allocator reports a free only
     for blocks allocated while the profiler ran, so ``step()`` runs twice under it: once to
     allocate what a loop carries from step to step (a previous step's ``outputs``), then the
-    measured step, marked with ``record_function``. The peak is the storage bytes of
+    measured step, marked with ``record_function``. Each value is the storage bytes of
     ``resident()`` and of their ``.grad`` at the start of the measured step (parameters,
-    optimizer state, the batch: what is alive and never freed) plus the largest running sum of
-    the measured step's events. Blocks allocated before the profiler and freed by the step are
-    not subtracted (the peak can only be over-counted by them).
+    optimizer state, the batch: what is alive and never freed) plus the running sum of the
+    measured step's events so far. Blocks allocated before the profiler and freed by the step
+    are not subtracted (the timeline can only be over-counted by them).
     """
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -104,11 +119,10 @@ def allocator_peak_bytes(step: StepFn, *, resident: Callable[[], Sequence[torch.
         and e.device_type() == DeviceType.CPU
         and window[0] <= e.start_ns() <= window[1]
     )
-    running = peak = 0
+    timeline = [base]
     for _, _, nbytes in memory:
-        running += nbytes
-        peak = max(peak, running)
-    return base + peak
+        timeline.append(timeline[-1] + nbytes)
+    return timeline
 
 
 def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
