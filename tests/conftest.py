@@ -11,6 +11,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_cuda)
+        if "netns" in item.keywords:
+            # NOTE: one worker under pytest-xdist (--dist loadgroup): creating namespaces
+            # removes every stale one first, which races a test that plants a stale one
+            item.add_marker(pytest.mark.xdist_group("netns"))
 
 
 def pytest_configure(config: pytest.Config) -> None:
