@@ -14,6 +14,7 @@ from typing import Any
 
 __all__ = [
     "all_gather_into_tensor",
+    "compiler_disabled",
     "custom_op_function",
     "fake_cache_disabled",
     "memory_fraction",
@@ -128,3 +129,16 @@ def custom_op_function(func: Any) -> Callable[..., Any] | None:
     opdef = _maybe_get_opdef(name)
     function = getattr(opdef, "_init_fn", None)
     return function if callable(function) else None
+
+
+def compiler_disabled(fn: Callable[..., Any], *, reason: str) -> Callable[..., Any]:
+    """``fn`` wrapped in ``torch.compiler.disable``: dynamo breaks the graph before a call and
+    runs it eagerly. ``reason`` goes into dynamo's graph-break message where the torch takes it
+    (the keyword is newer than torch 2.4)."""
+    import inspect
+
+    import torch
+
+    if "reason" in inspect.signature(torch.compiler.disable).parameters:
+        return torch.compiler.disable(fn, reason=reason)  # type: ignore[call-arg,no-any-return]
+    return torch.compiler.disable(fn)  # type: ignore[no-any-return]

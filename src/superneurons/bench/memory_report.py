@@ -142,9 +142,11 @@ def report_markdown(records: list[dict[str, Any]], *, device: str, load: str) ->
         "Peaks are `torch.cuda.max_memory_allocated` over one steady-state step (peak stats "
         "reset after a warm-up step); times are medians of steps timed by CUDA events."
         if device == "cuda"
-        else "Peaks are dispatch-level live-storage counts of one steady-state step (host "
-        "memory excluded: what a GPU would hold); times are medians of CPU steps with one "
-        "thread (process CPU time in the JSON as `step_cpu_s`)."
+        else "Peaks are the c10 CPU allocator's over one steady-state step (torch.profiler "
+        "memory events: kernel scratch and what torch.compile's generated code allocates "
+        "included; the dispatch-level live-storage count, host memory excluded, is "
+        "`tracked_peak_bytes` in the JSON); times are medians of CPU steps with one thread "
+        "(process CPU time in the JSON as `step_cpu_s`)."
     )
     return "\n".join(
         [

@@ -46,8 +46,10 @@ from superneurons.memory import (
     Profile,
     default_units,
     make_plan,
+    min_peak_bytes,
     profile_step,
 )
+from superneurons.memory.fsdp import agree_plan, is_fully_sharded
 from superneurons.memory.isolate import unwrapped
 from superneurons.memory.profile import output_loss
 
@@ -150,12 +152,17 @@ def plan_for_batch(
 
     Returns:
         A :class:`~superneurons.memory.Plan` whose unit fqns are relative to ``model``; run it
-        with ``apply_plan(model, plan)`` inside ``training_without_kv_cache(model)``.
+        with ``apply_plan(model, plan)`` inside ``training_without_kv_cache(model)``. For a
+        ``fully_shard`` (FSDP2) model, called on every rank of the initialised process group:
+        each rank profiles its own shards, and every rank gets rank 0's plan
+        (:func:`superneurons.memory.fsdp.agree_plan`).
 
     Raises:
         ConfigError: neither or both budgets, a fraction outside (0, 1], no loss in the output,
             a step in which none of the units ran or saved anything (named with the cause).
         InfeasibleBudgetError: the budget is below what any strategy reaches (named).
+        ConfigError: (FSDP2) a strategy other than ``recompute``/``auto``, or another rank
+            failed to plan, or planned other units.
     """
     if (budget_bytes is None) == (budget_fraction is None):
         raise ConfigError("give exactly one of budget_bytes= or budget_fraction=")
@@ -164,6 +171,11 @@ def plan_for_batch(
     if not isinstance(batch, Mapping):
         raise ConfigError(f"batch must be a dict of model inputs, got {type(batch).__name__}")
     model = unwrapped(model)
+    if is_fully_sharded(model) and strategy not in ("auto", "recompute", "eager", "checkpoint"):
+        raise ConfigError(
+            f"strategy {strategy!r} on a fully_shard (FSDP2) model: use 'recompute' (or 'auto'); "
+            "FSDP2 already shards parameters, gradients and optimizer state"
+        )
     step = _BatchLoss(model, loss_of, whole_output=keep_outputs)
     chosen = units if units is not None else default_units(model)
     if not chosen:
@@ -193,19 +205,25 @@ def plan_for_batch(
     budget_bytes -= reserved_bytes
     plan_options.setdefault("allow_optimizer_in_backward", False)
     first = next(iter(model.parameters()), None)
-    if strategy == "auto" and first is not None and first.device.type == "cpu":
-        # NOTE: on a CPU device the host pool is the same memory: offloading frees nothing
+    sharded = is_fully_sharded(model)
+    if strategy == "auto" and (sharded or (first is not None and first.device.type == "cpu")):
+        # NOTE: on a CPU device the host pool is the same memory: offloading frees nothing;
+        # a fully_shard model runs keep/recompute plans (memory.fsdp)
         strategy = "recompute"
+    plan: Plan | None = None
+    error: BaseException | None = None
     try:
-        plan = make_plan(profile, budget_bytes=budget_bytes, strategy=strategy, **plan_options)
+        plan = _plan(profile, budget_bytes, strategy, plan_options)
     except InfeasibleBudgetError as exc:
-        if any(s.unit for s in profile.saved if s.nbytes > 0):
-            raise
-        raise ConfigError(
-            f"{exc}; but no unit saved any activation in the profiled step, so no plan can "
-            "lower the peak: is the model's own activation checkpointing on inside its forward? "
-            "(HF's is turned off by prepare_superneurons and the HF callback)"
-        ) from exc
+        # a sharded model runs recompute plans only: report their floor, not offload's
+        error = _recompute_floor_error(profile, budget_bytes, reserved_bytes) if sharded else exc
+    except ConfigError as exc:
+        error = exc
+    if sharded:  # every rank runs rank 0's plan; a rank that failed makes every rank raise
+        plan = agree_plan(plan, error=error)
+    elif error is not None:
+        raise error
+    assert plan is not None
     logger.info(
         "plan for %s: eager peak %d B (%d B of it reserved), budget %d B -> predicted %d B "
         "(%s: %d recompute, %d offload units)",
@@ -219,6 +237,32 @@ def plan_for_batch(
         plan.count("offload"),
     )
     return _relative(plan)
+
+
+def _plan(profile: Profile, budget_bytes: int, strategy: str, options: dict[str, Any]) -> Plan:
+    try:
+        return make_plan(profile, budget_bytes=budget_bytes, strategy=strategy, **options)
+    except InfeasibleBudgetError as exc:
+        if any(s.unit for s in profile.saved if s.nbytes > 0):
+            raise
+        raise ConfigError(
+            f"{exc}; but no unit saved any activation in the profiled step, so no plan can "
+            "lower the peak: is the model's own activation checkpointing on inside its forward? "
+            "(HF's is turned off by prepare_superneurons and the HF callback)"
+        ) from exc
+
+
+def _recompute_floor_error(
+    profile: Profile, budget_bytes: int, reserved_bytes: int
+) -> InfeasibleBudgetError:
+    floor = min_peak_bytes(profile)["recompute"] + reserved_bytes
+    return InfeasibleBudgetError(
+        f"budget {budget_bytes + reserved_bytes} B is below the smallest predicted peak of a "
+        f"recompute plan on this fully_shard (FSDP2) model, {floor} B per rank: raise the "
+        "budget to at least that, shard over more ranks, or shrink the batch",
+        min_budget_bytes=floor,
+        strategy="recompute",
+    )
 
 
 @contextmanager

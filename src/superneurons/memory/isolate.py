@@ -29,6 +29,10 @@ tensors kept outside ``named_parameters()``) is caught on exit by the tensors' v
 and gradient identities: gradients it created are removed again, an in-place change of an
 original raises :class:`IsolationError` (nothing is ever left changed silently).
 
+A ``fully_shard``-ed (FSDP2) model is isolated by a snapshot of its local shards instead
+(:func:`superneurons.memory.fsdp.sharded_isolated`): FSDP2 re-registers its parameters around
+every forward, so swapped clones would not be the tensors the step runs on.
+
 Cost: a real run holds a second copy of the trainable parameters, buffers and optimizer state
 (frozen parameters are shared); use ``fake=True`` profiles for large models.
 """
@@ -217,6 +221,18 @@ def isolated(
         return
     inner = inner_optimizer(optimizer)
     fake = fake_mode is not None
+    from superneurons.memory.fsdp import is_fully_sharded, sharded_isolated
+
+    if is_fully_sharded(root):  # FSDP2 re-registers its own parameters: snapshot instead
+        if fake:
+            raise ConfigError(
+                "a fully_shard (FSDP2) model is profiled with real tensors: pass fake=False"
+            )
+        itself: dict[int, Any] = {id(p): p for p in root.parameters()}  # steps the real ones
+        shadow = None if inner is None else shadow_optimizer(inner, itself)
+        with sharded_isolated(root, shadow) as pair:
+            yield pair
+        return
     copying = FakeCopyMode(fake_mode) if fake else contextlib.nullcontext()
     memo: dict[int, Any] = {}
     frozen: dict[int, torch.Tensor] = {}  # frozen parameters left in place (real runs)

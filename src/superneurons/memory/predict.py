@@ -249,13 +249,14 @@ def evaluate(
         if action in RECOMPUTING:
             # a unit inside a segment runs forward twice more: outer and inner recompute
             extra_s += compute_s * (2 if fqn in segments else 1)
-            # what it holds besides the saved tensors it re-creates, up to where it stops
+            # what it holds besides the saved tensors it re-creates, up to where it stops (its
+            # ops' own scratch included, op by op)
             spike = max(unit.recompute_peak_bytes - internal.get(fqn, 0), 0)
             if unit.recompute_peak_bytes < 0:  # not recorded: its forward's, less its outputs
                 spike = max(unit.temp_peak_bytes - internal.get(fqn, 0) - unit.output_bytes, 0)
+                spike += _forward_scratch(profile, unit)  # and its largest scratch on top
             # the recompute snapshots running statistics (once more for a segment's outer pass)
             spike += unit.norm_state_bytes * (2 if fqn in segments else 1)
-            spike += _forward_scratch(profile, unit)  # its ops' own scratch, run again
             # the recompute forks the generator: one more state held while it runs
             spike += profile.rng_state_bytes
             for call in range(max(len(unit.calls), 1)):  # each call recomputes in its backward

@@ -11,7 +11,8 @@ isolated (:mod:`.isolate`: the caller's state is untouched), with three observer
   its forward window, forward FLOPs (``torch.utils.flop_counter``'s formulas), bytes written,
   and where backward enters and leaves it (the runtime's prefetch points, :mod:`.nodes`).
 
-The observers' bookkeeping and the record it becomes live in :mod:`.recording`. This is
+The observers' bookkeeping lives in :mod:`.recording`, the record it becomes in
+:mod:`.from_recording`. This is
 SuperNeurons' liveness analysis over the execution route (Wang et al., PPoPP'18 §3.1),
 measured rather than derived from a static graph: branches, shared modules, in-place ops,
 dropout and BatchNorm need no special cases. With ``fake=True`` the step runs under
@@ -33,6 +34,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from superneurons.errors import ConfigError
 from superneurons.memory.cost import EventTimer, measure_copy_bandwidth
+from superneurons.memory.from_recording import build_profile
+from superneurons.memory.fsdp import count_unsharded_params, is_fully_sharded, with_lineage
 from superneurons.memory.isolate import IsolationError, isolated, unwrapped
 from superneurons.memory.owners import kept_in_place, with_owners
 from superneurons.memory.profile_types import (
@@ -45,7 +48,7 @@ from superneurons.memory.profile_types import (
     head_unit,
 )
 from superneurons.memory.recompute import running_stat_bytes
-from superneurons.memory.recording import Recorder, build_profile
+from superneurons.memory.recording import Recorder
 from superneurons.memory.stateful import kv_cache_off
 from superneurons.memory.tracker import LiveStorageTracker
 from superneurons.memory.workspace import op_scratch, scratch_recorder
@@ -218,6 +221,9 @@ def _run(
         )
         handles.append(module.register_forward_hook(lambda _m, _a, out, f=fqn: rec.post(f, out)))
     handles += kv_cache_off(model)  # HF use_cache=False in training, as under a plan
+    sharded = is_fully_sharded(model)
+    if sharded:  # FSDP2's unsharded parameters are parameters, not saved activations
+        handles += count_unsharded_params(model, tracker, rec.param_storages)
     ready: dict[str, int] = {}  # parameter fqn -> the event its gradient was accumulated at
 
     def accumulated(fqn: str) -> None:
@@ -232,7 +238,7 @@ def _run(
     state_tensors = _optimizer_tensors(optimizer)
     leaves = [t for t in tree_flatten((inputs, targets))[0] if isinstance(t, torch.Tensor)]
     tracker.register(params)
-    rec.param_storages = {tracker.serial_of(p) for p in params} - {None}  # type: ignore[assignment]
+    rec.param_storages.update({tracker.serial_of(p) for p in params} - {None})  # type: ignore[arg-type]
     tracker.register(state_tensors)
     tracker.register(leaves)
     events: dict[str, int] = {}
@@ -283,6 +289,8 @@ def _run(
                 rec.unit_rows[fqn]["time_s"] = seconds
         assert first is not None
         bandwidth = measure_copy_bandwidth(first.device)
+    if sharded:  # every life of a resized parameter storage (FSDP2's unshard/reshard)
+        rec.param_storages = with_lineage(tracker, rec.param_storages)
     grad_names = {
         tracker.serial_of(p.grad): fqn for fqn, p in model.named_parameters() if p.grad is not None
     }

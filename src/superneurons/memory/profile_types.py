@@ -182,7 +182,8 @@ class UnitProfile:
         fwd_time_s: measured wall time of its forward calls (meaningless under fake tensors).
         temp_peak_bytes: most bytes its forward held above the live bytes at its start.
         recompute_peak_bytes: the same, up to its last saved tensor (where a recompute with
-            early stop ends; -1: not recorded).
+            early stop ends), with the scratch each op allocated for itself (``Profile.scratch``)
+            at that op; -1: not recorded.
         saved_bytes: storage-deduped bytes of the saved tensors packed in it.
         output_bytes: bytes of its forward's output storages (a recompute with early stop,
             as non-reentrant checkpoint does, never re-creates them).

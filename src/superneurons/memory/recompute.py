@@ -33,6 +33,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from superneurons.compat import compiler_disabled
 from superneurons.errors import ConfigError
 
 __all__ = ["RecomputeStats", "checkpointed_forward", "norm_layers", "running_stat_bytes"]
@@ -103,6 +104,9 @@ def checkpointed_forward(
     Under ``torch.no_grad()`` (e.g. evaluation) the unit runs plainly: nothing to recompute.
     """
     norms = [n for m in (module, *also) for n in norm_layers(m)]
+    # NOTE: a raise in traced code makes dynamo run the frame again eagerly (memory.compiled):
+    # the refusal must be a dynamo-disabled call, made here, outside traced code
+    refuse = compiler_disabled(_refuse_norms, reason=_NORMS_UNDER_COMPILE) if norms else None
 
     def context_fn() -> tuple[contextlib.AbstractContextManager[None], Any]:
         return contextlib.nullcontext(), _frozen_running_stats(norms, stats)
@@ -110,7 +114,9 @@ def checkpointed_forward(
     @functools.wraps(forward)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
-            return _traced(forward, norms, *args, **kwargs)
+            if refuse is not None:
+                refuse()
+            return _traced(forward, *args, **kwargs)
         stats.forward_calls += 1
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
@@ -143,20 +149,20 @@ def checkpointed_forward(
     return wrapped
 
 
-def _traced(forward: Callable[..., Any], norms: list[_NormBase], *args: Any, **kwargs: Any) -> Any:
-    """Under ``torch.compile``: the plain non-reentrant checkpoint dynamo traces into one graph
-    (its ``tag_activation_checkpoint``; early stop is the default). No counters, no contexts.
+_NORMS_UNDER_COMPILE = (
+    "a recompute unit with BatchNorm layers cannot run under torch.compile (its running "
+    "statistics are kept exact by a context dynamo does not trace): run it eagerly, or give the "
+    "unit 'keep'"
+)
 
-    Raises:
-        ConfigError: the unit holds BatchNorm layers, whose running statistics the recompute
-            keeps exact through a context dynamo cannot trace.
-    """
-    if norms:
-        raise ConfigError(
-            "a recompute unit with BatchNorm layers cannot run under torch.compile (its running "
-            "statistics are kept exact by a context dynamo does not trace): run it eagerly, or "
-            "give the unit 'keep'"
-        )
+
+def _refuse_norms() -> None:
+    raise ConfigError(_NORMS_UNDER_COMPILE)
+
+
+def _traced(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Under ``torch.compile``: the plain non-reentrant checkpoint dynamo traces into one graph
+    (its ``tag_activation_checkpoint``; early stop is the default). No counters, no contexts."""
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)

@@ -29,6 +29,7 @@ DDP: apply the plan to the inner module, before or after wrapping it (a
 ``DistributedDataParallel`` is unwrapped here); non-reentrant checkpoint is DDP-safe. Do not
 combine ``optimizer_in_backward`` with DDP: gradients would be stepped before all-reduce.
 Autocast: checkpoint replays the autocast state; offloaded tensors keep their dtype.
+``torch.compile``: refused unless ``compile="trace"`` (:mod:`superneurons.memory.compiled`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ import torch
 from torch import nn
 
 from superneurons.errors import ConfigError
+from superneurons.memory.compiled import CompileMode, guard_compiled_calls
 from superneurons.memory.forwards import ForwardPatches
+from superneurons.memory.fsdp import check_sharded_plan, is_fully_sharded
 from superneurons.memory.host_buckets import GradientBuckets
 from superneurons.memory.host_optimizer import HostOptimizerView
 from superneurons.memory.lmhead import chunk_head
@@ -166,6 +169,7 @@ def apply_plan(
     device: torch.device | str | None = None,
     pool_config: PoolConfig | None = None,
     optimizer_factory: OptimizerFactory | None = None,
+    compile: CompileMode = "refuse",
 ) -> PlanHandle:
     """Execute ``plan`` on ``model`` until the returned handle is removed.
 
@@ -178,10 +182,18 @@ def apply_plan(
         optimizer_factory: builds one optimizer for a list of parameters; required when
             ``plan.optimizer_in_backward`` (then call no ``optimizer.step()`` yourself) and
             when ``plan.host_optimizer`` (then use ``handle.optimizer`` as the loop's).
+        compile: ``"refuse"`` (default): a ``torch.compile``-d call of the model or of a plan
+            unit raises ``ConfigError`` (the budget holds for the eager step the profile saw);
+            ``"trace"``: the hooks trace without a graph break of their own, recompute units
+            become dynamo's traced checkpoint, and the budget is measured, not promised
+            (:mod:`superneurons.memory.compiled`).
 
     Raises:
         ConfigError: a unit fqn is not a submodule, non-keep units are nested, the model
-            already runs a plan, or ``optimizer_in_backward`` lacks ``optimizer_factory``.
+            already runs a plan, ``optimizer_in_backward`` lacks ``optimizer_factory``,
+            (``compile="refuse"``) at the first compiled call, or the model is
+            ``fully_shard``-ed (FSDP2) and the plan offloads or moves the optimizer
+            (:func:`superneurons.memory.fsdp.check_sharded_plan`).
     """
     if isinstance(model, nn.parallel.DistributedDataParallel):
         model = model.module
@@ -191,6 +203,8 @@ def apply_plan(
     device = torch.device(device)
     config = pool_config or PoolConfig(host_bytes=plan.host_bytes)
 
+    if is_fully_sharded(model):
+        check_sharded_plan(model, plan)
     units = _resolve_units(model, plan)
     if any(getattr(m.forward, _MARK, False) for _, _, m in units):
         raise ConfigError("this model already runs a plan: remove() the first handle")
@@ -207,6 +221,7 @@ def apply_plan(
             handle._hooks.append(chunk_head(model, plan.head))
         if plan.seq_chunks:
             handle._hooks.append(split_sequence(model, plan.seq_chunks))
+        handle._hooks += guard_compiled_calls(model, plan, mode=compile)
         for unit in plan.units:  # every unit call, keep units included, in forward order
             hook = model.get_submodule(unit.fqn).register_forward_pre_hook(
                 lambda _m, _a, a=unit.action: trace.enter(a)
