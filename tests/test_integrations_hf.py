@@ -174,6 +174,19 @@ def test_trainer_callback_plans_without_changing_the_numbers(tmp_path: Path) -> 
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_trainer_callback_refuses_a_compiled_trainer_before_any_work() -> None:
+    from types import SimpleNamespace
+
+    from superneurons.integrations.transformers import SuperNeuronsCallback
+
+    trainer = SimpleNamespace(accelerator=object())  # never reached: refused first
+    callback = SuperNeuronsCallback(trainer, budget_fraction=0.6)
+    args = SimpleNamespace(torch_compile=True, device="cpu")
+    with pytest.raises(ConfigError, match="torch_compile=False"):
+        callback.on_train_begin(args, SimpleNamespace(global_step=0), None)
+    assert callback.setup is None
+
+
 @pytest.mark.cuda
 def test_plan_for_batch_on_cuda_keeps_gradients_exact() -> None:
     model = TinyLM().cuda()

@@ -103,6 +103,14 @@ class SuperNeuronsCallback(TrainerCallback):  # type: ignore[misc]
         return self.budget_bytes is not None or self.budget_fraction is not None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._wants_plan and getattr(args, "torch_compile", False):
+            # refused before any work: the plan's runtime would refuse the first compiled step
+            raise ConfigError(
+                "TrainingArguments(torch_compile=True) compiles the model, and a memory plan's "
+                "budget holds for the eager step it was profiled from: set torch_compile=False "
+                "to train under the plan, or give SuperNeuronsCallback no budget "
+                "(compression only)"
+            )
         trainer = self.trainer
         batch = None
         device = torch.device(args.device)
