@@ -36,7 +36,7 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   "$VENV/bin/pip" install -q "torch==2.13.0"
 fi
 log "torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__, "CUDA" if torch.cuda.is_available() else "CPU")')"
-if ! "$VENV/bin/python" -c "import superneurons, pytest, matplotlib, tqdm" 2>/dev/null \
+if ! "$VENV/bin/python" -c "import superneurons, pytest, xdist, matplotlib, tqdm" 2>/dev/null \
    || [ "$ROOT/pyproject.toml" -nt "$VENV/.superneurons-installed" ]; then
   log "installing superneurons (editable) with dev extras"
   "$VENV/bin/pip" install -q -e "$ROOT[dev]"

@@ -8,4 +8,6 @@ cd "$ROOT"
 "$VENV/bin/ruff" check src tests benchmarks examples
 "$VENV/bin/ruff" format --check src tests benchmarks examples
 "$VENV/bin/mypy"
-"$VENV/bin/python" -m pytest "$@"
+# Two workers (pytest-xdist): CI's two cores. Tests of one xdist_group (the network-namespace
+# tests, tests/conftest.py) share a worker. A later -n in "$@" wins (-n 0: one process).
+"$VENV/bin/python" -m pytest -n 2 --dist loadgroup "$@"

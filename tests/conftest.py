@@ -11,6 +11,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_cuda)
+        if "netns" in item.keywords:
+            # NOTE: one worker under pytest-xdist (--dist loadgroup): creating namespaces
+            # removes every stale one first, which races a test that plants a stale one
+            item.add_marker(pytest.mark.xdist_group("netns"))
+    # NOTE: slow tests first (a stable sort: file order otherwise). Under pytest-xdist the
+    # workers then end together, instead of one running a two-minute test alone at the end
+    # (longest first). Their module fixtures are shared_ranks(), one group per process.
+    items.sort(key=lambda item: "slow" not in item.keywords)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 SEQ_CHARS = 30  # every text has this many characters: every unpacked batch has one shape
-STEPS = 4
+STEPS = 3
 BATCH = 8
 
 

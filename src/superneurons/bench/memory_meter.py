@@ -31,6 +31,7 @@ __all__ = [
     "StepMeasure",
     "allocator_peak_bytes",
     "allocator_step_bytes",
+    "allocator_timeline_bytes",
     "device_peak_bytes",
     "measure_step",
 ]
@@ -83,15 +84,24 @@ def allocator_peak_bytes(step: StepFn, *, resident: Callable[[], Sequence[torch.
 def allocator_step_bytes(
     step: StepFn, *, resident: Callable[[], Sequence[torch.Tensor]]
 ) -> tuple[int, int]:
-    """``(peak, unfreed)`` bytes of the c10 CPU allocator over one ``step()``.
+    """``(peak, unfreed)`` bytes of the c10 CPU allocator over one ``step()``, on top of
+    ``resident()`` (:func:`allocator_timeline_bytes`).
 
     ``unfreed`` is what the step allocated and the profiler saw no free of: 0 for a
     steady-state step. Not 0 when a free ran on a thread the profiler does not record: a gloo
     worker thread that drops the last reference to a collective's tensor after the collective
     (seen with FSDP2 on gloo: one block of a layer's unsharded size, now and then); the peak
     may then be over-counted by up to those bytes, and a caller can measure again.
+    """
+    timeline = allocator_timeline_bytes(step, resident=resident)
+    return max(timeline), timeline[-1] - timeline[0]
 
-    Peak bytes of the c10 CPU allocator over one ``step()``, on top of ``resident()``.
+
+def allocator_timeline_bytes(
+    step: StepFn, *, resident: Callable[[], Sequence[torch.Tensor]]
+) -> list[int]:
+    """The c10 CPU allocator's bytes over one ``step()``, on top of ``resident()``: the first
+    value is the resident bytes, then one value after each allocation and free of the step.
 
     ``torch.profiler`` with ``profile_memory=True`` records every allocation and free the CPU
     allocator serves (``[memory]`` events, in time order): tensors, the scratch buffers kernels
@@ -99,11 +109,11 @@ def allocator_step_bytes(
     code allocates, none of which a dispatch-level count sees. The allocator reports a free only
     for blocks allocated while the profiler ran, so ``step()`` runs twice under it: once to
     allocate what a loop carries from step to step (a previous step's ``outputs``), then the
-    measured step, marked with ``record_function``. The peak is the storage bytes of
+    measured step, marked with ``record_function``. Each value is the storage bytes of
     ``resident()`` and of their ``.grad`` at the start of the measured step (parameters,
-    optimizer state, the batch: what is alive and never freed) plus the largest running sum of
-    the measured step's events. Blocks allocated before the profiler and freed by the step are
-    not subtracted (the peak can only be over-counted by them).
+    optimizer state, the batch: what is alive and never freed) plus the running sum of the
+    measured step's events so far. Blocks allocated before the profiler and freed by the step
+    are not subtracted (the timeline can only be over-counted by them).
     """
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -125,11 +135,10 @@ def allocator_step_bytes(
         and e.device_type() == DeviceType.CPU
         and window[0] <= e.start_ns() <= window[1]
     )
-    running = peak = 0
+    timeline = [base]
     for _, _, nbytes in memory:
-        running += nbytes
-        peak = max(peak, running)
-    return base + peak, running
+        timeline.append(timeline[-1] + nbytes)
+    return timeline
 
 
 def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:

@@ -92,6 +92,13 @@ def _plot_memory(memory: Mapping[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+_VIEWS = {
+    "c10 cpu allocator": "the c10 CPU allocator's bytes (tensors and the scratch kernels "
+    "allocate for themselves, as the plan predicts them)",
+    "live storages": "dispatch-level live-storage accounting (device-resident tensors)",
+}
+
+
 def write_report(
     out_dir: Path,
     *,
@@ -140,8 +147,8 @@ def write_report(
         f"{memory['predicted_peak_bytes'] / MiB:.1f} MiB, host pool "
         f"{memory['host_bytes'] / MiB:.1f} MiB). Test accuracy changed by "
         f"{100 * (ours['final_test_accuracy'] - dense['final_test_accuracy']):+.2f} points.\n",
-        "Peak memory is one steady-state step measured by dispatch-level live-storage "
-        "accounting (device-resident bytes; the host pool excluded). On a CPU the wall time "
+        f"Peak memory is one steady-state step measured as {_VIEWS[memory['measured_by']]}; "
+        "the host pool excluded. On a CPU the wall time "
         "reflects compute and loopback transfers, not a slow network: see "
         "`superneurons bench network` for shaped bandwidth.\n",
         "## Loss and accuracy\n\n![curves](curves.png)\n",
