@@ -17,6 +17,7 @@ __all__ = [
     "compiler_disabled",
     "custom_op_function",
     "fake_cache_disabled",
+    "fsdp_module_class",
     "memory_fraction",
     "native_linear_cross_entropy",
     "selective_checkpoint_contexts",
@@ -142,3 +143,20 @@ def compiler_disabled(fn: Callable[..., Any], *, reason: str) -> Callable[..., A
     if "reason" in inspect.signature(torch.compiler.disable).parameters:
         return torch.compiler.disable(fn, reason=reason)  # type: ignore[call-arg,no-any-return]
     return torch.compiler.disable(fn)  # type: ignore[no-any-return]
+
+
+def fsdp_module_class() -> type | None:
+    """FSDP2's ``FSDPModule`` (every ``fully_shard``-ed module is one), or None where
+    ``torch.distributed`` is not built.
+
+    torch >= 2.6: ``torch.distributed.fsdp``; torch 2.4 and 2.5: ``torch.distributed.
+    _composable.fsdp``.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule  # type: ignore[attr-defined]
+    except ImportError:
+        try:  # torch 2.4, 2.5
+            from torch.distributed._composable.fsdp import FSDPModule  # type: ignore[no-redef]
+        except ImportError:  # builds without torch.distributed
+            return None
+    return FSDPModule  # type: ignore[no-any-return]

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from superneurons.compat import fsdp_module_class
 from superneurons.errors import ConfigError
 from superneurons.memory.plan import Plan
 from superneurons.memory.tracker import LiveStorageTracker
@@ -56,11 +57,8 @@ logger = logging.getLogger("superneurons.memory")
 
 def is_fully_sharded(model: nn.Module) -> bool:
     """Whether ``model`` or one of its submodules is ``fully_shard``-ed (FSDP2)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - builds without torch.distributed
-        return False
-    return any(isinstance(m, FSDPModule) for m in model.modules())
+    fsdp_module = fsdp_module_class()
+    return fsdp_module is not None and any(isinstance(m, fsdp_module) for m in model.modules())
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -108,7 +106,7 @@ def count_unsharded_params(model: nn.Module, tracker: LiveStorageTracker, owned:
     """Add the storages of the parameters each FSDP2 module holds right after its pre-forward
     hook (the unsharded ones) to ``owned`` (the profile's parameter storages); returns the hook
     handles. Run after FSDP2's own pre-forward hook, which is registered with ``prepend``."""
-    from torch.distributed.fsdp import FSDPModule
+    fsdp_module = fsdp_module_class()
 
     def mark(module: nn.Module, _args: Any) -> None:
         for param in module.parameters():
@@ -119,7 +117,7 @@ def count_unsharded_params(model: nn.Module, tracker: LiveStorageTracker, owned:
     return [
         module.register_forward_pre_hook(mark)
         for module in model.modules()
-        if isinstance(module, FSDPModule)
+        if fsdp_module is not None and isinstance(module, fsdp_module)
     ]
 
 
