@@ -21,21 +21,15 @@ import io
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
+from superneurons.train.launch import free_port
+
 __all__ = ["Ranks", "free_port", "run_ranks", "shared_ranks"]
-
-
-def free_port() -> int:
-    """A TCP port on localhost that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:

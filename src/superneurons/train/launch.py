@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,7 +73,28 @@ def under_torchrun() -> bool:
 
 
 def free_port() -> int:
-    """A TCP port on localhost that was free a moment ago (the one helper for local ranks)."""
+    """A TCP port on localhost that was free a moment ago (the one helper for local ranks).
+
+    Chosen at random below the kernel's ephemeral range (``ip_local_port_range``), so that no
+    outgoing connection (gloo's own pair connections, another job's) can be given it between
+    this check and the rank that binds it, and two callers at once rarely meet; a port taken
+    now is skipped. Falls back to one the kernel picks where that range cannot be read.
+    """
+    try:
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text(encoding="ascii")
+        ephemeral_low = int(text.split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 0
+    chooser = random.Random(os.getpid() ^ time.monotonic_ns())
+    if ephemeral_low > 20000:
+        for _ in range(64):
+            port = chooser.randrange(20000, ephemeral_low)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
