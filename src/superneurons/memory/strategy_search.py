@@ -203,9 +203,8 @@ def _search(profile: Profile, strategy: str, budget_bytes: int | None, cost: Cos
     # is tried back to "keep", last first, and stays there where the plan still fits, so no unit
     # pays for time the budget does not need, and timing noise that reorders such a unit does
     # not change the plan
-    for fqn in reversed(taken):
-        if outcome.peak_bytes > budget_bytes:
-            break
+    fits = outcome.peak_bytes <= budget_bytes  # a trial replaces the outcome only if it fits
+    for fqn in reversed(taken) if fits else ():
         action, actions[fqn] = actions[fqn], "keep"
         trial = outcome_of()
         if trial.peak_bytes <= budget_bytes:
