@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from superneurons.bench.convergence import SHAKESPEARE, ConvergenceConfig, _datasets, _evaluate  # noqa: I001
+from superneurons.bench.convergence.run import SHAKESPEARE, ConvergenceConfig, _datasets, _evaluate  # noqa: I001
 from superneurons.models import build_model, default_loss
 from superneurons.schemes.grammar import parse_spec
 

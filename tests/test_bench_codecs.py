@@ -10,8 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from superneurons.bench.codecs import CodecBenchConfig, run_codec_bench, write_codec_artifacts
-from superneurons.bench.gradients import GradientCapture, bucket_bounds
+from superneurons.bench.codecs.budgets import (
+    CodecBenchConfig,
+    run_codec_bench,
+    write_codec_artifacts,
+)
+from superneurons.bench.codecs.gradients import GradientCapture, bucket_bounds
 from superneurons.models import build_model, default_loss, model_input
 from superneurons.schemes.grammar import parse_spec
 
@@ -92,7 +96,7 @@ def test_error_feedback_helps_a_biased_sparsifier() -> None:
 
 
 def test_speed_records_every_codec_on_the_cpu(tmp_path: Path) -> None:
-    from superneurons.bench.codec_speed import (
+    from superneurons.bench.codecs.speed import (
         SpeedConfig,
         measure_codec_speed,
         write_speed_artifacts,
@@ -114,7 +118,7 @@ def test_speed_records_every_codec_on_the_cpu(tmp_path: Path) -> None:
 
 
 def test_speed_rejects_cuda_without_a_gpu_and_bad_specs() -> None:
-    from superneurons.bench.codec_speed import SpeedConfig
+    from superneurons.bench.codecs.speed import SpeedConfig
     from superneurons.errors import ConfigError
 
     with pytest.raises(ConfigError, match="unknown codec"):

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from superneurons.bench.convergence import (
+from superneurons.bench.convergence.labels import adam_auto, applies
+from superneurons.bench.convergence.report import write_artifacts
+from superneurons.bench.convergence.run import (
     FASHION_MNIST,
     SHAKESPEARE,
     ConvergenceConfig,
     add_deltas,
     run_convergence_bench,
 )
-from superneurons.bench.convergence_labels import adam_auto, applies
-from superneurons.bench.convergence_report import write_artifacts
 from superneurons.errors import ConfigError
 from superneurons.schemes.adam import AdamAuto
 
@@ -180,7 +180,7 @@ def test_shaped_link_trains_the_same_steps_between_namespaces() -> None:
 
 
 def test_diloco_labels_name_diloco_with_error_feedback_on_a_lossy_wire() -> None:
-    from superneurons.bench.convergence_labels import scheme_of
+    from superneurons.bench.convergence.labels import scheme_of
     from superneurons.codecs.feedback import ErrorFeedback
     from superneurons.codecs.qsgd import QSGDCodec
     from superneurons.schemes.diloco import DiLoCo
@@ -193,7 +193,7 @@ def test_diloco_labels_name_diloco_with_error_feedback_on_a_lossy_wire() -> None
 
 
 def test_time_to_loss_interpolates_between_curve_points() -> None:
-    from superneurons.bench.convergence_report import time_to_loss_s
+    from superneurons.bench.convergence.report import time_to_loss_s
 
     record = {"curve": [[10, 3.0], [20, 2.6], [30, 2.5]], "curve_train_s": [5.0, 9.0, 13.0]}
     assert time_to_loss_s(record, 3.1) == 5.0  # the first point already

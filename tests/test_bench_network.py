@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from superneurons.bench import network
-from superneurons.bench.network import (
+from superneurons.bench.network import run as network
+from superneurons.bench.network.report import write_artifacts
+from superneurons.bench.network.run import (
     NetworkBenchConfig,
     _wait_all,
     add_speedups,
     run_network_bench,
 )
-from superneurons.bench.network_report import write_artifacts
-from superneurons.bench.network_worker import analytic_bytes_per_step
+from superneurons.bench.network.worker import analytic_bytes_per_step
 from superneurons.cli import main
 from superneurons.errors import ConfigError
 from superneurons.models import build_model
@@ -219,7 +219,7 @@ def test_from_partial_writes_artifacts_of_an_interrupted_run(tmp_path: Path) -> 
 
 
 def test_scale_lines_judge_bytes_and_step_targets_across_world_sizes() -> None:
-    from superneurons.bench.network_scale import exchange_kind, scale_lines
+    from superneurons.bench.network.scale import exchange_kind, scale_lines
 
     assert [exchange_kind(c) for c in ("dense", "torch-fp16", "bf16", "powersgd:rank=4")] == [
         "dense",
@@ -261,7 +261,7 @@ def test_scale_lines_judge_bytes_and_step_targets_across_world_sizes() -> None:
 def test_extrapolation_sets_measured_beside_predicted_and_says_what_auto_would_choose(
     tmp_path: Path,
 ) -> None:
-    from superneurons.bench.network_extrapolate import extrapolation, write_extrapolation
+    from superneurons.bench.network.extrapolate import extrapolation, write_extrapolation
     from superneurons.compress import parse_spec
     from superneurons.strategy import DENSE, BucketTiming, CodecCost, DecisionInputs, ring_network
 

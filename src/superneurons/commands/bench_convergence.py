@@ -19,9 +19,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from superneurons.bench.convergence import ConvergenceConfig, TaskConfig, run_convergence_bench
-from superneurons.bench.convergence_report import summary_lines, write_artifacts
-from superneurons.bench.netns import check_shaping_rate
+from superneurons.bench.convergence.report import summary_lines, write_artifacts
+from superneurons.bench.convergence.run import ConvergenceConfig, TaskConfig, run_convergence_bench
+from superneurons.bench.links.netns import check_shaping_rate
 from superneurons.errors import ConfigError
 from superneurons.rates import parse_rate
 
@@ -80,7 +80,7 @@ def _override(task: TaskConfig, args: argparse.Namespace) -> TaskConfig:
         task = replace(task, eval_points=args.eval_points)
     if task.task == "fashion-mnist":
         if args.model == "resnet":
-            from superneurons.bench.network import DEFAULT_MODELS
+            from superneurons.bench.network.run import DEFAULT_MODELS
 
             task = replace(task, model="resnet", model_kwargs=dict(DEFAULT_MODELS["resnet"]))
         if args.epochs is not None:

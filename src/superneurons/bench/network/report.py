@@ -1,6 +1,6 @@
 """Artifacts of the network benchmark: JSON records, a Markdown table with the targets checked
 and the step-time breakdown, and a PNG of step time per codec and link (see
-:mod:`superneurons.bench.network`)."""
+:mod:`superneurons.bench.network.run`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from superneurons.bench.artifacts import markdown_table, pyplot, write_json, write_markdown
-from superneurons.bench.network import NetworkBenchConfig, config_dict
-from superneurons.bench.network_extrapolate import write_extrapolation
-from superneurons.bench.network_scale import scale_lines
+from superneurons.bench.network.extrapolate import write_extrapolation
+from superneurons.bench.network.run import NetworkBenchConfig, config_dict
+from superneurons.bench.network.scale import scale_lines
 
 __all__ = ["summary_lines", "write_artifacts"]
 

@@ -18,7 +18,7 @@ References at the same budgets: Top-k with the usual fp32 value + int32 index (6
 element), and the fixed-width QSGD (512-element buckets), TernGrad, signSGD and range-float,
 which appear only at the budgets their width reaches.
 
-Each gradient is cut into DDP-style buckets (:func:`~superneurons.bench.gradients.bucket_bounds`)
+Each gradient is cut into DDP-style buckets (:func:`~superneurons.bench.codecs.gradients.bucket_bounds`)
 and every bucket is encoded on its own, as a DDP comm hook would. Metrics per (model, setting):
 ``bits_per_element``, ``rel_error`` ``||g_hat - g|| / ||g||`` and cosine (mean over capture
 points), the relative error of the K-step sum of sent updates with error feedback
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from superneurons.bench.artifacts import markdown_table, pyplot, write_json, write_markdown
-from superneurons.bench.gradients import DDP_BUCKET_BYTES, GradientCapture, bucket_bounds
+from superneurons.bench.codecs.gradients import DDP_BUCKET_BYTES, GradientCapture, bucket_bounds
 from superneurons.codecs.codec import Codec
 from superneurons.codecs.feedback import feedback_step
 from superneurons.errors import ConfigError

@@ -13,7 +13,7 @@ Wang et al. (HPDC'20) report FFT compression at the accuracy of uncompressed tra
 target: the default FFT within 0.5 points of dense on Fashion-MNIST. Each record holds the
 final metric, its delta to dense, the bytes vs dense, step times and the curve for the plot.
 
-Codec labels (:mod:`.convergence_labels`): ``dense``; any hook spec (``fft``,
+Codec labels (:mod:`.labels`): ``dense``; any hook spec (``fft``,
 ``powersgd:rank=4``, ``torch-fp16``, ``auto`` on SGD tasks); ``auto`` / ``auto:link=RATE`` on
 Adam tasks choose dense AdamW or 1-bit Adam (:mod:`superneurons.optim.autoadam`; the record's
 ``decision`` holds the choice and its predictions); ``adam-momentum[warmup=N,wire=W]:SPEC`` and
@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from superneurons.bench.convergence_labels import (
+from superneurons.bench.convergence.labels import (
     applies,
     check_label,
     scheme_of,
@@ -371,7 +371,7 @@ def run_convergence_bench(
             seen = len(lines)
 
         if config.bandwidth_bit_s is not None:
-            from superneurons.bench.convergence_shaped import run_ranks_shaped
+            from superneurons.bench.convergence.shaped import run_ranks_shaped
 
             run_ranks_shaped(config, out, poll)
         else:
@@ -408,7 +408,7 @@ def add_deltas(records: Sequence[dict[str, Any]]) -> None:
 
 
 def _shaped_rank(argv: list[str]) -> None:
-    """One rank over a shaped link (started by :mod:`.convergence_shaped` in its namespace)."""
+    """One rank over a shaped link (started by :mod:`.shaped` in its namespace)."""
     config_path, rank, port, out, master_addr, ifname = argv
     config = pickle.loads(Path(config_path).read_bytes())  # noqa: S301 - our own file
     _rank_main(int(rank), config, int(port), out, master_addr=master_addr, ifname=ifname)

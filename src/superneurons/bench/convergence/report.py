@@ -1,5 +1,5 @@
 """Artifacts of the convergence benchmark: JSON records, a Markdown table with the targets
-checked, and the curves as a PNG (see :mod:`superneurons.bench.convergence`)."""
+checked, and the curves as a PNG (see :mod:`superneurons.bench.convergence.run`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from superneurons.bench.convergence import ConvergenceConfig
+    from superneurons.bench.convergence.run import ConvergenceConfig
 
 __all__ = ["config_dict", "summary_lines", "time_to_loss_s", "write_artifacts"]
 

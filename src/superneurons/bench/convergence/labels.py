@@ -90,7 +90,7 @@ def check_label(label: str) -> None:
         return
     if spec.startswith("auto:") and _adam_auto_or_none(spec) is not None:
         return  # auto:link=RATE: Adam tasks only (see applies)
-    from superneurons.bench.network import check_codec
+    from superneurons.bench.network.run import check_codec
 
     check_codec(spec)
     if schedule is not None:

@@ -1,6 +1,6 @@
 """One rank of the network benchmark: real data-parallel training steps under each codec.
 
-Started by :mod:`superneurons.bench.network` as ``python -m superneurons.bench.network_worker
+Started by :mod:`superneurons.bench.network.run` as ``python -m superneurons.bench.network.worker
 CONFIG_JSON`` inside the rank's network namespace (or on loopback). Each rank runs one thread
 (``torch.set_num_threads(1)``: with a second busy process, torch's default threads made small
 ops 30-50x slower here), joins a gloo group over the shaped link, and:
@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from superneurons.bench.wire_bytes import interface_bytes, wire_bytes_per_rank
+from superneurons.bench.links.wire_bytes import interface_bytes, wire_bytes_per_rank
 from superneurons.errors import ConfigError
 from superneurons.train.rank import exit_rank, leave_process_group
 
@@ -94,7 +94,7 @@ def _batches(
     config: WorkerConfig, model: nn.Module
 ) -> tuple[Iterator[tuple[torch.Tensor, torch.Tensor]], str]:
     """This rank's batch stream and what it is (``"real"`` or ``"random"``, see network_data)."""
-    from superneurons.bench.network_data import bench_batches
+    from superneurons.bench.network.data import bench_batches
 
     return bench_batches(
         model,
@@ -357,7 +357,7 @@ def _auto_fields(state: Any) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        raise SystemExit("usage: python -m superneurons.bench.network_worker CONFIG_JSON")
+        raise SystemExit("usage: python -m superneurons.bench.network.worker CONFIG_JSON")
     raw = json.loads(args[0])
     config = WorkerConfig(**{**raw, "codecs": tuple(raw.get("codecs", ()))})
     logging.basicConfig(level=os.environ.get("SUPERNEURONS_LOG", "WARNING"))
