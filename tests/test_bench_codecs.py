@@ -10,12 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from superneurons.bench.codecs.budgets import (
-    CodecBenchConfig,
-    run_codec_bench,
-    write_codec_artifacts,
-)
+from superneurons.bench.codecs.budgets import CodecBenchConfig, run_codec_bench
 from superneurons.bench.codecs.gradients import GradientCapture, bucket_bounds
+from superneurons.bench.codecs.report import write_codec_artifacts
 from superneurons.models import build_model, default_loss, model_input
 from superneurons.schemes.grammar import parse_spec
 

@@ -11,17 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from superneurons.bench.convergence.labels import adam_auto, applies
+from superneurons.bench.convergence.config import FASHION_MNIST, SHAKESPEARE, ConvergenceConfig
+from superneurons.bench.convergence.labels import read_label
 from superneurons.bench.convergence.report import write_artifacts
-from superneurons.bench.convergence.run import (
-    FASHION_MNIST,
-    SHAKESPEARE,
-    ConvergenceConfig,
-    add_deltas,
-    run_convergence_bench,
-)
+from superneurons.bench.convergence.run import add_deltas, run_convergence_bench
+from superneurons.codecs.schedule import DiminishingTheta, Scheduled
 from superneurons.errors import ConfigError
-from superneurons.schemes.adam import AdamAuto
+from superneurons.schemes.adam import AdamAuto, AdamUpdate
+from superneurons.schemes.auto import Auto
+from superneurons.schemes.grammar import parse_spec
+from superneurons.schemes.theta import Diminishing, RunScheduled
 
 FMNIST_ROOT = Path(ConvergenceConfig().fashion_mnist_root)
 SHAKESPEARE_ROOT = Path(__file__).resolve().parents[1] / "data" / "shakespeare"
@@ -106,6 +105,19 @@ def test_codec_labels_are_checked_before_any_rank_starts() -> None:
         ConvergenceConfig(codecs=("dense", "adam-update:nope"))
     with pytest.raises(ConfigError, match="until"):
         ConvergenceConfig(codecs=("dense", "fft|diminishing:until=2"))
+    with pytest.raises(ConfigError, match="no θ to schedule"):
+        ConvergenceConfig(codecs=("dense", "qsgd|diminishing"))
+    with pytest.raises(ConfigError, match="'dense'"):
+        ConvergenceConfig(codecs=("dense", "every-step"))
+
+
+def test_a_theta_schedule_over_the_run_is_read_once_and_set_when_the_length_is_known() -> None:
+    label = read_label("fft:theta=0.999|diminishing:start=0.999,floor=0.9,drops=1,until=0.5")
+    fft = parse_spec("fft:theta=0.999")
+    expected = RunScheduled(fft, Diminishing(start=0.999, floor=0.9, drops=1, until=0.5))
+    assert label.on("sgd") == label.on("adamw") == expected
+    assert expected.at(468) == Scheduled(fft, DiminishingTheta(0.999, 0.9, steps=234, drops=1))
+    assert read_label(str(expected)).on("sgd") == expected  # the spec reads back
 
 
 @pytest.mark.slow
@@ -131,13 +143,14 @@ def test_adam_auto_labels_run_on_adam_tasks_only() -> None:
     ConvergenceConfig(codecs=("dense", "auto:link=100mbit", "auto:margin=0.1"))
     with pytest.raises(ConfigError, match="link"):
         ConvergenceConfig(codecs=("dense", "auto:link=fast"))
-    assert adam_auto("adamw", "auto:link=100mbit") == AdamAuto(link_bit_s=100_000_000)
-    assert adam_auto("adamw", "auto") == AdamAuto()
-    assert adam_auto("sgd", "auto") is None  # SGD: the gradient hook's auto
-    assert adam_auto("adamw", "auto:observe_steps=3") is None  # the hook's auto options
-    assert applies("adamw", "auto:link=100mbit") and applies("sgd", "auto")
-    assert not applies("sgd", "auto:link=100mbit") and not applies("sgd", "adam-update:fp16")
-    assert applies("sgd", "auto:observe_steps=3")
+    assert read_label("auto:link=100mbit").on("adamw") == AdamAuto(link_bit_s=100_000_000)
+    assert read_label("auto").on("adamw") == AdamAuto()
+    assert read_label("auto").on("sgd") == Auto()  # SGD: the gradient hook's auto
+    assert read_label("auto:observe_steps=3").on("sgd") == Auto(observe_steps=3)
+    assert read_label("auto:observe_steps=3").on("adamw") is None  # the hook's auto options
+    assert read_label("auto:link=100mbit").on("sgd") is None
+    assert read_label("adam-update:fp16").on("sgd") is None  # the optimizer communicates
+    assert isinstance(read_label("adam-update:fp16").on("adam"), AdamUpdate)
 
 
 @pytest.mark.slow
@@ -180,14 +193,13 @@ def test_shaped_link_trains_the_same_steps_between_namespaces() -> None:
 
 
 def test_diloco_labels_name_diloco_with_error_feedback_on_a_lossy_wire() -> None:
-    from superneurons.bench.convergence.labels import scheme_of
     from superneurons.codecs.feedback import ErrorFeedback
     from superneurons.codecs.qsgd import QSGDCodec
     from superneurons.schemes.diloco import DiLoCo
 
-    assert scheme_of("adamw", "diloco[steps=4]:qsgd") == DiLoCo(ErrorFeedback(QSGDCodec()), 4)
-    assert scheme_of("sgd", "diloco:steps=4") == DiLoCo(steps=4)
-    assert applies("sgd", "diloco:steps=4") and applies("adamw", "diloco:steps=4")
+    label = read_label("diloco[steps=4]:qsgd")
+    assert label.on("adamw") == label.on("sgd") == DiLoCo(ErrorFeedback(QSGDCodec()), 4)
+    assert read_label("diloco:steps=4").on("sgd") == DiLoCo(steps=4)
     with pytest.raises(ConfigError, match="steps"):
         ConvergenceConfig(codecs=("dense", "diloco:steps=0"))
 

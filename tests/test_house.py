@@ -110,9 +110,7 @@ GRAPH = {module: _imports(module, path) for module, path in MODULES.items()}
 
 
 # Modules over it, each with the one-line reason it holds one concept all the same.
-LINE_ALLOWANCE: dict[str, str] = {
-    "superneurons.bench.convergence.run": "one benchmark: its config, its rank's body and its launcher",
-}
+LINE_ALLOWANCE: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

@@ -21,12 +21,9 @@ from pathlib import Path
 
 import torch
 
-from superneurons.bench.codecs.budgets import (
-    CodecBenchConfig,
-    run_codec_bench,
-    write_codec_artifacts,
-)
+from superneurons.bench.codecs.budgets import CodecBenchConfig, run_codec_bench
 from superneurons.bench.codecs.gradients import CAPTURE_MODELS, CaptureConfig, load_or_capture
+from superneurons.bench.codecs.report import write_codec_artifacts
 from superneurons.bench.codecs.speed import (
     SPEED_SPECS,
     SpeedConfig,

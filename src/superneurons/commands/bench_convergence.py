@@ -19,8 +19,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from superneurons.bench.convergence.config import ConvergenceConfig, TaskConfig
 from superneurons.bench.convergence.report import summary_lines, write_artifacts
-from superneurons.bench.convergence.run import ConvergenceConfig, TaskConfig, run_convergence_bench
+from superneurons.bench.convergence.run import run_convergence_bench
 from superneurons.bench.links.netns import check_shaping_rate
 from superneurons.errors import ConfigError
 from superneurons.rates import parse_rate
@@ -129,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
             f"{r['task']:>14} {r['codec']:>40} {r['metric']:>18} {r['final_metric']:>9.3f} "
             f"{delta:>+9.3f} {r['ratio_vs_dense']:>6.1f}x"
         )
-    for line in summary_lines(records):
+    for line in summary_lines(records, config):
         print(line)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0

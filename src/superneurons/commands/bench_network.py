@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
             value = record.get(column)
             cells.append(f"{value:>22.4g}" if isinstance(value, float) else f"{value!s:>22}")
         print("  ".join(cells))
-    for line in summary_lines(records) + scale_lines(records):
+    for line in summary_lines(records) + scale_lines(records, config.compressions):
         print(line)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0 if all(r.get("status") == "ok" for r in records) else 1

@@ -4,7 +4,7 @@
 but the ranks talk through veth links rate-limited by ``tc tbf``
 (:func:`superneurons.bench.links.netns.network_namespaces`, the network benchmark's machinery), so
 ``auto`` measures a network where compression can pay. Needs root (namespaces); the ranks
-are subprocesses started with ``ip netns exec`` (``python -m superneurons.bench.convergence.run``
+are subprocesses started with ``ip netns exec`` (``python -m superneurons.bench.convergence.rank``
 is one rank).
 """
 
@@ -39,7 +39,7 @@ def run_ranks_shaped(config: Any, out: Path, poll: Callable[[], None]) -> None:
     with network_namespaces(config.nproc, rate_bit_s=config.bandwidth_bit_s) as topology:
         procs = []
         for rank in range(config.nproc):
-            argv = [sys.executable, "-m", "superneurons.bench.convergence.run", str(config_path)]
+            argv = [sys.executable, "-m", "superneurons.bench.convergence.rank", str(config_path)]
             argv += [str(rank), str(_PORT), str(out), topology.addresses[0]]
             argv.append(topology.interfaces[rank])
             procs.append(subprocess.Popen([*topology.exec_prefix(rank), *argv]))

@@ -58,7 +58,7 @@ def write_artifacts(
 ) -> list[Path]:
     """DIR/network.json, DIR/network.md (table + targets) and DIR/network.png."""
     extra: dict[str, Any] = {"note": note} if note else {}
-    scale = scale_lines(records)
+    scale = scale_lines(records, config.compressions)
     paths = [write_json(out_dir / "network.json", records, config=config_dict(config), **extra)]
     link_lines = sorted(
         {
@@ -98,7 +98,9 @@ def write_artifacts(
     )
     paths.append(write_markdown(out_dir / "network.md", "Network benchmark", body))
     paths.append(_plot(records, out_dir / "network.png", pyplot()))
-    paths += write_extrapolation(records, out_dir, predict_nprocs=config.predict_nprocs)
+    paths += write_extrapolation(
+        records, out_dir, config.compressions, predict_nprocs=config.predict_nprocs
+    )
     return paths
 
 

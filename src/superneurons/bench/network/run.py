@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from superneurons.bench.network.data import DATA_CHOICES
 from superneurons.data.fashion_mnist import DEFAULT_ROOT as FASHION_MNIST_ROOT
 from superneurons.errors import ConfigError
 from superneurons.rates import format_rate
+from superneurons.schemes.grammar import Compression, parse_spec
 from superneurons.train.launch import free_port
 
 __all__ = [
@@ -50,7 +52,6 @@ __all__ = [
     "DEFAULT_MODELS",
     "NetworkBenchConfig",
     "add_speedups",
-    "check_codec",
     "config_dict",
     "run_network_bench",
 ]
@@ -112,24 +113,13 @@ class NetworkBenchConfig:
             raise ConfigError("--steps must be >= 1 and --warmup >= 0")
         if self.codecs.count("dense") > 1:
             raise ConfigError("list 'dense' at most once")
-        for codec in self.codecs:
-            check_codec(codec)
+        self.compressions  # noqa: B018  (parses every codec now, before any rank starts)
 
-
-_TORCH_ONLY = ("dense", "torch-fp16", "torch-powersgd")
-
-
-def check_codec(codec: str) -> None:
-    """Fail before starting any rank if ``codec`` is not a spec the hook understands."""
-    try:
-        from superneurons.schemes.grammar import parse_spec
-    except ImportError:  # no compression subsystem: the worker uses torch's hooks directly
-        if codec.partition(":")[0] not in _TORCH_ONLY:
-            raise ConfigError(
-                f"codec {codec!r} needs superneurons.compress; available: {_TORCH_ONLY}"
-            ) from None
-        return
-    parse_spec(codec)
+    @cached_property
+    def compressions(self) -> dict[str, Compression]:
+        """Each codec label parsed once (what the reports classify; every rank parses its
+        labels once more, in its own process)."""
+        return {label: parse_spec(label) for label in self.codecs}
 
 
 @dataclass(frozen=True)
