@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
+import pickle
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -13,10 +15,11 @@ import pytest
 
 from superneurons.bench.convergence.config import FASHION_MNIST, SHAKESPEARE, ConvergenceConfig
 from superneurons.bench.convergence.labels import read_label
-from superneurons.bench.convergence.report import write_artifacts
+from superneurons.bench.convergence.report import summary_lines, write_artifacts
 from superneurons.bench.convergence.run import add_deltas, run_convergence_bench
 from superneurons.codecs.schedule import DiminishingTheta, Scheduled
 from superneurons.errors import ConfigError
+from superneurons.schemes import grammar
 from superneurons.schemes.adam import AdamAuto, AdamUpdate
 from superneurons.schemes.auto import Auto
 from superneurons.schemes.grammar import parse_spec
@@ -230,3 +233,30 @@ def test_diloco_counts_its_rounds_bytes_and_times_its_curve() -> None:
     assert len(diloco["curve_train_s"]) == len(diloco["curve"]) == 2
     assert 0 < diloco["curve_train_s"][0] < diloco["curve_train_s"][1]
     assert math.isfinite(diloco["final_metric"]) and dense["ratio_vs_dense"] == 1.0
+
+
+def test_labels_are_read_at_the_edge_and_never_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The config reads each label once per optimizer family; the tasks, the ranks (a pickled
+    copy, as a shaped rank reads it) and the report take the objects and parse nothing."""
+    counts: collections.Counter[str] = collections.Counter()
+    check = grammar._check_text
+
+    def counted(text: object) -> None:
+        counts[str(text)] += 1
+        check(text)
+
+    monkeypatch.setattr(grammar, "_check_text", counted)
+    labels = ("dense", "fft|diminishing:until=0.5", "auto", "adam-update:signsgd")
+    config = ConvergenceConfig(codecs=(*labels, "diloco[steps=2]:fp16"))
+    assert counts == {"dense": 2, "fft": 2, "auto": 2, "adam-update:signsgd": 2, "fp16": 2}
+    read = counts.copy()
+    for task in config.tasks:
+        assert [lb.on(task.optimizer) is not None for lb in config.labels].count(False) == (
+            1 if task.optimizer == "sgd" else 0  # adam-update replaces Adam: not on SGD
+        )
+    records = [
+        {"task": "shakespeare", "codec": text, "final_metric": 2.0, "delta_vs_dense": 0.0}
+        for text in config.codecs
+    ]
+    summary_lines(records, pickle.loads(pickle.dumps(config)))
+    assert counts == read

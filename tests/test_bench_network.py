@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -25,6 +26,7 @@ from superneurons.bench.network.worker import analytic_bytes_per_step
 from superneurons.cli import main
 from superneurons.errors import ConfigError
 from superneurons.models import build_model
+from superneurons.schemes import grammar
 from superneurons.schemes.grammar import parse_spec
 
 TINY = {"mlp": {"hidden": [16]}}
@@ -316,3 +318,33 @@ def test_the_extrapolation_table_names_what_its_labels_parse_to() -> None:
     from superneurons.bench.network.extrapolate import TABLE_CODECS
 
     assert {label: parse_spec(label) for label in TABLE_CODECS} == TABLE_CODECS
+
+
+def test_codec_labels_are_parsed_once_per_process(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The config parses each label once; the reports take its objects; a worker (a process of
+    its own) parses its labels once more, when it reads its configuration."""
+    from superneurons.bench.network.worker import WorkerConfig
+
+    counts: collections.Counter[str] = collections.Counter()
+    check = grammar._check_text
+
+    def counted(text: object) -> None:
+        counts[str(text)] += 1
+        check(text)
+
+    monkeypatch.setattr(grammar, "_check_text", counted)
+    config = _tiny(codecs=("dense", "twophase:bits=4", "auto"))
+    assert counts == dict.fromkeys(config.codecs, 1)
+    fields = {"model": "fc-heavy", "status": "ok", "compute_step_s": 1.0, "bytes_per_step": 1e6}
+    records = [
+        {"bandwidth": "1gbit", "nproc": p, "codec": c, "mean_step_s": 1.0, **fields}
+        for p in (2, 4)
+        for c in config.codecs
+    ]
+    write_artifacts(records, tmp_path, config)
+    assert counts == dict.fromkeys(config.codecs, 1)
+    worker = WorkerConfig(0, 2, "127.0.0.1", 1, "mlp", config.codecs)
+    assert counts == dict.fromkeys(config.codecs, 2)
+    assert worker.compressions == config.compressions
