@@ -260,3 +260,21 @@ def test_labels_are_read_at_the_edge_and_never_again(monkeypatch: pytest.MonkeyP
     ]
     summary_lines(records, pickle.loads(pickle.dumps(config)))
     assert counts == read
+
+
+def test_every_label_in_the_recorded_results_still_reads() -> None:
+    """The spellings the recorded runs used (``fft:theta=0.999|diminishing:...`` among them)
+    read as the one grammar's RUN, and print back to what reads the same."""
+    root = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    texts = {
+        record["codec"]
+        for path in root.rglob("convergence.json")
+        for record in json.loads(path.read_text())["records"]
+    }
+    assert any("|diminishing:" in text for text in texts)
+    for text in sorted(texts):
+        label = read_label(text)
+        for optimizer in ("sgd", "adamw"):
+            reading = label.on(optimizer)
+            if reading is not None:
+                assert read_label(str(reading)).on(optimizer) == reading, (text, optimizer)
