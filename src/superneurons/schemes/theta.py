@@ -36,7 +36,7 @@ from superneurons.schemes.grammar import (
     parse_sync,
 )
 
-__all__ = ["THETAS", "THETA_GRAMMAR", "Diminishing", "RunScheduled", "parse_run"]
+__all__ = ["THETAS", "THETA_GRAMMAR", "Diminishing", "Run", "RunScheduled", "parse_run"]
 
 THETA_GRAMMAR = "diminishing[:start=S,floor=F,drops=D,until=U] (until: a fraction of the run)"
 
@@ -97,7 +97,11 @@ class RunScheduled:
         return self.spec
 
 
-def parse_run(text: str, *, adam: bool) -> Scheme | RunScheduled | Sync:
+# What a run's label names (see the module docstring).
+Run = Scheme | RunScheduled | Sync
+
+
+def parse_run(text: str, *, adam: bool) -> Run:
     """The object a run's label names: a ``train --sync`` spec, or a ``--compress`` spec
     (``adam``: as with an Adam-family optimizer, see :func:`~.grammar.parse_scheme`) with an
     optional θ schedule over the run after ``|``.

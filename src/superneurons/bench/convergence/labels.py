@@ -21,13 +21,12 @@ Adam task); a label neither family reads is an error.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 from superneurons.errors import ConfigError
 from superneurons.schemes.adam import AdamMomentum, AdamUpdate
 from superneurons.schemes.compose import with_defaults
 from superneurons.schemes.diloco import DiLoCo, EveryStep
-from superneurons.schemes.theta import parse_run
+from superneurons.schemes.theta import Run, parse_run
 
 __all__ = ["Label", "read_label"]
 
@@ -39,10 +38,10 @@ class Label:
     A :class:`~superneurons.schemes.anchors.TorchDense` reading is plain DDP (no hook)."""
 
     text: str
-    sgd: Any
-    adam: Any
+    sgd: Run | None
+    adam: Run | None
 
-    def on(self, optimizer: str) -> Any:
+    def on(self, optimizer: str) -> Run | None:
         """What a task with ``optimizer`` (``sgd``, ``adam``, ``adamw``) trains with, or None."""
         return self.sgd if optimizer == "sgd" else self.adam
 
@@ -53,7 +52,7 @@ def read_label(text: str) -> Label:
     Raises:
         ConfigError: neither family reads it (both reasons, when they differ).
     """
-    readings: dict[bool, Any] = {}
+    readings: dict[bool, Run] = {}
     errors: dict[bool, str] = {}
     for adam in (False, True):
         try:
@@ -71,7 +70,7 @@ def read_label(text: str) -> Label:
     return Label(text, on_sgd, readings.get(True))
 
 
-def _reading(text: str, *, adam: bool) -> Any:
+def _reading(text: str, *, adam: bool) -> Run:
     run = parse_run(text, adam=adam)
     if isinstance(run, EveryStep):
         raise ConfigError(f"{text!r} is how dense DDP synchronises: its label is 'dense'")
