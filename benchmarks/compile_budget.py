@@ -1,5 +1,5 @@
 """The budget under ``torch.compile``: a tiny Llama (CPU, AdamW), measured in the c10 allocator's
-view (:func:`superneurons.bench.memory_meter.allocator_peak_bytes`, which sees what inductor's
+view (:func:`superneurons.bench.memory.meter.allocator_peak_bytes`, which sees what inductor's
 generated code allocates).
 
 For fp32 parameters, fp32 under autocast-bf16 and bf16 parameters; the plain loop and HF's
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from superneurons.bench.artifacts import markdown_table, write_json, write_markdown
-from superneurons.bench.memory_meter import allocator_peak_bytes
+from superneurons.bench.memory.meter import allocator_peak_bytes
 from superneurons.errors import ConfigError
 from superneurons.memory import apply_plan, make_plan
 from superneurons.memory.compiled import refusal_message

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from superneurons.bench.memory_meter import device_peak_bytes
+from superneurons.bench.memory.meter import device_peak_bytes
 from superneurons.memory import apply_plan, make_plan, min_peak_bytes, profile_step
 from superneurons.memory.below import below_profiles
 

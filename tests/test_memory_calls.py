@@ -68,7 +68,7 @@ def test_the_first_ops_output_is_not_taken_for_an_input() -> None:
     """The stem conv's output is born at event 0, as are (clamped) the storages alive before
     the step: only the latter are the caller's. Offloading the BatchNorm that saves the conv's
     output frees it, predicted and measured alike (real CPU tensors)."""
-    from superneurons.bench.memory_meter import device_peak_bytes
+    from superneurons.bench.memory.meter import device_peak_bytes
     from superneurons.memory.plan import Plan, UnitDecision
     from superneurons.memory.pool import PoolConfig
     from superneurons.memory.predict import evaluate

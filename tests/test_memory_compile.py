@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from superneurons.bench.memory_meter import allocator_peak_bytes
+from superneurons.bench.memory.meter import allocator_peak_bytes
 from superneurons.errors import ConfigError
 from superneurons.memory import apply_plan, make_plan
 from superneurons.memory.compiled import refusal_message

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from superneurons.bench.memory import device_peak_bytes
+from superneurons.bench.memory.meter import device_peak_bytes
 from superneurons.errors import ConfigError
 from superneurons.memory.bounds import LOSS, largest_unit_bytes, resident_bytes, working_sets
 from superneurons.memory.plan import Plan, UnitDecision

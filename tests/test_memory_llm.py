@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from superneurons.bench.memory_meter import allocator_peak_bytes
+from superneurons.bench.memory.meter import allocator_peak_bytes
 from superneurons.cli import main
 from superneurons.memory.llm import LMStep, attention_ops, load_config, profile_causal_lm
 from superneurons.memory.plan import SEARCH_STRATEGIES

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from superneurons.bench.memory import device_peak_bytes
+from superneurons.bench.memory.meter import device_peak_bytes
 from superneurons.errors import ConfigError
 from superneurons.memory.plan import Plan, UnitDecision
 from superneurons.memory.pool import PoolConfig

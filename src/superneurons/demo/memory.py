@@ -4,7 +4,7 @@ Both are measured the same way, in the view the plan's prediction describes, ove
 steady-state step (optimizer state already allocated):
 
 * **CPU**: the c10 allocator's bytes
-  (:func:`~superneurons.bench.memory_meter.allocator_timeline_bytes`): live tensors plus the
+  (:func:`~superneurons.bench.memory.meter.allocator_timeline_bytes`): live tensors plus the
   scratch kernels allocate for themselves (a convolution's backward) and the generator state a
   checkpoint stashes, which a real CPU profile counts. The tensor pool's host slab is allocated
   in the warm-up, before the measured step, and is not in it.
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from superneurons.bench.memory_meter import allocator_timeline_bytes
+from superneurons.bench.memory.meter import allocator_timeline_bytes
 from superneurons.memory.plan import ACTIONS, InfeasibleBudgetError, Plan
 from superneurons.memory.planner import make_plan
 from superneurons.memory.profile import profile_step

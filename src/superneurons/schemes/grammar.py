@@ -9,6 +9,7 @@ Grammar (parsed once, at the edge, into an object that is passed on as that obje
     OPTION  := KEY "=" VALUE
     SYNC    := SYNCNAME [":" OPTION ("," OPTION)*]        e.g. diloco:steps=50 (train --sync)
              | SYNCNAME "[" OPTION ("," OPTION)* "]" ":" SPEC          e.g. diloco[steps=50]:fp16
+    RUN     := SYNC | SPEC ["|" THETA]     e.g. fft|diminishing:until=0.5 (bench labels, .theta)
 
 NAMEs are codecs (``CODECS``), ``powersgd``, PyTorch's anchors (``dense``, ``torch-allreduce``
 = ``dense``, ``torch-fp16``, ``torch-powersgd``) and ``auto``; WRAPPERs are ``ef`` (error
@@ -71,6 +72,7 @@ __all__ = [
     "WRAPPERS",
     "describe_codecs",
     "parse_codec",
+    "parse_options",
     "parse_scheme",
     "parse_spec",
     "parse_sync",
@@ -209,8 +211,8 @@ def _valid_names(names: dict[str, type]) -> str:
     return ", ".join([*SPECS, *(f"{name}(...)" for name in WRAPPERS), *adam])
 
 
-def _options(name: str, cls: type, items: list[str], text: str) -> dict[str, Any]:
-    """``KEY=VALUE`` items -> typed keyword arguments of ``cls``."""
+def parse_options(name: str, cls: type, items: list[str], text: str) -> dict[str, Any]:
+    """``KEY=VALUE`` items -> typed keyword arguments of ``cls`` (every production's options)."""
     fields = _fields(cls)
     kwargs: dict[str, Any] = {}
     hint = getattr(cls, "SPEC_HINT", "")
@@ -273,7 +275,7 @@ def _parse(text: str, whole: str, names: dict[str, type]) -> Any:
                 f"malformed spec {whole!r}: {name} names no codec after ':'; expected {GRAMMAR}"
             )
         codec = _parse(inner, whole, SPECS)
-        return ADAM[name](codec, **_options(name, ADAM[name], items, whole))
+        return ADAM[name](codec, **parse_options(name, ADAM[name], items, whole))
     head, paren, body = stripped.partition("(")
     if paren and ":" not in head:
         name = head.strip().lower()
@@ -290,7 +292,7 @@ def _parse(text: str, whole: str, names: dict[str, type]) -> Any:
                 f"malformed spec {whole!r}: {name}(...) wraps no spec; expected {GRAMMAR}"
             )
         cls = WRAPPERS[name]
-        kwargs = _options(name, cls, items[:first_inner], whole)
+        kwargs = parse_options(name, cls, items[:first_inner], whole)
         return cls(_parse(",".join(items[first_inner:]), whole, names), **kwargs)
     name, sep, rest = stripped.partition(":")
     name = name.strip().lower()
@@ -301,7 +303,7 @@ def _parse(text: str, whole: str, names: dict[str, type]) -> Any:
     if sep and not rest.strip():
         raise ConfigError(f"malformed spec {whole!r}: nothing after ':'; expected {GRAMMAR}")
     items = rest.split(",") if rest.strip() else []
-    return names[name](**_options(name, names[name], items, whole))
+    return names[name](**parse_options(name, names[name], items, whole))
 
 
 def parse_spec(text: str) -> Compression:
@@ -356,7 +358,7 @@ def parse_sync(text: str) -> Sync:
         if rest.strip() and (colon != ":" or not options.strip()):
             raise ConfigError(f"malformed --sync {text!r}: expected {SYNC_GRAMMAR}")
     items = options.split(",") if options.strip() else []
-    kwargs = _options(head.lower(), cls, items, text)
+    kwargs = parse_options(head.lower(), cls, items, text)
     sync: Sync = cls(parse_spec(wire), **kwargs) if bracket else cls(**kwargs)
     return sync
 

@@ -2,9 +2,9 @@
 
 ``superneurons bench convergence --bandwidth 100mbit`` trains the same codecs as on loopback,
 but the ranks talk through veth links rate-limited by ``tc tbf``
-(:func:`superneurons.bench.netns.network_namespaces`, the network benchmark's machinery), so
+(:func:`superneurons.bench.links.netns.network_namespaces`, the network benchmark's machinery), so
 ``auto`` measures a network where compression can pay. Needs root (namespaces); the ranks
-are subprocesses started with ``ip netns exec`` (``python -m superneurons.bench.convergence``
+are subprocesses started with ``ip netns exec`` (``python -m superneurons.bench.convergence.rank``
 is one rank).
 """
 
@@ -32,14 +32,14 @@ def run_ranks_shaped(config: Any, out: Path, poll: Callable[[], None]) -> None:
     Raises:
         ConfigError: no namespaces here (not root, no ``ip``/``tc``), or a rank failed.
     """
-    from superneurons.bench.netns import network_namespaces
+    from superneurons.bench.links.netns import network_namespaces
 
     config_path = out.with_suffix(".config.pickle")
     config_path.write_bytes(pickle.dumps(config))
     with network_namespaces(config.nproc, rate_bit_s=config.bandwidth_bit_s) as topology:
         procs = []
         for rank in range(config.nproc):
-            argv = [sys.executable, "-m", "superneurons.bench.convergence", str(config_path)]
+            argv = [sys.executable, "-m", "superneurons.bench.convergence.rank", str(config_path)]
             argv += [str(rank), str(_PORT), str(out), topology.addresses[0]]
             argv.append(topology.interfaces[rank])
             procs.append(subprocess.Popen([*topology.exec_prefix(rank), *argv]))

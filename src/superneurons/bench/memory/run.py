@@ -2,11 +2,11 @@
 
 For one model and batch every method runs the same step (gradients reset to ``None``, forward,
 loss, backward with the output alive, as :mod:`superneurons.train.loop` runs it, optimizer step)
-and is measured by :mod:`superneurons.bench.memory_meter` (CUDA: ``max_memory_allocated`` and
+and is measured by :mod:`superneurons.bench.memory.meter` (CUDA: ``max_memory_allocated`` and
 CUDA events; CPU: the live-storage count and wall/CPU time). Budgets are fractions of eager's
 measured peak. Methods: ``eager``; ``ours`` (``make_plan`` at each budget, executed by
 :func:`~superneurons.memory.runtime.apply_plan`) and ``ours-offload`` (``strategy="offload"``);
-the anchors of :mod:`superneurons.bench.memory_anchors`, all in the same run.
+the anchors of :mod:`superneurons.bench.memory.anchors`, all in the same run.
 
 On CUDA the profile runs on real CUDA tensors and the bytes the allocator holds beyond live
 tensors (cuDNN/cuBLAS workspaces, rounding: :func:`~superneurons.memory.workspace.
@@ -30,14 +30,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from superneurons.bench.memory_anchors import (
+from superneurons.bench.memory.anchors import (
     ANCHORS,
     activation_memory_budget,
     checkpointed_units,
     compile_unavailable,
     save_on_cpu,
 )
-from superneurons.bench.memory_meter import StepMeasure, device_peak_bytes, measure_step
+from superneurons.bench.memory.meter import StepMeasure, device_peak_bytes, measure_step
 from superneurons.errors import ConfigError
 from superneurons.memory.runtime import apply_plan
 from superneurons.memory.stateful import kv_cache_off

@@ -1,10 +1,10 @@
 """The bandwidth benchmark: data-parallel step time of every codec over real shaped links.
 
 For each world size and bandwidth, :func:`run_network_bench` creates one network namespace
-per rank joined by veth links rate-limited with tbf (:mod:`superneurons.bench.netns`; more
+per rank joined by veth links rate-limited with tbf (:mod:`superneurons.bench.links`; more
 than 2 ranks share a bridge), measures the link's TCP goodput once, and for each (model,
-codec) starts one process per rank inside its namespace (:mod:`superneurons.bench.
-network_worker`: gloo over the veth, one thread per rank). Each record says the mean step
+codec) starts one process per rank inside its namespace (:mod:`.worker`: gloo over the veth,
+one thread per rank). Each record says the mean step
 time after warm-up, the speedup over plain DDP at the same bandwidth, world size and model,
 bytes sent and received per rank per step, and the compute-only step time for reference.
 
@@ -31,18 +31,20 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from superneurons.bench.netns import (
+from superneurons.bench.links.netns import (
     Topology,
     measure_throughput_bit_s,
     network_namespaces,
 )
-from superneurons.bench.network_data import DATA_CHOICES
+from superneurons.bench.network.data import DATA_CHOICES
 from superneurons.data.fashion_mnist import DEFAULT_ROOT as FASHION_MNIST_ROOT
 from superneurons.errors import ConfigError
 from superneurons.rates import format_rate
+from superneurons.schemes.grammar import Compression, parse_spec
 from superneurons.train.launch import free_port
 
 __all__ = [
@@ -50,7 +52,6 @@ __all__ = [
     "DEFAULT_MODELS",
     "NetworkBenchConfig",
     "add_speedups",
-    "check_codec",
     "config_dict",
     "run_network_bench",
 ]
@@ -95,7 +96,7 @@ class NetworkBenchConfig:
     shaping: bool = True
     measure_link: bool = True
     run_timeout_s: float = 900.0
-    # "real": Fashion-MNIST for the models that take it (bench.network_data), else "random"
+    # "real": Fashion-MNIST for the models that take it (bench.network.data), else "random"
     data: str = "real"
     data_root: str = FASHION_MNIST_ROOT
 
@@ -112,24 +113,13 @@ class NetworkBenchConfig:
             raise ConfigError("--steps must be >= 1 and --warmup >= 0")
         if self.codecs.count("dense") > 1:
             raise ConfigError("list 'dense' at most once")
-        for codec in self.codecs:
-            check_codec(codec)
+        self.compressions  # noqa: B018  (parses every codec now, before any rank starts)
 
-
-_TORCH_ONLY = ("dense", "torch-fp16", "torch-powersgd")
-
-
-def check_codec(codec: str) -> None:
-    """Fail before starting any rank if ``codec`` is not a spec the hook understands."""
-    try:
-        from superneurons.schemes.grammar import parse_spec
-    except ImportError:  # no compression subsystem: the worker uses torch's hooks directly
-        if codec.partition(":")[0] not in _TORCH_ONLY:
-            raise ConfigError(
-                f"codec {codec!r} needs superneurons.compress; available: {_TORCH_ONLY}"
-            ) from None
-        return
-    parse_spec(codec)
+    @cached_property
+    def compressions(self) -> dict[str, Compression]:
+        """Each codec label parsed once (what the reports classify; every rank parses its
+        labels once more, in its own process)."""
+        return {label: parse_spec(label) for label in self.codecs}
 
 
 @dataclass(frozen=True)
@@ -226,7 +216,7 @@ def _run_ranks(
             }
             env = {**os.environ, "GLOO_SOCKET_IFNAME": link.ifname(rank), "OMP_NUM_THREADS": "1"}
             log_file = stack.enter_context(tempfile.TemporaryFile(mode="w+", dir=workdir))
-            argv = [sys.executable, "-m", "superneurons.bench.network_worker", json.dumps(worker)]
+            argv = [sys.executable, "-m", "superneurons.bench.network.worker", json.dumps(worker)]
             procs.append(
                 subprocess.Popen(
                     [*link.prefix(rank), *argv], env=env, stdout=log_file, stderr=subprocess.STDOUT

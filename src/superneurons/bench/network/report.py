@@ -1,6 +1,6 @@
 """Artifacts of the network benchmark: JSON records, a Markdown table with the targets checked
 and the step-time breakdown, and a PNG of step time per codec and link (see
-:mod:`superneurons.bench.network`)."""
+:mod:`superneurons.bench.network.run`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from superneurons.bench.artifacts import markdown_table, pyplot, write_json, write_markdown
-from superneurons.bench.network import NetworkBenchConfig, config_dict
-from superneurons.bench.network_extrapolate import write_extrapolation
-from superneurons.bench.network_scale import scale_lines
+from superneurons.bench.network.extrapolate import write_extrapolation
+from superneurons.bench.network.run import NetworkBenchConfig, config_dict
+from superneurons.bench.network.scale import scale_lines
 
 __all__ = ["summary_lines", "write_artifacts"]
 
@@ -58,7 +58,7 @@ def write_artifacts(
 ) -> list[Path]:
     """DIR/network.json, DIR/network.md (table + targets) and DIR/network.png."""
     extra: dict[str, Any] = {"note": note} if note else {}
-    scale = scale_lines(records)
+    scale = scale_lines(records, config.compressions)
     paths = [write_json(out_dir / "network.json", records, config=config_dict(config), **extra)]
     link_lines = sorted(
         {
@@ -98,7 +98,9 @@ def write_artifacts(
     )
     paths.append(write_markdown(out_dir / "network.md", "Network benchmark", body))
     paths.append(_plot(records, out_dir / "network.png", pyplot()))
-    paths += write_extrapolation(records, out_dir, predict_nprocs=config.predict_nprocs)
+    paths += write_extrapolation(
+        records, out_dir, config.compressions, predict_nprocs=config.predict_nprocs
+    )
     return paths
 
 

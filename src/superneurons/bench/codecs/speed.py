@@ -14,14 +14,16 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from superneurons.bench.artifacts import markdown_table, write_json, write_markdown
+from superneurons.codecs.codec import Codec
 from superneurons.errors import ConfigError
-from superneurons.schemes.grammar import parse_codec
+from superneurons.schemes.grammar import CODECS, parse_codec
 
 __all__ = ["SPEED_SPECS", "SpeedConfig", "measure_codec_speed", "write_speed_artifacts"]
 
@@ -46,7 +48,8 @@ SPEED_SPECS: tuple[str, ...] = (
 @dataclass(frozen=True)
 class SpeedConfig:
     """``device``: "cpu" or "cuda[:i]"; ``sizes_mib``: fp32 bucket sizes; ``repeats``: timed
-    repetitions per (codec, size) after one warm-up."""
+    repetitions per (codec, size) after one warm-up; ``specs``: the codecs, parsed once
+    (:attr:`codecs`)."""
 
     device: str = "cpu"
     sizes_mib: tuple[float, ...] = (4.0, 100.0)
@@ -62,8 +65,14 @@ class SpeedConfig:
         kind = torch.device(self.device).type
         if kind not in ("cpu", "cuda"):
             raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
-        for spec in self.specs:
-            parse_codec(spec)  # fail early on a bad name
+        self.codecs  # noqa: B018  (parses every spec now: a bad one fails before measuring)
+
+    @cached_property
+    def codecs(self) -> tuple[Codec, ...]:
+        return tuple(parse_codec(spec) for spec in self.specs)
+
+
+_NAMES = {cls: name for name, cls in CODECS.items()}
 
 
 def _time_cpu(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
@@ -107,10 +116,10 @@ def measure_codec_speed(
             numel = int(size_mib * 2**20) // 4
             generator = torch.Generator(device=device).manual_seed(config.seed)
             grad = torch.randn(numel, device=device, generator=generator)
-            for spec in config.specs:
+            for spec, codec in zip(config.specs, config.codecs, strict=True):
                 if progress is not None:
                     progress(f"{size_mib:g} MiB {spec}")
-                records.append(_measure(parse_codec(spec).spec, grad, generator, config))
+                records.append(_measure(codec, grad, generator, config))
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
         return records
@@ -119,9 +128,8 @@ def measure_codec_speed(
 
 
 def _measure(
-    spec: str, grad: torch.Tensor, generator: torch.Generator, config: SpeedConfig
+    codec: Codec, grad: torch.Tensor, generator: torch.Generator, config: SpeedConfig
 ) -> dict[str, Any]:
-    codec = parse_codec(spec)
     payload = codec.encode(grad, generator=generator)
 
     def encode() -> object:
@@ -132,8 +140,8 @@ def _measure(
 
     numel = grad.numel()
     record: dict[str, Any] = {
-        "spec": spec,
-        "codec": spec.split(":")[0],
+        "spec": codec.spec,
+        "codec": _NAMES[type(codec)],
         "device": str(grad.device),
         "size_mib": 4 * numel / 2**20,
         "numel": numel,

@@ -1,6 +1,6 @@
 """One rank of the network benchmark: real data-parallel training steps under each codec.
 
-Started by :mod:`superneurons.bench.network` as ``python -m superneurons.bench.network_worker
+Started by :mod:`superneurons.bench.network.run` as ``python -m superneurons.bench.network.worker
 CONFIG_JSON`` inside the rank's network namespace (or on loopback). Each rank runs one thread
 (``torch.set_num_threads(1)``: with a second busy process, torch's default threads made small
 ops 30-50x slower here), joins a gloo group over the shaped link, and:
@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -39,8 +40,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from superneurons.bench.wire_bytes import interface_bytes, wire_bytes_per_rank
+from superneurons.bench.links.wire_bytes import interface_bytes, wire_bytes_per_rank
 from superneurons.errors import ConfigError
+from superneurons.schemes.anchors import TorchDense, TorchFp16, TorchPowerSGD
+from superneurons.schemes.grammar import Compression, parse_spec
 from superneurons.train.rank import exit_rank, leave_process_group
 
 __all__ = ["WorkerConfig", "analytic_bytes_per_step", "main", "run_worker"]
@@ -80,6 +83,12 @@ class WorkerConfig:
             raise ConfigError("give at least one codec")
         if self.batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
+        self.compressions  # noqa: B018  (parses every label now, before joining the group)
+
+    @cached_property
+    def compressions(self) -> dict[str, Compression]:
+        """Each codec label parsed once in this rank's process (records keep the label)."""
+        return {label: parse_spec(label) for label in self.codecs}
 
 
 def _build_model(config: WorkerConfig) -> nn.Module:
@@ -94,7 +103,7 @@ def _batches(
     config: WorkerConfig, model: nn.Module
 ) -> tuple[Iterator[tuple[torch.Tensor, torch.Tensor]], str]:
     """This rank's batch stream and what it is (``"real"`` or ``"random"``, see network_data)."""
-    from superneurons.bench.network_data import bench_batches
+    from superneurons.bench.network.data import bench_batches
 
     return bench_batches(
         model,
@@ -145,7 +154,7 @@ def _timed_steps(
     return (time.perf_counter() - start_s) / count, cpu_s, float(loss.item())
 
 
-def analytic_bytes_per_step(model: nn.Module, codec: str, world_size: int) -> float:
+def analytic_bytes_per_step(model: nn.Module, compression: Compression, world_size: int) -> float:
     """Bytes one rank sends per step under a ring all-reduce: ``2 (P-1)/P`` times the payload.
 
     dense: fp32 gradients; torch-fp16: fp16; torch-powersgd:rank=r: P and Q factors (fp32) of
@@ -153,15 +162,14 @@ def analytic_bytes_per_step(model: nn.Module, codec: str, world_size: int) -> fl
     ``n m >= 2 r (n + m)``), plus the rest uncompressed.
     """
     ring = 2 * (world_size - 1) / world_size
-    name, _, args = codec.partition(":")
     grads = [p for p in model.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in grads)
-    if name == "dense":
+    if isinstance(compression, TorchDense):
         return ring * 4 * numel
-    if name == "torch-fp16":
+    if isinstance(compression, TorchFp16):
         return ring * 2 * numel
-    if name == "torch-powersgd":
-        rank = int(dict(kv.split("=") for kv in args.split(",") if kv).get("rank", 1))
+    if isinstance(compression, TorchPowerSGD):
+        rank = compression.rank
         elements = 0
         for p in grads:
             n = p.shape[0]
@@ -169,46 +177,18 @@ def analytic_bytes_per_step(model: nn.Module, codec: str, world_size: int) -> fl
             compress = p.dim() >= 2 and n * m >= 2 * rank * (n + m)
             elements += rank * (n + m) if compress else p.numel()
         return ring * 4 * elements
-    raise ConfigError(f"no analytic byte count for codec {codec!r}")
+    raise ConfigError(f"no analytic byte count for codec {compression.spec!r}")
 
 
-def _register(ddp: DistributedDataParallel, codec: str, warmup_steps: int) -> Any:
-    """Register ``codec``'s comm hook; returns the hook state (or None for plain DDP)."""
-    if codec == "dense":
+def _register(ddp: DistributedDataParallel, compression: Compression) -> Any:
+    """Register ``compression``'s comm hook (with error feedback by default, as for a spec
+    string); returns the hook state, or None for plain DDP (``dense``: no hook at all)."""
+    from superneurons.ddp.hook import register_compression
+    from superneurons.schemes.compose import with_defaults
+
+    if isinstance(compression, TorchDense):
         return None
-    try:
-        from superneurons.ddp.hook import register_compression
-    except ImportError:  # the compression subsystem is not installed: torch's own hooks only
-        return _register_torch(ddp, codec, warmup_steps)
-    return register_compression(ddp, codec)
-
-
-def _register_torch(ddp: DistributedDataParallel, codec: str, warmup_steps: int) -> Any:
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-
-    name, _, args = codec.partition(":")
-    if name == "torch-fp16":
-        # NOTE: through a lambda: DDP rejects the hook's string annotations (postponed
-        # evaluation) as "bucket annotation should be dist.GradBucket" on torch 2.13.
-        ddp.register_comm_hook(
-            None,  # type: ignore[arg-type]
-            lambda state, bucket: default_hooks.fp16_compress_hook(state, bucket),
-        )
-        return None
-    if name == "torch-powersgd":
-        rank = int(dict(kv.split("=") for kv in args.split(",") if kv).get("rank", 1))
-        state = psgd.PowerSGDState(
-            process_group=None,
-            matrix_approximation_rank=rank,
-            start_powerSGD_iter=max(2, warmup_steps),
-        )
-        ddp.register_comm_hook(state, psgd.powerSGD_hook)
-        return state
-    raise ConfigError(
-        f"codec {codec!r} needs superneurons.ddp.hook (not importable here); "
-        "available without it: dense, torch-fp16, torch-powersgd:rank=R"
-    )
+    return register_compression(ddp, with_defaults(compression))
 
 
 def _bytes_counter(state: Any) -> int | None:
@@ -265,7 +245,7 @@ def _run(config: WorkerConfig) -> None:
                 handle.write(json.dumps(record) + "\n")
 
 
-def _bucket_cap_mb(model: nn.Module, codec: str) -> int | None:
+def _bucket_cap_mb(model: nn.Module, compression: Compression) -> int | None:
     """DDP's default buckets (25 MiB, None), except one bucket for PyTorch's PowerSGD hook.
 
     NOTE: torch's ``powerSGD_hook`` issues collectives from future callbacks; with several
@@ -273,7 +253,7 @@ def _bucket_cap_mb(model: nn.Module, codec: str) -> int | None:
     parameter fc-heavy model here (``gloo::EnforceNotMet`` in pair.cc). One bucket is the
     only configuration in which the anchor runs at all; it loses overlap with backward.
     """
-    if not codec.startswith("torch-powersgd"):
+    if not isinstance(compression, TorchPowerSGD):
         return None
     total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return total_bytes // 2**20 + 1
@@ -285,10 +265,11 @@ def _run_codec(
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> dict[str, Any]:
+    compression = config.compressions[codec]
     model = _build_model(config)  # fresh weights: every codec starts from the same point
-    bucket_cap_mb = _bucket_cap_mb(model, codec)
+    bucket_cap_mb = _bucket_cap_mb(model, compression)
     ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
-    state = _register(ddp, codec, config.warmup_steps)
+    state = _register(ddp, compression)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=config.lr, momentum=0.9)
     with torch.no_grad():
         x, y = next(batches)
@@ -322,7 +303,7 @@ def _run_codec(
     if before is not None and after is not None:
         bytes_per_step, source = (after - before) / config.steps, "hook counter"
     else:
-        bytes_per_step = analytic_bytes_per_step(model, codec, config.world_size)
+        bytes_per_step = analytic_bytes_per_step(model, compression, config.world_size)
         source = "analytic ring all-reduce"
     return {
         "model": config.model,
@@ -357,7 +338,7 @@ def _auto_fields(state: Any) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        raise SystemExit("usage: python -m superneurons.bench.network_worker CONFIG_JSON")
+        raise SystemExit("usage: python -m superneurons.bench.network.worker CONFIG_JSON")
     raw = json.loads(args[0])
     config = WorkerConfig(**{**raw, "codecs": tuple(raw.get("codecs", ()))})
     logging.basicConfig(level=os.environ.get("SUPERNEURONS_LOG", "WARNING"))

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from superneurons.bench.hf_models import build_hf_model
+from superneurons.bench.codecs.hf_models import build_hf_model
 from superneurons.data import fashion_mnist, shakespeare
 from superneurons.errors import ConfigError
 from superneurons.models import build_model, default_loss
@@ -58,7 +58,7 @@ class _Recipe:
     optimizer: str  # "sgd" (momentum 0.9) | "adamw"
     lr: float
     batch_size: int
-    source: str = "zoo"  # "zoo" (superneurons.models) | "hf" (bench.hf_models, transformers)
+    source: str = "zoo"  # "zoo" (superneurons.models) | "hf" (bench.codecs.hf_models, transformers)
 
 
 # NOTE: sized so 200 steps of all four take a few minutes on 2 contended CPU cores, while the

@@ -20,39 +20,39 @@ PNG beside the benchmark's own artifacts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from superneurons.bench.artifacts import pyplot, write_json, write_markdown
-from superneurons.errors import ConfigError
+from superneurons.codecs.cast import Bf16Codec
+from superneurons.codecs.compacttopk import CompactTopKCodec
+from superneurons.codecs.powersgd import PowerSGD
+from superneurons.codecs.twophase import TwoPhase
+from superneurons.schemes.anchors import TorchDense
+from superneurons.schemes.auto import Auto
+from superneurons.schemes.compose import unwrap
+from superneurons.schemes.grammar import Compression
 
 __all__ = ["TABLE_CODECS", "extrapolation", "write_extrapolation"]
 
-TABLE_CODECS: tuple[str, ...] = (
-    "dense",
-    "bf16",
-    "powersgd:rank=4",
-    "twophase:bits=1",
-    "twophase:bits=4",
-    "ctopk",
-)
+# The table's rows: label -> what it names (tests/test_bench_network.py checks each parses so).
+TABLE_CODECS: dict[str, Compression] = {
+    "dense": TorchDense(),
+    "bf16": Bf16Codec(),
+    "powersgd:rank=4": PowerSGD(rank=4),
+    "twophase:bits=1": TwoPhase(bits=1),
+    "twophase:bits=4": TwoPhase(bits=4),
+    "ctopk": CompactTopKCodec(),
+}
 TABLE_RATES_BIT_S: tuple[float, ...] = (1e9, 1e10, 1e11)
 _MEASURED_RATE = "1gbit"
 
 
-def canonical(label: str) -> str:
-    """A codec label as ``auto``'s candidates are named (wrappers dropped): ``"dense"`` or the
-    base's canonical spec; the label itself when it does not parse."""
-    from superneurons.schemes.compose import unwrap
-    from superneurons.schemes.grammar import parse_spec
-
-    if label == "dense":
-        return label
-    try:
-        return str(unwrap(parse_spec(label)).base.spec)
-    except ConfigError:
-        return label
+def candidate(compression: Compression) -> str:
+    """What ``auto``'s candidates call ``compression`` (wrappers dropped): ``"dense"`` or the
+    base's canonical spec."""
+    return str(unwrap(compression).base.spec)
 
 
 def _rate_name(rate_bit_s: float) -> str:
@@ -60,13 +60,19 @@ def _rate_name(rate_bit_s: float) -> str:
 
 
 def extrapolation(
-    records: Sequence[dict[str, Any]], *, predict_nprocs: Sequence[int] = (64, 512)
+    records: Sequence[dict[str, Any]],
+    compressions: Mapping[str, Compression],
+    *,
+    predict_nprocs: Sequence[int] = (64, 512),
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """``(rows, choices)``: a row per (model, codec, rate, world size) with the measured and
     the predicted whole step, and a line per predicted setting saying what ``auto`` would
-    choose there. Empty without ``auto`` records that carry their inputs at 1 Gbit/s."""
+    choose there. ``compressions``: what each record's codec label names (labels it lacks are
+    left out). Empty without ``auto`` records that carry their inputs at 1 Gbit/s."""
     from superneurons.strategy import DecisionInputs, decide_at, predicted_steps
 
+    named = {label: candidate(c) for label, c in compressions.items()}
+    autos = {label for label, c in compressions.items() if isinstance(unwrap(c).base, Auto)}
     rows: list[dict[str, Any]] = []
     choices: list[str] = []
     ok = [r for r in records if r.get("status") == "ok" and r.get("bandwidth") == _MEASURED_RATE]
@@ -77,14 +83,16 @@ def extrapolation(
                 {**r["sync_inputs"], "link_bit_s": r.get("bandwidth_bit_s")}
             )
             for r in mine
-            if canonical(r["codec"]).startswith("auto") and r.get("sync_inputs")
+            if r["codec"] in autos and r.get("sync_inputs")
         }
         if not inputs:
             continue
         measured = {
-            (int(r.get("nproc", 2)), canonical(r["codec"])): float(r["mean_step_s"]) for r in mine
+            (int(r.get("nproc", 2)), named[r["codec"]]): float(r["mean_step_s"])
+            for r in mine
+            if r["codec"] in named
         }
-        specs = [canonical(c) for c in TABLE_CODECS]
+        specs = [candidate(c) for c in TABLE_CODECS.values()]
         base, wide = inputs[min(inputs)], inputs[max(inputs)]
         for rate in TABLE_RATES_BIT_S:
             scaled = None if rate == wide.link_bit_s else rate
@@ -188,11 +196,12 @@ def _plot(rows: Sequence[dict[str, Any]], path: Path) -> Path:
 def write_extrapolation(
     records: Sequence[dict[str, Any]],
     out_dir: Path,
+    compressions: Mapping[str, Compression],
     *,
     predict_nprocs: Sequence[int],
 ) -> list[Path]:
     """DIR/extrapolation.{json,md,png}; nothing when no ``auto`` record carries its inputs."""
-    rows, choices = extrapolation(records, predict_nprocs=predict_nprocs)
+    rows, choices = extrapolation(records, compressions, predict_nprocs=predict_nprocs)
     if not rows:
         return []
     return [

@@ -18,10 +18,15 @@ measured ``bytes_received_per_rank`` (each rank's interface counters) of a run o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from superneurons.errors import ConfigError
+from superneurons.codecs.powersgd import PowerSGD
+from superneurons.codecs.twophase import TwoPhase
+from superneurons.schemes.anchors import TorchDense, TorchFp16, TorchPowerSGD
+from superneurons.schemes.auto import Auto
+from superneurons.schemes.compose import unwrap
+from superneurons.schemes.grammar import Compression
 
 __all__ = ["exchange_kind", "scale_lines"]
 
@@ -29,28 +34,23 @@ _BYTES_TOLERANCE = 0.10
 _FP16_TARGET, _GATHER_TARGET, _AUTO_TARGET = 1.5, 1.2, 0.97
 
 
-def exchange_kind(spec: str) -> str:
-    """How a codec label's gradients travel: ``dense`` (plain DDP), ``anchor`` (PyTorch's
-    hooks), ``ring`` (all-reduced: casts, PowerSGD), ``twophase``, ``gather`` (all-gathered
-    payloads), ``auto``, or ``unknown``."""
-    from superneurons.codecs.powersgd import PowerSGD
-    from superneurons.codecs.twophase import TwoPhase
-    from superneurons.schemes.compose import unwrap
-    from superneurons.schemes.grammar import parse_spec
-
-    if spec == "dense":
-        return "dense"
-    if spec.startswith("torch-"):
-        return "anchor"
-    try:
-        base = unwrap(parse_spec(spec)).base
-    except ConfigError:
+def exchange_kind(compression: Compression | None) -> str:
+    """How a codec label's gradients travel, from the object it names: ``dense`` (plain DDP),
+    ``anchor`` (PyTorch's hooks), ``ring`` (all-reduced: casts, PowerSGD), ``twophase``,
+    ``gather`` (all-gathered payloads), ``auto``, or ``unknown`` (None: a label the run's
+    configuration does not name)."""
+    if compression is None:
         return "unknown"
+    base = unwrap(compression).base
+    if isinstance(base, TorchDense):
+        return "dense"
+    if isinstance(base, TorchFp16 | TorchPowerSGD):
+        return "anchor"
     if isinstance(base, TwoPhase):
         return "twophase"
     if isinstance(base, PowerSGD):
         return "ring"
-    if getattr(base, "NAME", "") == "auto":
+    if isinstance(base, Auto):
         return "auto"
     return "ring" if base.summable else "gather"
 
@@ -59,7 +59,9 @@ def _ok(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in records if r.get("status") == "ok"]
 
 
-def bytes_lines(records: Sequence[dict[str, Any]]) -> list[str]:
+def bytes_lines(
+    records: Sequence[dict[str, Any]], compressions: Mapping[str, Compression]
+) -> list[str]:
     """Per (bandwidth, model, codec) measured at two or more world sizes: bytes received per
     rank at the largest P over the smallest, against what the exchange predicts."""
     lines = []
@@ -74,7 +76,7 @@ def bytes_lines(records: Sequence[dict[str, Any]]) -> list[str]:
             continue
         low, high = min(by_p), max(by_p)
         ratio = by_p[high] / by_p[low]
-        kind = exchange_kind(codec)
+        kind = exchange_kind(compressions.get(codec))
         text = (
             f"- {bandwidth}, {model}, {codec}: {by_p[low] / 1e6:.2f} MB received per rank per "
             f"step at P={low}, {by_p[high] / 1e6:.2f} MB at P={high} ({ratio:.2f}x"
@@ -97,15 +99,21 @@ def bytes_lines(records: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def step_lines(records: Sequence[dict[str, Any]], *, model: str = "fc-heavy") -> list[str]:
+def step_lines(
+    records: Sequence[dict[str, Any]],
+    compressions: Mapping[str, Compression],
+    *,
+    model: str = "fc-heavy",
+) -> list[str]:
     """The step-time targets at the largest world size measured at 1 Gbit/s on ``model``."""
     rows = [r for r in _ok(records) if r["bandwidth"] == "1gbit" and r["model"] == model]
     if not rows:
         return []
     p = max(int(r.get("nproc", 2)) for r in rows)
     step = {r["codec"]: float(r["mean_step_s"]) for r in rows if int(r.get("nproc", 2)) == p}
-    two = {c: s for c, s in step.items() if exchange_kind(c) == "twophase"}
-    gather = {c: s for c, s in step.items() if exchange_kind(c) == "gather"}
+    kind = {c: exchange_kind(compressions.get(c)) for c in step}
+    two = {c: s for c, s in step.items() if kind[c] == "twophase"}
+    gather = {c: s for c, s in step.items() if kind[c] == "gather"}
     lines = []
     if two:
         best = min(two, key=two.__getitem__)
@@ -120,8 +128,8 @@ def step_lines(records: Sequence[dict[str, Any]], *, model: str = "fc-heavy") ->
             met = "met" if ratio >= _GATHER_TARGET else "NOT met"
             text += f"; {ratio:.2f}x the best all-gather codec {other} (target >= {_GATHER_TARGET}x: {met})"
         lines.append(text)
-    fixed = {c: s for c, s in step.items() if exchange_kind(c) != "auto"}
-    autos = {c: s for c, s in step.items() if exchange_kind(c) == "auto"}
+    fixed = {c: s for c, s in step.items() if kind[c] != "auto"}
+    autos = {c: s for c, s in step.items() if kind[c] == "auto"}
     if fixed and autos:
         best = min(fixed, key=fixed.__getitem__)
         for codec, seconds in sorted(autos.items()):
@@ -134,10 +142,13 @@ def step_lines(records: Sequence[dict[str, Any]], *, model: str = "fc-heavy") ->
     return lines
 
 
-def scale_lines(records: Sequence[dict[str, Any]]) -> list[str]:
-    """Both checks (empty when the run had one world size)."""
+def scale_lines(
+    records: Sequence[dict[str, Any]], compressions: Mapping[str, Compression]
+) -> list[str]:
+    """Both checks (empty when the run had one world size); ``compressions``: what each codec
+    label names (:attr:`.run.NetworkBenchConfig.compressions`)."""
     if len({int(r.get("nproc", 2)) for r in records}) < 2 and not any(
         int(r.get("nproc", 2)) > 2 for r in records
     ):
         return []
-    return bytes_lines(records) + step_lines(records)
+    return bytes_lines(records, compressions) + step_lines(records, compressions)
