@@ -66,7 +66,7 @@ def run_rank_stated(rank: int, world_size: int, config: TrainConfig) -> dict[str
 
 
 def load_checkpoint(out_dir: Path, rank: int) -> dict[str, Any]:
-    return torch.load(checkpoint_path(out_dir, rank), weights_only=False)
+    return torch.load(checkpoint_path(out_dir, rank), weights_only=True)
 
 
 def descendants(pid: int) -> list[int]:
