@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -230,9 +231,9 @@ def test_a_stated_link_and_stated_compute_decide_by_the_link_alone() -> None:
         ComputeTimes(-1.0, STATED_COMPUTE.optimizer)
 
 
-@pytest.fixture
-def cpu_burner() -> Iterator[None]:
-    """Two processes spinning (the CI machine's two cores) for as long as the test runs."""
+@contextlib.contextmanager
+def _busy_cores() -> Iterator[None]:
+    """Two processes spinning (the CI machine's two cores) for as long as the block runs."""
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
         yield
@@ -240,6 +241,10 @@ def cpu_burner() -> Iterator[None]:
         for spinner in spinners:
             spinner.kill()
             spinner.wait()
+
+
+def _started(rank: int, world_size: int) -> int:
+    return rank
 
 
 def _decide_stated(rank: int, world_size: int, texts: list[str]) -> list[dict[str, Any]]:
@@ -263,11 +268,14 @@ def _decide_stated(rank: int, world_size: int, texts: list[str]) -> list[dict[st
 
 
 @pytest.mark.dist
-def test_stated_decisions_are_the_same_while_the_cores_are_busy(cpu_burner: None) -> None:
+def test_stated_decisions_are_the_same_while_the_cores_are_busy() -> None:
     # the collective decision on 2 ranks beside two busy loops equals the pure function of
     # the statement computed here: no latency, bandwidth or time is measured for it
     texts = ["auto:link=10kbit", "auto:link=100mbit,latency=200us", "auto:link=1000gbit"]
     expected = [_choose(text, [64 * 128, 128, 128 * 10, 10]).to_dict() for text in texts]
     assert expected[0]["scheme"] != "dense" and expected[2]["scheme"] == "dense"
-    for decisions in shared_ranks(2).run(_decide_stated, texts, timeout_s=120):
-        assert decisions == expected
+    ranks = shared_ranks(2)
+    assert ranks.run(_started, timeout_s=120) == [0, 1]  # up before the cores get busy
+    with _busy_cores():
+        for decisions in ranks.run(_decide_stated, texts, timeout_s=120):
+            assert decisions == expected
