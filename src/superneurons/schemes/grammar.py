@@ -128,8 +128,7 @@ GRAMMAR = (
 )
 _OPTION = re.compile(r"^\s*[A-Za-z_]\w*\s*=")
 
-# Field metadata naming a unit: its parser, and what it takes (for the one-line error).
-_UNITS = {"rate": (parse_rate, "a rate such as 100mbit or 1gbit"),
+_UNITS = {"rate": (parse_rate, "a rate such as 100mbit or 1gbit"),  # metadata: parser, hint
           "duration": (parse_duration_ns, "a duration such as 50us, 0.2ms or 1s")}  # fmt: skip
 
 _TRUE = frozenset({"true", "1", "yes", "on"})
