@@ -23,6 +23,7 @@ LAYERS: dict[str, int] = {
     "errors": 0,
     "bytesize": 0,
     "rates": 0,
+    "durations": 0,
     "compat": 0,
     "device": 0,
     "version": 0,

@@ -22,8 +22,8 @@ communicates); with an Adam-family optimizer (``parse_spec(text, adam=True)``) `
 derived from the fields (:mod:`superneurons.codecs.canonical`), and parses back to an equal
 object. ``train --sync`` takes a SYNC (:func:`parse_sync`, the names in ``SYNCS``:
 ``every-step`` and ``diloco``, :mod:`.diloco`). Values are converted by the dataclass field types (``int``, ``float``, ``str``,
-``bool``, ``X | None``, ``Literal[...]``, a codec) or a field's ``rate`` metadata
-(:func:`superneurons.rates.parse_rate`); the class's own ``__post_init__`` validates ranges.
+``bool``, ``X | None``, ``Literal[...]``, a codec) or a field's ``rate`` or ``duration``
+metadata (:data:`_UNITS`); the class's own ``__post_init__`` validates ranges.
 
 ``CODECS`` and ``SPECS`` are literal dicts, not registries: adding a codec is one line in
 ``CODECS``.
@@ -53,6 +53,7 @@ from superneurons.codecs.sign import SignSGDCodec
 from superneurons.codecs.terngrad import TernGradCodec
 from superneurons.codecs.topk import TopKCodec
 from superneurons.codecs.twophase import TwoPhase
+from superneurons.durations import parse_duration_ns
 from superneurons.errors import ConfigError
 from superneurons.rates import parse_rate
 from superneurons.schemes.adam import AdamAuto, AdamMomentum, AdamScheme, AdamUpdate
@@ -128,6 +129,9 @@ GRAMMAR = (
     "'topk:ratio=0.01', 'ef(warmup(steps=100,topk))')"
 )
 _OPTION = re.compile(r"^\s*[A-Za-z_]\w*\s*=")
+
+_UNITS = {"rate": (parse_rate, "a rate such as 100mbit or 1gbit"),  # metadata: parser, hint
+          "duration": (parse_duration_ns, "a duration such as 50us, 0.2ms or 1s")}  # fmt: skip
 
 _TRUE = frozenset({"true", "1", "yes", "on"})
 _FALSE = frozenset({"false", "0", "no", "off"})
@@ -231,16 +235,16 @@ def parse_options(name: str, cls: type, items: list[str], text: str) -> dict[str
         field, tp = fields[key]
         if field.name in kwargs:
             raise ConfigError(f"spec {text!r} sets {key!r} twice")
+        unit = next((m for m in _UNITS if field.metadata.get(m)), None)
         try:
-            if field.metadata.get("rate"):
-                kwargs[field.name] = None if value.lower() == "none" else parse_rate(value)
-            else:
+            if unit is None:
                 kwargs[field.name] = _convert(value, tp)
+            else:  # NOTE: "none" is an optional rate's None (link=none)
+                none = value.lower() == "none" and unit == "rate"
+                kwargs[field.name] = None if none else _UNITS[unit][0](value)
         except (ValueError, ConfigError):
-            what = "a rate such as 100mbit or 1gbit" if field.metadata.get("rate") else None
-            raise ConfigError(
-                f"{name!r}: {key}={value!r} must be {what or _type_name(tp)}"
-            ) from None
+            what = _UNITS[unit][1] if unit else _type_name(tp)
+            raise ConfigError(f"{name!r}: {key}={value!r} must be {what}") from None
     return kwargs
 
 
