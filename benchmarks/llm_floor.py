@@ -24,10 +24,10 @@ from typing import Any
 import torch
 
 from superneurons.bench.artifacts import markdown_table, write_json, write_markdown
-from superneurons.memory.bounds import head_loss_bytes
-from superneurons.memory.cost import cost_model
-from superneurons.memory.llm import LMStep, profile_causal_lm_below
-from superneurons.memory.strategy_search import strategy_floors
+from superneurons.memory.planner.bounds import head_loss_bytes
+from superneurons.memory.planner.cost import cost_model
+from superneurons.memory.planner.strategy_search import strategy_floors
+from superneurons.memory.sizing.llm import LMStep, profile_causal_lm_below
 
 GiB = 2**30
 # Meta's Llama-3-8B config.json (huggingface.co/meta-llama/Meta-Llama-3-8B)

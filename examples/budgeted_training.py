@@ -24,8 +24,8 @@ from superneurons.bytesize import format_bytes, parse_bytes
 from superneurons.data.fashion_mnist import fashion_mnist
 from superneurons.device import Placement
 from superneurons.memory import InfeasibleBudgetError, make_plan
-from superneurons.memory.profile import profile_step
-from superneurons.memory.runtime import apply_plan
+from superneurons.memory.profiling.step import profile_step
+from superneurons.memory.runtime.apply import apply_plan
 from superneurons.models.zoo import build_model
 
 

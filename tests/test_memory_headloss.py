@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from superneurons.errors import ConfigError
-from superneurons.memory import headloss
-from superneurons.memory.headloss import (
+from superneurons.memory.chunked import headloss
+from superneurons.memory.chunked.headloss import (
     HEAD_MODES,
     MIN_CHUNK_TOKENS,
     chunk_tokens_for,

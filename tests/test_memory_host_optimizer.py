@@ -26,7 +26,7 @@ from superneurons.memory import (
     profile_step,
     simulate_plan,
 )
-from superneurons.memory.buckets import assign_buckets, bucket_timeline
+from superneurons.memory.planner.buckets import assign_buckets, bucket_timeline
 
 Factory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 # the reference runs the same implementation the host optimizer picks (fused on the host)

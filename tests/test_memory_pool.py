@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from superneurons.errors import ConfigError
+from superneurons.memory.offload.pool import PoolConfig, TensorPool
+from superneurons.memory.offload.slab import alias_storage
 from superneurons.memory.plan import Plan, UnitDecision
-from superneurons.memory.pool import PoolConfig, TensorPool
-from superneurons.memory.runtime import apply_plan
-from superneurons.memory.slab import alias_storage
+from superneurons.memory.runtime.apply import apply_plan
 
 
 class _Probe(torch.autograd.Function):

@@ -12,9 +12,9 @@ from torch import nn
 
 from superneurons.errors import ConfigError
 from superneurons.memory import profile_step
-from superneurons.memory.bounds import working_sets
+from superneurons.memory.chunked.seqchunk import MIN_PIECE_TOKENS, sequence_splits, split_sequence
 from superneurons.memory.plan import SeqChunking
-from superneurons.memory.seqchunk import MIN_PIECE_TOKENS, sequence_splits, split_sequence
+from superneurons.memory.planner.bounds import working_sets
 
 transformers = pytest.importorskip("transformers")
 

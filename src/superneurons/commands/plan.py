@@ -13,11 +13,11 @@ every strategy's floor and the plan for the budget:
 ``--model hf:NAME_OR_PATH`` builds a Hugging Face causal LM from a configuration
 (``superneurons.models.hf_configs`` ships a few by name; a path is any ``config.json``) and
 profiles the step as people write it, modelling the target device's attention kernels and
-optimizer implementation (``superneurons.memory.llm``). ``--max-depth`` / ``--max-batch`` /
+optimizer implementation (``superneurons.memory.sizing.llm``). ``--max-depth`` / ``--max-batch`` /
 ``--max-seq-len`` search the largest size whose smallest predicted peak fits, per strategy (an
-affine fit over three profiled sizes, ``superneurons.memory.search``). For ``hf:`` models the
+affine fit over three profiled sizes, ``superneurons.memory.sizing.search``). For ``hf:`` models the
 planner also searches the step below the largest layer (``--below``: the LM head + loss in chunks,
-block MLPs over sequence pieces, ``superneurons.memory.below``). Progress goes to stderr.
+block MLPs over sequence pieces, ``superneurons.memory.profiling.below``). Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -39,18 +39,18 @@ from superneurons.commands.plan_target import (
     zoo_kwargs,
 )
 from superneurons.errors import ConfigError
-from superneurons.memory.cost import DEVICE_PRESETS, CostModel
-from superneurons.memory.llm import (
+from superneurons.memory.plan import SEARCH_STRATEGIES, STRATEGIES, InfeasibleBudgetError, Plan
+from superneurons.memory.planner.cost import DEVICE_PRESETS, CostModel
+from superneurons.memory.planner.decide import make_plan, strategy_floors
+from superneurons.memory.profile_types import GRANULARITIES, Profile
+from superneurons.memory.sizing.llm import (
     DTYPES,
     OPTIMIZER_IMPLS,
     attention_ops,
     profile_causal_lm_below,
 )
-from superneurons.memory.plan import SEARCH_STRATEGIES, STRATEGIES, InfeasibleBudgetError, Plan
-from superneurons.memory.planner import make_plan, strategy_floors
-from superneurons.memory.profile_types import GRANULARITIES, Profile
-from superneurons.memory.search import profile_for_strategy
-from superneurons.memory.simulate import OPTIMIZERS, profile_zoo
+from superneurons.memory.sizing.search import profile_for_strategy
+from superneurons.memory.sizing.simulate import OPTIMIZERS, profile_zoo
 
 HELP = "plan keep/offload/recompute per unit under a memory budget (fake tensors)"
 

@@ -1,7 +1,7 @@
 """``superneurons plan --max-depth / --max-batch / --max-seq-len``: the largest size that fits.
 
 Per strategy, an affine fit of the smallest predicted peak over three profiled sizes, solved for
-the budget (:func:`superneurons.memory.search.max_fitting`); batches and sequence lengths are
+the budget (:func:`superneurons.memory.sizing.search.max_fitting`); batches and sequence lengths are
 then checked by direct profiles (``verify``). Sequence lengths are searched in multiples of
 :data:`SEQ_QUANTUM` tokens (a quarter of the positions for configurations with fewer than 4 x
 that) and stop at the configuration's positions: nothing beyond them is profiled.
@@ -15,9 +15,9 @@ from typing import Any
 
 from superneurons.commands.plan_target import BELOW, HF, lm_target, progress, zoo_kwargs
 from superneurons.errors import ConfigError
-from superneurons.memory.cost import CostModel
-from superneurons.memory.llm import max_positions
-from superneurons.memory.search import lm_peaks, max_fitting, zoo_peaks
+from superneurons.memory.planner.cost import CostModel
+from superneurons.memory.sizing.llm import max_positions
+from superneurons.memory.sizing.search import lm_peaks, max_fitting, zoo_peaks
 
 __all__ = ["SEQ_QUANTUM", "run_search"]
 

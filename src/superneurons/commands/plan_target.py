@@ -11,9 +11,9 @@ from typing import Any
 
 from superneurons.bytesize import parse_bytes
 from superneurons.errors import ConfigError
-from superneurons.memory.below import VARIANTS
-from superneurons.memory.cost import CostModel, cost_model
-from superneurons.memory.llm import (
+from superneurons.memory.planner.cost import CostModel, cost_model
+from superneurons.memory.profiling.below import VARIANTS
+from superneurons.memory.sizing.llm import (
     BELOW_FLOOR,
     LM_OPTIMIZERS,
     LMStep,

@@ -28,9 +28,9 @@ from torch.utils._pytree import tree_flatten
 
 from superneurons.bench.memory_meter import allocator_timeline_bytes
 from superneurons.memory.plan import ACTIONS, InfeasibleBudgetError, Plan
-from superneurons.memory.planner import make_plan
-from superneurons.memory.profile import profile_step
-from superneurons.memory.runtime import apply_plan
+from superneurons.memory.planner.decide import make_plan
+from superneurons.memory.profiling.step import profile_step
+from superneurons.memory.runtime.apply import apply_plan
 from superneurons.memory.tracker import LiveStorageTracker
 
 __all__ = ["MemoryComparison", "compare_memory"]

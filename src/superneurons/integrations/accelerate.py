@@ -52,9 +52,9 @@ from superneurons.integrations.hf import (
     training_without_kv_cache,
 )
 from superneurons.memory import Plan, PlanHandle, apply_plan
-from superneurons.memory.handover import factory_like, hand_over
-from superneurons.memory.host_optimizer import HostOptimizerView
-from superneurons.memory.isolate import unwrapped
+from superneurons.memory.offload.handover import factory_like, hand_over
+from superneurons.memory.offload.host_optimizer import HostOptimizerView
+from superneurons.memory.profiling.isolate import unwrapped
 from superneurons.replicas import check_replicas
 
 __all__ = ["SuperNeuronsSetup", "ddp_reserved_bytes", "prepare_superneurons"]
@@ -148,7 +148,7 @@ def prepare_superneurons(
         optimizer: the (prepared) optimizer, so its state counts in the profiled peak; when
             the plan steps the optimizer on the host (``offload+host-optimizer``, one process
             only), the loop keeps stepping it and the host optimizer does the work
-            (:mod:`superneurons.memory.handover`; its state: ``setup.state_dict()``).
+            (:mod:`superneurons.memory.offload.handover`; its state: ``setup.state_dict()``).
         strategy: the planner's strategy (``auto`` by default).
         loss_of: how the training loop gets the loss, ``loss_of(model, batch)`` (default
             ``model(**batch)``), so the profile runs the forward training will call.

@@ -4,7 +4,7 @@ Hugging Face models (and the loops of ``transformers.Trainer`` and ``accelerate`
 model with keyword arguments and read the loss from its output. :func:`plan_for_batch` runs
 SuperNeurons' three verbs on such a model (Wang et al., PPoPP'18; ``superneurons.memory``):
 profile one real step on ``batch`` in training mode (isolated,
-:mod:`superneurons.memory.isolate`: the model's own forward runs, patches and autocast
+:mod:`superneurons.memory.profiling.isolate`: the model's own forward runs, patches and autocast
 wrappers included, while its parameters, gradients, buffers, the optimizer and the RNG are
 untouched), plan keep / offload / recompute per transformer block under a byte budget, and
 return the plan with unit fqns relative to the model, ready for ``apply_plan(model, plan)``.
@@ -50,8 +50,8 @@ from superneurons.memory import (
     profile_step,
 )
 from superneurons.memory.fsdp import agree_plan, is_fully_sharded
-from superneurons.memory.isolate import unwrapped
-from superneurons.memory.profile import output_loss
+from superneurons.memory.profiling.isolate import unwrapped
+from superneurons.memory.profiling.step import output_loss
 
 __all__ = [
     "LossOf",

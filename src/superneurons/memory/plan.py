@@ -11,14 +11,14 @@ checkpoint saves) lives in the host pool between forward and a prefetch one unit
 nothing of the unit stays on the device.
 
 Below the largest layer (the language-model case): ``head`` evaluates the LM head and its loss
-in chunks of tokens (:mod:`superneurons.memory.headloss`), ``seq_chunks`` runs position-wise
+in chunks of tokens (:mod:`superneurons.memory.chunked.headloss`), ``seq_chunks`` runs position-wise
 sub-layers (a block's MLP) over chunks of the sequence under recomputation, and
 ``host_optimizer`` keeps the optimizer (state, fp32 master weights, its step) on the host,
-stepping bucket by bucket as gradients are ready (:mod:`superneurons.memory.host_optimizer`).
+stepping bucket by bucket as gradients are ready (:mod:`superneurons.memory.offload.host_optimizer`).
 
 A Plan is frozen data with a ``version`` and a JSON round trip, so the runtime (another
 process, another machine) can execute a plan made here. It is made by
-:func:`superneurons.memory.planner.make_plan` (this module imports nothing from the planner).
+:func:`superneurons.memory.planner.decide.make_plan` (this module imports nothing from the planner).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from superneurons.errors import ConfigError
-from superneurons.memory.headloss import HEAD_MODES, IMPLEMENTATIONS
+from superneurons.memory.chunked.headloss import HEAD_MODES, IMPLEMENTATIONS
 
 __all__ = [
     "ACTIONS",
@@ -192,9 +192,9 @@ class Plan:
         optimizer_copy_s: predicted copy time of that state per step (both directions).
         predicted_peak_bytes: predicted device peak of one training step under the plan.
         peak_at: where that peak is: ``{"unit", "phase", "event"}``
-            (:func:`superneurons.memory.where.locate`).
+            (:func:`superneurons.memory.planner.where.locate`).
         breakdown: the live bytes at that peak by what they are
-            (:data:`superneurons.memory.predict.BREAKDOWN`); they sum to the peak.
+            (:data:`superneurons.memory.planner.predict.BREAKDOWN`); they sum to the peak.
         min_budget_bytes: the smallest peak any strategy reaches for this profile.
         host_bytes: predicted pinned host bytes for offloaded activations.
         extra_compute_s: predicted recompute time per step.

@@ -3,15 +3,15 @@
 ``with apply_plan(model, plan): ...`` turns each unit of the plan into what its action says
 (docs/CONTRACTS.md): ``keep`` leaves it alone; ``recompute`` runs its forward under
 non-reentrant checkpoint with BatchNorm statistics updated once
-(:mod:`superneurons.memory.recompute`, SuperNeurons §3.3); ``offload`` packs its saved
-tensors into the Unified Tensor Pool (:mod:`superneurons.memory.pool`, §3.2), which brings
+(:mod:`superneurons.memory.runtime.recompute`, SuperNeurons §3.3); ``offload`` packs its saved
+tensors into the Unified Tensor Pool (:mod:`superneurons.memory.offload.pool`, §3.2), which brings
 them back one unit ahead of backward; ``recompute+offload`` runs the checkpointed forward
 inside the pool, so the one tensor the checkpoint saves (its input) goes to the host and is
 prefetched one unit ahead, and the layers between checkpoints are recomputed. With ``plan.optimizer_in_backward`` each parameter is
 stepped as soon as its gradient is accumulated and the gradient is freed at once
 (``Tensor.register_post_accumulate_grad_hook``), and with ``plan.optimizer_on_host`` its state
 lives in the host pool between steps, fetched one parameter ahead on the pool's streams
-(:mod:`superneurons.memory.optim_host`). With ``plan.host_optimizer`` the optimizer itself runs
+(:mod:`superneurons.memory.offload.optim_host`). With ``plan.host_optimizer`` the optimizer itself runs
 on the host, bucket by bucket as gradients arrive (:mod:`.host_buckets`,
 :mod:`.host_optimizer`): the loop's optimizer is ``handle.optimizer`` (whose ``step()`` and
 ``zero_grad()`` have nothing left to do), and under DDP the plan is applied before wrapping
@@ -29,7 +29,7 @@ DDP: apply the plan to the inner module, before or after wrapping it (a
 ``DistributedDataParallel`` is unwrapped here); non-reentrant checkpoint is DDP-safe. Do not
 combine ``optimizer_in_backward`` with DDP: gradients would be stepped before all-reduce.
 Autocast: checkpoint replays the autocast state; offloaded tensors keep their dtype.
-``torch.compile``: refused unless ``compile="trace"`` (:mod:`superneurons.memory.compiled`).
+``torch.compile``: refused unless ``compile="trace"`` (:mod:`superneurons.memory.runtime.compiled`).
 """
 
 from __future__ import annotations
@@ -44,20 +44,20 @@ import torch
 from torch import nn
 
 from superneurons.errors import ConfigError
-from superneurons.memory.compiled import CompileMode, guard_compiled_calls
+from superneurons.memory.chunked.lmhead import chunk_head
+from superneurons.memory.chunked.seqchunk import split_sequence
 from superneurons.memory.forwards import ForwardPatches
 from superneurons.memory.fsdp import check_sharded_plan, is_fully_sharded
-from superneurons.memory.host_buckets import GradientBuckets
-from superneurons.memory.host_optimizer import HostOptimizerView
-from superneurons.memory.lmhead import chunk_head
 from superneurons.memory.nodes import on_enter, on_leave, output_nodes
-from superneurons.memory.optim_host import HostOptimizerState
+from superneurons.memory.offload.host_buckets import GradientBuckets
+from superneurons.memory.offload.host_optimizer import HostOptimizerView
+from superneurons.memory.offload.optim_host import HostOptimizerState
+from superneurons.memory.offload.plan_optimizer import attach_optimizer
+from superneurons.memory.offload.pool import PoolConfig, PoolStats, TensorPool
 from superneurons.memory.plan import OFFLOADING, Plan
-from superneurons.memory.plan_optimizer import attach_optimizer
-from superneurons.memory.pool import PoolConfig, PoolStats, TensorPool
-from superneurons.memory.recompute import RecomputeStats, checkpointed_forward
-from superneurons.memory.seqchunk import split_sequence
-from superneurons.memory.stateful import guard_stateful_forwards
+from superneurons.memory.runtime.compiled import CompileMode, guard_compiled_calls
+from superneurons.memory.runtime.recompute import RecomputeStats, checkpointed_forward
+from superneurons.memory.runtime.stateful import guard_stateful_forwards
 
 __all__ = ["PlanHandle", "apply_plan"]
 
@@ -77,7 +77,7 @@ class PlanHandle:
         optimizers: per-parameter optimizers when ``plan.optimizer_in_backward`` (fqn -> opt).
         host_state: their state in the host pool when ``plan.optimizer_on_host``, else None.
         optimizer: with ``plan.host_optimizer``, the optimizer a training loop holds
-            (:class:`~superneurons.memory.host_optimizer.HostOptimizerView`), else None.
+            (:class:`~superneurons.memory.offload.host_optimizer.HostOptimizerView`), else None.
         buckets: with ``plan.host_optimizer``, the gradient buckets, else None.
     """
 
@@ -186,7 +186,7 @@ def apply_plan(
             unit raises ``ConfigError`` (the budget holds for the eager step the profile saw);
             ``"trace"``: the hooks trace without a graph break of their own, recompute units
             become dynamo's traced checkpoint, and the budget is measured, not promised
-            (:mod:`superneurons.memory.compiled`).
+            (:mod:`superneurons.memory.runtime.compiled`).
 
     Raises:
         ConfigError: a unit fqn is not a submodule, non-keep units are nested, the model
@@ -344,7 +344,7 @@ class _CallTrace:
 
     A module called several times in one forward (a ResNet bottleneck's one ``ReLU``) is a
     different neighbour at each call: whether the previous pool group is prefetched one ahead
-    depends on the unit *call* just before, as :func:`superneurons.memory.predict.evaluate`
+    depends on the unit *call* just before, as :func:`superneurons.memory.planner.predict.evaluate`
     assumes, not on the unit's place in the plan.
     """
 

@@ -1,6 +1,6 @@
 """Run the user's own model for one profiled step without touching its training state.
 
-:func:`isolated` is how :func:`~superneurons.memory.profile.profile_step` runs a step: on the
+:func:`isolated` is how :func:`~superneurons.memory.profiling.step.profile_step` runs a step: on the
 user's **real module tree** (so whatever the trainer runs also runs here: instance-level
 ``forward`` overrides such as TRL's fused LM head or accelerate's autocast wrapper, PEFT
 adapters, Liger/Unsloth-style patches, forward hooks), with the tensors a step writes swapped

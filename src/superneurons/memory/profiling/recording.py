@@ -1,10 +1,10 @@
 """Recording one profiled step.
 
-:class:`Recorder` is the mutable bookkeeping of :func:`~superneurons.memory.profile.profile_step`'s
+:class:`Recorder` is the mutable bookkeeping of :func:`~superneurons.memory.profiling.step.profile_step`'s
 observers: the module stack (pre/post hooks) and the autocast state each module began under, the
 saved tensors (``saved_tensors_hooks``), each unit's forward windows, FLOPs, bytes written and
 bytes held op by op, and where backward enters and leaves it.
-:func:`~superneurons.memory.from_recording.build_profile` turns it into a :class:`Profile`.
+:func:`~superneurons.memory.profiling.from_recording.build_profile` turns it into a :class:`Profile`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from superneurons.memory.cost import EventTimer
 from superneurons.memory.nodes import on_enter, on_leave, output_nodes
+from superneurons.memory.planner.cost import EventTimer
 from superneurons.memory.tracker import LiveStorageTracker
 
 __all__ = ["Recorder"]

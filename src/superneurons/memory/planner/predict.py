@@ -11,7 +11,7 @@ the timeline and the step phase drop to the largest single gradient. :class:`Cos
 FLOPs, bytes and copies into seconds; :func:`segment_runs` groups consecutive recompute units
 into memory-centric segments (SuperNeurons, Wang et al., PPoPP'18 §3.3). ``host_optimizer``
 keeps no optimizer state on the device and each gradient only until its bucket is drained
-(:func:`superneurons.memory.buckets.bucket_timeline`).
+(:func:`superneurons.memory.planner.buckets.bucket_timeline`).
 """
 
 from __future__ import annotations
@@ -22,13 +22,17 @@ from typing import Any
 
 import numpy as np
 
-from superneurons.memory.cost import CostModel
-from superneurons.memory.optim_backward import host_state_timeline
+from superneurons.memory.offload.optim_backward import host_state_timeline
+from superneurons.memory.offload.pool import MIN_OFFLOAD_BYTES
 from superneurons.memory.plan import OFFLOADING, RECOMPUTING
-from superneurons.memory.pool import MIN_OFFLOAD_BYTES
-from superneurons.memory.predict_steps import host_optimizer_cost, step_in_backward, step_on_host
+from superneurons.memory.planner.cost import CostModel
+from superneurons.memory.planner.predict_steps import (
+    host_optimizer_cost,
+    step_in_backward,
+    step_on_host,
+)
+from superneurons.memory.planner.where import locate
 from superneurons.memory.profile_types import CATEGORIES, Profile, StorageLife
-from superneurons.memory.where import locate
 
 __all__ = ["BREAKDOWN", "CostModel", "Outcome", "evaluate", "segment_runs"]
 
@@ -50,7 +54,7 @@ class Outcome:
 
     ``breakdown`` (keys :data:`BREAKDOWN`) is the live bytes at the peak by what they are and
     sums to ``peak_bytes``; ``peak_at`` is where the peak is
-    (:func:`~superneurons.memory.where.locate`).
+    (:func:`~superneurons.memory.planner.where.locate`).
     """
 
     peak_bytes: int
@@ -83,12 +87,12 @@ def evaluate(
     checkpoint: only the first unit's input stays saved; the inner units' inputs come back when
     the segment is recomputed at the backward start of its last unit. Storages smaller than
     ``min_offload_bytes`` stay on the device, as the pool keeps them
-    (:attr:`~superneurons.memory.pool.PoolConfig.min_offload_bytes`).
+    (:attr:`~superneurons.memory.offload.pool.PoolConfig.min_offload_bytes`).
     ``optimizer_on_host`` (with ``optimizer_in_backward``): the optimizer state lives in the
-    host pool; on the device only what :func:`~superneurons.memory.optim_backward.
+    host pool; on the device only what :func:`~superneurons.memory.offload.optim_backward.
     host_state_timeline` keeps there.
     ``host_optimizer``: the optimizer runs on the host; gradients live on the device as
-    ``buckets`` (default: :func:`~superneurons.memory.buckets.assign_buckets`) are launched and
+    ``buckets`` (default: :func:`~superneurons.memory.planner.buckets.assign_buckets`) are launched and
     drained; after backward only the parameters remain.
     """
     cost = cost or CostModel()

@@ -1,7 +1,7 @@
 """The planner's search: per strategy, the shortest prefix of candidate actions that fits.
 
 Candidates are taken in ascending cost per byte saved (module docstring of
-:mod:`superneurons.memory.planner`, which turns a search's choice into a :class:`Plan`); each
+:mod:`superneurons.memory.planner.decide`, which turns a search's choice into a :class:`Plan`); each
 strategy searches the plain profile and then the profiles below the largest layer
 (``chunked``); :func:`min_peak_bytes` and :func:`strategy_floors` are every strategy's floor.
 """
@@ -12,16 +12,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from superneurons.errors import ConfigError
-from superneurons.memory.bounds import head_loss_bytes, largest_unit_bytes
-from superneurons.memory.buckets import BUCKET_CAPS, assign_buckets, gradient_events
-from superneurons.memory.cost import CostModel
 from superneurons.memory.plan import (
     SEARCH_STRATEGIES,
     SINGLE_DEVICE_STRATEGIES,
     STRATEGIES,
     StrategyFloor,
 )
-from superneurons.memory.predict import Outcome, evaluate, segment_runs
+from superneurons.memory.planner.bounds import head_loss_bytes, largest_unit_bytes
+from superneurons.memory.planner.buckets import BUCKET_CAPS, assign_buckets, gradient_events
+from superneurons.memory.planner.cost import CostModel
+from superneurons.memory.planner.predict import Outcome, evaluate, segment_runs
 from superneurons.memory.profile_types import Profile, UnitProfile
 
 __all__ = [

@@ -46,8 +46,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from superneurons.errors import ConfigError
-from superneurons.memory.profile import output_loss, profile_step
 from superneurons.memory.profile_types import Profile, default_units
+from superneurons.memory.profiling.step import output_loss, profile_step
 
 __all__ = [
     "DTYPES",
@@ -179,9 +179,9 @@ def profile_causal_lm_below(
     variants: tuple[str, ...] = BELOW_FLOOR,
 ) -> tuple[Profile, list[Profile]]:
     """The plain profile of :func:`profile_causal_lm` and the profiles of the same step below
-    the largest layer (:func:`superneurons.memory.below.below_profiles`: the LM head + loss in
+    the largest layer (:func:`superneurons.memory.profiling.below.below_profiles`: the LM head + loss in
     chunks, each block's MLP over pieces of the sequence), one model built once. ``variants``:
-    which of :data:`superneurons.memory.below.VARIANTS` (default the floor only, one profile);
+    which of :data:`superneurons.memory.profiling.below.VARIANTS` (default the floor only, one profile);
     ``()``: none. Pass both to ``make_plan(profile, chunked=...)`` / ``strategy_floors``.
 
     Raises:
@@ -189,7 +189,7 @@ def profile_causal_lm_below(
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from superneurons.memory.below import below_profiles
+    from superneurons.memory.profiling.below import below_profiles
 
     transformers = _transformers()
     limit = max_positions(config)

@@ -3,7 +3,7 @@
 ``Tensor.register_post_accumulate_grad_hook`` runs a one-parameter optimizer and frees the
 gradient at once, so gradients never accumulate (the PyTorch tutorial "How to save memory by
 fusing the optimizer step into the backward pass"). With ``host_state`` the optimizer state
-lives in the host pool between the parameters' steps (:mod:`superneurons.memory.optim_host`).
+lives in the host pool between the parameters' steps (:mod:`superneurons.memory.offload.optim_host`).
 
 :func:`host_state_timeline` is the planner's model of the latter (pure): which state bytes stay
 on the device, when the fetched ones are live, how many bytes cross the link each step.
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from superneurons.memory.optim_host import MIN_STATE_OFFLOAD_BYTES, HostOptimizerState
+from superneurons.memory.offload.optim_host import MIN_STATE_OFFLOAD_BYTES, HostOptimizerState
 
 __all__ = ["HostStateModel", "host_state_timeline", "register_optimizer_in_backward"]
 

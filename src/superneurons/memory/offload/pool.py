@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from superneurons.errors import ConfigError
-from superneurons.memory.slab import (
+from superneurons.memory.offload.slab import (
     HostSlab,
     alias_storage,
     memory_order,

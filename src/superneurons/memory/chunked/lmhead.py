@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from superneurons.errors import ConfigError
+from superneurons.memory.chunked.headloss import linear_cross_entropy
 from superneurons.memory.forwards import ForwardPatches
-from superneurons.memory.headloss import linear_cross_entropy
 from superneurons.memory.plan import HeadChunking
 
 __all__ = ["HeadHandle", "chunk_head", "find_output_embedding"]

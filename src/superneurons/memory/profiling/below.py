@@ -26,12 +26,12 @@ import torch
 from torch import nn
 
 from superneurons.errors import ConfigError
-from superneurons.memory.headloss import chunk_tokens_for, resolve_implementation
-from superneurons.memory.lmhead import chunk_head, find_output_embedding
+from superneurons.memory.chunked.headloss import chunk_tokens_for, resolve_implementation
+from superneurons.memory.chunked.lmhead import chunk_head, find_output_embedding
+from superneurons.memory.chunked.seqchunk import sequence_splits, split_sequence
 from superneurons.memory.plan import HeadChunking, SeqChunking
-from superneurons.memory.profile import profile_step
 from superneurons.memory.profile_types import Profile
-from superneurons.memory.seqchunk import sequence_splits, split_sequence
+from superneurons.memory.profiling.step import profile_step
 
 __all__ = ["VARIANTS", "below_profiles", "head_chunking"]
 

@@ -5,10 +5,10 @@
 so a 12 GiB step costs only the Python time of its ops (~0.1 ms each).
 
 :func:`simulate_plan` executes a plan on fake copies with the runtime itself
-(:func:`superneurons.memory.runtime.apply_plan`: the same checkpoint wrappers, segments and
+(:func:`superneurons.memory.runtime.apply.apply_plan`: the same checkpoint wrappers, segments and
 Unified Tensor Pool, prefetch included), with the pool's host copies on ``meta`` so that the
 live-storage tracker counts exactly the device bytes. One executor, two kinds of tensors.
-The zoo searches (largest depth / batch) live in :mod:`superneurons.memory.search`.
+The zoo searches (largest depth / batch) live in :mod:`superneurons.memory.sizing.search`.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import torch
 from torch import nn
 
 from superneurons.errors import ConfigError
-from superneurons.memory.bounds import split_largest
+from superneurons.memory.offload.pool import PoolConfig
 from superneurons.memory.plan import Plan
-from superneurons.memory.pool import PoolConfig
-from superneurons.memory.profile import profile_step
+from superneurons.memory.planner.bounds import split_largest
 from superneurons.memory.profile_types import GRANULARITIES, Profile, default_units, layer_units
-from superneurons.memory.runtime import PlanHandle, apply_plan
+from superneurons.memory.profiling.step import profile_step
+from superneurons.memory.runtime.apply import PlanHandle, apply_plan
 
 __all__ = ["OPTIMIZERS", "profile_zoo", "simulate_plan"]
 
@@ -54,7 +54,7 @@ def profile_zoo(
 
     ``granularity``: ``"block"`` (:func:`default_units`), ``"layer"`` (:func:`layer_units`) or
     ``"split"`` (blocks, then the blocks with the largest working sets split into their layers
-    and profiled again: :func:`superneurons.memory.bounds.split_largest`).
+    and profiled again: :func:`superneurons.memory.planner.bounds.split_largest`).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 

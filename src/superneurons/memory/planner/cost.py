@@ -75,7 +75,7 @@ class CostModel:
         Units of the same shape (forward FLOPs, bytes written, saved bytes: a transformer's
         identical blocks) get the median of their times; each time is then rounded to a
         quarter-octave grid (19% apart), so noise below ~9% moves no unit in the ordering of
-        :func:`superneurons.memory.planner.make_plan`. Fake profiles use the roofline alone.
+        :func:`superneurons.memory.planner.decide.make_plan`. Fake profiles use the roofline alone.
         """
         raw = {u.fqn: self.compute_s(u, fake=profile.fake) for u in profile.units}
         shapes: dict[tuple[int, int, int], list[float]] = {}

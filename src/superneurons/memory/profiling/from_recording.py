@@ -1,6 +1,6 @@
 """Turning a recorded step into the :class:`Profile` the planner reads.
 
-:func:`build_profile` takes a :class:`~superneurons.memory.recording.Recorder` with the tracker's
+:func:`build_profile` takes a :class:`~superneurons.memory.profiling.recording.Recorder` with the tracker's
 live intervals and builds the frozen record: the per-category timeline, every saved storage's
 life, the units (a recompute's peak op by op with each op's own scratch), and the bytes that
 belong to the LM head and the loss (``Profile.head_rows``).
@@ -22,7 +22,7 @@ from superneurons.memory.profile_types import (
     head_windows,
     is_head_storage,
 )
-from superneurons.memory.recording import Recorder
+from superneurons.memory.profiling.recording import Recorder
 
 __all__ = ["build_profile"]
 

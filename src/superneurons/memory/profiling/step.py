@@ -33,11 +33,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from superneurons.errors import ConfigError
-from superneurons.memory.cost import EventTimer, measure_copy_bandwidth
-from superneurons.memory.from_recording import build_profile
 from superneurons.memory.fsdp import count_unsharded_params, is_fully_sharded, with_lineage
-from superneurons.memory.isolate import IsolationError, isolated, unwrapped
-from superneurons.memory.owners import kept_in_place, with_owners
+from superneurons.memory.planner.cost import EventTimer, measure_copy_bandwidth
 from superneurons.memory.profile_types import (
     ALLOCATOR_MARGIN_BYTES,
     CATEGORIES,
@@ -47,11 +44,14 @@ from superneurons.memory.profile_types import (
     default_units,
     head_unit,
 )
-from superneurons.memory.recompute import running_stat_bytes
-from superneurons.memory.recording import Recorder
-from superneurons.memory.stateful import kv_cache_off
+from superneurons.memory.profiling.from_recording import build_profile
+from superneurons.memory.profiling.isolate import IsolationError, isolated, unwrapped
+from superneurons.memory.profiling.owners import kept_in_place, with_owners
+from superneurons.memory.profiling.recording import Recorder
+from superneurons.memory.profiling.workspace import op_scratch, scratch_recorder
+from superneurons.memory.runtime.recompute import running_stat_bytes
+from superneurons.memory.runtime.stateful import kv_cache_off
 from superneurons.memory.tracker import LiveStorageTracker
-from superneurons.memory.workspace import op_scratch, scratch_recorder
 
 __all__ = [
     "CATEGORIES",
@@ -84,7 +84,7 @@ def profile_step(
 ) -> Profile:
     """Profile one training step (forward, ``loss_fn(output, targets)``, backward, optimizer step).
 
-    The step runs isolated (:func:`~superneurons.memory.isolate.isolated`): on the caller's own
+    The step runs isolated (:func:`~superneurons.memory.profiling.isolate.isolated`): on the caller's own
     module tree with its trainable parameters and buffers swapped for clones, gradients from
     ``None``, and a shadow of the innermost optimizer; afterwards the caller's parameters,
     gradients, buffers, optimizer, LR scheduler and RNG are as they were. A real profile needs
@@ -122,7 +122,7 @@ def profile_step(
             ``.item()``); profile with real tensors (``fake=False``); ``optimizer`` is not a torch
             optimizer (nor wraps one).
         IsolationError: the step changed one of the caller's tensors in place outside the
-            module tree (see :mod:`superneurons.memory.isolate`).
+            module tree (see :mod:`superneurons.memory.profiling.isolate`).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 

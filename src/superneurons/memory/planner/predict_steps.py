@@ -1,6 +1,6 @@
 """Where the optimizer steps, in a predicted timeline: inside backward, or on the host.
 
-:func:`~superneurons.memory.predict.evaluate` starts from the profile's steady-state timeline
+:func:`~superneurons.memory.planner.predict.evaluate` starts from the profile's steady-state timeline
 (the step after backward, on the device); a plan that steps the optimizer elsewhere changes the
 gradient, optimizer and step-phase rows as these functions do, in place (``table``: the
 ``CATEGORIES`` rows; ``head``: the LM head + loss part of the saved and temporaries rows).
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from superneurons.memory.buckets import assign_buckets, bucket_timeline, gradient_events
-from superneurons.memory.cost import CostModel
+from superneurons.memory.planner.buckets import assign_buckets, bucket_timeline, gradient_events
+from superneurons.memory.planner.cost import CostModel
 from superneurons.memory.profile_types import CATEGORIES, Profile
 
 __all__ = ["host_optimizer_cost", "step_in_backward", "step_on_host"]
@@ -64,7 +64,7 @@ def step_on_host(
     buckets: tuple[tuple[str, ...], ...] | None,
 ) -> None:
     """The optimizer on the host: no state on the device, gradients live as ``buckets``
-    (default :func:`~superneurons.memory.buckets.assign_buckets`) are launched and drained."""
+    (default :func:`~superneurons.memory.planner.buckets.assign_buckets`) are launched and drained."""
     _after_backward(table, head, profile)
     table[CATEGORIES.index("optimizer")] = 0
     gradients = gradient_events(profile.grad_births, profile.grad_ready)

@@ -1,4 +1,4 @@
-"""Where a plan runs the optimizer, attached by :func:`~superneurons.memory.runtime.apply_plan`.
+"""Where a plan runs the optimizer, attached by :func:`~superneurons.memory.runtime.apply.apply_plan`.
 
 * ``plan.optimizer_in_backward``: one optimizer per parameter, stepped in its gradient's hook
   on the device (:mod:`.optim_backward`), its state in the host pool between steps with
@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from superneurons.errors import ConfigError
-from superneurons.memory.host_buckets import install_host_optimizer
-from superneurons.memory.host_optimizer import HostOptimizerView
-from superneurons.memory.optim_backward import register_optimizer_in_backward
-from superneurons.memory.optim_host import HostOptimizerState
+from superneurons.memory.offload.host_buckets import install_host_optimizer
+from superneurons.memory.offload.host_optimizer import HostOptimizerView
+from superneurons.memory.offload.optim_backward import register_optimizer_in_backward
+from superneurons.memory.offload.optim_host import HostOptimizerState
 
 __all__ = ["attach_optimizer"]
 
@@ -28,7 +28,7 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 def attach_optimizer(handle: Any, model: nn.Module, factory: OptimizerFactory | None) -> None:
     """Run ``handle.plan``'s optimizer placement on ``model``; ``handle`` is the
-    :class:`~superneurons.memory.runtime.PlanHandle` whose hooks and optimizers it fills."""
+    :class:`~superneurons.memory.runtime.apply.PlanHandle` whose hooks and optimizers it fills."""
     if handle.plan.host_optimizer:
         _on_host(handle, model, factory)
     elif handle.plan.optimizer_in_backward:
@@ -37,8 +37,8 @@ def attach_optimizer(handle: Any, model: nn.Module, factory: OptimizerFactory | 
 
 def _in_backward(handle: Any, model: nn.Module, factory: OptimizerFactory | None) -> None:
     """Step each parameter as soon as its gradient is accumulated, then free the gradient
-    (:mod:`superneurons.memory.optim_backward`); with ``plan.optimizer_on_host`` the state
-    lives in the host pool between steps (:mod:`superneurons.memory.optim_host`)."""
+    (:mod:`superneurons.memory.offload.optim_backward`); with ``plan.optimizer_on_host`` the state
+    lives in the host pool between steps (:mod:`superneurons.memory.offload.optim_host`)."""
     if factory is None:
         raise ConfigError(
             "plan.optimizer_in_backward needs optimizer_factory=, e.g. "

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from superneurons.errors import ConfigError
-from superneurons.memory.cost import CostModel
-from superneurons.memory.llm import LMStep, profile_causal_lm_below
-from superneurons.memory.planner import min_peak_bytes
+from superneurons.memory.planner.cost import CostModel
+from superneurons.memory.planner.decide import min_peak_bytes
 from superneurons.memory.profile_types import Profile
-from superneurons.memory.simulate import profile_zoo
+from superneurons.memory.sizing.llm import LMStep, profile_causal_lm_below
+from superneurons.memory.sizing.simulate import profile_zoo
 
 __all__ = ["FitResult", "lm_peaks", "max_fitting", "profile_for_strategy", "zoo_peaks"]
 

@@ -18,7 +18,7 @@ Two kinds of forward break that assumption:
 * **Any other state written in forward**: a buffer mutated in place, a tensor or a counter
   bound to a module attribute. A recompute would write it twice (as plain checkpointing does to
   BatchNorm's running statistics, pytorch#96136; the runtime restores those itself:
-  :mod:`superneurons.memory.recompute`), and a tensor kept on a module pins device memory an
+  :mod:`superneurons.memory.runtime.recompute`), and a tensor kept on a module pins device memory an
   offload meant to free. Such a unit is refused at its first training forward with a
   :class:`~superneurons.errors.ConfigError` that names the module and the attribute (checked
   on the first training forwards: a forward that writes state does so at once).

@@ -6,7 +6,7 @@ memory and prefetches one step ahead of backward. Applied to the optimizer of
 optimizer-in-backward, where each parameter is stepped in its post-accumulate-grad hook:
 
 * between steps the state tensors of a parameter (SGD's momentum, Adam's two moments) live in a
-  preallocated (pinned on CUDA) host slab: :class:`~superneurons.memory.slab.HostSlab`;
+  preallocated (pinned on CUDA) host slab: :class:`~superneurons.memory.offload.slab.HostSlab`;
 * in the parameter's hook the state is on the device for the step: prefetched on the pool's
   host->device stream when the *previous* parameter in backward order finished its step (one
   ahead, like the checkpoints), or fetched on demand for the first one; the step runs on the
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from superneurons.memory.slab import HostSlab
+from superneurons.memory.offload.slab import HostSlab
 
 __all__ = ["MIN_STATE_OFFLOAD_BYTES", "HostOptimizerState", "HostStateStats"]
 

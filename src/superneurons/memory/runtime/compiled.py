@@ -13,7 +13,7 @@ the same plan run eagerly meets its prediction to within 1%. So a compiled call 
 ``apply_plan(model, plan, compile="trace")`` opts in: the runtime's hooks then trace without a
 graph break of their own (no ``_cdata``, no dynamo-skipped call, no logging in traced code:
 ``tests/test_memory_compile.py``) and recompute units become the checkpoint dynamo traces
-(:mod:`superneurons.memory.recompute`); the budget is then measured, not promised (``bench
+(:mod:`superneurons.memory.runtime.recompute`); the budget is then measured, not promised (``bench
 memory``'s CPU meter sees inductor's allocations).
 
 NOTE: a ``raise`` inside traced code does not reach the caller: dynamo gives up on the frame

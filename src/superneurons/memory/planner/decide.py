@@ -23,15 +23,15 @@ it is applied (``register_post_accumulate_grad_hook``), so the gradient row of t
 step phase drop to the largest single gradient. Strategy ``offload+opt-on-host`` may also keep the
 optimizer state in the host pool (ZeRO-Offload's placement, Ren et al. ATC'21): on the device only
 the state of the parameter being stepped and the one prefetched
-(:func:`~superneurons.memory.optim_backward.host_state_timeline`), its copies timed by the device
+(:func:`~superneurons.memory.offload.optim_backward.host_state_timeline`), its copies timed by the device
 preset beside backward. Strategy ``offload+host-optimizer`` runs the optimizer itself on the host
 (state, fp32 masters and the step; ZeRO-Offload's placement), each bucket of gradients leaving
-the device once launched (:mod:`superneurons.memory.buckets`); unlike optimizer-in-backward it
+the device once launched (:mod:`superneurons.memory.planner.buckets`); unlike optimizer-in-backward it
 steps after each bucket's all-reduce, so DDP can use it.
 
 Below the largest layer: ``make_plan(..., chunked=...)`` takes profiles of the same step with the
 LM head + loss in chunks and block sub-layers split over the sequence
-(:mod:`superneurons.memory.below`); each strategy uses the plain profile when it fits the budget
+(:mod:`superneurons.memory.profiling.below`); each strategy uses the plain profile when it fits the budget
 and the first chunked one that does otherwise, so chunks (and their recompute) are used only
 when the budget needs them.
 """
@@ -44,8 +44,6 @@ from dataclasses import replace
 
 from superneurons.bytesize import format_bytes
 from superneurons.errors import ConfigError
-from superneurons.memory.bounds import largest_unit_bytes, resident_bytes
-from superneurons.memory.cost import CostModel
 from superneurons.memory.plan import (
     STRATEGIES,
     InfeasibleBudgetError,
@@ -53,9 +51,10 @@ from superneurons.memory.plan import (
     TensorDecision,
     UnitDecision,
 )
-from superneurons.memory.predict import evaluate
-from superneurons.memory.profile_types import Profile
-from superneurons.memory.strategy_search import (
+from superneurons.memory.planner.bounds import largest_unit_bytes, resident_bytes
+from superneurons.memory.planner.cost import CostModel
+from superneurons.memory.planner.predict import evaluate
+from superneurons.memory.planner.strategy_search import (
     HOST_OPTIMIZER,
     IN_BACKWARD,
     min_peak_bytes,
@@ -63,6 +62,7 @@ from superneurons.memory.strategy_search import (
     strategy_floors,
     usable,
 )
+from superneurons.memory.profile_types import Profile
 
 __all__ = ["CostModel", "evaluate", "make_plan", "min_peak_bytes", "strategy_floors"]
 

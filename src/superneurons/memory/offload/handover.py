@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from superneurons.errors import ConfigError
-from superneurons.memory.host_optimizer import IMPLEMENTATION_KEYS, OptimizerFactory
-from superneurons.memory.isolate import inner_optimizer
+from superneurons.memory.offload.host_optimizer import IMPLEMENTATION_KEYS, OptimizerFactory
+from superneurons.memory.profiling.isolate import inner_optimizer
 
 __all__ = ["Handover", "factory_like", "hand_over"]
 
@@ -107,7 +107,7 @@ def hand_over(optimizer: Any, handle: Any) -> Handover:
         optimizer: what the loop steps (a torch optimizer, or a wrapper of one such as
             Accelerate's ``AcceleratedOptimizer``); the host optimizer was built by
             :func:`factory_like` from it.
-        handle: the :class:`~superneurons.memory.runtime.PlanHandle` of a plan with
+        handle: the :class:`~superneurons.memory.runtime.apply.PlanHandle` of a plan with
             ``host_optimizer``.
 
     Raises:

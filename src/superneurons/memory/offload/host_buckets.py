@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from superneurons.errors import ConfigError
-from superneurons.memory.host_optimizer import HostOptimizer, OptimizerFactory
+from superneurons.memory.offload.host_optimizer import HostOptimizer, OptimizerFactory
 from superneurons.memory.tracker import untracked
 
 __all__ = ["GradientBuckets", "ddp_ignore_names", "install_host_optimizer"]

@@ -1,0 +1,5 @@
+"""Sizing from a configuration, on fake tensors (no memory used, no weights read): ``simulate``
+(zoo models, and plans executed without memory), ``llm`` (a Hugging Face causal LM from its
+``config.json``: ``plan --model hf:``), ``search`` (the largest depth / batch / sequence that fits:
+``plan --max-*``).
+"""
