@@ -28,7 +28,17 @@ LAYERS: dict[str, float] = {
     "version": 0,
     "models": 1,
     "data": 1,
+    # memory/: the shared data at its top (Plan, Profile and its units, the autograd nodes, the
+    # live-storage tracker, FSDP2), then a folder per feature, the pure planner lowest; the
+    # package's re-exports sit above all of them.
     "memory": 2,
+    "memory.planner": 2.1,  # pure: Profile + budget -> Plan
+    "memory.offload": 2.2,  # where bytes leave the device: the host pool, the host optimizer
+    "memory.chunked": 2.3,  # the LM head + loss and block MLPs in chunks
+    "memory.runtime": 2.4,  # apply_plan: hooks on the user's model
+    "memory.profiling": 2.5,  # one step of the user's model -> Profile
+    "memory.sizing": 2.6,  # fake tensors from configs: plan --model hf:, the max-* searches
+    "memory.__init__": 2.9,
     "codecs.coding": 2,
     "codecs": 3,
     "schemes": 4,
@@ -145,6 +155,38 @@ def test_imports_flow_one_way() -> None:
         if _layer(target) > _layer(module)
     ]
     assert not upward, "imports against the layer order:\n" + "\n".join(upward)
+
+
+# What the pure planner may reach, directly or through what it imports: its own folder, the
+# shared data it reads and writes (Profile in, Plan out) and the leaf modules. No runtime, no
+# offload execution, no autograd Function, no tracker or process group.
+PLANNER = "superneurons.memory.planner"
+PLANNER_READS = {"superneurons.memory.plan", "superneurons.memory.profile_types"}
+
+
+def test_the_planner_is_pure() -> None:
+    reached: set[str] = set()
+    todo = [m for m in GRAPH if m.startswith(PLANNER)]
+    while todo:
+        module = todo.pop()
+        for target in GRAPH[module] - reached:
+            reached.add(target)
+            todo.append(target)
+    outside = sorted(
+        m
+        for m in reached
+        if not m.startswith(PLANNER) and m not in PLANNER_READS and _layer(m) != LAYERS["errors"]
+    )
+    assert not outside, f"the planner reaches beyond its data: {outside}"
+    functions = [
+        f"{module}:{node.name}"
+        for module, path in MODULES.items()
+        if module.startswith(PLANNER)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.ClassDef)
+        and any(ast.unparse(base).endswith("Function") for base in node.bases)
+    ]
+    assert not functions, f"autograd Functions in the planner: {functions}"
 
 
 def test_no_import_cycles() -> None:

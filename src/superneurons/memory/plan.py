@@ -28,10 +28,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from superneurons.errors import ConfigError
-from superneurons.memory.chunked.headloss import HEAD_MODES, IMPLEMENTATIONS
 
 __all__ = [
     "ACTIONS",
+    "HEAD_MODES",
+    "IMPLEMENTATIONS",
     "PLAN_VERSION",
     "SEARCH_STRATEGIES",
     "SINGLE_DEVICE_STRATEGIES",
@@ -44,6 +45,12 @@ __all__ = [
     "TensorDecision",
     "UnitDecision",
 ]
+
+# How the LM head + loss runs in chunks (``memory.chunked.headloss`` executes them): recompute
+# the logits in backward, or compute the gradient in the forward; PyTorch's chunked op or the
+# project's loop.
+HEAD_MODES: tuple[str, ...] = ("recompute", "grad-in-forward")
+IMPLEMENTATIONS: tuple[str, ...] = ("native", "pure")
 
 # 2: the ``recompute+offload`` action, resident/largest-unit bounds; 3: head and sequence
 # chunking, the host optimizer

@@ -36,6 +36,7 @@ import torch
 
 from superneurons.compat import native_linear_cross_entropy
 from superneurons.errors import ConfigError
+from superneurons.memory.plan import HEAD_MODES, IMPLEMENTATIONS
 
 __all__ = [
     "HEAD_MODES",
@@ -46,8 +47,6 @@ __all__ = [
     "resolve_implementation",
 ]
 
-HEAD_MODES: tuple[str, ...] = ("recompute", "grad-in-forward")
-IMPLEMENTATIONS: tuple[str, ...] = ("native", "pure")
 # NOTE: below ~64 rows a chunk's GEMM is launch- and loop-bound (the Python loop costs ~20 ops
 # per chunk); 64 keeps a 32k-vocabulary head on this project's CPU within 10% of one GEMM.
 MIN_CHUNK_TOKENS = 64

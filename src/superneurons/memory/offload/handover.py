@@ -29,9 +29,8 @@ from torch import nn
 
 from superneurons.errors import ConfigError
 from superneurons.memory.offload.host_optimizer import IMPLEMENTATION_KEYS, OptimizerFactory
-from superneurons.memory.profiling.isolate import inner_optimizer
 
-__all__ = ["Handover", "factory_like", "hand_over"]
+__all__ = ["Handover", "factory_like", "hand_over", "inner_optimizer"]
 
 logger = logging.getLogger("superneurons.memory")
 
@@ -146,3 +145,33 @@ def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     if loop is None:
         raise ConfigError("the host optimizer needs the loop's optimizer: pass optimizer=")
     return loop
+
+
+def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The torch optimizer that really steps inside wrappers (``.optimizer`` of accelerate's
+    ``AcceleratedOptimizer``, ``._optimizer`` of Lightning's), which may subclass ``Optimizer``
+    themselves.
+
+    A wrapper is recognised by what it holds (an inner optimizer), so a wrapper that is an
+    ``Optimizer`` subclass is still unwrapped: stepping it would run its patched ``step``.
+
+    Raises:
+        ConfigError: ``optimizer`` is neither a torch optimizer nor wraps one.
+    """
+    seen: set[int] = set()
+    while optimizer is not None and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        inner = next(
+            (
+                value
+                for value in (getattr(optimizer, a, None) for a in ("optimizer", "_optimizer"))
+                if value is not None and value is not optimizer and hasattr(value, "param_groups")
+            ),
+            None,
+        )
+        if inner is None:
+            break
+        optimizer = inner
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"not a torch optimizer: {type(optimizer).__name__}")
+    return optimizer

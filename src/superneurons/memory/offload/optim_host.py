@@ -36,14 +36,12 @@ from typing import Any
 import torch
 
 from superneurons.memory.offload.slab import HostSlab
+from superneurons.memory.planner.cost import MIN_STATE_OFFLOAD_BYTES
 
 __all__ = ["MIN_STATE_OFFLOAD_BYTES", "HostOptimizerState", "HostStateStats"]
 
 logger = logging.getLogger("superneurons.memory")
 
-# NOTE: the tensor pool's default ``PoolConfig.min_offload_bytes``: below ~16 KiB a copy's
-# launch latency (~5 us) costs more than the bytes are worth. The planner uses the same figure.
-MIN_STATE_OFFLOAD_BYTES = 16 * 1024
 
 _COUNTERS: tuple[str, ...] = ("d2h_bytes", "h2d_bytes", "d2h_count", "h2d_count")
 _COUNTERS += ("prefetch_hits", "demand_fetches", "steps")

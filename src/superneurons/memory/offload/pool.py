@@ -42,14 +42,12 @@ from superneurons.memory.offload.slab import (
     non_overlapping_and_dense,
     whole_storage,
 )
+from superneurons.memory.planner.cost import MIN_OFFLOAD_BYTES
 
 __all__ = ["MIN_OFFLOAD_BYTES", "PoolConfig", "PoolStats", "TensorPool"]
 
 logger = logging.getLogger("superneurons.memory")
 
-# NOTE: below ~16 KiB a copy's fixed latency (~10 us per cudaMemcpyAsync) outweighs the bytes;
-# the predictor (memory.predict) keeps such tensors on the device too
-MIN_OFFLOAD_BYTES = 16 * 1024
 
 _COUNTERS = ["d2h_bytes", "h2d_bytes", "d2h_count", "h2d_count", "cache_hits", "prefetch_hits"]
 _COUNTERS += ["demand_fetches", "kept_small", "still_resident"]

@@ -99,6 +99,14 @@ class CostModel:
         return nbytes / (self.h2d_bytes_per_s or self.bandwidth_bytes_per_s)
 
 
+# NOTE: below ~16 KiB a copy's fixed latency (~10 us per cudaMemcpyAsync) outweighs the bytes:
+# the tensor pool keeps smaller saved tensors on the device (``PoolConfig.min_offload_bytes``)
+# and the predictor models exactly that.
+MIN_OFFLOAD_BYTES = 16 * 1024
+# NOTE: the same figure for optimizer state in the host pool (``HostOptimizerState``): below
+# ~16 KiB a copy's launch latency (~5 us) costs more than the bytes are worth.
+MIN_STATE_OFFLOAD_BYTES = 16 * 1024
+
 GIB = 1024**3
 
 # NOTE: literal table; each figure says where it comes from. Memory: the datasheet capacity

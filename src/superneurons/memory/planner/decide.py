@@ -23,7 +23,7 @@ it is applied (``register_post_accumulate_grad_hook``), so the gradient row of t
 step phase drop to the largest single gradient. Strategy ``offload+opt-on-host`` may also keep the
 optimizer state in the host pool (ZeRO-Offload's placement, Ren et al. ATC'21): on the device only
 the state of the parameter being stepped and the one prefetched
-(:func:`~superneurons.memory.offload.optim_backward.host_state_timeline`), its copies timed by the device
+(:func:`~superneurons.memory.planner.host_state.host_state_timeline`), its copies timed by the device
 preset beside backward. Strategy ``offload+host-optimizer`` runs the optimizer itself on the host
 (state, fp32 masters and the step; ZeRO-Offload's placement), each bucket of gradients leaving
 the device once launched (:mod:`superneurons.memory.planner.buckets`); unlike optimizer-in-backward it

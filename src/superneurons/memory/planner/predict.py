@@ -22,10 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from superneurons.memory.offload.optim_backward import host_state_timeline
-from superneurons.memory.offload.pool import MIN_OFFLOAD_BYTES
 from superneurons.memory.plan import OFFLOADING, RECOMPUTING
-from superneurons.memory.planner.cost import CostModel
+from superneurons.memory.planner.cost import MIN_OFFLOAD_BYTES, CostModel
+from superneurons.memory.planner.host_state import host_state_timeline
 from superneurons.memory.planner.predict_steps import (
     host_optimizer_cost,
     step_in_backward,

@@ -50,8 +50,9 @@ import torch
 from torch import nn
 
 from superneurons.errors import ConfigError
+from superneurons.memory.offload.handover import inner_optimizer
 
-__all__ = ["IsolationError", "inner_optimizer", "isolated", "shadow_optimizer", "unwrapped"]
+__all__ = ["IsolationError", "isolated", "shadow_optimizer", "unwrapped"]
 
 
 class IsolationError(RuntimeError):
@@ -69,36 +70,6 @@ def unwrapped(model: nn.Module) -> nn.Module:
             model = model._orig_mod  # type: ignore[assignment]
         else:
             return model
-
-
-def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
-    """The torch optimizer that really steps inside wrappers (``.optimizer`` of accelerate's
-    ``AcceleratedOptimizer``, ``._optimizer`` of Lightning's), which may subclass ``Optimizer``
-    themselves.
-
-    A wrapper is recognised by what it holds (an inner optimizer), so a wrapper that is an
-    ``Optimizer`` subclass is still unwrapped: stepping it would run its patched ``step``.
-
-    Raises:
-        ConfigError: ``optimizer`` is neither a torch optimizer nor wraps one.
-    """
-    seen: set[int] = set()
-    while optimizer is not None and id(optimizer) not in seen:
-        seen.add(id(optimizer))
-        inner = next(
-            (
-                value
-                for value in (getattr(optimizer, a, None) for a in ("optimizer", "_optimizer"))
-                if value is not None and value is not optimizer and hasattr(value, "param_groups")
-            ),
-            None,
-        )
-        if inner is None:
-            break
-        optimizer = inner
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise ConfigError(f"not a torch optimizer: {type(optimizer).__name__}")
-    return optimizer
 
 
 @dataclass
