@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from superneurons.bytesize import format_bytes
 from superneurons.errors import ConfigError
@@ -57,8 +57,11 @@ from superneurons.memory.planner.predict import evaluate
 from superneurons.memory.planner.strategy_search import (
     HOST_OPTIMIZER,
     IN_BACKWARD,
+    Floors,
+    _Choice,
     min_peak_bytes,
     search_all,
+    search_floors,
     strategy_floors,
     usable,
 )
@@ -80,6 +83,7 @@ def make_plan(
     allow_host_optimizer: bool = True,
     cost: CostModel | None = None,
     chunked: Sequence[Profile] = (),
+    floors: Floors | None = None,
 ) -> Plan:
     """Plan keep / offload / recompute per unit so the predicted peak fits ``budget_bytes``.
 
@@ -101,6 +105,8 @@ def make_plan(
     ``chunked``: profiles of the same step below the largest layer (the LM head + loss in
     chunks, sub-layers split over the sequence: ``memory.below``), tried in order by each
     strategy when the plain profile does not fit; the plan carries the chunking it used.
+    ``floors``: :func:`~superneurons.memory.planner.strategy_search.search_floors` of the same
+    profiles and cost, when the caller has searched them already (``plan`` reports them).
 
     Raises:
         InfeasibleBudgetError: no plan of ``strategy`` fits; the message names the minimum budget
@@ -111,71 +117,110 @@ def make_plan(
         raise ConfigError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
         raise ConfigError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
-    if cost is None and min(profile.copy_bytes_per_s) > 0:
-        d2h, h2d = profile.copy_bytes_per_s  # measured with a real CUDA profile
-        cost = replace(CostModel(), bandwidth_bytes_per_s=d2h, h2d_bytes_per_s=h2d, name="measured")
-    if cost is None:
-        cost = CostModel(bandwidth_bytes_per_s=bandwidth_bytes_per_s)
-    profiles = [profile, *chunked]
-    minima = min_peak_bytes(profile, cost=cost, chunked=chunked)
-    if not allow_optimizer_in_backward:
-        if optimizer_in_backward or strategy in IN_BACKWARD:
-            raise ConfigError("optimizer_in_backward contradicts allow_optimizer_in_backward=False")
-        for name in IN_BACKWARD:
-            minima.pop(name, None)
-    if not allow_host_optimizer:
-        if strategy == HOST_OPTIMIZER:
-            raise ConfigError(f"{HOST_OPTIMIZER!r} contradicts allow_host_optimizer=False")
-        minima.pop(HOST_OPTIMIZER, None)
+    if floors is None:
+        cost = _cost_of(profile, cost, bandwidth_bytes_per_s)
+        floors = search_floors(profile, cost=cost, chunked=chunked)
+    allowed = _Allowed(optimizer_in_backward, allow_optimizer_in_backward, allow_host_optimizer)
+    minima = allowed.minima(floors, strategy)
     best_strategy = min(minima, key=lambda s: minima[s])
     if strategy == "auto":
-        order = ["eager", "recompute", "offload", *IN_BACKWARD, HOST_OPTIMIZER]
-        if not allow_optimizer_in_backward:
-            order = [s for s in order if s not in IN_BACKWARD]
-        if not allow_host_optimizer:
-            order.remove(HOST_OPTIMIZER)
-        if optimizer_in_backward:
-            order = list(IN_BACKWARD)
-        order = [s for s in order if usable(profiles, s)]
-        tried = [search_all(profiles, s, budget_bytes, cost) for s in order]
-        fits = [c for c in tried if c.outcome.peak_bytes <= budget_bytes]
-        chosen = (
-            min(
-                fits,
-                key=lambda c: (
-                    c.host_optimizer,
-                    c.optimizer_in_backward,
-                    c.optimizer_on_host,
-                    c.outcome.extra_compute_s + c.outcome.exposed_s,
-                ),
-            )
-            if fits
-            else min(tried, key=lambda c: c.outcome.peak_bytes)
-        )
+        order = [s for s in allowed.auto_order() if usable(floors.profiles, s)]
+        chosen = _least_exposed(floors, order, budget_bytes)
         minima["auto"] = min(minima[s] for s in order)
     else:
-        chosen = search_all(profiles, strategy, budget_bytes, cost)
+        chosen = search_all(floors.profiles, strategy, budget_bytes, floors.cost)
         if optimizer_in_backward and not chosen.optimizer_in_backward:
             chosen.optimizer_in_backward = True
             chosen.outcome = evaluate(
                 chosen.profile or profile,
                 chosen.actions,
                 optimizer_in_backward=True,
-                cost=cost,
+                cost=floors.cost,
                 segments=chosen.segments,
             )
-    actions, outcome = chosen.actions, chosen.outcome
-    used = chosen.profile or profile
-    if outcome.peak_bytes > budget_bytes:
+    if chosen.outcome.peak_bytes > budget_bytes:
         raise InfeasibleBudgetError(
             f"budget {format_bytes(budget_bytes)} is below the smallest predicted peak of strategy "
-            f"{strategy!r} ({format_bytes(minima.get(strategy, outcome.peak_bytes))}); the minimum "
-            f"over all strategies is {format_bytes(minima[best_strategy])} = "
+            f"{strategy!r} ({format_bytes(minima.get(strategy, chosen.outcome.peak_bytes))}); the "
+            f"minimum over all strategies is {format_bytes(minima[best_strategy])} = "
             f"{minima[best_strategy]} bytes (strategy {best_strategy!r}): raise the budget, "
             "use that strategy, or shrink the batch",
             min_budget_bytes=minima[best_strategy],
             strategy=best_strategy,
         )
+    return _plan_of(chosen, chosen.profile or profile, budget_bytes, minima[best_strategy])
+
+
+def _cost_of(profile: Profile, cost: CostModel | None, bandwidth_bytes_per_s: float) -> CostModel:
+    """The cost model given, else the copy rates a real CUDA profile measured, else the
+    default device's with ``bandwidth_bytes_per_s``."""
+    if cost is not None:
+        return cost
+    if min(profile.copy_bytes_per_s) > 0:
+        d2h, h2d = profile.copy_bytes_per_s  # measured with a real CUDA profile
+        return replace(CostModel(), bandwidth_bytes_per_s=d2h, h2d_bytes_per_s=h2d, name="measured")
+    return CostModel(bandwidth_bytes_per_s=bandwidth_bytes_per_s)
+
+
+@dataclass(frozen=True)
+class _Allowed:
+    """Which strategies a caller allows: DDP rules out stepping in backward, a model DDP
+    already wraps the host optimizer; ``in_backward`` asks for stepping in backward."""
+
+    in_backward: bool
+    allow_in_backward: bool
+    allow_host: bool
+
+    def minima(self, floors: Floors, strategy: str) -> dict[str, int]:
+        """Each allowed strategy's floor; a ``strategy`` the rules forbid is refused."""
+        minima = floors.peak_bytes()
+        if not self.allow_in_backward:
+            if self.in_backward or strategy in IN_BACKWARD:
+                raise ConfigError(
+                    "optimizer_in_backward contradicts allow_optimizer_in_backward=False"
+                )
+            for name in IN_BACKWARD:
+                minima.pop(name, None)
+        if not self.allow_host:
+            if strategy == HOST_OPTIMIZER:
+                raise ConfigError(f"{HOST_OPTIMIZER!r} contradicts allow_host_optimizer=False")
+            minima.pop(HOST_OPTIMIZER, None)
+        return minima
+
+    def auto_order(self) -> list[str]:
+        """The strategies ``auto`` tries, the cheapest kinds first."""
+        if self.in_backward:
+            return list(IN_BACKWARD)
+        order = ["eager", "recompute", "offload", *IN_BACKWARD, HOST_OPTIMIZER]
+        if not self.allow_in_backward:
+            order = [s for s in order if s not in IN_BACKWARD]
+        if not self.allow_host:
+            order.remove(HOST_OPTIMIZER)
+        return order
+
+
+def _least_exposed(floors: Floors, order: list[str], budget_bytes: int) -> _Choice:
+    """``auto``: of the strategies in ``order`` that fit, the one with the least exposed time,
+    stepping in backward, state on the host or the host optimizer only where nothing else
+    fits; none fits: the least peak."""
+    tried = [search_all(floors.profiles, s, budget_bytes, floors.cost) for s in order]
+    fits = [c for c in tried if c.outcome.peak_bytes <= budget_bytes]
+    if not fits:
+        return min(tried, key=lambda c: c.outcome.peak_bytes)
+    return min(
+        fits,
+        key=lambda c: (
+            c.host_optimizer,
+            c.optimizer_in_backward,
+            c.optimizer_on_host,
+            c.outcome.extra_compute_s + c.outcome.exposed_s,
+        ),
+    )
+
+
+def _plan_of(chosen: _Choice, used: Profile, budget_bytes: int, min_budget_bytes: int) -> Plan:
+    """The :class:`Plan` of a search's choice on the profile it used."""
+    actions, outcome = chosen.actions, chosen.outcome
     unit_bytes = {u.fqn: u.saved_bytes for u in used.units}
     tensors = tuple(
         TensorDecision(s.key, s.unit, actions.get(s.unit, "keep") if s.unit else "keep", s.nbytes)
@@ -190,7 +235,7 @@ def make_plan(
         budget_bytes=budget_bytes,
         optimizer_in_backward=chosen.optimizer_in_backward,
         predicted_peak_bytes=outcome.peak_bytes,
-        min_budget_bytes=minima[best_strategy],
+        min_budget_bytes=min_budget_bytes,
         host_bytes=outcome.host_bytes,
         extra_compute_s=outcome.extra_compute_s,
         transfer_s=outcome.transfer_s,

@@ -15,7 +15,6 @@ from superneurons.errors import ConfigError
 from superneurons.memory.plan import (
     SEARCH_STRATEGIES,
     SINGLE_DEVICE_STRATEGIES,
-    STRATEGIES,
     StrategyFloor,
 )
 from superneurons.memory.planner.bounds import head_loss_bytes, largest_unit_bytes
@@ -27,8 +26,11 @@ from superneurons.memory.profile_types import Profile, UnitProfile
 __all__ = [
     "HOST_OPTIMIZER",
     "IN_BACKWARD",
+    "Floors",
+    "describe_floors",
     "min_peak_bytes",
     "search_all",
+    "search_floors",
     "strategy_floors",
     "usable",
 ]
@@ -238,23 +240,40 @@ def _widest_buckets(choice: _Choice, budget_bytes: int | None, cost: CostModel) 
     return best
 
 
-_FLOORS: list[tuple[tuple[Profile, ...], str, CostModel, _Choice]] = []  # the last searches
+@dataclass(frozen=True)
+class Floors:
+    """Every strategy's search with no budget over one step's profiles (the plain one, then
+    those below the largest layer), searched once: the floors ``plan`` reports and the minimum
+    ``make_plan`` names, from the same searches (an 8B-parameter step: 250 evaluations of a
+    28,000-event timeline per strategy).
+
+    Attributes:
+        profiles: the plain profile, then the chunked ones.
+        cost: the device cost model the searches used.
+        choices: strategy -> its least-peak search, for every search strategy the profiles can
+            run (:data:`~superneurons.memory.plan.SEARCH_STRATEGIES`).
+    """
+
+    profiles: tuple[Profile, ...]
+    cost: CostModel
+    choices: dict[str, _Choice]
+
+    def peak_bytes(self) -> dict[str, int]:
+        """Strategy -> its smallest predicted peak."""
+        return {s: c.outcome.peak_bytes for s, c in self.choices.items()}
 
 
-def _floor(profiles: Sequence[Profile], strategy: str, cost: CostModel) -> _Choice:
-    """``search_all(profiles, strategy, None, cost)``, remembered for the last few profiles:
-    ``plan`` asks for every strategy's floor, then ``make_plan`` does again (an 8B-parameter
-    step: 250 evaluations of a 28,000-event timeline each time)."""
-    for seen, name, model, choice in _FLOORS:
-        same = len(seen) == len(profiles) and all(
-            a is b for a, b in zip(seen, profiles, strict=True)
-        )
-        if same and name == strategy and model == cost:
-            return choice
-    choice = search_all(profiles, strategy, None, cost)
-    _FLOORS.append((tuple(profiles), strategy, cost, choice))
-    del _FLOORS[: -2 * len(STRATEGIES)]
-    return choice
+def search_floors(
+    profile: Profile, *, cost: CostModel | None = None, chunked: Sequence[Profile] = ()
+) -> Floors:
+    """Each search strategy's least-peak plan over ``profile`` and the ``chunked`` profiles of
+    the same step."""
+    cost = cost or CostModel()
+    profiles = (profile, *chunked)
+    choices = {
+        s: search_all(profiles, s, None, cost) for s in SEARCH_STRATEGIES if usable(profiles, s)
+    }
+    return Floors(profiles, cost, choices)
 
 
 def min_peak_bytes(
@@ -262,13 +281,7 @@ def min_peak_bytes(
 ) -> dict[str, int]:
     """The smallest predicted peak each strategy reaches (strategy -> bytes), over ``profile``
     and the ``chunked`` profiles of the same step."""
-    cost = cost or CostModel()
-    profiles = [profile, *chunked]
-    return {
-        s: _floor(profiles, s, cost).outcome.peak_bytes
-        for s in SEARCH_STRATEGIES
-        if usable(profiles, s)
-    }
+    return search_floors(profile, cost=cost, chunked=chunked).peak_bytes()
 
 
 def strategy_floors(
@@ -281,13 +294,19 @@ def strategy_floors(
     """Each strategy's smallest predicted peak, where it is and what it holds (``plan --json``
     ``strategies``): the plan each strategy reaches with no budget (over ``profile`` and the
     ``chunked`` profiles of the same step), evaluated once."""
-    cost = cost or CostModel()
+    return describe_floors(search_floors(profile, cost=cost, chunked=chunked), strategies)
+
+
+def describe_floors(
+    floors: Floors, strategies: tuple[str, ...] = SEARCH_STRATEGIES
+) -> dict[str, StrategyFloor]:
+    """:func:`strategy_floors` of searches already made."""
+    profile = floors.profiles[0]
     eager = profile.predicted_peak_bytes()
-    profiles = [profile, *chunked]
-    floors = {}
+    described = {}
     sets: dict[int, tuple[int, int]] = {}  # id(profile) -> (largest unit, head + loss) bytes
-    for strategy in (s for s in strategies if usable(profiles, s)):
-        best = _floor(profiles, strategy, cost)
+    for strategy in (s for s in strategies if s in floors.choices):
+        best = floors.choices[strategy]
         outcome, used = best.outcome, best.profile or profile
         if id(used) not in sets:
             sets[id(used)] = (largest_unit_bytes(used), head_loss_bytes(used))
@@ -296,7 +315,7 @@ def strategy_floors(
         if not best.host_optimizer:
             resident += 0 if best.optimizer_in_backward else used.grad_bytes
             resident += 0 if best.optimizer_on_host else used.optimizer_state_bytes
-        floors[strategy] = StrategyFloor(
+        described[strategy] = StrategyFloor(
             strategy=strategy,
             min_budget_bytes=outcome.peak_bytes,
             eager_peak_bytes=eager,
@@ -313,4 +332,4 @@ def strategy_floors(
             head_chunk_tokens=used.head.chunk_tokens if used.head else None,
             mlp_pieces=max((c.chunks for c in used.seq_chunks), default=1),
         )
-    return floors
+    return described

@@ -7,6 +7,11 @@ ops), so once stage 3 holds the peak the strategy's minimal peak is *affine* in 
 activations are affine in the batch. It profiles three sizes, fits the line through the two
 largest, reports the third's residual, and solves for the largest fitting size. Callers validate
 against a direct profile at the answer where they can afford it (``verify=True`` for batches).
+
+:func:`largest_fitting` is ``superneurons plan --max-depth / --max-batch / --max-seq-len``:
+batches and sequence lengths are checked by direct profiles there; sequence lengths are searched
+in multiples of :data:`SEQ_QUANTUM` tokens (a quarter of the positions for configurations with
+fewer than 4 x that) and stop at the configuration's positions: nothing beyond them is profiled.
 """
 
 from __future__ import annotations
@@ -22,11 +27,15 @@ from typing import Any
 from superneurons.errors import ConfigError
 from superneurons.memory.planner.cost import CostModel
 from superneurons.memory.planner.decide import min_peak_bytes
-from superneurons.memory.profile_types import Profile
 from superneurons.memory.sizing.llm import LMStep, profile_causal_lm_below
 from superneurons.memory.sizing.simulate import profile_zoo
+from superneurons.memory.sizing.target import LMTarget, Target, ZooTarget
 
-__all__ = ["FitResult", "lm_peaks", "max_fitting", "profile_for_strategy", "zoo_peaks"]
+__all__ = ["SEQ_QUANTUM", "FitResult", "largest_fitting", "lm_peaks", "max_fitting", "zoo_peaks"]
+
+DEPTH_SAMPLES = (24, 48, 72)  # stage-3 blocks n; the peak sits in stage 3 from n ~ 20 on
+BATCH_SAMPLES = (4, 8, 16)
+SEQ_QUANTUM = 256  # max_seq_len answers in multiples of this many tokens
 
 
 @dataclass(frozen=True)
@@ -174,22 +183,6 @@ def zoo_peaks(
     return peaks
 
 
-def profile_for_strategy(
-    name: str, strategy: str, *, cost: CostModel | None = None, **kwargs: Any
-) -> tuple[Profile, str]:
-    """The zoo profile (block or split granularity) whose floor for ``strategy`` is lower, and
-    that granularity's name: blocks suit checkpointing, split blocks suit the tensor pool.
-    This is what ``--granularity auto`` means (and nothing else does)."""
-    found = []
-    for granularity in ("block", "split"):
-        profile = profile_zoo(name, granularity=granularity, **kwargs)
-        minima = min_peak_bytes(profile, cost=cost)
-        floor = minima[strategy] if strategy in minima else min(minima.values())
-        found.append((floor, granularity, profile))
-    floor, granularity, profile = min(found, key=lambda f: f[0])
-    return profile, granularity
-
-
 def lm_peaks(
     config: Any,
     step: LMStep,
@@ -216,3 +209,127 @@ def lm_peaks(
         return min_peak_bytes(plain, cost=cost, chunked=chunked)
 
     return peaks
+
+
+def largest_fitting(
+    target: Target,
+    axis: str,
+    *,
+    budget_bytes: int,
+    strategies: tuple[str, ...],
+    cost: CostModel,
+    progress: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
+    """The largest ``axis`` (``"depth"``: the ``[6, 32, n, 6]`` ResNet; ``"batch"``;
+    ``"seq_len"``: a causal LM's) whose smallest predicted peak fits ``budget_bytes``, per
+    strategy: the records ``plan --max-* --json`` prints."""
+    if axis not in ("depth", "batch", "seq_len"):
+        raise ConfigError(f"axis must be 'depth', 'batch' or 'seq_len', got {axis!r}")
+    if isinstance(target, LMTarget):
+        if axis == "depth":
+            raise ConfigError("--max-depth searches the [6, 32, n, 6] ResNet family")
+        return _lm_search(target, axis, strategies, budget_bytes, cost, progress)
+    if axis == "seq_len":
+        raise ConfigError("--max-seq-len applies to --model hf:... only")
+    return _zoo_search(target, axis, strategies, budget_bytes, cost, progress)
+
+
+def _lm_search(
+    target: LMTarget,
+    axis: str,
+    strategies: tuple[str, ...],
+    budget_bytes: int,
+    cost: CostModel,
+    progress: Callable[[str], None] | None,
+) -> list[dict[str, Any]]:
+    key = f"max_{axis}"
+    limit = target.max_positions if axis == "seq_len" else None
+    quantum = SEQ_QUANTUM if axis == "seq_len" else 1
+    if limit is not None and limit < 4 * SEQ_QUANTUM:  # a small configuration: 4 samples
+        quantum = max(limit // 4, 1)
+    peaks = lm_peaks(
+        target.config, target.step, axis, cost=cost, quantum=quantum, variants=target.variants
+    )
+    top = (limit or 64 * SEQ_QUANTUM) // quantum if axis == "seq_len" else 8
+    sizes = (max(top // 4, 1), max(top // 2, 2), max(top, 3))
+    fits = max_fitting(
+        peaks,
+        strategies,
+        budget_bytes=budget_bytes,
+        sizes=sizes,
+        progress=progress,
+        verify=True,
+        limit=limit // quantum if limit is not None else None,
+    )
+    records: list[dict[str, Any]] = []
+    for strategy, fit in fits.items():
+        size = fit.size * quantum
+        found = {"strategy": strategy, **target.record(), key: size, "budget_bytes": budget_bytes}
+        found["below"] = target.below
+        if limit is not None:  # the answer is the configuration's positions
+            found["limited_by_positions"] = size + quantum > limit
+        found.update(fit_residual=fit.residual, slope_bytes=fit.slope_bytes)
+        found.update(intercept_bytes=fit.intercept_bytes, device_preset=cost.name)
+        records.append(found)
+    return records
+
+
+def _zoo_search(
+    target: ZooTarget,
+    axis: str,
+    strategies: tuple[str, ...],
+    budget_bytes: int,
+    cost: CostModel,
+    progress: Callable[[str], None] | None,
+) -> list[dict[str, Any]]:
+    kwargs = target.model_kwargs()
+    kwargs.pop("depth", None)
+    if axis == "depth":
+        if target.name != "resnet":
+            raise ConfigError("--max-depth searches the [6, 32, n, 6] family: use --model resnet")
+        peaks = zoo_peaks(
+            target.name,
+            "n",
+            cost=cost,
+            optimizer=target.optimizer,
+            batch_size=target.batch_size,
+            **kwargs,
+        )
+        sizes = DEPTH_SAMPLES
+    else:
+        peaks = zoo_peaks(target.name, "batch", cost=cost, optimizer=target.optimizer, **kwargs)
+        sizes = BATCH_SAMPLES
+    # NOTE: batches are verified by direct profiles (cheap); depths trust the affine fit,
+    # which is exact once stage 3 holds the peak (validated in `superneurons bench deeper`).
+    fits = max_fitting(
+        peaks,
+        strategies,
+        budget_bytes=budget_bytes,
+        sizes=sizes,
+        progress=progress,
+        verify=axis == "batch",
+    )
+    depth = axis == "depth"
+    return [_zoo_row(target, fit, budget_bytes, depth) for fit in fits.values()]
+
+
+def _zoo_row(
+    target: ZooTarget, fit: FitResult, budget_bytes: int, max_depth: bool
+) -> dict[str, Any]:
+    from superneurons.models.resnet import n_to_depth
+
+    record: dict[str, Any] = {
+        "strategy": fit.strategy,
+        "model": target.name,
+        "budget_bytes": budget_bytes,
+        "fit_residual": fit.residual,
+        "slope_bytes": fit.slope_bytes,
+        "intercept_bytes": fit.intercept_bytes,
+    }
+    if max_depth:
+        record.update(
+            max_depth=n_to_depth(fit.size) if fit.size else 0, n=fit.size, batch=target.batch_size
+        )
+    else:
+        record.update(max_batch=fit.size)
+    return record
