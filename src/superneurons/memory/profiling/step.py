@@ -124,24 +124,14 @@ def profile_step(
         IsolationError: the step changed one of the caller's tensors in place outside the
             module tree (see :mod:`superneurons.memory.profiling.isolate`).
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     model = unwrapped(model)
     unit_fqns = set(default_units(model) if units is None else units)
-    names = dict(model.named_modules())
-    missing = sorted(unit_fqns - set(names))
+    missing = sorted(unit_fqns - set(dict(model.named_modules())))
     if missing:
         raise ConfigError(
             f"units {missing} are not submodules of the model: use fqns from named_modules()"
         )
-    mode = fake_mode
-    already_fake = _is_fake(next(iter(model.parameters()), None))
-    if fake and mode is None and not already_fake:
-        mode = FakeTensorMode(allow_non_fake_inputs=False)
-    if already_fake and mode is None:
-        raise ConfigError("the model's parameters are fake: pass the FakeTensorMode as fake_mode=")
-    if mode is not None and not already_fake:
-        inputs, targets = tree_map(_to_fake(mode), (inputs, targets))
+    mode, inputs, targets = _fake_mode(model, fake, fake_mode, (inputs, targets))
     device_type = _device_type(model, fake=mode is not None)
     if autocast is None and torch.is_autocast_enabled(device_type):
         autocast = torch.get_autocast_dtype(device_type)  # the caller's, around forward + loss
@@ -177,6 +167,22 @@ def profile_step(
         ) from exc
 
 
+def _fake_mode(model: nn.Module, fake: bool, fake_mode: Any, batch: tuple[Any, Any]) -> Any:
+    """The ``FakeTensorMode`` the step runs under (None: real tensors), and the batch in it: a
+    new mode for ``fake=True``, the caller's for a model that is fake already."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = fake_mode
+    already_fake = _is_fake(next(iter(model.parameters()), None))
+    if fake and mode is None and not already_fake:
+        mode = FakeTensorMode(allow_non_fake_inputs=False)
+    if already_fake and mode is None:
+        raise ConfigError("the model's parameters are fake: pass the FakeTensorMode as fake_mode=")
+    if mode is not None and not already_fake:
+        batch = tree_map(_to_fake(mode), batch)
+    return mode, *batch
+
+
 def _is_fake(tensor: torch.Tensor | None) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -209,99 +215,36 @@ def _run(
     rec = Recorder(tracker, unit_fqns)
     tracker._on_op = rec.on_op  # type: ignore[assignment]
     first = next(iter(model.parameters()), None)
-    on_cuda = not fake and first is not None and first.device.type == "cuda"
-    if on_cuda:
+    if not fake and first is not None and first.device.type == "cuda":
         rec.timer = EventTimer()
-    handles = []
-    for fqn, module in model.named_modules():
-        handles.append(
-            module.register_forward_pre_hook(
-                lambda _m, a, k, f=fqn: rec.pre(f, (a, k)), with_kwargs=True
-            )
-        )
-        handles.append(module.register_forward_hook(lambda _m, _a, out, f=fqn: rec.post(f, out)))
-    handles += kv_cache_off(model)  # HF use_cache=False in training, as under a plan
-    sharded = is_fully_sharded(model)
-    if sharded:  # FSDP2's unsharded parameters are parameters, not saved activations
-        handles += count_unsharded_params(model, tracker, rec.param_storages)
     ready: dict[str, int] = {}  # parameter fqn -> the event its gradient was accumulated at
-
-    def accumulated(fqn: str) -> None:
-        ready.setdefault(fqn, tracker.event)
-
-    for fqn, param in model.named_parameters():
-        if param.requires_grad:
-            handles.append(
-                param.register_post_accumulate_grad_hook(lambda _p, f=fqn: accumulated(f))
-            )
-    params = [*model.parameters(), *model.buffers()]
-    state_tensors = _optimizer_tensors(optimizer)
-    leaves = [t for t in tree_flatten((inputs, targets))[0] if isinstance(t, torch.Tensor)]
-    tracker.register(params)
-    rec.param_storages.update({tracker.serial_of(p) for p in params} - {None})  # type: ignore[arg-type]
-    tracker.register(state_tensors)
-    tracker.register(leaves)
-    events: dict[str, int] = {}
+    handles = _watch(model, rec, ready)
+    _register_resident(tracker, rec, model, optimizer, (inputs, targets))
+    recording = scratch_recorder(on_cpu)
     start_s = time.perf_counter()
     try:
-        device_type = _device_type(model, fake=fake)
-        forward_autocast = torch.autocast(device_type, dtype=autocast, enabled=autocast is not None)
-        # backward and the step run outside the user's autocast (an enclosing one included)
-        no_autocast = torch.autocast(device_type, enabled=False)
-        recording = scratch_recorder(on_cpu)
-        with recording, tracker, torch.autograd.graph.saved_tensors_hooks(_pack(rec), rec.unpack):
-            with forward_autocast:
-                output = _call(model, inputs)
-                events["model_end"] = tracker.event
-                loss = loss_fn(output, targets)
-            if autocast is not None:  # the user's block ends here (an enclosing one too)
-                torch.clear_autocast_cache()
-            if not keep_output:  # ``loss_fn(model(x), y).backward()``: only what autograd saved
-                del output
-            events["forward_end"] = tracker.event
-            rec.phase = "backward"
-            with no_autocast:
-                loss.backward()
-            del loss
-            carried: set[int] = set()
-            if keep_output and carry_output:  # the loop's variable holds it past the step
-                carried = _storages(tracker, output)
-            else:
-                output = None  # the step's output is released with the loss
-            events["backward_end"] = tracker.event
-            rec.phase = "step"
-            if optimizer is not None:
-                with no_autocast:
-                    optimizer.step()
-            events["step_end"] = tracker.event
+        with recording:
+            events, carried = _step(
+                model, optimizer, inputs, targets, loss_fn, rec, fake=fake,
+                keep_output=keep_output, carry_output=carry_output, autocast=autocast,
+            )  # fmt: skip
     finally:
         for handle in handles:
             handle.remove()
     step_s = time.perf_counter() - start_s
-    for fqn, row in rec.unit_rows.items():
-        row["norm_state_bytes"] = running_stat_bytes(model.get_submodule(fqn))
-        parent = model.get_submodule(fqn.rpartition(".")[0]) if fqn else None
-        row["in_sequential"] = isinstance(parent, nn.Sequential)
-    bandwidth = (0.0, 0.0)
-    if rec.timer is not None:
-        for fqn, seconds in rec.timer.seconds().items():
-            if fqn in rec.unit_rows:
-                rec.unit_rows[fqn]["time_s"] = seconds
-        assert first is not None
-        bandwidth = measure_copy_bandwidth(first.device)
-    if sharded:  # every life of a resized parameter storage (FSDP2's unshard/reshard)
+    bandwidth = _unit_facts(model, rec)
+    if is_fully_sharded(model):  # every life of a resized parameter storage (FSDP2's reshard)
         rec.param_storages = with_lineage(tracker, rec.param_storages)
     grad_names = {
         tracker.serial_of(p.grad): fqn for fqn, p in model.named_parameters() if p.grad is not None
     }
     grad_names.pop(None, None)
-    grads = set(grad_names)
     opt_state = {tracker.serial_of(t) for t in _optimizer_tensors(optimizer)} - {None}
     profile = build_profile(
         rec,
         # forward order (the runtime's one-ahead prefetch and the planner rely on it)
         unit_order=sorted(rec.unit_rows, key=lambda f: rec.unit_rows[f]["fwd_start"]),
-        grad_storages=grads,  # type: ignore[arg-type]
+        grad_storages=set(grad_names),  # type: ignore[arg-type]
         opt_storages=opt_state,  # type: ignore[arg-type]
         events=events,
         fake=fake,
@@ -323,6 +266,116 @@ def _run(
         grad_ready=ready,
         param_numel=sum(p.numel() for p in model.parameters()),
     )
+
+
+def _watch(model: nn.Module, rec: Recorder, ready: dict[str, int]) -> list[Any]:
+    """The hooks that record the step: every module's forward (the units' windows), the key /
+    value caches off as under a plan, FSDP2's unsharded parameters counted as parameters, and
+    the event each parameter's gradient is accumulated at (into ``ready``). Returns their
+    handles."""
+    handles = []
+    for fqn, module in model.named_modules():
+        handles.append(
+            module.register_forward_pre_hook(
+                lambda _m, a, k, f=fqn: rec.pre(f, (a, k)), with_kwargs=True
+            )
+        )
+        handles.append(module.register_forward_hook(lambda _m, _a, out, f=fqn: rec.post(f, out)))
+    handles += kv_cache_off(model)  # HF use_cache=False in training, as under a plan
+    if is_fully_sharded(model):  # FSDP2's unsharded parameters are parameters, not activations
+        handles += count_unsharded_params(model, rec.tracker, rec.param_storages)
+
+    def accumulated(fqn: str) -> None:
+        ready.setdefault(fqn, rec.tracker.event)
+
+    for fqn, param in model.named_parameters():
+        if param.requires_grad:
+            handles.append(
+                param.register_post_accumulate_grad_hook(lambda _p, f=fqn: accumulated(f))
+            )
+    return handles
+
+
+def _register_resident(
+    tracker: LiveStorageTracker,
+    rec: Recorder,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    batch: Any,
+) -> None:
+    """What is alive before the step: parameters and buffers, optimizer state, the batch."""
+    params = [*model.parameters(), *model.buffers()]
+    leaves = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+    tracker.register(params)
+    rec.param_storages.update({tracker.serial_of(p) for p in params} - {None})  # type: ignore[arg-type]
+    tracker.register(_optimizer_tensors(optimizer))
+    tracker.register(leaves)
+
+
+def _step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    inputs: Any,
+    targets: Any,
+    loss_fn: LossFn,
+    rec: Recorder,
+    *,
+    fake: bool,
+    keep_output: bool,
+    carry_output: bool,
+    autocast: torch.dtype | None,
+) -> tuple[dict[str, int], set[int]]:
+    """The training step as the user's loop runs it, counted op by op: forward and loss (under
+    ``autocast``), backward, the optimizer step. Returns where each phase ended, and the
+    storages of the output the loop's variable carries past the step."""
+    tracker, events = rec.tracker, {}
+    device_type = _device_type(model, fake=fake)
+    forward_autocast = torch.autocast(device_type, dtype=autocast, enabled=autocast is not None)
+    # backward and the step run outside the user's autocast (an enclosing one included)
+    no_autocast = torch.autocast(device_type, enabled=False)
+    with tracker, torch.autograd.graph.saved_tensors_hooks(_pack(rec), rec.unpack):
+        with forward_autocast:
+            output = _call(model, inputs)
+            events["model_end"] = tracker.event
+            loss = loss_fn(output, targets)
+        if autocast is not None:  # the user's block ends here (an enclosing one too)
+            torch.clear_autocast_cache()
+        if not keep_output:  # ``loss_fn(model(x), y).backward()``: only what autograd saved
+            del output
+        events["forward_end"] = tracker.event
+        rec.phase = "backward"
+        with no_autocast:
+            loss.backward()
+        del loss
+        carried: set[int] = set()
+        if keep_output and carry_output:  # the loop's variable holds it past the step
+            carried = _storages(tracker, output)
+        else:
+            output = None  # the step's output is released with the loss
+        events["backward_end"] = tracker.event
+        rec.phase = "step"
+        if optimizer is not None:
+            with no_autocast:
+                optimizer.step()
+        events["step_end"] = tracker.event
+    return events, carried
+
+
+def _unit_facts(model: nn.Module, rec: Recorder) -> tuple[float, float]:
+    """Per unit: the running statistics its recompute snapshots, whether it sits in an
+    ``nn.Sequential`` (segments), and on CUDA its measured forward time. Returns the measured
+    copy rates ``(d2h, h2d)`` bytes/s (zeros off CUDA)."""
+    for fqn, row in rec.unit_rows.items():
+        row["norm_state_bytes"] = running_stat_bytes(model.get_submodule(fqn))
+        parent = model.get_submodule(fqn.rpartition(".")[0]) if fqn else None
+        row["in_sequential"] = isinstance(parent, nn.Sequential)
+    if rec.timer is None:
+        return (0.0, 0.0)
+    for fqn, seconds in rec.timer.seconds().items():
+        if fqn in rec.unit_rows:
+            rec.unit_rows[fqn]["time_s"] = seconds
+    first = next(iter(model.parameters()))
+    return measure_copy_bandwidth(first.device)
 
 
 def _pack(rec: Recorder) -> Callable[[torch.Tensor], Any]:
