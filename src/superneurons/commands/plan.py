@@ -73,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--device-preset",
         default="a100",
         choices=tuple(DEVICE_PRESETS),
-        help="the device: speeds of the cost model and memory size (memory.cost.DEVICE_PRESETS; "
+        help="the device: speeds of the cost model and memory size (memory.planner.cost.DEVICE_PRESETS; "
         "default a100)",
     )
     parser.add_argument(

@@ -10,7 +10,7 @@ steady-state step (optimizer state already allocated):
   in the warm-up, before the measured step, and is not in it.
 * **CUDA**: a dispatch-level live-storage count
   (:class:`~superneurons.memory.tracker.LiveStorageTracker`) with the pool's pinned host
-  buffers subtracted (a CUDA profile counts no kernel workspaces: ``memory.workspace``).
+  buffers subtracted (a CUDA profile counts no kernel workspaces: ``memory.profiling.workspace``).
 
 The live-storage peak is recorded beside it on both (``*_tracked_peak_bytes``).
 """

@@ -194,7 +194,7 @@ class Plan:
             free the gradient (``Tensor.register_post_accumulate_grad_hook``).
         optimizer_on_host: with ``optimizer_in_backward``, keep the optimizer state in the host
             pool between the parameters' steps (ZeRO-Offload's placement; fetched one parameter
-            ahead in backward, sent back after the step: ``memory.optim_host``).
+            ahead in backward, sent back after the step: ``memory.offload.optim_host``).
         optimizer_host_bytes: optimizer-state bytes in the host pool (0 unless on host).
         optimizer_copy_s: predicted copy time of that state per step (both directions).
         predicted_peak_bytes: predicted device peak of one training step under the plan.

@@ -157,7 +157,7 @@ class StorageLife:
     calls: tuple[int, ...] = ()
     from_caller: bool = False  # alive before the step (an input): no plan frees it
     # one of its saves is a view the tensor pool does not move (broadcast, stride 0): the
-    # storage stays on the device however its units are planned (memory.pool)
+    # storage stays on the device however its units are planned (memory.offload.pool)
     pool_keeps: bool = False
     head: bool = False  # the LM head's or the loss's (``Profile.head_unit``; ``breakdown``)
     # a parameter cast autocast's cache holds until the autocast block exits (the end of the
@@ -217,7 +217,7 @@ class UnitProfile:
     input_bytes: int = 0
     bwd_end_event: int = -1
     inplace: bool = False
-    norm_state_bytes: int = 0  # running statistics a recompute snapshots (memory.recompute)
+    norm_state_bytes: int = 0  # running statistics a recompute snapshots (memory.runtime.recompute)
     unsaved_input_bytes: int = 0
     in_sequential: bool = False  # a child of an ``nn.Sequential`` (segments need one)
     calls: tuple[tuple[int, int, int, int], ...] = ()
@@ -285,7 +285,7 @@ class Profile:
     # does not save, with the units that took it: what checkpoints of those units keep
     unsaved_inputs: tuple[StorageLife, ...] = ()
     # device bytes no tensor holds (real cpu profiles; none on fake ones, and on CUDA, where
-    # ``memory.workspace`` handles workspaces): (event, bytes) of the scratch an op allocated
+    # ``memory.profiling.workspace`` handles workspaces): (event, bytes) of the scratch an op allocated
     # for itself (counted as temporaries at that event), and the cpu generator state a
     # checkpoint stashes per recomputed call
     scratch: tuple[tuple[int, int], ...] = ()

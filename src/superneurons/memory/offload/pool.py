@@ -65,7 +65,7 @@ class PoolConfig:
         prefetch: prefetch one offload unit ahead of backward (else fetch on demand).
         host_device: where host copies live: ``"cpu"`` (pinned when the device is CUDA), or
             ``"meta"`` to simulate the pool on fake tensors (copies keep only metadata, so a
-            live-storage count sees exactly the device bytes; ``memory.simulate``).
+            live-storage count sees exactly the device bytes; ``memory.sizing.simulate``).
     """
 
     min_offload_bytes: int = MIN_OFFLOAD_BYTES
@@ -165,7 +165,10 @@ class TensorPool:
         self._cuda = device.type == "cuda"
         self._d2h_stream = torch.cuda.Stream(device) if self._cuda else None
         self._h2d_stream = torch.cuda.Stream(device) if self._cuda else None
-        self.copy_streams = (self._d2h_stream, self._h2d_stream)  # shared: memory.optim_host
+        self.copy_streams = (
+            self._d2h_stream,
+            self._h2d_stream,
+        )  # shared: memory.offload.optim_host
         self._slab = HostSlab(config.host_bytes, pinned=self._cuda, device=config.host_device)
         self._cache: collections.OrderedDict[int, _Slot] = collections.OrderedDict()
         self._groups: dict[int, list[weakref.ref[_Handle]]] = {}

@@ -125,7 +125,7 @@ def alias_storage(
 ) -> torch.Tensor:
     """A tensor over ``storage`` (still alive elsewhere) with the given geometry: no copy."""
     tensor = torch.empty(0, dtype=dtype, device=device)
-    mode = getattr(tensor, "fake_mode", None)  # simulating (memory.simulate)
+    mode = getattr(tensor, "fake_mode", None)  # simulating (memory.sizing.simulate)
     if mode is None:
         return tensor.set_(storage, offset, size, stride)
     # NOTE: the fake dispatch cache would keep ``storage`` (an argument, so part of the key)

@@ -10,7 +10,7 @@ Rules (SuperNeurons, Wang et al., PPoPP'18 §3.2-3.3), then a greedy improvement
 * when the budget demands more, **recompute+offload**: the unit is recomputed *and* its checkpoint
   (the input the checkpoint saves) goes to the host pool, prefetched one unit ahead in backward,
   so nothing of the unit stays on the device between its forward and its backward; this is what
-  brings the peak down to the largest unit's working set (``memory.bounds``);
+  brings the peak down to the largest unit's working set (``memory.planner.bounds``);
 * candidates are taken in ascending *cost per byte saved* (the DTR heuristic of Kirisame et al.,
   ICLR'21, applied offline) until the predicted peak fits the budget. The chosen plan is the shortest
   prefix that fits, so the predicted peak never rises when the budget falls.
@@ -103,7 +103,7 @@ def make_plan(
     last, when nothing else fits).
 
     ``chunked``: profiles of the same step below the largest layer (the LM head + loss in
-    chunks, sub-layers split over the sequence: ``memory.below``), tried in order by each
+    chunks, sub-layers split over the sequence: ``memory.profiling.below``), tried in order by each
     strategy when the plain profile does not fit; the plan carries the chunking it used.
     ``floors``: :func:`~superneurons.memory.planner.strategy_search.search_floors` of the same
     profiles and cost, when the caller has searched them already (``plan`` reports them).

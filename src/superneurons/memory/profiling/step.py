@@ -101,7 +101,7 @@ def profile_step(
             did not save (for GPT-2 124M at B=8, T=1024: 1.53 GiB of logits). HF's ``Trainer``
             frees the outputs before backward: ``False``.
         prepare: applied to the isolated module tree before the step runs; returns a handle
-            whose ``remove()`` undoes it, called before isolation ends (e.g. ``memory.below``
+            whose ``remove()`` undoes it, called before isolation ends (e.g. ``memory.profiling.below``
             chunks the LM head).
         carry_output: (with ``keep_output``) the loop's variable keeps the output through the
             optimizer step and, in steady state, through the next step's forward until it is
