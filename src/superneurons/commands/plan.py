@@ -28,14 +28,7 @@ from typing import Any
 
 from superneurons.bytesize import format_bytes
 from superneurons.commands.plan_search import SEQ_QUANTUM, run_search
-from superneurons.commands.plan_target import (
-    BELOW,
-    ZOO_BUDGET,
-    budget_bytes_of,
-    device_cost,
-    progress,
-    target_of,
-)
+from superneurons.commands.plan_target import BELOW, ZOO_BUDGET, progress, request_of
 from superneurons.memory.plan import STRATEGIES, Plan
 from superneurons.memory.planner.cost import DEVICE_PRESETS
 from superneurons.memory.profile_types import GRANULARITIES
@@ -135,17 +128,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    target = target_of(args)
-    cost = device_cost(args)
-    budget_bytes = budget_bytes_of(args, target, cost)
-    if args.max_depth or args.max_batch or args.max_seq_len:
-        return run_search(args, target, budget_bytes, cost)
+    request = request_of(args)
+    if request.search is not None:
+        return run_search(request, as_json=args.json)
+    target = request.target
     if isinstance(target, LMTarget):
         size = f"{target.step.batch_size} x {target.step.seq_len}"
     else:
         size = f"batch {target.batch_size}"
     progress(f"profiling {args.model} {size} on fake tensors")
-    found = plan_model(target, budget_bytes=budget_bytes, strategy=args.strategy, cost=cost)
+    found = plan_model(
+        target, budget_bytes=request.budget_bytes, strategy=request.strategy, cost=request.cost
+    )
     record = found.to_dict()
     if args.json:
         print(json.dumps(record, indent=1))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from dataclasses import dataclass
 
 from superneurons.bytesize import parse_bytes
 from superneurons.errors import ConfigError
@@ -21,16 +22,39 @@ from superneurons.memory.sizing.llm import (
 from superneurons.memory.sizing.target import BELOW, HF, LMTarget, Target, ZooTarget
 from superneurons.rates import parse_rate
 
-__all__ = [
-    "BELOW",
-    "ZOO_BUDGET",
-    "budget_bytes_of",
-    "device_cost",
-    "progress",
-    "target_of",
-]
+__all__ = ["BELOW", "ZOO_BUDGET", "PlanRequest", "progress", "request_of"]
 
 ZOO_BUDGET = "12GiB"  # the SuperNeurons experiments' card (a 12 GiB TITAN X)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """``superneurons plan``'s flags, read once.
+
+    Attributes:
+        target: what is profiled.
+        cost: the device's cost model (``--device-preset``, ``--bandwidth``).
+        budget_bytes: the device budget.
+        strategy: the planner's strategy (``auto``: its choice).
+        search: ``"depth"``, ``"batch"`` or ``"seq_len"`` for ``--max-*``; None: one plan.
+    """
+
+    target: Target
+    cost: CostModel
+    budget_bytes: int
+    strategy: str
+    search: str | None
+
+
+def request_of(args: argparse.Namespace) -> PlanRequest:
+    """The target, the device, the budget and what to find, from the command line."""
+    target = target_of(args)
+    cost = device_cost(args)
+    search = (
+        "depth" if args.max_depth else "batch" if args.max_batch else "seq_len"
+        if args.max_seq_len else None
+    )  # fmt: skip
+    return PlanRequest(target, cost, budget_bytes_of(args, target, cost), args.strategy, search)
 
 
 def target_of(args: argparse.Namespace) -> Target:

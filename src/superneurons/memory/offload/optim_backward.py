@@ -6,7 +6,7 @@ fusing the optimizer step into the backward pass"). With ``host_state`` the opti
 lives in the host pool between the parameters' steps (:mod:`superneurons.memory.offload.optim_host`).
 
 The planner's model of the latter is
-:func:`superneurons.memory.planner.host_state.host_state_timeline`.
+:func:`superneurons.memory.planner.predict_steps.host_state_timeline`.
 """
 
 from __future__ import annotations

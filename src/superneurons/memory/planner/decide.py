@@ -23,7 +23,7 @@ it is applied (``register_post_accumulate_grad_hook``), so the gradient row of t
 step phase drop to the largest single gradient. Strategy ``offload+opt-on-host`` may also keep the
 optimizer state in the host pool (ZeRO-Offload's placement, Ren et al. ATC'21): on the device only
 the state of the parameter being stepped and the one prefetched
-(:func:`~superneurons.memory.planner.host_state.host_state_timeline`), its copies timed by the device
+(:func:`~superneurons.memory.planner.predict_steps.host_state_timeline`), its copies timed by the device
 preset beside backward. Strategy ``offload+host-optimizer`` runs the optimizer itself on the host
 (state, fp32 masters and the step; ZeRO-Offload's placement), each bucket of gradients leaving
 the device once launched (:mod:`superneurons.memory.planner.buckets`); unlike optimizer-in-backward it
@@ -63,7 +63,6 @@ from superneurons.memory.planner.strategy_search import (
     search_all,
     search_floors,
     strategy_floors,
-    usable,
 )
 from superneurons.memory.profile_types import Profile
 
@@ -124,7 +123,7 @@ def make_plan(
     minima = allowed.minima(floors, strategy)
     best_strategy = min(minima, key=lambda s: minima[s])
     if strategy == "auto":
-        order = [s for s in allowed.auto_order() if usable(floors.profiles, s)]
+        order = [s for s in allowed.auto_order() if s in floors.choices]  # runnable ones
         chosen = _least_exposed(floors, order, budget_bytes)
         minima["auto"] = min(minima[s] for s in order)
     else:

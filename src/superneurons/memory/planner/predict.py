@@ -8,8 +8,9 @@ ahead (offload, and the checkpoint of recompute+offload); a plain checkpoint's i
 recompute adds its transient forward bytes at the unit's backward start.
 ``optimizer_in_backward`` frees each gradient as soon as it is applied, so the gradient row of
 the timeline and the step phase drop to the largest single gradient. :class:`CostModel` turns
-FLOPs, bytes and copies into seconds; :func:`segment_runs` groups consecutive recompute units
-into memory-centric segments (SuperNeurons, Wang et al., PPoPP'18 §3.3). ``host_optimizer``
+FLOPs, bytes and copies into seconds; ``segments`` are the memory-centric segments the search
+forms (:func:`~superneurons.memory.planner.strategy_search.segment_runs`; SuperNeurons, Wang
+et al., PPoPP'18 §3.3). ``host_optimizer``
 keeps no optimizer state on the device and each gradient only until its bucket is drained
 (:func:`superneurons.memory.planner.buckets.bucket_timeline`).
 """
@@ -17,7 +18,6 @@ keeps no optimizer state on the device and each gradient only until its bucket i
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,16 +25,17 @@ import numpy as np
 
 from superneurons.memory.plan import OFFLOADING, RECOMPUTING
 from superneurons.memory.planner.cost import MIN_OFFLOAD_BYTES, CostModel
-from superneurons.memory.planner.host_state import HostStateModel, host_state_timeline
 from superneurons.memory.planner.predict_steps import (
+    HostStateModel,
     host_optimizer_cost,
+    host_state_timeline,
     step_in_backward,
     step_on_host,
 )
 from superneurons.memory.planner.where import locate
 from superneurons.memory.profile_types import CATEGORIES, Profile, StorageLife
 
-__all__ = ["BREAKDOWN", "CostModel", "Outcome", "evaluate", "segment_runs"]
+__all__ = ["BREAKDOWN", "CostModel", "Outcome", "evaluate"]
 
 # What the live bytes at a plan's peak are (docs/CONTRACTS.md, ``plan --json``): they sum to
 # the predicted peak exactly.
@@ -89,7 +90,7 @@ def evaluate(
     ``min_offload_bytes`` stay on the device, as the pool keeps them
     (:attr:`~superneurons.memory.offload.pool.PoolConfig.min_offload_bytes`).
     ``optimizer_on_host`` (with ``optimizer_in_backward``): the optimizer state lives in the
-    host pool; on the device only what :func:`~superneurons.memory.planner.host_state.
+    host pool; on the device only what :func:`~superneurons.memory.planner.predict_steps.
     host_state_timeline` keeps there.
     ``host_optimizer``: the optimizer runs on the host; gradients live on the device as
     ``buckets`` (default: :func:`~superneurons.memory.planner.buckets.assign_buckets`) are
@@ -475,35 +476,3 @@ def _per_unit_inputs(profile: Profile) -> list[StorageLife]:
         for u in profile.units
         if u.unsaved_input_bytes > 0
     ]
-
-
-def segment_runs(profile: Profile, actions: dict[str, str]) -> dict[str, int]:
-    """Group runs of consecutive sibling recompute units into segments of ~sqrt(run) units.
-
-    Memory-centric recomputation (SuperNeurons §3.3) with Chen et al.'s sqrt(n) segment size:
-    a run of L blocks holds L/k segment inputs plus k inner inputs while one segment recomputes.
-    """
-    runs: list[list[str]] = []
-    previous: tuple[str, int] | None = None
-    for unit in profile.units:
-        parent, _, name = unit.fqn.rpartition(".")
-        key = (parent, int(name)) if name.isdigit() else None
-        if actions.get(unit.fqn) != "recompute" or key is None or not unit.in_sequential:
-            previous = None
-            continue
-        if previous is not None and previous[0] == parent and previous[1] + 1 == key[1]:
-            runs[-1].append(unit.fqn)
-        else:
-            runs.append([unit.fqn])
-        previous = key
-    segments: dict[str, int] = {}
-    for run in runs:
-        if len(run) < 3:
-            continue
-        size = max(2, round(math.sqrt(len(run))))
-        for start in range(0, len(run), size):
-            chunk = run[start : start + size]
-            if len(chunk) >= 2:
-                segment_id = len({*segments.values()})
-                segments.update(dict.fromkeys(chunk, segment_id))
-    return segments

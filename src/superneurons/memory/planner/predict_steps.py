@@ -1,20 +1,31 @@
-"""Where the optimizer steps, in a predicted timeline: inside backward, or on the host.
+"""Where the optimizer steps, in a predicted timeline: inside backward (its state on the device
+or in the host pool), or on the host.
 
 :func:`~superneurons.memory.planner.predict.evaluate` starts from the profile's steady-state timeline
 (the step after backward, on the device); a plan that steps the optimizer elsewhere changes the
 gradient, optimizer and step-phase rows as these functions do, in place (``table``: the
 ``CATEGORIES`` rows; ``head``: the LM head + loss part of the saved and temporaries rows).
+:func:`host_state_timeline` is the model of optimizer state in the host pool, which
+:class:`~superneurons.memory.offload.optim_host.HostOptimizerState` executes.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from superneurons.memory.planner.buckets import assign_buckets, bucket_timeline, gradient_events
-from superneurons.memory.planner.cost import CostModel
+from superneurons.memory.planner.cost import MIN_STATE_OFFLOAD_BYTES, CostModel
 from superneurons.memory.profile_types import CATEGORIES, Profile
 
-__all__ = ["host_optimizer_cost", "step_in_backward", "step_on_host"]
+__all__ = [
+    "HostStateModel",
+    "host_optimizer_cost",
+    "host_state_timeline",
+    "step_in_backward",
+    "step_on_host",
+]
 
 # NOTE: a foreach optimizer's step holds temporaries of all its parameters at once; in
 # backward each parameter has its own optimizer, so no more than a single-tensor step's
@@ -90,3 +101,60 @@ def host_optimizer_cost(profile: Profile, cost: CostModel) -> tuple[float, float
     itemsize = profile.param_bytes / max(profile.param_numel, 1)
     host_bytes = 4 * profile.param_numel + int(profile.optimizer_state_bytes * 4 / max(itemsize, 1))
     return out_s + in_s, exposed_s, host_bytes
+
+
+@dataclass(frozen=True)
+class HostStateModel:
+    """The predicted device side of host-pool optimizer state for one step.
+
+    Attributes:
+        device_row: per event, optimizer-state bytes on the device (the small state that stays,
+            plus the fetched state of the parameter being stepped or prefetched).
+        host_bytes: state bytes in the host slab.
+        copied_bytes: bytes copied each way per step (each host-held state goes and comes back).
+        resident_bytes: state bytes that stay on the device (small tensors, step counters).
+    """
+
+    device_row: np.ndarray
+    host_bytes: int
+    copied_bytes: int
+    resident_bytes: int
+
+
+def host_state_timeline(
+    grad_births: tuple[tuple[int, int], ...],
+    optimizer_state_bytes: int,
+    num_events: int,
+    *,
+    min_offload_bytes: int = MIN_STATE_OFFLOAD_BYTES,
+) -> HostStateModel:
+    """Model what :class:`HostOptimizerState` keeps on the device, event by event.
+
+    Each parameter's state is ``k`` parameter-sized tensors, ``k = round(state / grads)``
+    (1 for SGD momentum, 2 for Adam/AdamW); what is left (Adam's step counters) and the state
+    of parameters below ``min_offload_bytes`` stays resident. The state of the parameters whose
+    gradients are born at event ``e`` is on the device one parameter at a time while their hooks
+    step them (the largest counts at ``e``); the first of them was prefetched right after the
+    hooks of the previous such event, so it is also live in between (the runtime's one-ahead
+    prefetch). The first parameter of backward is fetched on demand.
+    """
+    grad_total = sum(nbytes for _, nbytes in grad_births)
+    per_param = round(optimizer_state_bytes / grad_total) if grad_total else 0
+    by_event: dict[int, list[int]] = {}
+    for birth, nbytes in grad_births:
+        if nbytes >= max(min_offload_bytes, 1) and per_param:
+            event = min(max(birth, 0), num_events - 1)
+            by_event.setdefault(event, []).append(per_param * nbytes)
+    host_bytes = sum(sum(states) for states in by_event.values())
+    resident = max(optimizer_state_bytes - host_bytes, 0)
+    row = np.full(num_events, resident, dtype=np.int64)
+    previous = -1
+    for event in sorted(by_event):
+        states = by_event[event]
+        row[event] += max(states)
+        if previous >= 0 and previous + 1 < event:
+            # prefetched after the previous event's hooks: the first state stepped here (the
+            # hooks' order is not known here: the largest is the safe bound)
+            row[previous + 1 : event] += max(states)
+        previous = event
+    return HostStateModel(row, host_bytes, host_bytes, resident)

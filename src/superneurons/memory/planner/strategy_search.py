@@ -8,6 +8,7 @@ strategy searches the plain profile and then the profiles below the largest laye
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -20,7 +21,7 @@ from superneurons.memory.plan import (
 from superneurons.memory.planner.bounds import head_loss_bytes, largest_unit_bytes
 from superneurons.memory.planner.buckets import BUCKET_CAPS, assign_buckets, gradient_events
 from superneurons.memory.planner.cost import CostModel
-from superneurons.memory.planner.predict import Outcome, evaluate, segment_runs
+from superneurons.memory.planner.predict import Outcome, evaluate
 from superneurons.memory.profile_types import Profile, UnitProfile
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "min_peak_bytes",
     "search_all",
     "search_floors",
+    "segment_runs",
     "strategy_floors",
     "usable",
 ]
@@ -214,6 +216,38 @@ def _search(profile: Profile, strategy: str, budget_bytes: int | None, cost: Cos
         else:
             actions[fqn] = action
     return choice(outcome)
+
+
+def segment_runs(profile: Profile, actions: dict[str, str]) -> dict[str, int]:
+    """Group runs of consecutive sibling recompute units into segments of ~sqrt(run) units.
+
+    Memory-centric recomputation (SuperNeurons §3.3) with Chen et al.'s sqrt(n) segment size:
+    a run of L blocks holds L/k segment inputs plus k inner inputs while one segment recomputes.
+    """
+    runs: list[list[str]] = []
+    previous: tuple[str, int] | None = None
+    for unit in profile.units:
+        parent, _, name = unit.fqn.rpartition(".")
+        key = (parent, int(name)) if name.isdigit() else None
+        if actions.get(unit.fqn) != "recompute" or key is None or not unit.in_sequential:
+            previous = None
+            continue
+        if previous is not None and previous[0] == parent and previous[1] + 1 == key[1]:
+            runs[-1].append(unit.fqn)
+        else:
+            runs.append([unit.fqn])
+        previous = key
+    segments: dict[str, int] = {}
+    for run in runs:
+        if len(run) < 3:
+            continue
+        size = max(2, round(math.sqrt(len(run))))
+        for start in range(0, len(run), size):
+            chunk = run[start : start + size]
+            if len(chunk) >= 2:
+                segment_id = len({*segments.values()})
+                segments.update(dict.fromkeys(chunk, segment_id))
+    return segments
 
 
 def _widest_buckets(choice: _Choice, budget_bytes: int | None, cost: CostModel) -> _Choice:
