@@ -332,6 +332,15 @@ class Profile:
         )
         return table
 
+    @functools.cached_property
+    def gradients(self) -> tuple[tuple[int, int, int], ...]:
+        """``(birth, ready, nbytes)`` of each gradient, in ``grad_births`` order: born at
+        ``birth``, accumulated into its parameter's ``.grad`` at ``ready`` (its birth where
+        ``grad_ready`` was not recorded). Computed once per profile: the planner's searches and
+        predictions read it hundreds of times."""
+        ready = self.grad_ready or tuple(b for b, _ in self.grad_births)
+        return tuple((b, max(b, r), n) for (b, n), r in zip(self.grad_births, ready, strict=True))
+
     def head_rows(self) -> np.ndarray:
         """``(2, num_events)`` int64 array: the eager live bytes (steady state) of saved tensors
         and of temporaries that belong to the LM head unit (:attr:`head_unit`) or to the loss.

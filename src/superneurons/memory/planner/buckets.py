@@ -22,7 +22,6 @@ __all__ = [
     "assign_buckets",
     "bucket_cap_bytes",
     "bucket_timeline",
-    "gradient_events",
 ]
 
 # NOTE: DistributedDataParallel's default ``bucket_cap_mb=25``: large enough that the per-call
@@ -38,14 +37,7 @@ BUCKET_CAPS: tuple[int, ...] = tuple(MIN_BUCKET_CAP_BYTES * 4**k for k in range(
 )
 
 
-Gradient = tuple[int, int, int]  # (birth event, ready event: its hook, bytes)
-
-
-def gradient_events(births: Sequence[tuple[int, int]], ready: Sequence[int] = ()) -> list[Gradient]:
-    """``(birth, ready, nbytes)`` of each gradient from a profile's ``grad_births`` and
-    ``grad_ready`` (``()``: ready at birth)."""
-    ready = ready or tuple(b for b, _ in births)
-    return [(b, max(b, r), n) for (b, n), r in zip(births, ready, strict=True)]
+Gradient = tuple[int, int, int]  # (birth event, ready event: its hook, bytes): Profile.gradients
 
 
 def bucket_cap_bytes(gradients: Sequence[Gradient]) -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from superneurons.memory.planner.buckets import assign_buckets, bucket_timeline, gradient_events
+from superneurons.memory.planner.buckets import assign_buckets, bucket_timeline
 from superneurons.memory.planner.cost import MIN_STATE_OFFLOAD_BYTES, CostModel
 from superneurons.memory.profile_types import CATEGORIES, Profile
 
@@ -63,7 +63,7 @@ def step_in_backward(table: np.ndarray, head: np.ndarray, profile: Profile) -> N
     # a gradient made before it is accumulated (a chunked head's forward) lives from its birth
     # to its hook
     last = profile.num_events - 1
-    for birth, ready, nbytes in gradient_events(profile.grad_births, profile.grad_ready):
+    for birth, ready, nbytes in profile.gradients:
         table[CATEGORIES.index("grads"), min(birth, last) : min(ready, last) + 1] += nbytes
         table[CATEGORIES.index("temporaries"), min(ready, last)] += int(per_byte * nbytes)
 
@@ -78,7 +78,7 @@ def step_on_host(
     (default :func:`~superneurons.memory.planner.buckets.assign_buckets`) are launched and drained."""
     _after_backward(table, head, profile)
     table[CATEGORIES.index("optimizer")] = 0
-    gradients = gradient_events(profile.grad_births, profile.grad_ready)
+    gradients = profile.gradients
     if buckets is None:
         buckets = assign_buckets(gradients, profile.grad_params)
     table[CATEGORIES.index("grads")] = bucket_timeline(

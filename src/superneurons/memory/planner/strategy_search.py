@@ -19,7 +19,7 @@ from superneurons.memory.plan import (
     StrategyFloor,
 )
 from superneurons.memory.planner.bounds import head_loss_bytes, largest_unit_bytes
-from superneurons.memory.planner.buckets import BUCKET_CAPS, assign_buckets, gradient_events
+from superneurons.memory.planner.buckets import BUCKET_CAPS, assign_buckets
 from superneurons.memory.planner.cost import CostModel
 from superneurons.memory.planner.predict import Outcome, evaluate
 from superneurons.memory.profile_types import Profile, UnitProfile
@@ -144,7 +144,7 @@ def _search(profile: Profile, strategy: str, budget_bytes: int | None, cost: Cos
     host_opt = strategy == HOST_OPTIMIZER
     buckets: tuple[tuple[str, ...], ...] = ()
     if host_opt:  # the search runs with the smallest buckets; _widest_buckets widens them
-        events = gradient_events(profile.grad_births, profile.grad_ready)
+        events = profile.gradients
         buckets = assign_buckets(events, profile.grad_params, cap_bytes=BUCKET_CAPS[0])
     if strategy == "checkpoint":
         actions = {
@@ -256,7 +256,7 @@ def _widest_buckets(choice: _Choice, budget_bytes: int | None, cost: CostModel) 
     the least), the actions kept."""
     profile = choice.profile
     assert profile is not None
-    events = gradient_events(profile.grad_births, profile.grad_ready)
+    events = profile.gradients
     best = choice
     for cap in BUCKET_CAPS[1:]:
         buckets = assign_buckets(events, profile.grad_params, cap_bytes=cap)
