@@ -26,7 +26,7 @@ import torch
 from superneurons.bench.artifacts import markdown_table, write_json, write_markdown
 from superneurons.memory.planner.bounds import head_loss_bytes
 from superneurons.memory.planner.cost import cost_model
-from superneurons.memory.planner.strategy_search import strategy_floors
+from superneurons.memory.planner.decide import strategy_floors
 from superneurons.memory.sizing.llm import LMStep, profile_causal_lm_below
 
 GiB = 2**30

@@ -45,28 +45,37 @@ from dataclasses import dataclass, replace
 from superneurons.bytesize import format_bytes
 from superneurons.errors import ConfigError
 from superneurons.memory.plan import (
+    SEARCH_STRATEGIES,
+    SINGLE_DEVICE_STRATEGIES,
     STRATEGIES,
     InfeasibleBudgetError,
     Plan,
+    StrategyFloor,
     TensorDecision,
     UnitDecision,
 )
-from superneurons.memory.planner.bounds import largest_unit_bytes, resident_bytes
+from superneurons.memory.planner.bounds import head_loss_bytes, largest_unit_bytes, resident_bytes
 from superneurons.memory.planner.cost import CostModel
 from superneurons.memory.planner.predict import evaluate
 from superneurons.memory.planner.strategy_search import (
     HOST_OPTIMIZER,
     IN_BACKWARD,
-    Floors,
-    _Choice,
-    min_peak_bytes,
+    Choice,
     search_all,
-    search_floors,
-    strategy_floors,
+    usable,
 )
 from superneurons.memory.profile_types import Profile
 
-__all__ = ["CostModel", "evaluate", "make_plan", "min_peak_bytes", "strategy_floors"]
+__all__ = [
+    "CostModel",
+    "Floors",
+    "describe_floors",
+    "evaluate",
+    "make_plan",
+    "min_peak_bytes",
+    "search_floors",
+    "strategy_floors",
+]
 
 logger = logging.getLogger("superneurons.memory")
 
@@ -104,7 +113,7 @@ def make_plan(
     ``chunked``: profiles of the same step below the largest layer (the LM head + loss in
     chunks, sub-layers split over the sequence: ``memory.profiling.below``), tried in order by each
     strategy when the plain profile does not fit; the plan carries the chunking it used.
-    ``floors``: :func:`~superneurons.memory.planner.strategy_search.search_floors` of the same
+    ``floors``: :func:`search_floors` of the same
     profiles and cost, when the caller has searched them already (``plan`` reports them).
 
     Raises:
@@ -148,6 +157,101 @@ def make_plan(
             strategy=best_strategy,
         )
     return _plan_of(chosen, chosen.profile or profile, budget_bytes, minima[best_strategy])
+
+
+@dataclass(frozen=True)
+class Floors:
+    """Every strategy's search with no budget over one step's profiles (the plain one, then
+    those below the largest layer), searched once: the floors ``plan`` reports and the minimum
+    ``make_plan`` names, from the same searches (an 8B-parameter step: 250 evaluations of a
+    28,000-event timeline per strategy).
+
+    Attributes:
+        profiles: the plain profile, then the chunked ones.
+        cost: the device cost model the searches used.
+        choices: strategy -> its least-peak search, for every search strategy the profiles can
+            run (:data:`~superneurons.memory.plan.SEARCH_STRATEGIES`).
+    """
+
+    profiles: tuple[Profile, ...]
+    cost: CostModel
+    choices: dict[str, Choice]
+
+    def peak_bytes(self) -> dict[str, int]:
+        """Strategy -> its smallest predicted peak."""
+        return {s: c.outcome.peak_bytes for s, c in self.choices.items()}
+
+
+def search_floors(
+    profile: Profile, *, cost: CostModel | None = None, chunked: Sequence[Profile] = ()
+) -> Floors:
+    """Each search strategy's least-peak plan over ``profile`` and the ``chunked`` profiles of
+    the same step."""
+    cost = cost or CostModel()
+    profiles = (profile, *chunked)
+    choices = {
+        s: search_all(profiles, s, None, cost) for s in SEARCH_STRATEGIES if usable(profiles, s)
+    }
+    return Floors(profiles, cost, choices)
+
+
+def min_peak_bytes(
+    profile: Profile, *, cost: CostModel | None = None, chunked: Sequence[Profile] = ()
+) -> dict[str, int]:
+    """The smallest predicted peak each strategy reaches (strategy -> bytes), over ``profile``
+    and the ``chunked`` profiles of the same step."""
+    return search_floors(profile, cost=cost, chunked=chunked).peak_bytes()
+
+
+def strategy_floors(
+    profile: Profile,
+    *,
+    cost: CostModel | None = None,
+    strategies: tuple[str, ...] = SEARCH_STRATEGIES,
+    chunked: Sequence[Profile] = (),
+) -> dict[str, StrategyFloor]:
+    """Each strategy's smallest predicted peak, where it is and what it holds (``plan --json``
+    ``strategies``): the plan each strategy reaches with no budget (over ``profile`` and the
+    ``chunked`` profiles of the same step), evaluated once."""
+    return describe_floors(search_floors(profile, cost=cost, chunked=chunked), strategies)
+
+
+def describe_floors(
+    floors: Floors, strategies: tuple[str, ...] = SEARCH_STRATEGIES
+) -> dict[str, StrategyFloor]:
+    """:func:`strategy_floors` of searches already made."""
+    profile = floors.profiles[0]
+    eager = profile.predicted_peak_bytes()
+    described = {}
+    sets: dict[int, tuple[int, int]] = {}  # id(profile) -> (largest unit, head + loss) bytes
+    for strategy in (s for s in strategies if s in floors.choices):
+        best = floors.choices[strategy]
+        outcome, used = best.outcome, best.profile or profile
+        if id(used) not in sets:
+            sets[id(used)] = (largest_unit_bytes(used), head_loss_bytes(used))
+        largest, head_loss = sets[id(used)]
+        resident = used.param_bytes
+        if not best.host_optimizer:
+            resident += 0 if best.optimizer_in_backward else used.grad_bytes
+            resident += 0 if best.optimizer_on_host else used.optimizer_state_bytes
+        described[strategy] = StrategyFloor(
+            strategy=strategy,
+            min_budget_bytes=outcome.peak_bytes,
+            eager_peak_bytes=eager,
+            resident_bytes=resident,
+            largest_unit_bytes=largest,
+            host_bytes=outcome.host_bytes,
+            predicted_overhead_s=outcome.extra_compute_s + outcome.exposed_s,
+            peak_at=outcome.peak_at,
+            breakdown=outcome.breakdown,
+            supports_ddp=strategy not in SINGLE_DEVICE_STRATEGIES,
+            optimizer_on_host=best.optimizer_on_host,
+            optimizer_host_bytes=outcome.optimizer_host_bytes,
+            head_loss_working_set_bytes=head_loss,
+            head_chunk_tokens=used.head.chunk_tokens if used.head else None,
+            mlp_pieces=max((c.chunks for c in used.seq_chunks), default=1),
+        )
+    return described
 
 
 def _cost_of(profile: Profile, cost: CostModel | None, bandwidth_bytes_per_s: float) -> CostModel:
@@ -198,7 +302,7 @@ class _Allowed:
         return order
 
 
-def _least_exposed(floors: Floors, order: list[str], budget_bytes: int) -> _Choice:
+def _least_exposed(floors: Floors, order: list[str], budget_bytes: int) -> Choice:
     """``auto``: of the strategies in ``order`` that fit, the one with the least exposed time,
     stepping in backward, state on the host or the host optimizer only where nothing else
     fits; none fits: the least peak."""
@@ -217,7 +321,7 @@ def _least_exposed(floors: Floors, order: list[str], budget_bytes: int) -> _Choi
     )
 
 
-def _plan_of(chosen: _Choice, used: Profile, budget_bytes: int, min_budget_bytes: int) -> Plan:
+def _plan_of(chosen: Choice, used: Profile, budget_bytes: int, min_budget_bytes: int) -> Plan:
     """The :class:`Plan` of a search's choice on the profile it used."""
     actions, outcome = chosen.actions, chosen.outcome
     unit_bytes = {u.fqn: u.saved_bytes for u in used.units}

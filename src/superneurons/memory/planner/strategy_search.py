@@ -3,7 +3,8 @@
 Candidates are taken in ascending cost per byte saved (module docstring of
 :mod:`superneurons.memory.planner.decide`, which turns a search's choice into a :class:`Plan`); each
 strategy searches the plain profile and then the profiles below the largest layer
-(``chunked``); :func:`min_peak_bytes` and :func:`strategy_floors` are every strategy's floor.
+(``chunked``); :func:`~superneurons.memory.planner.decide.search_floors` runs it for every
+strategy with no budget (the floors).
 """
 
 from __future__ import annotations
@@ -13,12 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from superneurons.errors import ConfigError
-from superneurons.memory.plan import (
-    SEARCH_STRATEGIES,
-    SINGLE_DEVICE_STRATEGIES,
-    StrategyFloor,
-)
-from superneurons.memory.planner.bounds import head_loss_bytes, largest_unit_bytes
 from superneurons.memory.planner.buckets import BUCKET_CAPS, assign_buckets
 from superneurons.memory.planner.cost import CostModel
 from superneurons.memory.planner.predict import Outcome, evaluate
@@ -27,13 +22,9 @@ from superneurons.memory.profile_types import Profile, UnitProfile
 __all__ = [
     "HOST_OPTIMIZER",
     "IN_BACKWARD",
-    "Floors",
-    "describe_floors",
-    "min_peak_bytes",
+    "Choice",
     "search_all",
-    "search_floors",
     "segment_runs",
-    "strategy_floors",
     "usable",
 ]
 
@@ -93,7 +84,10 @@ _HOST_STATE: tuple[str, str] = ("", "optimizer-on-host")  # optimizer state to t
 
 
 @dataclass
-class _Choice:
+class Choice:
+    """One strategy's search: the actions it took, the segments, where the optimizer steps,
+    the predicted outcome and the profile it used."""
+
     strategy: str
     actions: dict[str, str]
     segments: dict[str, int]
@@ -110,7 +104,7 @@ class _Choice:
 
 def search_all(
     profiles: Sequence[Profile], strategy: str, budget_bytes: int | None, cost: CostModel
-) -> _Choice:
+) -> Choice:
     """The first profile whose search fits ``budget_bytes`` (None: the least peak over all)."""
     tried = []
     runnable = usable(profiles, strategy)
@@ -138,7 +132,7 @@ def usable(profiles: Sequence[Profile], strategy: str) -> list[Profile]:
     return [p for p in profiles if not (in_backward and p.head and p.head.mode != "recompute")]
 
 
-def _search(profile: Profile, strategy: str, budget_bytes: int | None, cost: CostModel) -> _Choice:
+def _search(profile: Profile, strategy: str, budget_bytes: int | None, cost: CostModel) -> Choice:
     """Shortest candidate prefix that fits ``budget_bytes`` (None: the prefix with least peak)."""
     opt_in = strategy in IN_BACKWARD
     host_opt = strategy == HOST_OPTIMIZER
@@ -150,7 +144,7 @@ def _search(profile: Profile, strategy: str, budget_bytes: int | None, cost: Cos
         actions = {
             u.fqn: "recompute" if _recomputable(profile, u) else "keep" for u in profile.units
         }
-        return _Choice(
+        return Choice(
             strategy, actions, {}, False, evaluate(profile, actions, cost=cost), profile=profile
         )
     actions = {u.fqn: "keep" for u in profile.units}
@@ -177,11 +171,9 @@ def _search(profile: Profile, strategy: str, budget_bytes: int | None, cost: Cos
             buckets=buckets if host_opt else None,
         )
 
-    def choice(outcome: Outcome) -> _Choice:
+    def choice(outcome: Outcome) -> Choice:
         segments = segment_runs(profile, actions) if segmented else {}
-        return _Choice(
-            strategy, dict(actions), segments, opt_in, outcome, on_host, profile, buckets
-        )
+        return Choice(strategy, dict(actions), segments, opt_in, outcome, on_host, profile, buckets)
 
     outcome = outcome_of()
     best = choice(outcome)
@@ -250,7 +242,7 @@ def segment_runs(profile: Profile, actions: dict[str, str]) -> dict[str, int]:
     return segments
 
 
-def _widest_buckets(choice: _Choice, budget_bytes: int | None, cost: CostModel) -> _Choice:
+def _widest_buckets(choice: Choice, budget_bytes: int | None, cost: CostModel) -> Choice:
     """The host optimizer's buckets as wide as the budget allows (fewer, larger collectives):
     the largest of :data:`BUCKET_CAPS` whose peak fits ``budget_bytes`` (None: whose peak is
     the least), the actions kept."""
@@ -272,98 +264,3 @@ def _widest_buckets(choice: _Choice, budget_bytes: int | None, cost: CostModel) 
         if outcome.peak_bytes <= limit:
             best = replace(choice, outcome=outcome, buckets=buckets)
     return best
-
-
-@dataclass(frozen=True)
-class Floors:
-    """Every strategy's search with no budget over one step's profiles (the plain one, then
-    those below the largest layer), searched once: the floors ``plan`` reports and the minimum
-    ``make_plan`` names, from the same searches (an 8B-parameter step: 250 evaluations of a
-    28,000-event timeline per strategy).
-
-    Attributes:
-        profiles: the plain profile, then the chunked ones.
-        cost: the device cost model the searches used.
-        choices: strategy -> its least-peak search, for every search strategy the profiles can
-            run (:data:`~superneurons.memory.plan.SEARCH_STRATEGIES`).
-    """
-
-    profiles: tuple[Profile, ...]
-    cost: CostModel
-    choices: dict[str, _Choice]
-
-    def peak_bytes(self) -> dict[str, int]:
-        """Strategy -> its smallest predicted peak."""
-        return {s: c.outcome.peak_bytes for s, c in self.choices.items()}
-
-
-def search_floors(
-    profile: Profile, *, cost: CostModel | None = None, chunked: Sequence[Profile] = ()
-) -> Floors:
-    """Each search strategy's least-peak plan over ``profile`` and the ``chunked`` profiles of
-    the same step."""
-    cost = cost or CostModel()
-    profiles = (profile, *chunked)
-    choices = {
-        s: search_all(profiles, s, None, cost) for s in SEARCH_STRATEGIES if usable(profiles, s)
-    }
-    return Floors(profiles, cost, choices)
-
-
-def min_peak_bytes(
-    profile: Profile, *, cost: CostModel | None = None, chunked: Sequence[Profile] = ()
-) -> dict[str, int]:
-    """The smallest predicted peak each strategy reaches (strategy -> bytes), over ``profile``
-    and the ``chunked`` profiles of the same step."""
-    return search_floors(profile, cost=cost, chunked=chunked).peak_bytes()
-
-
-def strategy_floors(
-    profile: Profile,
-    *,
-    cost: CostModel | None = None,
-    strategies: tuple[str, ...] = SEARCH_STRATEGIES,
-    chunked: Sequence[Profile] = (),
-) -> dict[str, StrategyFloor]:
-    """Each strategy's smallest predicted peak, where it is and what it holds (``plan --json``
-    ``strategies``): the plan each strategy reaches with no budget (over ``profile`` and the
-    ``chunked`` profiles of the same step), evaluated once."""
-    return describe_floors(search_floors(profile, cost=cost, chunked=chunked), strategies)
-
-
-def describe_floors(
-    floors: Floors, strategies: tuple[str, ...] = SEARCH_STRATEGIES
-) -> dict[str, StrategyFloor]:
-    """:func:`strategy_floors` of searches already made."""
-    profile = floors.profiles[0]
-    eager = profile.predicted_peak_bytes()
-    described = {}
-    sets: dict[int, tuple[int, int]] = {}  # id(profile) -> (largest unit, head + loss) bytes
-    for strategy in (s for s in strategies if s in floors.choices):
-        best = floors.choices[strategy]
-        outcome, used = best.outcome, best.profile or profile
-        if id(used) not in sets:
-            sets[id(used)] = (largest_unit_bytes(used), head_loss_bytes(used))
-        largest, head_loss = sets[id(used)]
-        resident = used.param_bytes
-        if not best.host_optimizer:
-            resident += 0 if best.optimizer_in_backward else used.grad_bytes
-            resident += 0 if best.optimizer_on_host else used.optimizer_state_bytes
-        described[strategy] = StrategyFloor(
-            strategy=strategy,
-            min_budget_bytes=outcome.peak_bytes,
-            eager_peak_bytes=eager,
-            resident_bytes=resident,
-            largest_unit_bytes=largest,
-            host_bytes=outcome.host_bytes,
-            predicted_overhead_s=outcome.extra_compute_s + outcome.exposed_s,
-            peak_at=outcome.peak_at,
-            breakdown=outcome.breakdown,
-            supports_ddp=strategy not in SINGLE_DEVICE_STRATEGIES,
-            optimizer_on_host=best.optimizer_on_host,
-            optimizer_host_bytes=outcome.optimizer_host_bytes,
-            head_loss_working_set_bytes=head_loss,
-            head_chunk_tokens=used.head.chunk_tokens if used.head else None,
-            mlp_pieces=max((c.chunks for c in used.seq_chunks), default=1),
-        )
-    return described

@@ -12,8 +12,7 @@ from typing import Any
 
 from superneurons.memory.plan import InfeasibleBudgetError, Plan, StrategyFloor
 from superneurons.memory.planner.cost import CostModel
-from superneurons.memory.planner.decide import make_plan
-from superneurons.memory.planner.strategy_search import Floors, describe_floors, search_floors
+from superneurons.memory.planner.decide import Floors, describe_floors, make_plan, search_floors
 from superneurons.memory.profile_types import Profile
 from superneurons.memory.sizing.llm import attention_ops, profile_causal_lm_below
 from superneurons.memory.sizing.simulate import profile_zoo
