@@ -1,6 +1,6 @@
-"""The optimizer on the host (memory.offload.host_optimizer, memory.offload.host_buckets): bitwise equal to the
-same optimizer on the device, alone and under DDP on 2 gloo ranks (with PyTorch's default
-all-reduce and with a compression hook), checkpoint round trip, the buckets' device bytes as
+"""The optimizer on the host (memory.offload.host_optimizer, memory.offload.host_buckets): bitwise
+equal to the same optimizer on the device, alone and under DDP on 2 gloo ranks (with PyTorch's
+default all-reduce and with a compression hook), checkpoint round trip, the buckets' device bytes as
 predicted, and the planner taking it only when the budget needs it."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Causal LMs as shipped under a plan that chunks the LM head + loss (memory.chunked.lmhead): tiny HF
-Llama and GPT-2 configs and the zoo GPT, with labels: the loss equal to the model's own,
+"""Causal LMs as shipped under a plan that chunks the LM head + loss (memory.chunked.lmhead): tiny
+HF Llama and GPT-2 configs and the zoo GPT, with labels: the loss equal to the model's own,
 gradients equal within fp32 rounding, ``logits`` None, the model as shipped without labels; the
 planner chunking only when the budget needs it, its prediction executed to the byte."""
 

@@ -1,5 +1,5 @@
-"""Optimizer state in the host pool (memory.offload.optim_host) for optimizer-in-backward: updates equal
-the device-state path bitwise, state_dict round trip, every device byte back at the end of the
+"""Optimizer state in the host pool (memory.offload.optim_host) for optimizer-in-backward: updates
+equal the device-state path bitwise, state_dict round trip, every device byte back at the end of the
 step, and the planner's predicted peak equal to the executed one."""
 
 from __future__ import annotations

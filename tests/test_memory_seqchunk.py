@@ -1,5 +1,5 @@
-"""Memory-centric blocks (memory.chunked.seqchunk): a block's MLP split over the sequence, each piece
-under its own checkpoint: outputs and gradients equal to the whole MLP within fp32 rounding,
+"""Memory-centric blocks (memory.chunked.seqchunk): a block's MLP split over the sequence, each
+piece under its own checkpoint: outputs and gradients equal to the whole MLP within fp32 rounding,
 the split chosen from the profile's bytes, and the block's working set down in a profile."""
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ Below the largest layer (the language-model case): ``head`` evaluates the LM hea
 in chunks of tokens (:mod:`superneurons.memory.chunked.headloss`), ``seq_chunks`` runs position-wise
 sub-layers (a block's MLP) over chunks of the sequence under recomputation, and
 ``host_optimizer`` keeps the optimizer (state, fp32 master weights, its step) on the host,
-stepping bucket by bucket as gradients are ready (:mod:`superneurons.memory.offload.host_optimizer`).
+stepping bucket by bucket as gradients are ready
+(:mod:`superneurons.memory.offload.host_optimizer`).
 
 A Plan is frozen data with a ``version`` and a JSON round trip, so the runtime (another
 process, another machine) can execute a plan made here. It is made by

@@ -1,4 +1,5 @@
-"""The records a profiled step produces: :class:`Profile`, :class:`SavedTensor`, :class:`UnitProfile`.
+"""The records a profiled step produces: :class:`Profile`, :class:`SavedTensor`,
+:class:`UnitProfile`.
 
 Events are the aten ops of the step in execution order (forward, backward, optimizer step). A
 storage is live on ``[birth, death]`` (inclusive, sampled right after each op, as the tracker
@@ -285,8 +286,8 @@ class Profile:
     # does not save, with the units that took it: what checkpoints of those units keep
     unsaved_inputs: tuple[StorageLife, ...] = ()
     # device bytes no tensor holds (real cpu profiles; none on fake ones, and on CUDA, where
-    # ``memory.profiling.workspace`` handles workspaces): (event, bytes) of the scratch an op allocated
-    # for itself (counted as temporaries at that event), and the cpu generator state a
+    # ``memory.profiling.workspace`` handles workspaces): (event, bytes) of the scratch an op
+    # allocated for itself (counted as temporaries at that event), and the cpu generator state a
     # checkpoint stashes per recomputed call
     scratch: tuple[tuple[int, int], ...] = ()
     rng_state_bytes: int = 0

@@ -3,7 +3,8 @@
 ``Tensor.register_post_accumulate_grad_hook`` runs a one-parameter optimizer and frees the
 gradient at once, so gradients never accumulate (the PyTorch tutorial "How to save memory by
 fusing the optimizer step into the backward pass"). With ``host_state`` the optimizer state
-lives in the host pool between the parameters' steps (:mod:`superneurons.memory.offload.optim_host`).
+lives in the host pool between the parameters' steps
+(:mod:`superneurons.memory.offload.optim_host`).
 
 The planner's model of the latter is
 :func:`superneurons.memory.planner.predict_steps.host_state_timeline`.

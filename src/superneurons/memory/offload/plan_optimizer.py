@@ -1,4 +1,5 @@
-"""Where a plan runs the optimizer, attached by :func:`~superneurons.memory.runtime.apply.apply_plan`.
+"""Where a plan runs the optimizer, attached by
+:func:`~superneurons.memory.runtime.apply.apply_plan`.
 
 * ``plan.optimizer_in_backward``: one optimizer per parameter, stepped in its gradient's hook
   on the device (:mod:`.optim_backward`), its state in the host pool between steps with

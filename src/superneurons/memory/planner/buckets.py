@@ -4,8 +4,8 @@ With ``Plan.host_optimizer`` gradients leave the device bucket by bucket: a buck
 (all-reduced under data parallelism, PyTorch DDP's unit of communication) as soon as its last
 gradient is born and every earlier bucket has been launched, so all ranks launch in one order;
 launching bucket ``b + 1`` drains bucket ``b`` (its reduced gradients go to the host, where the
-optimizer steps its parameters: :mod:`superneurons.memory.offload.host_optimizer`). The planner assigns
-the buckets from the profile (:func:`assign_buckets`), so the runtime launches exactly the
+optimizer steps its parameters: :mod:`superneurons.memory.offload.host_optimizer`). The planner
+assigns the buckets from the profile (:func:`assign_buckets`), so the runtime launches exactly the
 buckets whose device bytes :func:`bucket_timeline` predicts.
 """
 

@@ -12,27 +12,27 @@ Rules (SuperNeurons, Wang et al., PPoPP'18 §3.2-3.3), then a greedy improvement
   so nothing of the unit stays on the device between its forward and its backward; this is what
   brings the peak down to the largest unit's working set (``memory.planner.bounds``);
 * candidates are taken in ascending *cost per byte saved* (the DTR heuristic of Kirisame et al.,
-  ICLR'21, applied offline) until the predicted peak fits the budget. The chosen plan is the shortest
-  prefix that fits, so the predicted peak never rises when the budget falls.
+  ICLR'21, applied offline) until the predicted peak fits the budget. The chosen plan is the
+  shortest prefix that fits, so the predicted peak never rises when the budget falls.
 
 The peak under a plan is predicted from the profile's measured live intervals: a storage saved only
 by non-keep units is absent between the end of its units' forward and their backward (recompute)
-or the prefetch one unit ahead (offload, recompute+offload); plain checkpoint inputs stay; recompute adds its transient
-forward bytes at the unit's backward start. ``optimizer_in_backward`` frees each gradient as soon as
-it is applied (``register_post_accumulate_grad_hook``), so the gradient row of the timeline and the
-step phase drop to the largest single gradient. Strategy ``offload+opt-on-host`` may also keep the
-optimizer state in the host pool (ZeRO-Offload's placement, Ren et al. ATC'21): on the device only
-the state of the parameter being stepped and the one prefetched
-(:func:`~superneurons.memory.planner.predict_steps.host_state_timeline`), its copies timed by the device
-preset beside backward. Strategy ``offload+host-optimizer`` runs the optimizer itself on the host
-(state, fp32 masters and the step; ZeRO-Offload's placement), each bucket of gradients leaving
-the device once launched (:mod:`superneurons.memory.planner.buckets`); unlike optimizer-in-backward it
-steps after each bucket's all-reduce, so DDP can use it.
+or the prefetch one unit ahead (offload, recompute+offload); plain checkpoint inputs stay; recompute
+adds its transient forward bytes at the unit's backward start. ``optimizer_in_backward`` frees each
+gradient as soon as it is applied (``register_post_accumulate_grad_hook``), so the gradient row of
+the timeline and the step phase drop to the largest single gradient. Strategy
+``offload+opt-on-host`` may also keep the optimizer state in the host pool (ZeRO-Offload's
+placement, Ren et al. ATC'21): on the device only the state of the parameter being stepped and the
+one prefetched (:func:`~superneurons.memory.planner.predict_steps.host_state_timeline`), its copies
+timed by the device preset beside backward. Strategy ``offload+host-optimizer`` runs the optimizer
+itself on the host (state, fp32 masters and the step; ZeRO-Offload's placement), each bucket of
+gradients leaving the device once launched (:mod:`superneurons.memory.planner.buckets`); unlike
+optimizer-in-backward it steps after each bucket's all-reduce, so DDP can use it.
 
 Below the largest layer: ``make_plan(..., chunked=...)`` takes profiles of the same step with the
 LM head + loss in chunks and block sub-layers split over the sequence
-(:mod:`superneurons.memory.profiling.below`); each strategy uses the plain profile when it fits the budget
-and the first chunked one that does otherwise, so chunks (and their recompute) are used only
+(:mod:`superneurons.memory.profiling.below`); each strategy uses the plain profile when it fits the
+budget and the first chunked one that does otherwise, so chunks (and their recompute) are used only
 when the budget needs them.
 """
 

@@ -1,9 +1,9 @@
 """Where the optimizer steps, in a predicted timeline: inside backward (its state on the device
 or in the host pool), or on the host.
 
-:func:`~superneurons.memory.planner.predict.evaluate` starts from the profile's steady-state timeline
-(the step after backward, on the device); a plan that steps the optimizer elsewhere changes the
-gradient, optimizer and step-phase rows as these functions do, in place (``table``: the
+:func:`~superneurons.memory.planner.predict.evaluate` starts from the profile's steady-state
+timeline (the step after backward, on the device); a plan that steps the optimizer elsewhere changes
+the gradient, optimizer and step-phase rows as these functions do, in place (``table``: the
 ``CATEGORIES`` rows; ``head``: the LM head + loss part of the saved and temporaries rows).
 :func:`host_state_timeline` is the model of optimizer state in the host pool, which
 :class:`~superneurons.memory.offload.optim_host.HostOptimizerState` executes.
@@ -75,7 +75,8 @@ def step_on_host(
     buckets: tuple[tuple[str, ...], ...] | None,
 ) -> None:
     """The optimizer on the host: no state on the device, gradients live as ``buckets``
-    (default :func:`~superneurons.memory.planner.buckets.assign_buckets`) are launched and drained."""
+    (default :func:`~superneurons.memory.planner.buckets.assign_buckets`) are launched and
+    drained."""
     _after_backward(table, head, profile)
     table[CATEGORIES.index("optimizer")] = 0
     gradients = profile.gradients

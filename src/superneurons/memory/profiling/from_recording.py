@@ -1,9 +1,9 @@
 """Turning a recorded step into the :class:`Profile` the planner reads.
 
-:func:`build_profile` takes a :class:`~superneurons.memory.profiling.recording.Recorder` with the tracker's
-live intervals and builds the frozen record: the per-category timeline, every saved storage's
-life, the units (a recompute's peak op by op with each op's own scratch), and the bytes that
-belong to the LM head and the loss (``Profile.head_rows``).
+:func:`build_profile` takes a :class:`~superneurons.memory.profiling.recording.Recorder` with the
+tracker's live intervals and builds the frozen record: the per-category timeline, every saved
+storage's life, the units (a recompute's peak op by op with each op's own scratch), and the bytes
+that belong to the LM head and the loss (``Profile.head_rows``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""What a recorded step's storages belong to, beyond their category (``memory.profiling.recording``).
+"""What a recorded step's storages belong to, beyond their category
+(``memory.profiling.recording``).
 
 The host optimizer plans per gradient bucket, so a profile names the parameter of each gradient
 (in the order of ``Profile.grad_births``) and the event its post-accumulate hook ran at (later

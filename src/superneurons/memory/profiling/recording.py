@@ -1,10 +1,11 @@
 """Recording one profiled step.
 
-:class:`Recorder` is the mutable bookkeeping of :func:`~superneurons.memory.profiling.step.profile_step`'s
-observers: the module stack (pre/post hooks) and the autocast state each module began under, the
-saved tensors (``saved_tensors_hooks``), each unit's forward windows, FLOPs, bytes written and
-bytes held op by op, and where backward enters and leaves it.
-:func:`~superneurons.memory.profiling.from_recording.build_profile` turns it into a :class:`Profile`.
+:class:`Recorder` is the mutable bookkeeping of
+:func:`~superneurons.memory.profiling.step.profile_step`'s observers: the module stack (pre/post
+hooks) and the autocast state each module began under, the saved tensors (``saved_tensors_hooks``),
+each unit's forward windows, FLOPs, bytes written and bytes held op by op, and where backward enters
+and leaves it. :func:`~superneurons.memory.profiling.from_recording.build_profile` turns it into a
+:class:`Profile`.
 """
 
 from __future__ import annotations

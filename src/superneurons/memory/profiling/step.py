@@ -84,9 +84,9 @@ def profile_step(
 ) -> Profile:
     """Profile one training step (forward, ``loss_fn(output, targets)``, backward, optimizer step).
 
-    The step runs isolated (:func:`~superneurons.memory.profiling.isolate.isolated`): on the caller's own
-    module tree with its trainable parameters and buffers swapped for clones, gradients from
-    ``None``, and a shadow of the innermost optimizer; afterwards the caller's parameters,
+    The step runs isolated (:func:`~superneurons.memory.profiling.isolate.isolated`): on the
+    caller's own module tree with its trainable parameters and buffers swapped for clones, gradients
+    from ``None``, and a shadow of the innermost optimizer; afterwards the caller's parameters,
     gradients, buffers, optimizer, LR scheduler and RNG are as they were. A real profile needs
     room for a copy of the trainable parameters and optimizer state (``fake=True`` does not).
 
@@ -101,8 +101,8 @@ def profile_step(
             did not save (for GPT-2 124M at B=8, T=1024: 1.53 GiB of logits). HF's ``Trainer``
             frees the outputs before backward: ``False``.
         prepare: applied to the isolated module tree before the step runs; returns a handle
-            whose ``remove()`` undoes it, called before isolation ends (e.g. ``memory.profiling.below``
-            chunks the LM head).
+            whose ``remove()`` undoes it, called before isolation ends (e.g.
+            ``memory.profiling.below`` chunks the LM head).
         carry_output: (with ``keep_output``) the loop's variable keeps the output through the
             optimizer step and, in steady state, through the next step's forward until it is
             reassigned: ``outputs = model(**batch); outputs.loss.backward(); opt.step()`` in

@@ -7,15 +7,15 @@ non-reentrant checkpoint with BatchNorm statistics updated once
 tensors into the Unified Tensor Pool (:mod:`superneurons.memory.offload.pool`, §3.2), which brings
 them back one unit ahead of backward; ``recompute+offload`` runs the checkpointed forward
 inside the pool, so the one tensor the checkpoint saves (its input) goes to the host and is
-prefetched one unit ahead, and the layers between checkpoints are recomputed. With ``plan.optimizer_in_backward`` each parameter is
-stepped as soon as its gradient is accumulated and the gradient is freed at once
-(``Tensor.register_post_accumulate_grad_hook``), and with ``plan.optimizer_on_host`` its state
-lives in the host pool between steps, fetched one parameter ahead on the pool's streams
-(:mod:`superneurons.memory.offload.optim_host`). With ``plan.host_optimizer`` the optimizer itself runs
-on the host, bucket by bucket as gradients arrive (:mod:`.host_buckets`,
-:mod:`.host_optimizer`): the loop's optimizer is ``handle.optimizer`` (whose ``step()`` and
-``zero_grad()`` have nothing left to do), and under DDP the plan is applied before wrapping
-and ``handle.attach(ddp_model)`` called after.
+prefetched one unit ahead, and the layers between checkpoints are recomputed. With
+``plan.optimizer_in_backward`` each parameter is stepped as soon as its gradient is accumulated and
+the gradient is freed at once (``Tensor.register_post_accumulate_grad_hook``), and with
+``plan.optimizer_on_host`` its state lives in the host pool between steps, fetched one parameter
+ahead on the pool's streams (:mod:`superneurons.memory.offload.optim_host`). With
+``plan.host_optimizer`` the optimizer itself runs on the host, bucket by bucket as gradients arrive
+(:mod:`.host_buckets`, :mod:`.host_optimizer`): the loop's optimizer is ``handle.optimizer`` (whose
+``step()`` and ``zero_grad()`` have nothing left to do), and under DDP the plan is applied before
+wrapping and ``handle.attach(ddp_model)`` called after.
 
 With ``plan.head`` the model's head + loss runs in chunks of tokens (:mod:`.lmhead`; under
 such a plan a causal LM called with labels returns ``logits=None``), and ``plan.seq_chunks``

@@ -7,8 +7,8 @@ profile does not describe the compiled step. Measured on the tiny Llama of
 ``benchmarks/compile_budget.py`` (CPU, AdamW, c10 allocator view,
 ``benchmarks/results/compile/``): in fp32 a recompute plan at the reported minimum ran 16% over
 its budget compiled (+1,033,856 B, close to the logits' size; autocast and bf16 fitted), while
-the same plan run eagerly meets its prediction to within 1%. So a compiled call of a planned model is refused by default, with a
-:class:`~superneurons.errors.ConfigError` that says what to do.
+the same plan run eagerly meets its prediction to within 1%. So a compiled call of a planned model
+is refused by default, with a :class:`~superneurons.errors.ConfigError` that says what to do.
 
 ``apply_plan(model, plan, compile="trace")`` opts in: the runtime's hooks then trace without a
 graph break of their own (no ``_cdata``, no dynamo-skipped call, no logging in traced code:

@@ -104,8 +104,9 @@ def checkpointed_forward(
     Under ``torch.no_grad()`` (e.g. evaluation) the unit runs plainly: nothing to recompute.
     """
     norms = [n for m in (module, *also) for n in norm_layers(m)]
-    # NOTE: a raise in traced code makes dynamo run the frame again eagerly (memory.runtime.compiled):
-    # the refusal must be a dynamo-disabled call, made here, outside traced code
+    # NOTE: a raise in traced code makes dynamo run the frame again eagerly
+    # (memory.runtime.compiled): the refusal must be a dynamo-disabled call, made here, outside
+    # traced code
     refuse = compiler_disabled(_refuse_norms, reason=_NORMS_UNDER_COMPILE) if norms else None
 
     def context_fn() -> tuple[contextlib.AbstractContextManager[None], Any]:

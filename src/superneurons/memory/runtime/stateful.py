@@ -56,7 +56,8 @@ _Snapshot = dict[tuple[str, str], tuple[int, int, Any]]
 
 
 def is_kv_cache(value: Any) -> bool:
-    """True for a ``transformers`` ``Cache`` (checked by class name: transformers stays optional)."""
+    """True for a ``transformers`` ``Cache`` (checked by class name: transformers stays
+    optional)."""
     return any(
         cls.__name__ == "Cache" and cls.__module__.startswith("transformers")
         for cls in type(value).__mro__

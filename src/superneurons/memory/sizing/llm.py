@@ -179,10 +179,11 @@ def profile_causal_lm_below(
     variants: tuple[str, ...] = BELOW_FLOOR,
 ) -> tuple[Profile, list[Profile]]:
     """The plain profile of :func:`profile_causal_lm` and the profiles of the same step below
-    the largest layer (:func:`superneurons.memory.profiling.below.below_profiles`: the LM head + loss in
+    the largest layer (:func:`superneurons.memory.profiling.below.below_profiles`: the LM head +
+    loss in
     chunks, each block's MLP over pieces of the sequence), one model built once. ``variants``:
-    which of :data:`superneurons.memory.profiling.below.VARIANTS` (default the floor only, one profile);
-    ``()``: none. Pass both to ``make_plan(profile, chunked=...)`` / ``strategy_floors``.
+    which of :data:`superneurons.memory.profiling.below.VARIANTS` (default the floor only, one
+    profile); ``()``: none. Pass both to ``make_plan(profile, chunked=...)`` / ``strategy_floors``.
 
     Raises:
         ConfigError: as :func:`profile_causal_lm`.

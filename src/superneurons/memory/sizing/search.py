@@ -195,8 +195,8 @@ def lm_peaks(
     """``f(size)`` -> each strategy's smallest peak for a causal LM (:mod:`.llm`): ``axis``
     ``"seq_len"`` (``size * quantum`` tokens) or ``"batch"`` (``size`` sequences). With fused
     attention every activation is linear in ``B x T``, so the peak is affine in either (below
-    the largest layer, ``variants`` of ``memory.profiling.below``, chunk sizes step in powers of two:
-    nearly affine, which the caller's direct profiles check)."""
+    the largest layer, ``variants`` of ``memory.profiling.below``, chunk sizes step in powers of
+    two: nearly affine, which the caller's direct profiles check)."""
     if axis not in ("seq_len", "batch"):
         raise ConfigError(f"axis must be 'seq_len' or 'batch', got {axis!r}")
 
