@@ -64,7 +64,7 @@ def _parameters(name: str) -> tuple[int, int]:
     from accelerate.utils import calculate_maximum_sizes
     from transformers import AutoModelForCausalLM
 
-    from superneurons.memory.llm import load_config
+    from superneurons.memory.sizing.llm import load_config
 
     config, _ = load_config(name)
     with init_empty_weights():

@@ -28,8 +28,8 @@ from superneurons.bench.memory.meter import allocator_peak_bytes
 from superneurons.errors import ConfigError
 from superneurons.integrations.hf import plan_for_batch
 from superneurons.memory import apply_plan, make_plan
-from superneurons.memory.planner import strategy_floors
-from superneurons.memory.profile import output_loss, profile_step
+from superneurons.memory.planner.decide import strategy_floors
+from superneurons.memory.profiling.step import output_loss, profile_step
 
 VOCAB, SEQ, BATCH = 512, 128, 4
 IDS = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))

@@ -3,7 +3,7 @@
 CPU: every plan the benchmark measures fits its budget and its prediction (within 3%), the
 anchors are measured in the same run, the verdicts follow from the records, and the command
 writes its three artifacts. CUDA (skipped without a device): the same run on real CUDA tensors
-with ``max_memory_allocated``, and the allocator cap of :mod:`superneurons.memory.workspace`.
+with ``max_memory_allocated``, and the allocator cap of :mod:`superneurons.memory.profiling.workspace`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,11 @@ from superneurons.bench.memory.report import verdicts
 from superneurons.bench.memory.run import MODELS, MemoryBenchConfig, run_memory_bench
 from superneurons.commands import bench_memory
 from superneurons.errors import ConfigError
-from superneurons.memory.workspace import cudnn_settings, limit_workspace, untracked_peak_bytes
+from superneurons.memory.profiling.workspace import (
+    cudnn_settings,
+    limit_workspace,
+    untracked_peak_bytes,
+)
 
 TINY = dict(batch_size=4, block_size=64, steps=1, budgets=(0.9, 0.8))
 NO_COMPILE = ("eager", "ours", "ours-offload", "checkpoint", "selective", "save_on_cpu")

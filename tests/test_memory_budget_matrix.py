@@ -22,8 +22,8 @@ import torch
 from superneurons.bench.memory.meter import allocator_peak_bytes
 from superneurons.memory import PoolConfig, apply_plan, make_plan
 from superneurons.memory.plan import InfeasibleBudgetError, Plan, StrategyFloor
-from superneurons.memory.planner import strategy_floors
-from superneurons.memory.profile import output_loss, profile_step
+from superneurons.memory.planner.decide import strategy_floors
+from superneurons.memory.profiling.step import output_loss, profile_step
 
 transformers = pytest.importorskip("transformers")
 

@@ -17,8 +17,8 @@ from torch import nn
 
 from superneurons.bench.memory.meter import allocator_peak_bytes
 from superneurons.memory import apply_plan, make_plan
-from superneurons.memory.planner import strategy_floors
-from superneurons.memory.profile import profile_step
+from superneurons.memory.planner.decide import strategy_floors
+from superneurons.memory.profiling.step import profile_step
 
 WIDTH, TOKENS, BLOCKS, REPEAT = 256, 16, 4, 64
 

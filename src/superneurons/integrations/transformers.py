@@ -24,8 +24,8 @@ state (error-feedback residuals, step) into the checkpoint folder; resuming load
 the folder given to ``train(resume_from_checkpoint=...)``, whatever ``output_dir`` is, read
 weights-only (a file that would import anything but tensors and plain data is refused).
 
-The profile is isolated (:mod:`superneurons.memory.isolate`): it runs the forward the trainer
-runs (accelerate's autocast under ``bf16=True``; TRL's fused LM head for ``SFTTrainer``), in
+The profile is isolated (:mod:`superneurons.memory.profiling.isolate`): it runs the forward the
+trainer runs (accelerate's autocast under ``bf16=True``; TRL's fused LM head for ``SFTTrainer``), in
 training mode, with the trainer's optimizer state, and leaves parameters, gradients,
 optimizer, LR scheduler and random-number states as they were, so training is the same as
 without the callback. HF's own activation checkpointing (``activation_checkpointing=True``,

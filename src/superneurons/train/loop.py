@@ -381,9 +381,9 @@ def _apply_budget(
     handle (kept alive for the whole run).
     """
     try:
-        from superneurons.memory.planner import make_plan
-        from superneurons.memory.profile import profile_step
-        from superneurons.memory.runtime import apply_plan
+        from superneurons.memory.planner.decide import make_plan
+        from superneurons.memory.profiling.step import profile_step
+        from superneurons.memory.runtime.apply import apply_plan
     except ImportError as exc:
         raise ConfigError(f"--budget needs the memory runtime ({exc})") from exc
     inputs, targets = batch

@@ -3,7 +3,7 @@
 Deepest bottleneck ResNet ``[6, 32, n, 6]`` (batch 16, 224x224, fp32, SGD with momentum) whose
 predicted step peak fits ``0.95 x 12 GiB`` per strategy, and the largest batch of ResNet-50/101/152
 in 12 GiB. All on fake tensors (no memory used). Depth and batch come from the affine fit of
-:func:`superneurons.memory.search.max_fitting`; one direct profile at the eager answer's depth
+:func:`superneurons.memory.sizing.search.max_fitting`; one direct profile at the eager answer's depth
 validates the extrapolation. The anchors (depths measured on this machine with fake tensors) are
 compared in the same run as ratios.
 """
@@ -17,8 +17,8 @@ from typing import Any
 
 from superneurons.bench.artifacts import markdown_table, pyplot, write_json, write_markdown
 from superneurons.memory.plan import SEARCH_STRATEGIES
-from superneurons.memory.planner import min_peak_bytes
-from superneurons.memory.search import max_fitting, zoo_peaks
+from superneurons.memory.planner.decide import min_peak_bytes
+from superneurons.memory.sizing.search import max_fitting, zoo_peaks
 from superneurons.models.resnet import n_to_depth
 
 __all__ = ["ANCHOR_DEPTHS", "PAPER_DEPTHS", "run_deeper"]
@@ -41,7 +41,7 @@ ANCHOR_DEPTHS: dict[str, int] = {
 # Targets: the paper's 3.24x over eager with recomputation only, ResNet-2500 with offload.
 PAPER_DEPTHS: dict[str, int] = {"recompute": 1920, "offload": 2500, "offload+opt-in-backward": 3500}
 # The targets at 0.95 x 12 GB (decimal): offload >= 2500, with optimizer-in-backward >= 4000
-# (met by keeping the optimizer state in the host pool: memory.optim_host).
+# (met by keeping the optimizer state in the host pool: memory.offload.optim_host).
 ISSUE_DEPTHS_12GB: dict[str, int] = {"offload": 2500, "offload+opt-on-host": 4000}
 DEPTH_SAMPLES = (24, 48, 72)
 BATCH_SAMPLES = (4, 8, 16)
@@ -140,9 +140,9 @@ def _validate_plans(say: Any, n: int = 8) -> dict[str, dict[str, float]]:
     """Execute each strategy's smallest-peak plan on fakes at ``[6, 32, n, 6]`` and compare."""
     import torch
 
-    from superneurons.memory.planner import make_plan
-    from superneurons.memory.profile import profile_step
-    from superneurons.memory.simulate import simulate_plan
+    from superneurons.memory.planner.decide import make_plan
+    from superneurons.memory.profiling.step import profile_step
+    from superneurons.memory.sizing.simulate import simulate_plan
     from superneurons.models.zoo import build_model, default_loss, model_input
 
     model = build_model("resnet", layers=(6, 32, n, 6))
@@ -176,9 +176,9 @@ def _host_state_time_model(
     ``offload+opt-on-host`` plan is made at two small depths and extrapolated (the optimizer
     state's copies each way, the roofline forward, backward = 2x forward, the recompute).
     """
-    from superneurons.memory.cost import cost_model
-    from superneurons.memory.planner import make_plan
-    from superneurons.memory.simulate import profile_zoo
+    from superneurons.memory.planner.cost import cost_model
+    from superneurons.memory.planner.decide import make_plan
+    from superneurons.memory.sizing.simulate import profile_zoo
 
     cost = cost_model(preset)
     rows = []

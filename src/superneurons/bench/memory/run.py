@@ -5,14 +5,14 @@ loss, backward with the output alive, as :mod:`superneurons.train.loop` runs it,
 and is measured by :mod:`superneurons.bench.memory.meter` (CUDA: ``max_memory_allocated`` and
 CUDA events; CPU: the live-storage count and wall/CPU time). Budgets are fractions of eager's
 measured peak. Methods: ``eager``; ``ours`` (``make_plan`` at each budget, executed by
-:func:`~superneurons.memory.runtime.apply_plan`) and ``ours-offload`` (``strategy="offload"``);
+:func:`~superneurons.memory.runtime.apply.apply_plan`) and ``ours-offload`` (``strategy="offload"``);
 the anchors of :mod:`superneurons.bench.memory.anchors`, all in the same run.
 
 On CUDA the profile runs on real CUDA tensors and the bytes the allocator holds beyond live
-tensors (cuDNN/cuBLAS workspaces, rounding: :func:`~superneurons.memory.workspace.
+tensors (cuDNN/cuBLAS workspaces, rounding: :func:`~superneurons.memory.profiling.workspace.
 untracked_peak_bytes` of the eager step) are set aside from each budget before planning; the
 predicted device peak is the plan's prediction plus them. ``cap_workspace`` also caps the
-allocator at the budget while our plan runs (:func:`~superneurons.memory.workspace.
+allocator at the budget while our plan runs (:func:`~superneurons.memory.profiling.workspace.
 limit_workspace`), so convolutions get the workspace the plan leaves.
 """
 
@@ -39,9 +39,13 @@ from superneurons.bench.memory.anchors import (
 )
 from superneurons.bench.memory.meter import StepMeasure, device_peak_bytes, measure_step
 from superneurons.errors import ConfigError
-from superneurons.memory.runtime import apply_plan
-from superneurons.memory.stateful import kv_cache_off
-from superneurons.memory.workspace import cudnn_settings, limit_workspace, untracked_peak_bytes
+from superneurons.memory.profiling.workspace import (
+    cudnn_settings,
+    limit_workspace,
+    untracked_peak_bytes,
+)
+from superneurons.memory.runtime.apply import apply_plan
+from superneurons.memory.runtime.stateful import kv_cache_off
 from superneurons.models.zoo import build_model, default_loss, model_input
 
 __all__ = ["METHODS", "MODELS", "MemoryBenchConfig", "device_peak_bytes", "run_memory_bench"]
@@ -221,7 +225,7 @@ def _ours(
     workspace_bytes: int,
 ) -> list[dict[str, Any]]:
     from superneurons.memory.plan import ACTIONS, InfeasibleBudgetError
-    from superneurons.memory.planner import make_plan
+    from superneurons.memory.planner.decide import make_plan
 
     bandwidth = copy_bandwidth_bytes_per_s(work.device)
     rows: list[dict[str, Any]] = []
@@ -329,8 +333,8 @@ def _no_kv_cache(model: nn.Module) -> Iterator[None]:
 
 def run_memory_bench(config: MemoryBenchConfig) -> list[dict[str, Any]]:
     """Measure every method of ``config`` in one run; one record per (method, point)."""
-    from superneurons.memory.profile import profile_step
     from superneurons.memory.profile_types import default_units
+    from superneurons.memory.profiling.step import profile_step
 
     work = _Workload(config)
     units = default_units(work.model)
