@@ -116,6 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "LM head + loss in chunks and block MLPs over sequence pieces, one more profile), all "
         "(also the head alone, recomputing or computing its gradient in the forward), off",
     )
+    add_adapter_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     search = parser.add_mutually_exclusive_group()
     search.add_argument("--max-depth", action="store_true", help="largest resnet depth that fits")
@@ -124,6 +125,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-seq-len",
         action="store_true",
         help=f"hf: longest sequence (x{SEQ_QUANTUM}) that fits",
+    )
+
+
+def add_adapter_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--lora`` and ``--quantize`` (``superneurons.memory.sizing.adapters``' grammar)."""
+    adapters = parser.add_argument_group("adapters (--model hf:...)")
+    adapters.add_argument(
+        "--lora",
+        default=None,
+        metavar="r=R[,alpha=A,dropout=P,targets=all-linear|NAME,...,dtype=fp32|base]",
+        help="train LoRA adapters (PEFT's LoraConfig; its defaults r=8, alpha=8, dropout 0, "
+        "targets all-linear) with the base frozen; dtype: the adapters' (fp32: get_peft_model's "
+        "default, base: the base's)",
+    )
+    adapters.add_argument(
+        "--quantize",
+        default=None,
+        metavar="nf4[,double_quant=true|false,blocksize=64]|int8",
+        help="with --lora: the frozen linear layers at bitsandbytes' storage (nf4: Linear4bit "
+        "with double quantization, QLoRA's recipe; int8: Linear8bitLt)",
     )
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from superneurons.bytesize import parse_bytes
 from superneurons.errors import ConfigError
 from superneurons.memory.planner.cost import CostModel, cost_model
+from superneurons.memory.sizing.adapters import LoraSpec, QuantSpec, parse_lora, parse_quantize
 from superneurons.memory.sizing.llm import (
     LMStep,
     default_optimizer_impl,
@@ -64,6 +65,8 @@ def target_of(args: argparse.Namespace) -> Target:
         return _lm_target(args, args.model[len(HF) :])
     if args.max_seq_len or args.seq_len is not None or args.autocast:
         raise ConfigError("--seq-len, --autocast and --max-seq-len apply to --model hf:... only")
+    if getattr(args, "lora", None) or getattr(args, "quantize", None):
+        raise ConfigError("--lora and --quantize apply to --model hf:... only")
     return ZooTarget(
         name=args.model,
         batch_size=16 if args.batch is None else args.batch,
@@ -90,8 +93,23 @@ def _lm_target(args: argparse.Namespace, name: str) -> LMTarget:
         optimizer_impl=args.optimizer_impl or default_optimizer_impl(target_device),
         keep_outputs=args.keep_outputs,
         target_device=target_device,
+        lora=lora_of(args),
+        quantize=quantize_of(args),
     )
     return LMTarget(name, config, source, step, below=args.below)
+
+
+def lora_of(args: argparse.Namespace) -> LoraSpec | None:
+    """``--lora``, parsed once (:func:`superneurons.memory.sizing.adapters.parse_lora`)."""
+    text = getattr(args, "lora", None)
+    return None if text is None else parse_lora(text)
+
+
+def quantize_of(args: argparse.Namespace) -> QuantSpec | None:
+    """``--quantize``, parsed once (:func:`superneurons.memory.sizing.adapters.
+    parse_quantize`)."""
+    text = getattr(args, "quantize", None)
+    return None if text is None else parse_quantize(text)
 
 
 def progress(message: str) -> None:
