@@ -20,6 +20,7 @@ from superneurons.memory.sizing.llm import (
     load_config,
     max_positions,
 )
+from superneurons.memory.sizing.search import LMSearch
 from superneurons.memory.sizing.target import BELOW, HF, LMTarget, Target, ZooTarget
 from superneurons.rates import parse_rate
 
@@ -38,6 +39,7 @@ class PlanRequest:
         budget_bytes: the device budget.
         strategy: the planner's strategy (``auto``: its choice).
         search: ``"depth"``, ``"batch"`` or ``"seq_len"`` for ``--max-*``; None: one plan.
+        lm_search: how a causal LM is searched (``--beyond-positions``, ``--fit-depth``).
     """
 
     target: Target
@@ -45,6 +47,7 @@ class PlanRequest:
     budget_bytes: int
     strategy: str
     search: str | None
+    lm_search: LMSearch = LMSearch()
 
 
 def request_of(args: argparse.Namespace) -> PlanRequest:
@@ -55,7 +58,21 @@ def request_of(args: argparse.Namespace) -> PlanRequest:
         "depth" if args.max_depth else "batch" if args.max_batch else "seq_len"
         if args.max_seq_len else None
     )  # fmt: skip
-    return PlanRequest(target, cost, budget_bytes_of(args, target, cost), args.strategy, search)
+    lm_search = lm_search_of(args, search)
+    budget_bytes = budget_bytes_of(args, target, cost)
+    return PlanRequest(target, cost, budget_bytes, args.strategy, search, lm_search=lm_search)
+
+
+def lm_search_of(args: argparse.Namespace, search: str | None) -> LMSearch:
+    """``--beyond-positions`` and ``--fit-depth``: options of ``--max-seq-len`` /
+    ``--max-batch``."""
+    options = LMSearch(
+        beyond_positions=getattr(args, "beyond_positions", False),
+        fit_depth=getattr(args, "fit_depth", False),
+    )
+    if options != LMSearch() and search not in ("seq_len", "batch"):
+        raise ConfigError("--beyond-positions and --fit-depth apply to --max-seq-len / --max-batch")
+    return options
 
 
 def target_of(args: argparse.Namespace) -> Target:

@@ -56,14 +56,15 @@ class LoraSpec:
 
     Attributes:
         r: the rank (PEFT's default 8).
-        alpha: ``lora_alpha`` (PEFT's default 8); scales the update, never the memory.
+        alpha: ``lora_alpha`` (PEFT's default 8, an integer there); scales the update, never
+            the memory.
         dropout: ``lora_dropout``: above 0 each adapted layer saves a dropout mask.
         targets: PEFT's ``target_modules``: ``("all-linear",)`` or module names.
         dtype: ``"fp32"`` (``get_peft_model``'s default) or ``"base"`` (the base's dtype).
     """
 
     r: int = 8
-    alpha: float = 8.0
+    alpha: int = 8
     dropout: float = 0.0
     targets: tuple[str, ...] = (ALL_LINEAR,)
     dtype: str = "fp32"
@@ -95,9 +96,8 @@ class LoraSpec:
     @property
     def spec(self) -> str:
         """The canonical ``--lora`` string (:func:`parse_lora` reads it back to an equal spec)."""
-        alpha = int(self.alpha) if float(self.alpha).is_integer() else self.alpha
         return (
-            f"r={self.r},alpha={alpha},dropout={self.dropout:g},dtype={self.dtype},"
+            f"r={self.r},alpha={self.alpha},dropout={self.dropout:g},dtype={self.dtype},"
             f"targets={','.join(self.targets)}"
         )
 
@@ -210,7 +210,7 @@ def parse_lora(text: str) -> LoraSpec:
     if "r" in items:
         options["r"] = _number(flag, "r", items["r"], int)
     if "alpha" in items:
-        options["alpha"] = _number(flag, "alpha", items["alpha"], float)
+        options["alpha"] = _number(flag, "alpha", items["alpha"], int)
     if "dropout" in items:
         options["dropout"] = _number(flag, "dropout", items["dropout"], float)
     if "targets" in items:
