@@ -7,7 +7,6 @@ nothing when the budget allows and the cheapest units first when not; and on a t
 
 from __future__ import annotations
 
-import copy
 import io
 from typing import Any
 
