@@ -230,7 +230,7 @@ def test_plan_format_version_4_and_older_plans_read() -> None:
     body = old.to_dict() | {"version": 3}
     for unit in body["units"]:
         del unit["weights"]
-    for key in ("weights_host_bytes", "streamed_bytes", "weights_exposed_s"):
+    for key in ("weights_host_bytes", "streamed_bytes", "weights_exposed_s", "exposed_transfer_s"):
         del body[key]
     read = Plan.from_dict(body)
     assert read.version == 3 and all(u.weights == "device" for u in read.units)

@@ -196,6 +196,15 @@ class TensorDecision:
         _check_action(self.action, f"tensor {self.key!r}")
 
 
+# what a version 3 record lacks (Plan.to_dict leaves them out of one)
+_VERSION_4_KEYS = (
+    "weights_host_bytes",
+    "streamed_bytes",
+    "weights_exposed_s",
+    "exposed_transfer_s",
+)
+
+
 @dataclass(frozen=True)
 class Plan:
     """Per-unit decisions plus predictions. Build with ``make_plan``; execute with ``apply_plan``.
@@ -240,6 +249,9 @@ class Plan:
             twice: ahead of its unit's forward and of its backward).
         weights_exposed_s: predicted time per step the weight copies add beyond the compute
             they overlap (the device preset's host link).
+        exposed_transfer_s: predicted time per step all the plan's copies (activations,
+            optimizer, weights) add beyond the compute they overlap; a prediction, not part of
+            the plan's identity (not compared, and absent from a version 3 record).
         version: format version of this record: the oldest that holds it (a plan that streams
             no weights is written as version 3, which older builds read).
     """
@@ -269,6 +281,7 @@ class Plan:
     weights_host_bytes: int = 0
     streamed_bytes: int = 0
     weights_exposed_s: float = 0.0
+    exposed_transfer_s: float = field(default=0.0, compare=False)
     version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:
@@ -329,7 +342,7 @@ class Plan:
         if self.version < 4:  # the version 3 record, key for key
             for unit in body["units"]:
                 del unit["weights"]
-            for key in ("weights_host_bytes", "streamed_bytes", "weights_exposed_s"):
+            for key in _VERSION_4_KEYS:
                 del body[key]
         return body
 

@@ -397,6 +397,7 @@ def _plan_of(chosen: Choice, used: Profile, budget_bytes: int, min_budget_bytes:
         weights_host_bytes=streams.host_bytes,
         streamed_bytes=streams.streamed_bytes,
         weights_exposed_s=streams.exposed_s,
+        exposed_transfer_s=outcome.exposed_s,
         # the oldest format that holds the plan: without streamed weights, version 3
         version=PLAN_VERSION if chosen.weights else 3,
     )

@@ -18,7 +18,7 @@ from superneurons.memory.sizing.llm import attention_ops, profile_causal_lm_belo
 from superneurons.memory.sizing.simulate import profile_zoo
 from superneurons.memory.sizing.target import LMTarget, Target, ZooTarget
 
-__all__ = ["ModelPlan", "parameter_fields", "plan_model"]
+__all__ = ["ModelPlan", "parameter_fields", "pinned_host_bytes", "plan_model"]
 
 PLAN_ACTIONS: tuple[str, ...] = ("keep", "offload", "recompute", "recompute+offload")
 
@@ -121,6 +121,12 @@ class ModelPlan:
             "head_chunk_tokens": plan.head.chunk_tokens if plan.head else None,
             "head_mode": plan.head.mode if plan.head else None,
             "mlp_pieces": max((c.chunks for c in plan.seq_chunks), default=1),
+            # the host link: weights streamed, copies no compute hides, pinned host memory
+            "units_streamed": len(plan.streamed_units()),
+            "streamed_bytes_per_step": plan.streamed_bytes,
+            "exposed_transfer_s": plan.exposed_transfer_s,
+            "weights_host_bytes": plan.weights_host_bytes,
+            "pinned_host_bytes": pinned_host_bytes(plan),
         }
 
 
@@ -166,6 +172,12 @@ def plan_model(
         infeasible=infeasible,
         parameters=parameters,
     )
+
+
+def pinned_host_bytes(plan: Plan) -> int:
+    """The pinned host memory ``plan`` needs: offloaded activations, the optimizer's state and
+    fp32 masters off the device, and the streamed weights' host copies."""
+    return plan.host_bytes + plan.optimizer_host_bytes + plan.weights_host_bytes
 
 
 def parameter_fields(profile: Profile) -> dict[str, int]:
