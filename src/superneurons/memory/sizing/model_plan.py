@@ -53,6 +53,7 @@ class ModelPlan:
     plan: Plan | None
     infeasible: InfeasibleBudgetError | None = None
     parameters: dict[str, int] = field(default_factory=dict)
+    step_compute_s: float = 0.0  # forward + backward (3x the units' forward), cost model
 
     @property
     def floor_strategy(self) -> str:
@@ -91,6 +92,7 @@ class ModelPlan:
         floor = self.floors[self.floor_strategy]
         return {
             "eager_peak_bytes": self.eager_peak_bytes,
+            "step_compute_s": self.step_compute_s,
             "floor_strategy": self.floor_strategy,
             "resident_bytes": floor.resident_bytes,
             "largest_unit_bytes": floor.largest_unit_bytes,
@@ -171,6 +173,8 @@ def plan_model(
         plan=plan,
         infeasible=infeasible,
         parameters=parameters,
+        # NOTE: backward ~ 2x forward (two GEMMs per forward GEMM): the step ~ 3x the forward
+        step_compute_s=3 * sum(cost.unit_seconds(profile).values()),
     )
 
 
