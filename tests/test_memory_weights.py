@@ -331,3 +331,26 @@ def test_tiny_llama_streamed_plan_runs_at_its_predicted_peak() -> None:
     handle.remove()
     assert measured <= plan.budget_bytes
     assert abs(measured - plan.predicted_peak_bytes) <= 0.01 * plan.predicted_peak_bytes
+
+
+@pytest.mark.cuda
+def test_streaming_on_cuda_equals_the_resident_plan_bitwise() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    resident, streamed = _net().cuda(), _net().cuda()
+    actions = {"blocks.0": "recompute", "blocks.2": "offload"}
+    handles = [
+        apply_plan(resident, _plan((), actions), optimizer_factory=_adamw),
+        apply_plan(streamed, _plan(("embed", "blocks.0", "blocks.1", "head"), actions),
+                   optimizer_factory=_adamw),
+    ]  # fmt: skip
+    for step in range(3):
+        ids, targets = (t.cuda() for t in _batch(step))
+        for model, handle in zip((resident, streamed), handles, strict=True):
+            F.cross_entropy(model(ids).flatten(0, 1), targets.flatten()).backward()
+            handle.optimizer.step()  # type: ignore[union-attr]
+    assert streamed.head.weight.device.type == "cpu"  # between steps: the pinned host copy
+    assert streamed.head.weight.is_pinned()
+    for handle in handles:
+        handle.remove()
+    _assert_equal(resident, streamed)
