@@ -253,7 +253,7 @@ class WeightStream:
         weight = self._by_storage.get(_key(tensor))
         if weight is None:
             return None
-        return WeightRef(weight, (tensor.size(), tensor.stride(), tensor.storage_offset()))
+        return WeightRef(weight, (tensor.size(), tensor.stride(), int(tensor.storage_offset())))
 
     def _pack_or_keep(self, tensor: torch.Tensor) -> Any:
         ref = self.pack(tensor)
