@@ -77,20 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="host<->device rate: 16GB/s, 128gbit, or a byte size per second (default: the "
         "preset's)",
     )
-    parser.add_argument(
-        "--host-link",
-        default=None,
-        choices=tuple(HOST_LINKS),
-        help="the host<->device link whose effective rate the copies take (memory.planner.cost."
-        "HOST_LINKS: PCIe 4.0 x16 25 GB/s, PCIe 5.0 x16 50 GB/s, GH200 NVLink-C2C 360 GB/s; "
-        "default: the device preset's rates)",
-    )
-    parser.add_argument(
-        "--host-budget",
-        default=None,
-        help="pinned host memory the plan may need (offloaded activations, the optimizer's "
-        "state and masters, streamed weights), e.g. 256GiB: a plan needing more is refused",
-    )
+    add_link_arguments(parser)
     parser.add_argument(
         "--granularity",
         default=None,
@@ -143,6 +130,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"hf: longest sequence (x{SEQ_QUANTUM}) that fits",
     )
     add_search_arguments(parser)
+
+
+def add_link_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--host-link`` and ``--host-budget``: the host link's rate and the pinned host memory a
+    plan may need."""
+    parser.add_argument(
+        "--host-link",
+        default=None,
+        choices=tuple(HOST_LINKS),
+        help="the host<->device link whose effective rate the copies take (memory.planner.cost."
+        "HOST_LINKS: PCIe 4.0 x16 25 GB/s, PCIe 5.0 x16 50 GB/s, GH200 NVLink-C2C 360 GB/s; "
+        "default: the device preset's rates)",
+    )
+    parser.add_argument(
+        "--host-budget",
+        default=None,
+        help="pinned host memory the plan may need (offloaded activations, the optimizer's "
+        "state and masters, streamed weights), e.g. 256GiB: a plan needing more is refused",
+    )
 
 
 def add_search_arguments(parser: argparse.ArgumentParser) -> None:
