@@ -133,14 +133,9 @@ class SuperNeuronsCallback(TrainerCallback):  # type: ignore[misc]
                 optimizer=trainer.optimizer,
                 strategy=self.strategy,
                 loss_of=_loss_of(trainer),
+                max_grad_norm=float(args.max_grad_norm or 0.0),  # what Trainer clips to
+                gradient_accumulation_steps=args.gradient_accumulation_steps,
                 **self.compression_options,
-            )
-        if self.setup.host_optimizer is not None and float(args.max_grad_norm or 0) > 0:
-            self.setup.remove()
-            raise ConfigError(
-                "the plan steps the optimizer on the host, bucket by bucket during backward, "
-                "before a global gradient norm exists: set max_grad_norm=0 in TrainingArguments, "
-                "or give a budget that fits without the host optimizer"
             )
         if hooked:  # its compression state goes on; a host optimizer is a new one
             assert previous is not None

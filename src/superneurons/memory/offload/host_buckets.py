@@ -63,6 +63,7 @@ from torch import nn
 from superneurons.errors import ConfigError
 from superneurons.memory.offload.host_grads import HostGradients, clip_coefficient
 from superneurons.memory.offload.host_optimizer import HostOptimizer, OptimizerFactory
+from superneurons.memory.offload.rewrap import rebuild_in_place
 from superneurons.memory.plan import TrainingStep
 from superneurons.memory.tracker import untracked
 
@@ -204,15 +205,23 @@ class GradientBuckets:
             for fqn, p in params.items()
         ]
         self.launched_bytes = 0  # gradient bytes sent to the host (counters for stats)
+        self._rebuild_ddp: Callable[[], None] | None = None  # undoes attach(rebuild=True)
         self._previous_ignored: Any = None  # DDP's ignore list before install_host_optimizer
 
     # --- data parallel ---------------------------------------------------------------------
-    def attach(self, ddp: nn.parallel.DistributedDataParallel) -> None:
-        """Reduce over ``ddp``'s process group with its communication hook (see module doc)."""
+    def attach(self, ddp: nn.parallel.DistributedDataParallel, *, rebuild: bool = False) -> None:
+        """Reduce over ``ddp``'s process group with its communication hook (see module doc).
+        ``rebuild``: ``ddp`` was constructed before the plan (a Trainer's, an Accelerator's):
+        it is rebuilt in place to hold no gradient buckets (:mod:`.rewrap`), and rebuilt as it
+        was by :meth:`remove` (every rank calls both)."""
         if ddp.module is not self.model:
             raise ConfigError("attach the DDP model that wraps the planned model itself")
         ignored = set(getattr(ddp, "parameters_to_ignore", ()))
         managed = [f for f in self._params if f not in ignored]
+        if len(managed) > 1 and rebuild:
+            self._rebuild_ddp = rebuild_in_place(ddp)
+            ignored = set(getattr(ddp, "parameters_to_ignore", ()))
+            managed = [f for f in self._params if f not in ignored]
         if len(managed) > 1:
             raise ConfigError(
                 "DistributedDataParallel was constructed before the plan was applied: it holds "
@@ -478,6 +487,9 @@ class GradientBuckets:
                 self.model, self._previous_ignored
             )
             self._previous_ignored = None
+        if self._rebuild_ddp is not None:  # DDP as it was: reducing every parameter again
+            rebuild, self._rebuild_ddp = self._rebuild_ddp, None
+            rebuild()
 
 
 def _noop_hook(_state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:

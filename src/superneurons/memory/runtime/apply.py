@@ -121,13 +121,17 @@ class PlanHandle:
             "recompute": {k: v.state_dict() for k, v in self.recompute_stats.items()},
         }
 
-    def attach(self, ddp_model: nn.parallel.DistributedDataParallel) -> None:
+    def attach(
+        self, ddp_model: nn.parallel.DistributedDataParallel, *, rebuild: bool = False
+    ) -> None:
         """Average gradients over ``ddp_model``'s process group with its communication hook
         (``plan.host_optimizer``; :meth:`GradientBuckets.attach`). Call it on every rank,
-        after wrapping the planned model, before the first backward."""
+        after wrapping the planned model, before the first backward; ``rebuild``: the model
+        was wrapped before the plan was applied, and the wrapper is rebuilt in place
+        (:mod:`superneurons.memory.offload.rewrap`; :meth:`remove` rebuilds it as it was)."""
         if self.buckets is None:
             raise ConfigError("attach() is for plans with host_optimizer; this plan has none")
-        self.buckets.attach(ddp_model)
+        self.buckets.attach(ddp_model, rebuild=rebuild)
 
     def state_dict(self) -> dict[str, Any]:
         if self.host_state is not None:
