@@ -75,6 +75,7 @@ __all__ = [
     "make_plan",
     "min_peak_bytes",
     "search_floors",
+    "step_costs",
     "strategy_floors",
 ]
 
@@ -209,6 +210,25 @@ def search_floors(
         if usable(profiles, s)
     }
     return Floors(profiles, cost, choices, step)
+
+
+def step_costs(floors: Floors, plain: Floors) -> dict[str, dict[str, float]]:
+    """What the training step ``floors`` were searched for (clipping, accumulation) costs each
+    strategy: its floor there against its floor in ``plain`` (the same profiles searched for
+    the plain step), as differences of the peak (``device_bytes``), of the host bytes
+    (``host_bytes``: activations and the optimizer's host side) and of the predicted overhead
+    per micro-batch (``overhead_s``)."""
+    costs = {}
+    for strategy in (s for s in floors.choices if s in plain.choices):
+        stepped, base = floors.choices[strategy].outcome, plain.choices[strategy].outcome
+        costs[strategy] = {
+            "device_bytes": stepped.peak_bytes - base.peak_bytes,
+            "host_bytes": (stepped.host_bytes + stepped.optimizer_host_bytes)
+            - (base.host_bytes + base.optimizer_host_bytes),
+            "overhead_s": (stepped.extra_compute_s + stepped.exposed_s)
+            - (base.extra_compute_s + base.exposed_s),
+        }
+    return costs
 
 
 def _plain(step: TrainingStep | None) -> TrainingStep | None:

@@ -7,16 +7,22 @@ searches; :meth:`ModelPlan.to_dict` is ``plan --json``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from superneurons.memory.plan import InfeasibleBudgetError, Plan, StrategyFloor
 from superneurons.memory.planner.cost import CostModel
-from superneurons.memory.planner.decide import Floors, describe_floors, make_plan, search_floors
+from superneurons.memory.planner.decide import (
+    Floors,
+    describe_floors,
+    make_plan,
+    search_floors,
+    step_costs,
+)
 from superneurons.memory.profile_types import Profile
 from superneurons.memory.sizing.llm import attention_ops, profile_causal_lm_below
 from superneurons.memory.sizing.simulate import profile_zoo
-from superneurons.memory.sizing.target import LMTarget, Target, ZooTarget
+from superneurons.memory.sizing.target import LMTarget, Target, ZooTarget, training_step
 
 __all__ = ["ModelPlan", "plan_model"]
 
@@ -38,6 +44,8 @@ class ModelPlan:
         budget_bytes: the device budget.
         plan: the plan, or None where no plan of ``strategy`` fits (then ``infeasible``).
         infeasible: why no plan fits, naming the minimum budget.
+        step_costs: what the target's training step (clipping) costs each strategy's floor
+            (:func:`~superneurons.memory.planner.decide.step_costs`); {}: the plain step.
     """
 
     target: Target
@@ -50,6 +58,7 @@ class ModelPlan:
     budget_bytes: int
     plan: Plan | None
     infeasible: InfeasibleBudgetError | None = None
+    step_costs: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def floor_strategy(self) -> str:
@@ -65,6 +74,8 @@ class ModelPlan:
             record.update(attention_ops=self.attention_ops, below=self.target.below)
         record.update(granularity=self.granularity, device_preset=self.device_preset)
         record.update(self._floor_fields())
+        if self.step_costs:  # what clipping costs (the floors above include it)
+            record["step_costs"] = self.step_costs
         if self.plan is None:
             assert self.infeasible is not None
             record.update(
@@ -133,12 +144,13 @@ def plan_model(
         ConfigError: the target cannot be profiled, or ``strategy`` cannot run on it.
     """
     ops = None
+    step = training_step(target)
     if isinstance(target, LMTarget):
         plain, chunked = profile_causal_lm_below(
             target.config, target.step, variants=target.variants
         )
         profile, granularity = plain, "block"
-        floors = search_floors(plain, cost=cost, chunked=chunked)
+        floors = search_floors(plain, cost=cost, chunked=chunked, step=step)
         ops = attention_ops(plain)
     else:
         profile, granularity, floors = _zoo_profile(target, strategy, cost)
@@ -159,7 +171,17 @@ def plan_model(
         budget_bytes=budget_bytes,
         plan=plan,
         infeasible=infeasible,
+        step_costs=_step_costs(floors),
     )
+
+
+def _step_costs(floors: Floors) -> dict[str, dict[str, float]]:
+    """What the target's training step costs each strategy: its floors against those of the
+    same profiles searched again for the plain step ({} for the plain step itself)."""
+    if floors.step is None:
+        return {}
+    plain, *chunked = floors.profiles
+    return step_costs(floors, search_floors(plain, cost=floors.cost, chunked=chunked))
 
 
 def _zoo_profile(target: ZooTarget, strategy: str, cost: CostModel) -> tuple[Profile, str, Floors]:
@@ -174,7 +196,7 @@ def _zoo_profile(target: ZooTarget, strategy: str, cost: CostModel) -> tuple[Pro
         ("block", "split") if target.granularity == "auto" else (target.granularity,)
     ):
         profile = profile_zoo(target.name, granularity=granularity, **options)
-        floors = search_floors(profile, cost=cost)
+        floors = search_floors(profile, cost=cost, step=training_step(target))
         minima = floors.peak_bytes()
         floor = minima[strategy] if strategy in minima else min(minima.values())
         tried.append((floor, granularity, profile, floors))
