@@ -53,8 +53,8 @@ from superneurons.integrations.hf import (
 )
 from superneurons.integrations.host_step import (
     HOST_OPTIMIZER,
+    host_reserved_bytes,
     install_host_step,
-    planned_reserved_bytes,
     training_step_of,
 )
 from superneurons.memory import Plan, PlanHandle, apply_plan
@@ -222,7 +222,8 @@ def _apply_memory_plan(
             turned_off,
         )
     host = budget["strategy"] == HOST_OPTIMIZER  # under DDP, the host optimizer by name only
-    setup.reserved_bytes = 0 if ddp is None else planned_reserved_bytes(ddp, budget["strategy"])
+    if ddp is not None:  # DDP's buckets, or those of its one parameter once rebuilt
+        setup.reserved_bytes = host_reserved_bytes(ddp) if host else ddp_reserved_bytes(ddp)
     setup.plan = _planned_on_rank_zero(
         lambda: plan_for_batch(
             inner,

@@ -33,7 +33,7 @@ from superneurons.errors import ConfigError
 from superneurons.memory.offload.handover import hand_over
 from superneurons.memory.plan import TrainingStep
 
-__all__ = ["HOST_OPTIMIZER", "install_host_step", "planned_reserved_bytes", "training_step_of"]
+__all__ = ["HOST_OPTIMIZER", "host_reserved_bytes", "install_host_step", "training_step_of"]
 
 HOST_OPTIMIZER = "offload+host-optimizer"
 
@@ -50,15 +50,10 @@ def training_step_of(
     return None if step == TrainingStep() else step
 
 
-def planned_reserved_bytes(ddp: DistributedDataParallel, strategy: str) -> int:
-    """What DDP holds beside the planned step: all its gradient buckets
-    (:func:`~superneurons.integrations.accelerate.ddp_reserved_bytes`), or, for the host
-    optimizer, the one parameter a rebuilt DDP still manages (the smallest: its bucket and
-    its gradient)."""
-    from superneurons.integrations.accelerate import ddp_reserved_bytes
-
-    if strategy != HOST_OPTIMIZER:
-        return ddp_reserved_bytes(ddp)
+def host_reserved_bytes(ddp: DistributedDataParallel) -> int:
+    """What DDP holds beside the planned step once rebuilt for the host optimizer: the one
+    parameter it still manages (the smallest), its bucket and its gradient (as
+    :func:`~superneurons.integrations.accelerate.ddp_reserved_bytes` counts a DDP's)."""
     trainable = [p for p in ddp.module.parameters() if p.requires_grad]
     smallest = min((p.numel() * p.element_size() for p in trainable), default=0)
     return smallest if ddp.gradient_as_bucket_view else 2 * smallest
