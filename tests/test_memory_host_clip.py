@@ -348,3 +348,74 @@ def test_clipping_costs_the_host_optimizer_time_not_device_bytes() -> None:
         profile, budget_bytes=1 << 30, strategy=inb, step=TrainingStep(max_grad_norm=1.0)
     )
     assert kept.predicted_peak_bytes > free.predicted_peak_bytes
+
+
+def test_the_loops_optimizer_schedule_and_groups_drive_the_waiting_host_step() -> None:
+    """A loop's own AdamW (two weight-decay groups) and LR schedule, handed over to the host
+    optimizer, with clipping and 2 micro-batches: the schedule's LR reaches each host step and
+    the result is the loop's own, bitwise."""
+    from superneurons.memory.offload.handover import factory_like, hand_over
+
+    step = TrainingStep(max_grad_norm=0.05, accumulation_steps=2)
+    runs = []
+    for host in (False, True):
+        model = _net()
+        opt = adamw(list(model.parameters()))
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        handle = None
+        if host:
+            handle = apply_plan(
+                model, _plan(model, step), optimizer_factory=factory_like(opt, model)
+            )
+            handover = hand_over(opt, handle)
+        for s in range(3):
+            opt.zero_grad()
+            for m in range(2):
+                x, y = _batch(0, 2 * s + m)
+                (F.cross_entropy(model(x), y) / 2).backward()
+            params = list(model.parameters())
+            if handle is not None:
+                assert handle.optimizer is not None
+                handle.optimizer.clip_grad_norm_(step.max_grad_norm, parameters=params)
+            else:
+                torch.nn.utils.clip_grad_norm_(params, step.max_grad_norm)
+            opt.step()  # the host's step runs in its post-hook
+            schedule.step()
+        if handle is not None:
+            # the host took the LR the schedule set for its last step (1 / (1 + 2)), taken
+            # before each step: the loop's has moved on since
+            lrs = [g["lr"] for g in handle.optimizer.param_groups]  # type: ignore[union-attr]
+            assert (
+                lrs == [1e-2 * (1 / 3)] * 2
+                and [g["lr"] for g in opt.param_groups] == [1e-2 / 4] * 2
+            )
+            assert not opt.state  # the loop's optimizer holds none
+            handover.remove()
+            handle.remove()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.cuda
+def test_cuda_clipping_and_accumulation_match_the_device_within_rounding() -> None:
+    device = torch.device("cuda")
+    step = TrainingStep(max_grad_norm=0.05, accumulation_steps=2)
+    eager, ours = _net().to(device), _net().to(device)
+    opt = adamw(list(eager.parameters()))
+    with apply_plan(ours, _plan(ours, step), optimizer_factory=adamw) as handle:
+        host = handle.optimizer
+        assert host is not None
+        for s in range(3):
+            opt.zero_grad()
+            for m in range(2):
+                x, y = (t.to(device) for t in _batch(0, 2 * s + m))
+                (F.cross_entropy(eager(x), y) / 2).backward()
+                (F.cross_entropy(ours(x), y) / 2).backward()
+            norm = torch.nn.utils.clip_grad_norm_(eager.parameters(), step.max_grad_norm)
+            ours_norm = host.clip_grad_norm_(step.max_grad_norm)
+            torch.testing.assert_close(ours_norm.to(device), norm, rtol=1e-5, atol=0)
+            opt.step()
+            host.step()
+    for a, b in zip(eager.parameters(), ours.parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)  # host vs device kernels

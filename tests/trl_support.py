@@ -236,6 +236,8 @@ def run(
         row["grad_norm"] for row in trainer.state.log_history if "grad_norm" in row
     ]
     record["optimizer_state"] = optimizer_state_sha256(trainer, callback)
+    runtime = [row["train_runtime"] for row in trainer.state.log_history if "train_runtime" in row]
+    record["train_runtime_s"] = runtime[-1] if runtime else None
     if callback is not None and callback.setup is not None and callback.setup.plan is not None:
         plan = callback.setup.plan
         record["plan"] = {u.fqn: u.action for u in plan.units}
