@@ -15,7 +15,9 @@ two groups) with and without ``prepare_superneurons``, stopped at step 3 and res
 ``superneurons plan --model hf:llama-3-8b --seq-len 8192 --dtype bf16 --optimizer adamw``
 with and without ``--max-grad-norm 1.0``.
 
-    .venv/bin/python benchmarks/trainer_host_optimizer.py [--out benchmarks/results/trainer_host_optimizer] [--skip-plan]
+    .venv/bin/python benchmarks/trainer_host_optimizer.py [--out DIR] [--skip-plan]
+
+(``DIR``: ``benchmarks/results/trainer_host_optimizer`` by default.)
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ def _plan_rows(out: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
             "strategy": strategy,
             "floor GiB": floor["min_budget_bytes"] / GIB,
             "clipped floor GiB": other["min_budget_bytes"] / GIB,
-            "device bytes": cost["device_bytes"],
+            "device GiB": cost["device_bytes"] / GIB,
             "host GiB": cost["host_bytes"] / GIB,
             "overhead s": cost["overhead_s"],
         })  # fmt: skip

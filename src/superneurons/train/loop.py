@@ -289,10 +289,12 @@ def _train_step(
 def _clip(run: _Run) -> torch.Tensor:
     """``--max-grad-norm``: clip the averaged gradients by their global norm (on the host
     where the optimizer is there: its ``clip_grad_norm_``); returns the norm before."""
+    from superneurons.memory.offload.host_grads import clip_grad_norm_
+
     host_clip = getattr(run.optimizer, "clip_grad_norm_", None)  # HostOptimizerView
     if host_clip is not None:
         return host_clip(run.config.max_grad_norm)
-    return torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.config.max_grad_norm)
+    return clip_grad_norm_(run.model.parameters(), run.config.max_grad_norm)
 
 
 def _save(run: _Run, log: MetricsLog, *, epoch: int, step: int, epoch_step: int = 0) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["HostGradients", "clip_coefficient", "total_norm"]
+__all__ = ["HostGradients", "clip_coefficient", "clip_grad_norm_", "total_norm"]
 
 
 def total_norm(norms: Sequence[torch.Tensor], dtypes: Sequence[Any], norm_type: float) -> Any:
@@ -46,6 +46,26 @@ def total_norm(norms: Sequence[torch.Tensor], dtypes: Sequence[Any], norm_type: 
 def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
     """``clip_grad_norm_``'s factor: ``min(max_norm / (total + 1e-6), 1)`` (NaN stays NaN)."""
     return torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+
+
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type)`` for gradients on one
+    device, op for op (its foreach path, which it takes for CPU and CUDA tensors): the same
+    arithmetic the host gradients get, for optimizer-in-backward and ``superneurons train``."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    with torch.no_grad():
+        groups = _by_dtype(grads)
+        norms = [n for group in groups.values() for n in torch._foreach_norm(group, norm_type)]
+        dtypes = [dtype for dtype, group in groups.items() for _ in group]
+        total = total_norm(norms, dtypes, norm_type)
+        coefficient = clip_coefficient(total, max_norm)
+        for group in groups.values():
+            torch._foreach_mul_(group, coefficient.to(group[0].device))
+    return total
 
 
 def _by_dtype(tensors: Iterable[torch.Tensor]) -> dict[Any, list[torch.Tensor]]:

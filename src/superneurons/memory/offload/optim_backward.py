@@ -10,10 +10,11 @@ lives in the host pool between the parameters' steps
 A loop that clips by the global norm or accumulates micro-batches
 (:class:`~superneurons.memory.plan.TrainingStep` ``waits``) cannot step a parameter when its
 gradient arrives: :class:`WaitingSteps` lets the gradients stay in ``.grad`` and, when the last
-micro-batch's backward ends, runs ``torch.nn.utils.clip_grad_norm_`` over them (the same call
-the loop would make) and steps each parameter in the order its hook fired, freeing its
-gradient after its step. Every gradient then lives to the end of backward: the planner counts
-it (:func:`~superneurons.memory.planner.predict_steps.step_in_backward`).
+micro-batch's backward ends, clips them by their global norm (``clip_grad_norm_``'s arithmetic:
+:func:`~superneurons.memory.offload.host_grads.clip_grad_norm_`) and steps each parameter in
+the order its hook fired, freeing its gradient after its step. Every gradient then lives to
+the end of backward: the planner counts it
+(:func:`~superneurons.memory.planner.predict_steps.step_in_backward`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from superneurons.memory.offload.host_grads import clip_grad_norm_
 from superneurons.memory.offload.optim_host import HostOptimizerState
 from superneurons.memory.plan import TrainingStep
 
@@ -115,9 +117,7 @@ class WaitingSteps:
         order, self._order, self.backwards = self._order, [], 0
         if self.step.clips:
             params = [p for p in self.model.parameters() if p.grad is not None]
-            self.grad_norm = torch.nn.utils.clip_grad_norm_(
-                params, self.step.max_grad_norm, self.step.norm_type
-            )
+            self.grad_norm = clip_grad_norm_(params, self.step.max_grad_norm, self.step.norm_type)
         seen: set[int] = set()
         for param, step_now in order:
             if id(param) not in seen and param.grad is not None:

@@ -53,10 +53,12 @@ def rebuild_in_place(ddp: DistributedDataParallel) -> Callable[[], None]:
     _check_rebuildable(ddp)
     options: dict[str, Any] = {name: getattr(ddp, name) for name in _OPTIONS}
     options["bucket_cap_mb"] = ddp.bucket_bytes_cap / 2**20
-    if hasattr(ddp, "forward_sync_buffers"):  # the name of broadcast_buffers in torch >= 2.12
-        options["forward_sync_buffers"] = ddp.forward_sync_buffers
+    # NOTE: broadcast_buffers is spelled forward_sync_buffers in newer torch; read by name, the
+    # attribute of the torch that built ``ddp``
+    if hasattr(ddp, "forward_sync_buffers"):
+        options["forward_sync_buffers"] = getattr(ddp, "forward_sync_buffers")  # noqa: B009
     else:
-        options["broadcast_buffers"] = ddp.broadcast_buffers
+        options["broadcast_buffers"] = getattr(ddp, "broadcast_buffers")  # noqa: B009
     extras: dict[str, Any] | None = None  # what others set on the wrapper (kept throughout)
 
     def rebuild() -> None:
