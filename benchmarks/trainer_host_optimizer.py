@@ -65,7 +65,9 @@ def _rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             **{f"{k} =": trl["host"][k] == trl["eager"][k] for k in RECORDED},
             "resumed =": all(trl["resumed"][k] == trl["host"][k] for k in RECORDED),
             "grad_norm (first, last)": _ends(trl["host"]["grad_norms"]),
-            "host / eager s": _ratio(trl["host"]["train_runtime_s"], trl["eager"]["train_runtime_s"]),
+            "host / eager s": _ratio(
+                trl["host"]["train_runtime_s"], trl["eager"]["train_runtime_s"]
+            ),
         })  # fmt: skip
         host, eager, resumed = acc["host"], acc["eager"], acc["resumed"]
         rows.append({
@@ -117,6 +119,83 @@ def _plan_rows(out: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     return rows, found
 
 
+def _step_cpu_s(host: bool, clip: bool, steps: int = 8) -> float:
+    """Median process CPU seconds of one training step of the tiny Llama (batch 4 x 64, fp32,
+    fused AdamW), eager or under a host-optimizer plan, with or without clipping to 1.0: CPU
+    time, so that other work on the machine does not enter. On a CPU the host steps inline
+    either way, so this is what clipping adds to the work (a norm and a scaling pass), not the
+    overlap with backward a GPU would lose (the plan's prediction above)."""
+    import statistics
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from superneurons.memory import TrainingStep, apply_plan, make_plan, profile_step
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    import trl_support
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**trl_support.FULL, max_position_embeddings=128)
+    model = LlamaForCausalLM(config)
+    ids = torch.randint(0, 32000, (4, 64), generator=torch.Generator().manual_seed(0))
+
+    def factory(params: list[Any]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
+
+    def loss_fn(out: Any, _target: Any) -> Any:
+        return out.loss
+
+    opt = factory(list(model.parameters()))
+    handle, loop = None, opt
+    if host:
+        profile = profile_step(model, {"input_ids": ids, "labels": ids}, None, loss_fn, opt)
+        plan = make_plan(
+            profile, budget_bytes=1 << 40, strategy="offload+host-optimizer",
+            step=TrainingStep(max_grad_norm=1.0) if clip else None,
+        )  # fmt: skip
+        handle = apply_plan(model, plan, optimizer_factory=factory)
+        loop = handle.optimizer
+    times = []
+    for _ in range(steps):
+        start = time.process_time()
+        loop.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        if clip:
+            if host:
+                loop.clip_grad_norm_(1.0)
+            else:
+                from superneurons.memory.offload.host_grads import clip_grad_norm_
+
+                clip_grad_norm_(model.parameters(), 1.0)
+        loop.step()
+        times.append(time.process_time() - start)
+    if handle is not None:
+        handle.remove()
+    return statistics.median(times[2:])
+
+
+def _timing_rows(rounds: int = 3) -> list[dict[str, Any]]:
+    """Each configuration's step CPU time, the least over ``rounds`` interleaved rounds (the
+    machine's other work shifts all of them alike within a round)."""
+    import torch
+
+    torch.set_num_threads(1)
+    configs = [(host, clip) for host in (False, True) for clip in (False, True)]
+    best = dict.fromkeys(configs, float("inf"))
+    for _ in range(rounds):
+        for config in configs:
+            best[config] = min(best[config], _step_cpu_s(*config))
+    rows = []
+    for host in (False, True):
+        plain, clipped = best[(host, False)], best[(host, True)]
+        rows.append({
+            "optimizer": "host (offload+host-optimizer)" if host else "device (eager)",
+            "step CPU s": plain, "clipped step CPU s": clipped, "clipped / plain": clipped / plain,
+        })  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -136,6 +215,13 @@ def main() -> None:
     columns = ["ranks", "rank", "loop", *(f"{k} =" for k in RECORDED), "resumed =",
                "grad_norm (first, last)", "host / eager s"]  # fmt: skip
     body += markdown_table(rows, columns)
+    timing = _timing_rows()
+    body += (
+        "\n## One training step's process CPU time, with and without clipping (tiny Llama, "
+        "batch 4 x 64, one thread; per configuration the least of 3 interleaved rounds' "
+        "medians of 6 steps after 2 warm-up steps)\n\n"
+    )
+    body += markdown_table(timing, list(timing[0]), floatfmt=".4g")
     plan_rows: list[dict[str, Any]] = []
     if not args.skip_plan:
         plan_rows, plans = _plan_rows(args.out)
@@ -151,7 +237,7 @@ def main() -> None:
         "fused CPU AdamW steps the fp32 parameters on the device and their fp32 masters on the "
         "host alike; clipping is `clip_grad_norm_`'s, op for op, on the same gradients.\n"
     )
-    write_json(args.out / "results.json", rows, plan=plan_rows, raw=raw)
+    write_json(args.out / "results.json", rows, plan=plan_rows, timing=timing, raw=raw)
     write_markdown(args.out / "results.md", "The optimizer on the host under Trainer", body)
     print(body)
 
