@@ -251,8 +251,9 @@ def _apply_memory_plan(
     if setup.plan.host_optimizer:
         install_host_step(setup._undo, accelerator, ddp, setup.plan_handle, optimizer)
         logger.info(
-            "the optimizer steps on the host, bucket by bucket in backward: the loop's "
-            "optimizer.step() waits for it; its state is setup.state_dict()['host_optimizer']"
+            "the optimizer steps on the host, bucket by bucket (in backward, or at the loop's "
+            "optimizer.step() where it clips or accumulates); its state is "
+            "setup.state_dict()['host_optimizer']"
         )
 
 
