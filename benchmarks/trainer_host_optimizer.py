@@ -10,8 +10,9 @@ narrower model): TRL ``SFTTrainer`` with ``max_grad_norm=1.0``, ``gradient_accum
 no decay on biases and norms), ``optim="adamw_torch_fused"``, 5 steps of 2 micro-batches of 4,
 with and without ``SuperNeuronsCallback(budget_fraction=1.0,
 strategy="offload+host-optimizer")``, and the callback's run stopped at step 3 and resumed from
-its checkpoint; an Accelerate loop (``accumulate``, ``clip_grad_norm_`` to 0.2, an LR schedule,
-two groups) with and without ``prepare_superneurons``, stopped at step 3 and resumed. Then
+its checkpoint; the same through an Accelerate loop on the same Llama and texts (``accumulate``
+over 2 micro-batches, ``clip_grad_norm_`` to 1.0, a cosine schedule with warm-up, weight decay
+on matrices only) with and without ``prepare_superneurons``, stopped at step 3 and resumed. Then
 ``superneurons plan --model hf:llama-3-8b --seq-len 8192 --dtype bf16 --optimizer adamw``
 with and without ``--max-grad-norm 1.0``.
 

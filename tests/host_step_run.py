@@ -5,8 +5,9 @@ optimizer on the host under a trainer's own loop, against the same loop without 
   ``gradient_accumulation_steps=2``, a cosine schedule with warm-up, weight decay (Trainer's
   groups: matrices only) and ``SuperNeuronsCallback(strategy="offload+host-optimizer")``; and the
   same stopped at step 3 and resumed from its checkpoint;
-* an Accelerate loop (``accelerator.accumulate``, ``clip_grad_norm_``, an LR schedule, two
-  parameter groups) with ``prepare_superneurons``, run straight and stopped at step 3, saved,
+* the same through an Accelerate loop on the same tiny Llama (``accelerator.accumulate`` over
+  2 micro-batches, ``clip_grad_norm_`` to 1.0, a cosine schedule with warm-up, weight decay on
+  matrices only) with ``prepare_superneurons``, run straight and stopped at step 3, saved,
   rebuilt and resumed (one rank: no DDP, ``sync_gradients`` says which micro-batch is the
   last; two: DDP rebuilt in place, ``no_sync``).
 
@@ -16,6 +17,7 @@ vocabulary 32000; benchmarks/trainer_host_optimizer.py) instead of the test's na
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -31,7 +33,6 @@ import trl_support  # noqa: E402
 HOST = "offload+host-optimizer"
 STEPS = 5
 STOP = 3
-CLIP = 0.2  # the Accelerate loop's: below its gradients' norms (~0.4), so clipping acts
 SFT = {
     "max_grad_norm": 1.0,
     "gradient_accumulation_steps": 2,
@@ -64,28 +65,35 @@ def trl_runs(out: Path) -> dict[str, Any]:
 
 
 def accelerate_run(host: bool, steps: range, saved: dict[str, Any] | None = None) -> Any:
-    """An Accelerate loop accumulating 2 micro-batches per step, clipping to 1.0, with an LR
-    schedule and two parameter groups; with ``host``, ``prepare_superneurons`` stepping the
-    optimizer on the host. Returns (record, what a checkpoint holds)."""
+    """An Accelerate loop on the TRL runs' tiny Llama, as those runs train it: 2 micro-batches
+    per step, clipping to ``max_grad_norm``, a cosine schedule with one warm-up step, weight
+    decay on matrices only; with ``host``, ``prepare_superneurons`` stepping the optimizer on
+    the host. Returns (record, what a checkpoint holds)."""
     from accelerate import Accelerator
+    from transformers import get_cosine_schedule_with_warmup
 
-    from integrations_support import TinyLM, batch
     from superneurons.integrations.accelerate import prepare_superneurons
     from superneurons.memory.offload.handover import inner_optimizer
 
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    accelerator = Accelerator(
+        cpu=True, gradient_accumulation_steps=SFT["gradient_accumulation_steps"]
+    )
     rank = accelerator.process_index
-    torch.manual_seed(0)
-    model = TinyLM()
+    model = trl_support.model(len(_tokenizer()))  # the TRL runs' Llama, seeded
     unwrap = accelerator.unwrap_model
-    decay = [p for n, p in model.named_parameters() if not n.endswith("bias")]
-    rest = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    decay = [p for p in model.parameters() if p.ndim >= 2]  # matrices: Trainer's groups
+    rest = [p for p in model.parameters() if p.ndim < 2]  # norms (a Llama has no biases)
     optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+        [
+            {"params": decay, "weight_decay": SFT["weight_decay"]},
+            {"params": rest, "weight_decay": 0.0},
+        ],
         lr=1e-2,
         fused=True,
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+    # accelerate steps a prepared scheduler once per process each optimizer step
+    total = STEPS * accelerator.num_processes
+    scheduler = get_cosine_schedule_with_warmup(optimizer, accelerator.num_processes, total)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     if saved is not None:  # what the loop saves of its own, loaded as Trainer does
         unwrap(model).load_state_dict(saved["model"])
@@ -94,8 +102,8 @@ def accelerate_run(host: bool, steps: range, saved: dict[str, Any] | None = None
     setup = None
     if host:
         setup = prepare_superneurons(
-            accelerator, model, sample_batch=batch(1), budget_fraction=1.0,
-            optimizer=optimizer, strategy=HOST, max_grad_norm=CLIP,
+            accelerator, model, sample_batch=_batch(1), budget_fraction=1.0,
+            optimizer=optimizer, strategy=HOST, max_grad_norm=SFT["max_grad_norm"],
         )  # fmt: skip
         assert setup.plan is not None and setup.plan.host_optimizer
         if saved is not None:
@@ -103,13 +111,14 @@ def accelerate_run(host: bool, steps: range, saved: dict[str, Any] | None = None
     losses, norms = [], []
     for step in steps:
         for micro in range(2):
-            torch.manual_seed(1000 * step + 10 * micro + rank)  # dropout
+            torch.manual_seed(1000 * step + 10 * micro + rank)  # any dropout
             with accelerator.accumulate(model):
-                loss = model(**batch(100 * rank + 10 * step + micro))["loss"]
+                loss = model(**_batch(100 * rank + 10 * step + micro))["loss"]
                 accelerator.backward(loss)
-                losses.append(float(loss))
+                losses.append(float(loss.detach()))
                 if accelerator.sync_gradients:
-                    norms.append(float(accelerator.clip_grad_norm_(model.parameters(), CLIP)))
+                    clip = SFT["max_grad_norm"]
+                    norms.append(float(accelerator.clip_grad_norm_(model.parameters(), clip)))
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
@@ -134,6 +143,19 @@ def accelerate_run(host: bool, steps: range, saved: dict[str, Any] | None = None
         setup.remove()
         record["restored_ignores"] = len(getattr(model, "parameters_to_ignore", ()))
     return record, saved_now
+
+
+def _batch(seed: int) -> dict[str, torch.Tensor]:
+    """4 of the TRL runs' texts, tokenized by their tokenizer (the Llama shifts the labels)."""
+    texts = trl_support.texts()
+    picks = [texts[(4 * seed + i) % len(texts)] for i in range(4)]
+    ids = torch.tensor(_tokenizer()(picks)["input_ids"])  # (4, 30)
+    return {"input_ids": ids, "labels": ids}
+
+
+@functools.cache
+def _tokenizer() -> Any:
+    return trl_support.tokenizer()
 
 
 def _state_sha256(state_dict: dict[str, Any]) -> str:
