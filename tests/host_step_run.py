@@ -113,7 +113,7 @@ def accelerate_run(host: bool, steps: range, saved: dict[str, Any] | None = None
         for micro in range(2):
             torch.manual_seed(1000 * step + 10 * micro + rank)  # any dropout
             with accelerator.accumulate(model):
-                loss = model(**_batch(100 * rank + 10 * step + micro))["loss"]
+                loss = model(**_batch(2 * STEPS * rank + 2 * step + micro))["loss"]
                 accelerator.backward(loss)
                 losses.append(float(loss.detach()))
                 if accelerator.sync_gradients:
@@ -146,9 +146,10 @@ def accelerate_run(host: bool, steps: range, saved: dict[str, Any] | None = None
 
 
 def _batch(seed: int) -> dict[str, torch.Tensor]:
-    """4 of the TRL runs' texts, tokenized by their tokenizer (the Llama shifts the labels)."""
+    """The TRL runs' texts 4 * seed to 4 * seed + 3, tokenized by their tokenizer (the Llama
+    shifts the labels); each rank's micro-batches are others' (different gradients to average)."""
     texts = trl_support.texts()
-    picks = [texts[(4 * seed + i) % len(texts)] for i in range(4)]
+    picks = texts[4 * seed : 4 * seed + 4]
     ids = torch.tensor(_tokenizer()(picks)["input_ids"])  # (4, 30)
     return {"input_ids": ids, "labels": ids}
 
