@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from distributed import Ranks, shared_ranks
 from superneurons.codecs.cast import Fp16Codec, IdentityCodec
 from superneurons.codecs.qsgd import QSGDCodec
-from superneurons.codecs.topk import TopKCodec
+from superneurons.codecs.sparse.topk import TopKCodec
 
 pytestmark = pytest.mark.dist
 

@@ -31,10 +31,10 @@ from superneurons.codecs.coding.chunkquant import (
     write_rows_,
 )
 from superneurons.codecs.coding.orthogonal import forward_, inverse_, rademacher
-from superneurons.codecs.compacttopk import CompactTopKCodec
 from superneurons.codecs.powersgd import PowerSGD, orthogonalize_
 from superneurons.codecs.qsgd import QSGDCodec
-from superneurons.codecs.topk import TopKCodec
+from superneurons.codecs.sparse.compacttopk import CompactTopKCodec
+from superneurons.codecs.sparse.topk import TopKCodec
 from superneurons.codecs.twophase import TwoPhase
 from superneurons.errors import ConfigError
 from superneurons.strategy.timing import time_call_s

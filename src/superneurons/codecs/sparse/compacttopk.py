@@ -1,7 +1,7 @@
 """Compactly coded Top-k: the spatial Top-k sparsifier with FFT's own coding, the fair baseline.
 
 Top-k (Aji & Heafield, EMNLP'17; Stich et al., NeurIPS'18) is usually sent as fp32 value + int32
-index, 64 bits per kept element (:class:`~superneurons.codecs.topk.TopKCodec`). HPDC'20's FFT
+index, 64 bits per kept element (:class:`~superneurons.codecs.sparse.topk.TopKCodec`). HPDC'20's FFT
 codec pays ~8 bits per kept value and a compact index, so comparing the two at equal bits per
 element compares codings, not transforms (benchmarks/results/codecs/ANSWER.md). This codec keeps the Top-k
 *selection* and sends it exactly as ``fft`` sends its bins
