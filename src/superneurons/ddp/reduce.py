@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from superneurons.codecs.codec import Codec, Payload
+from superneurons.codecs.codec import Codec, Payload, decode_mean_into, subtract_decode
 from superneurons.codecs.coding.finite import all_finite
 from superneurons.codecs.powersgd import PowerSGD
 from superneurons.codecs.twophase import TwoPhase
@@ -323,6 +323,27 @@ def _powersgd(
     return fut.then(scatter)
 
 
+def _corrected(state: CompressionState, piece: Piece, spec: str) -> torch.Tensor:
+    """``grad + residual`` as flat contiguous fp32 for a gathered route. Under error feedback it
+    is written into the one of two kept slabs that does not hold the residual (one pass, and
+    the old residual survives a non-finite step); the codec then subtracts its decode from it
+    in place, so the slab becomes the new residual with no decode-sized temporary. Without
+    error feedback it is the bucket's own slice (fp32) or a float copy."""
+    flat = piece.flat
+    if not state.pipeline.error_feedback:
+        return flat if flat.dtype == torch.float32 else flat.float()
+    slab = _free_slab(state, ("gathered", spec, piece.name), [piece], flat.numel(), flat.device)
+    residual = state.residuals.get(piece.name)
+    if residual is not None and residual.numel() == flat.numel():
+        if flat.dtype == torch.float32:
+            torch.add(flat, residual, out=slab)  # g + r: the bits of the in-place sum
+        else:
+            slab.copy_(flat).add_(residual)
+    else:
+        slab.copy_(flat)
+    return slab
+
+
 def _gathered_reduce(
     state: CompressionState,
     buffer: torch.Tensor,
@@ -334,12 +355,13 @@ def _gathered_reduce(
 ) -> Future:
     """Encode each gathered parameter; ONE fixed-size all-gather with the row blocks."""
     world_size = state.world_size
-    compensated = {i: _compensate(state, pieces[i]) for i in gathered}
+    codecs = {i: typing.cast(Codec, routes[i]) for i in gathered}
+    compensated = {i: _corrected(state, pieces[i], codecs[i].spec) for i in gathered}
     finite = all(all_finite(flat) for flat in compensated.values())
     payloads: dict[int, Payload] = {}
     for i in gathered:
-        codec = typing.cast(Codec, routes[i])
-        payloads[i] = codec.encode(compensated[i], generator=state.generator_for(pieces[i].name))
+        generator = state.generator_for(pieces[i].name)
+        payloads[i] = codecs[i].encode(compensated[i], generator=generator)
     blocks = [block.encode(pieces[block.index], state) for block in rows]
     widths = [payloads[i].nbytes for i in gathered] + [b.numel() for b in blocks]
     offsets = [0]
@@ -365,14 +387,10 @@ def _gathered_reduce(
     work = all_gather_into_tensor(received, send, group=state.process_group, async_op=True)
     state.count(sent_bytes=offsets[-1] + 1, dense_bytes=0)
     if state.pipeline.error_feedback and finite:  # computed while the all-gather is in flight
-        for i in gathered:
-            codec = typing.cast(Codec, routes[i])
-            decoded = codec.decode(payloads[i])
-            old = state.residuals.get(pieces[i].name)
-            if old is not None and old.numel() == decoded.numel() and old.is_contiguous():
-                torch.sub(compensated[i], decoded, out=old)
-            else:
-                state.residuals[pieces[i].name] = compensated[i] - decoded
+        for i in gathered:  # the slab holds g + r: minus the decode, it is the new residual
+            state.residuals[pieces[i].name] = subtract_decode(
+                codecs[i], payloads[i], compensated[i]
+            )
 
     def decode() -> None:
         table = received.view(world_size, message_bytes)
@@ -380,18 +398,12 @@ def _gathered_reduce(
             buffer.fill_(float("nan"))
             return
         for slot, i in enumerate(gathered):
-            codec = typing.cast(Codec, routes[i])
             start, width, numel = offsets[slot], widths[slot], payloads[i].numel
             dtype = payloads[i].data.dtype  # aligned slices: viewing as a wider type is legal
             received_payloads = [
                 Payload(row[start : start + width].view(dtype), numel) for row in table
             ]
-            target = pieces[i].flat
-            total = codec.decode_sum(received_payloads)
-            if target.dtype == total.dtype:
-                torch.div(total, world_size, out=target)
-            else:
-                target.copy_(total / world_size)
+            decode_mean_into(codecs[i], received_payloads, pieces[i].flat, world_size)
         for slot, block in enumerate(rows, start=len(gathered)):
             start, width = offsets[slot], widths[slot]
             block.decode_sum([row[start : start + width] for row in table], pieces[block.index])

@@ -30,14 +30,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from superneurons.codecs.coding.chunkquant import (
-    dequantize_rows,
-    quantize_rows,
-    read_rows,
-    write_rows_,
-)
 from superneurons.codecs.coding.orthogonal import forward_, inverse_
 from superneurons.codecs.twophase import SliceLayout, TwoPhase
+from superneurons.codecs.twophase_stages import (
+    StageScratch,
+    decode_slices,
+    owner_reduce,
+    worker_encode,
+)
 from superneurons.compat import all_gather_into_tensor
 from superneurons.ddp.callbacks import then_same_threads
 from superneurons.ddp.twophase_state import TwoPhaseState
@@ -165,44 +165,17 @@ def _generator(generators: Generators | None, key: str) -> torch.Generator | Non
     return generators(key) if generators is not None else None
 
 
-def _quantize(
-    rows: torch.Tensor, item: _Item, state: TwoPhaseState, *, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """Codes and scales of ``rows`` in the shared scratch, and whether ``rows`` was finite.
+def _scratch(
+    state: TwoPhaseState, layout: SliceLayout, tag: str, device: torch.device
+) -> StageScratch:
+    """A stage's kept buffers: one set for the encode and owner stages (they run one after
+    another on the caller's thread), one per exchange for its decode (which may run on the
+    backend's thread while the next bucket encodes)."""
 
-    NOTE: the per-chunk scales are maxima (or L1 norms) that NaN and ±inf propagate into, so
-    they say whether every value was finite without another pass. When one was not, every
-    scale is NaN (the tensor decodes to NaN on every rank) and the codes are zeros.
-    """
-    numel, device = rows.numel(), rows.device
-    codes, scales = quantize_rows(
-        rows,
-        bits=item.config.bits,
-        rounding=item.config.rounding,
-        generator=generator,
-        codes=state.buffer(("codes",), numel, torch.uint8, device),
-        work=state.buffer(("work",), numel, torch.float32, device),
-    )
-    finite = bool(torch.isfinite(scales).all())
-    if not finite:
-        scales.fill_(float("nan"))
-        codes.zero_()
-    return codes, scales, finite
+    def take(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return state.buffer((tag, name), numel, dtype, device)
 
-
-def _keep_error(
-    store: dict[str, torch.Tensor],
-    item: _Item,
-    rows: torch.Tensor,
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-) -> None:
-    """``store[name] = rows - decode(codes, scales)``, in the old residual's storage."""
-    residual = store.get(item.name)
-    if residual is None or residual.numel() != rows.numel():
-        residual = store[item.name] = torch.empty(rows.numel(), device=rows.device)
-    error = dequantize_rows(codes, scales, bits=item.config.bits, out=residual.view_as(rows))
-    torch.sub(rows, error, out=error)
+    return StageScratch.make(layout, take)
 
 
 def _encode(
@@ -227,22 +200,25 @@ def _encode(
     if config.transform != "none":
         rows = forward_(rows, config.transform, state.signs(name, layout.cols, x.device))
     residual = state.worker.get(name) if error_feedback else None
-    if residual is not None:
-        rows.add_(residual.view_as(rows))
     part = _part(send, item)
-    world_size = layout.world_size
     if config.bits == 32:  # NaN and ±inf travel as they are
-        part.view(torch.float32).copy_(rows.view(world_size, layout.slice_numel))
+        if residual is not None:
+            rows.add_(residual.view_as(rows))
+        part.view(torch.float32).copy_(rows.view(layout.world_size, layout.slice_numel))
         return
-    codes, scales, finite = _quantize(rows, item, state, generator=_generator(generators, name))
-    if error_feedback and finite:
-        _keep_error(state.worker, item, rows, codes, scales)
-    write_rows_(
-        codes.view(world_size, layout.rows, layout.cols),
-        scales.view(world_size, layout.rows),
-        bits=config.bits,
-        out=part,
+    error = state.spare("worker", name, layout.padded_numel, x.device) if error_feedback else None
+    finite = worker_encode(
+        rows,
+        part,
+        layout,
+        config,
+        _scratch(state, layout, "stage", x.device),
+        residual=residual.view_as(rows) if residual is not None else None,
+        error=error.view_as(rows) if error is not None else None,
+        generator=_generator(generators, name),
     )
+    if error is not None and finite:
+        state.worker[name] = error
 
 
 def _reduce_owned(
@@ -256,37 +232,33 @@ def _reduce_owned(
     """Owner side: average the P copies of this rank's slice, compensate, re-quantise."""
     layout, config, name = item.layout, item.config, item.name
     world_size, device = layout.world_size, received.device
-    copies = state.buffer(("copies",), layout.padded_numel, torch.float32, device)
     parts = _part(received, item)
-    if config.bits == 32:
-        copies.view(world_size, -1).copy_(parts.view(torch.float32))
-    else:
-        codes = state.buffer(("codes",), layout.padded_numel, torch.uint8, device)
-        read_rows(
-            parts,
-            layout.rows,
-            layout.cols,
-            bits=config.bits,
-            out=copies.view(-1, layout.cols),
-            codes=codes,
-        )
-    average = state.buffer(("average",), layout.slice_numel, torch.float32, device)
-    torch.sum(copies.view(world_size, layout.slice_numel), dim=0, out=average).div_(world_size)
     residual = state.owner.get(name) if error_feedback else None
-    if residual is not None:
-        average.add_(residual)
     out = owned[item.offset : item.offset + layout.slice_bytes].view(1, -1)
     if config.bits == 32:
+        copies = state.buffer(("copies",), layout.padded_numel, torch.float32, device)
+        copies.view(world_size, -1).copy_(parts.view(torch.float32))
+        average = state.buffer(("average",), layout.slice_numel, torch.float32, device)
+        torch.sum(copies.view(world_size, layout.slice_numel), dim=0, out=average)
+        average.div_(world_size)
+        if residual is not None:
+            average.add_(residual)
         out.view(torch.float32).copy_(average.view(1, -1))
         return
-    rows = average.view(layout.rows, layout.cols)
-    generator = _generator(generators, name + "/owner")
-    codes, scales, finite = _quantize(rows, item, state, generator=generator)
-    if error_feedback and finite:
-        _keep_error(state.owner, item, rows, codes, scales)
-    write_rows_(
-        codes.view(1, layout.rows, layout.cols), scales.view(1, -1), bits=config.bits, out=out
+    error = state.spare("owner", name, layout.slice_numel, device) if error_feedback else None
+    shape = (layout.rows, layout.cols)
+    finite = owner_reduce(
+        parts,
+        out,
+        layout,
+        config,
+        _scratch(state, layout, "stage", device),
+        residual=residual.view(shape) if residual is not None else None,
+        error=error.view(shape) if error is not None else None,
+        generator=_generator(generators, name + "/owner"),
     )
+    if error is not None and finite:
+        state.owner[name] = error
 
 
 def _decode(item: _Item, state: TwoPhaseState, table: torch.Tensor, key: tuple[Any, ...]) -> None:
@@ -302,8 +274,7 @@ def _decode(item: _Item, state: TwoPhaseState, table: torch.Tensor, key: tuple[A
     if config.bits == 32:
         x.view(layout.world_size, -1).copy_(parts.view(torch.float32))
     else:
-        codes = state.buffer(("decode codes", *key), layout.padded_numel, torch.uint8, device)
-        read_rows(parts, layout.rows, layout.cols, bits=config.bits, out=rows, codes=codes)
+        decode_slices(parts, rows, layout, config, _scratch(state, layout, f"decode {key}", device))
     if config.transform != "none":
         rows = inverse_(rows, config.transform, state.signs(name, layout.cols, x.device))
     if not in_place:

@@ -47,6 +47,7 @@ __all__ = [
     "dequantize_rows",
     "quantize_rows",
     "quantized_bytes",
+    "read_block",
     "read_rows",
     "write_rows_",
 ]
@@ -80,9 +81,14 @@ def quantize_rows(
     generator: torch.Generator | None = None,
     codes: torch.Tensor | None = None,
     work: torch.Tensor | None = None,
+    noise_key: torch.Tensor | None = None,
+    noise_start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes ``(rows, cols)`` uint8 (into ``codes`` if given) and scales ``(rows,)`` float32 of
     the float32 ``x`` (``work``: a float32 scratch of ``x``'s size, else one is allocated).
+    Stochastic rounding draws from ``generator``, or, with ``noise_key``
+    (:func:`~.noise.draw_key`), takes positions ``noise_start ..`` of that key's draw: rows
+    quantised block by block then round with the bits of one call.
 
     ``x`` must be finite (a NaN scale is the caller's business: see the two-phase reduce).
     """
@@ -104,7 +110,12 @@ def quantize_rows(
         # y = x * m / 2s + m/2 + u, u uniform on [0, 1) (drawn as 1 + u, hence half - 1):
         # floor(y) is the level below with probability 1 - frac, the one above with frac.
         noise = uniform_one_two(
-            rows * cols, generator=generator, device=x.device, out=y.view(torch.int32)
+            rows * cols,
+            generator=generator,
+            device=x.device,
+            out=y.view(torch.int32),
+            key=noise_key,
+            start=noise_start,
         )
         y = noise.view(rows, cols).addcmul_(x, factor).add_(half - 1.0)
     else:
@@ -137,6 +148,27 @@ def write_rows_(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, out: to
     body = packed_bytes(rows * cols, bits)
     out[:, : 4 * rows].view(torch.float32).copy_(scales)
     pack_rows_(codes.view(blocks, rows * cols), bits, out=out[:, 4 * rows : 4 * rows + body])
+
+
+def read_block(
+    scales: torch.Tensor,
+    body: torch.Tensor,
+    *,
+    bits: int,
+    out: torch.Tensor,
+    levels: torch.Tensor,
+) -> torch.Tensor:
+    """Decode rows of :func:`write_rows_`' blocks: ``scales`` float32 ``(blocks, n)`` and their
+    packed codes ``body`` uint8 ``(blocks, n * cols * bits / 8)`` into float32 ``out``
+    ``(blocks, n, cols)`` (``levels``: a uint8 scratch of ``out``'s size). The arithmetic of
+    :func:`read_rows`, on any range of rows."""
+    m = _levels(bits)
+    blocks, n, cols = out.shape
+    codes = levels.view(-1)[: blocks * n * cols].view(blocks, n * cols)
+    unpack_rows(body, bits, out=codes)
+    column = scales.reshape(blocks, n, 1)
+    out.copy_(codes.view(blocks, n, cols))
+    return out.mul_(column * (2.0 / m)).sub_(column)
 
 
 def read_rows(
