@@ -147,7 +147,8 @@ def reduce_bucket(
     # 4. the two-phase routes: ONE all-to-all (waited for), ONE all-gather
     two = [i for i, k in enumerate(kinds) if k == "twophase"]
     if two:
-        futures.append(twophase_reduce(state, pieces, routes, two, finishers))
+        defer = not bucket.is_last()  # its all-gather waits for the next bucket's hook
+        futures.append(twophase_reduce(state, pieces, routes, two, finishers, defer=defer))
 
     # 5. one all-gather: every gathered payload and row block
     gathered = [i for i, k in enumerate(kinds) if k == "gathered"]

@@ -73,6 +73,8 @@ class CompressionState:
     wires: dict[tuple[str, ...], WireBuffers] = field(default_factory=dict)
     # cast routes' kept buffers (x / P, the wire, two residual slabs), by bucket signature
     scratch: dict[tuple[str, ...], torch.Tensor] = field(default_factory=dict)
+    # two-phase exchanges whose second phase waits for the next bucket's hook (not state)
+    deferred: list[Any] = field(default_factory=list)
     _bytes_current: int = 0
     _dense_current: int = 0
 

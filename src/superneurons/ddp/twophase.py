@@ -11,8 +11,10 @@ every rank; each tensor's residuals are keyed by its name, so they do not depend
 bucket layout (rebuilt after the first step and on resume).
 
 Collectives, issued from the caller's thread in this order on every rank: ONE
-``all_to_all_single`` (waited for: the owners need it), then ONE ``all_gather``
-(asynchronous; the decode runs when it completes). gloo and NCCL both implement
+``all_to_all_single`` (:func:`start`), waited for by :func:`complete` (the owners need it),
+which then issues ONE ``all_gather`` (asynchronous; the decode runs when it completes). The
+DDP hook runs :func:`complete` at the start of the next bucket's hook, so the all-to-all
+overlaps that bucket's backward (:func:`twophase_reduce`). gloo and NCCL both implement
 ``all_to_all_single`` (gloo's was checked on torch 2.13: ``alltoall_base``); both buffers
 are fixed-size, so no sizes are exchanged.
 
@@ -54,6 +56,7 @@ __all__ = [
     "TwoPhaseState",
     "average_",
     "exchange",
+    "flush_twophase",
     "release_twophase",
     "twophase_reduce",
 ]
@@ -80,6 +83,24 @@ class _Item:
     offset: int  # byte offset of this tensor's slice in a segment
 
 
+@dataclass(frozen=True)
+class Started:
+    """An exchange whose all-to-all is in flight: :func:`complete` runs the owners' stage and
+    issues the all-gather (the second phase; on every rank in the same place in the order of
+    collectives)."""
+
+    items: list[_Item]
+    key: tuple[Any, ...]
+    segment: int
+    received: torch.Tensor
+    work: Any  # the all-to-all's Work
+    state: TwoPhaseState
+    group: dist.ProcessGroup | None
+    error_feedback: bool
+    generators: Generators | None
+    bytes_sent: int
+
+
 def exchange(
     tensors: Sequence[tuple[str, torch.Tensor, TwoPhase]],
     state: TwoPhaseState,
@@ -90,11 +111,28 @@ def exchange(
 ) -> Exchange:
     """Start averaging ``(name, flat float32 tensor, config)`` across ``group`` in place.
 
-    Collective (see the module docs). ``tensors`` may be overwritten as scratch before the
-    result arrives. ``generators(key)`` draws the stochastic rounding of ``key`` (a tensor's
-    name, ``name + "/owner"`` for the owner's stage): derive it from (seed, rank, step, key)
-    for reproducible runs; None uses torch's default generator.
+    Collective (see the module docs): :func:`start` then :func:`complete`. ``tensors`` may be
+    overwritten as scratch before the result arrives. ``generators(key)`` draws the
+    stochastic rounding of ``key`` (a tensor's name, ``name + "/owner"`` for the owner's
+    stage): derive it from (seed, rank, step, key) for reproducible runs; None uses torch's
+    default generator.
     """
+    started = start(
+        tensors, state, group=group, error_feedback=error_feedback, generators=generators
+    )
+    return complete(started)
+
+
+def start(
+    tensors: Sequence[tuple[str, torch.Tensor, TwoPhase]],
+    state: TwoPhaseState,
+    *,
+    group: dist.ProcessGroup | None,
+    error_feedback: bool,
+    generators: Generators | None = None,
+) -> Started:
+    """The first phase: every tensor's slices quantised, the all-to-all issued (not waited
+    for). Collective: call :func:`complete` before any later collective of this group."""
     world_size = dist.get_world_size(group)
     if state.world_size is None:
         state.world_size = world_size
@@ -122,21 +160,33 @@ def exchange(
     received = state.buffer(("received", *key), world_size * segment, torch.uint8, device)
     for item in items:
         _encode(item, state, send.view(world_size, segment), error_feedback, generators)
-    dist.all_to_all_single(received, send, group=group)
+    work = dist.all_to_all_single(received, send, group=group, async_op=True)
+    return Started(
+        items, key, segment, received, work, state, group, error_feedback, generators,
+        send.numel() + segment,
+    )  # fmt: skip
+
+
+def complete(started: Started) -> Exchange:
+    """The second phase of :func:`start`'s exchange: wait for the all-to-all, average and
+    re-quantise the owned slices, issue the all-gather (asynchronous)."""
+    state, segment, key = started.state, started.segment, started.key
+    world_size = dist.get_world_size(started.group)
+    started.work.wait()
+    device = started.received.device
     owned = state.buffer(("owned", *key), segment, torch.uint8, device)
-    for item in items:
-        _reduce_owned(
-            item, state, received.view(world_size, segment), owned, error_feedback, generators
-        )
+    for item in started.items:
+        received = started.received.view(world_size, segment)
+        _reduce_owned(item, state, received, owned, started.error_feedback, started.generators)
     gathered = state.buffer(("gathered", *key), world_size * segment, torch.uint8, device)
-    work = all_gather_into_tensor(gathered, owned, group=group, async_op=True)
+    work = all_gather_into_tensor(gathered, owned, group=started.group, async_op=True)
 
     def finish() -> None:
         table = gathered.view(world_size, segment)
-        for item in items:
+        for item in started.items:
             _decode(item, state, table, key)
 
-    return Exchange(work.get_future(), finish, send.numel() + owned.numel())
+    return Exchange(work.get_future(), finish, started.bytes_sent)
 
 
 def average_(
@@ -299,9 +349,17 @@ def twophase_reduce(
     routes: list[Route],
     indices: list[int],
     finishers: list[Callable[[], None]],
+    *,
+    defer: bool = False,
 ) -> Future:
-    """A DDP bucket's two-phase parameters (``indices``) in one :func:`exchange` (the route of
-    :func:`~superneurons.ddp.reduce.reduce_bucket`); the decode joins ``finishers``."""
+    """A DDP bucket's two-phase parameters (``indices``) in one exchange (the route of
+    :func:`~superneurons.ddp.reduce.reduce_bucket`); the decode joins ``finishers``.
+
+    ``defer``: return once the all-to-all is issued; its second phase (owners' stage, all-
+    gather) runs at the start of the next bucket's hook (:func:`flush_twophase`), so the all-
+    to-all travels while autograd computes that bucket. The order of collectives stays fixed
+    on every rank: this bucket's all-to-all, then (next hook) its all-gather, then the next
+    bucket's. Never for the last bucket of a backward pass (nothing would follow it)."""
     if state.twophase is None:
         state.twophase = TwoPhaseState(seed=state.seed, world_size=state.world_size)
     tensors = []
@@ -314,7 +372,7 @@ def twophase_reduce(
         route = routes[i]
         assert isinstance(route, TwoPhase)
         tensors.append((piece.name, flat, route))
-    started = exchange(
+    started = start(
         tensors,
         state.twophase,
         group=state.process_group,
@@ -322,12 +380,35 @@ def twophase_reduce(
         generators=state.generator_for,
     )
     state.count(sent_bytes=started.bytes_sent, dense_bytes=0)
+    done: list[Exchange] = []
 
     def finish() -> None:
-        started.finish()
+        done[0].finish()
         for i, (_, flat, _) in zip(indices, tensors, strict=True):
             if flat is not pieces[i].flat:  # a bucket of another dtype: written back
                 pieces[i].flat.copy_(flat)
 
     finishers.append(finish)
-    return started.future
+    if not defer:
+        done.append(complete(started))
+        return done[0].future
+    result: Future = torch.futures.Future()
+    state.deferred.append((started, result, done))
+    return result
+
+
+def flush_twophase(state: CompressionState) -> None:
+    """Run the second phase of a deferred exchange (see :func:`twophase_reduce`): called by
+    the hook before anything else, so the all-gather precedes this bucket's collectives."""
+    while state.deferred:
+        started, result, done = state.deferred.pop(0)
+        exchanged = complete(started)
+        done.append(exchanged)
+
+        def relay(finished: Future, result: Future = result) -> None:
+            try:
+                result.set_result(finished.value())
+            except Exception as error:  # noqa: BLE001 - the collective's error, passed on
+                result.set_exception(error)
+
+        exchanged.future.then(relay)

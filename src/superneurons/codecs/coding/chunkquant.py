@@ -35,6 +35,7 @@ slower than ``amax`` + ``amin``), and the codes are packed by byte operations
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from superneurons.codecs.coding.bitpack import pack_rows_, packed_bytes, unpack_rows
@@ -120,7 +121,13 @@ def quantize_rows(
         y = noise.view(rows, cols).addcmul_(x, factor).add_(half - 1.0)
     else:
         torch.mul(x, factor, out=y).add_(half + 0.5)  # trunc(y) = round(x * m / 2s + m/2)
-    codes.copy_(y)  # truncation: y >= 0 up to rounding (-0.0 and tiny -ε give 0)
+    if codes.device.type == "cpu":
+        # NOTE: numpy's float32 -> uint8 conversion: ~35 us against torch's ~170 us per 2**18
+        # values (one thread), the same truncation (checked on every float32 in [-2, 260]).
+        with np.errstate(invalid="ignore"):  # NaN (non-finite input) casts as torch's does
+            np.copyto(codes.numpy(), y.numpy(), casting="unsafe")
+    else:
+        codes.copy_(y)  # truncation: y >= 0 up to rounding (-0.0 and tiny -ε give 0)
     if rounding == "stochastic":
         codes.clamp_(max=m)  # u close to 1 on the top level
     return codes, scales
