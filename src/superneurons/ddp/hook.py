@@ -61,7 +61,7 @@ from superneurons.ddp.powersgd import PowerSGDState
 from superneurons.ddp.reduce import reduce_bucket
 from superneurons.ddp.state import CompressionState
 from superneurons.ddp.torch_hooks import as_comm_hook, register_anchor
-from superneurons.ddp.twophase import flush_twophase
+from superneurons.ddp.twophase_route import flush_twophase
 from superneurons.errors import ConfigError
 from superneurons.schemes.anchors import TorchDense, TorchFp16, TorchPowerSGD
 from superneurons.schemes.auto import Auto

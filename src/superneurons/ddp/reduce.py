@@ -43,7 +43,7 @@ from superneurons.ddp.callbacks import then_same_threads
 from superneurons.ddp.powersgd import PowerSGDState, powersgd_reduce
 from superneurons.ddp.rowblocks import RowBlock, decide_rows, gather_row_counts
 from superneurons.ddp.state import CompressionState, WireBuffers
-from superneurons.ddp.twophase import release_twophase, twophase_reduce
+from superneurons.ddp.twophase_route import release_twophase, twophase_reduce
 
 __all__ = ["reduce_bucket"]
 
@@ -219,17 +219,17 @@ def _cast_reduce(
         wire_dtype = codec.encode(compensated[:1]).data.dtype
     key = (codec.spec, *(piece.name for piece in pieces))
     numel, device = compensated.numel(), buffer.device
-    wire = _kept(state, ("wire", *key), numel, wire_dtype, device)
+    wire = state.kept(("wire", *key), numel, wire_dtype, device)
     # Divide before encoding, as DDP does, so fp16 sums cannot overflow. NOTE: two passes
     # through a float32 scratch; ``torch.div(..., out=fp16)`` takes a slow casting loop
     # (25.7M elements, one core: 79 ms against 18 ms).
-    scaled = _kept(state, ("scaled", *key), numel, torch.float32, device)
+    scaled = state.kept(("scaled", *key), numel, torch.float32, device)
     wire.copy_(torch.div(compensated, world_size, out=scaled))
     # NOTE: under auto, cast routes go without error feedback: their rounding error (<= 2**-8
     # relative) is not worth three passes per step, and the cost model that chose them
     # (strategy.measure_codecs) timed the cast alone.
     if state.pipeline.error_feedback and state.auto is None:
-        error = _free_slab(state, key, pieces, compensated.numel(), buffer.device)
+        error = state.spare_slab(key, pieces, compensated.numel(), buffer.device)
         error.copy_(wire)  # decode: exact widening to float32
         # c - decode · P (one rounding; the same as mul then sub when P is a power of two)
         torch.sub(compensated, error, alpha=world_size, out=error)
@@ -253,38 +253,6 @@ def _cast_reduce(
 
     finishers.append(decode)
     return work.get_future()  # type: ignore[no-any-return]
-
-
-def _kept(
-    state: CompressionState,
-    key: tuple[str, ...],
-    numel: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> torch.Tensor:
-    """A flat buffer kept in ``state.scratch`` under ``key`` (re-made when its size changes)."""
-    kept = state.scratch.get(key)
-    if kept is None or kept.numel() != numel or kept.dtype != dtype or kept.device != device:
-        kept = state.scratch[key] = torch.empty(numel, dtype=dtype, device=device)
-    return kept
-
-
-def _free_slab(
-    state: CompressionState,
-    key: tuple[str, ...],
-    pieces: list[Piece],
-    numel: int,
-    device: torch.device,
-) -> torch.Tensor:
-    """Of two float32 residual slabs kept for ``key``, the one the current residuals do not
-    live in (they are views of the other one, or of neither after a resume)."""
-    current = state.residuals.get(pieces[0].name)
-    held = current.untyped_storage().data_ptr() if current is not None else None
-    for slot in ("ef0", "ef1"):
-        slab = _kept(state, (slot, *key), numel, torch.float32, device)
-        if slab.untyped_storage().data_ptr() != held:
-            return slab
-    raise AssertionError("two distinct slabs cannot both hold the residual")
 
 
 def _powersgd(
@@ -333,7 +301,7 @@ def _corrected(state: CompressionState, piece: Piece, spec: str) -> torch.Tensor
     flat = piece.flat
     if not state.pipeline.error_feedback:
         return flat if flat.dtype == torch.float32 else flat.float()
-    slab = _free_slab(state, ("gathered", spec, piece.name), [piece], flat.numel(), flat.device)
+    slab = state.spare_slab(("gathered", spec, piece.name), [piece], flat.numel(), flat.device)
     residual = state.residuals.get(piece.name)
     if residual is not None and residual.numel() == flat.numel():
         if flat.dtype == torch.float32:

@@ -213,9 +213,9 @@ def pack_rows_(codes: torch.Tensor, bits: int, *, out: torch.Tensor) -> torch.Te
         # NOTE: two codes in a 16-bit word w = c0 + 256 c1 (c0 < 16): the low byte of
         # w | w >> 4 is c0 | c1 << 4; numpy's uint16 ops and narrowing copy: ~40 us against
         # ~290 us for the strided uint8 shift and or below (2**18 codes, one thread).
-        words = codes.numpy().view(np.uint16)
-        np.bitwise_or(words, words >> 4, out=words)
-        np.copyto(out.numpy(), words, casting="unsafe")  # uint16 -> uint8 keeps the low byte
+        pairs16 = codes.numpy().view(np.uint16)
+        np.bitwise_or(pairs16, pairs16 >> 4, out=pairs16)
+        np.copyto(out.numpy(), pairs16, casting="unsafe")  # uint16 -> uint8: the low byte
         return out
     if bits == 4:
         pairs = codes.view(codes.shape[0], -1, 2)

@@ -41,9 +41,10 @@ __all__ = ["SAMPLE_ROWS", "decode_rows", "select_rows"]
 
 SAMPLE_ROWS = 256  # rows transformed to place the threshold (~64k bins at L = 512)
 _MARGIN_SIGMAS = 3.0
-# NOTE: rows per block: ~64k values (256 KiB in, ~0.9 MiB of spectrum, squares and scores): on
-# the 2-core AMD EPYC the scan ran ~10% faster than at 2**18 values (L2 is 512 KiB).
-_BLOCK_VALUES = BLOCK_NUMEL // 4
+# NOTE: rows per block: ~128k values (512 KiB in, ~2 MiB of spectrum, squares and scores: L2
+# and L3): on the 2-core AMD EPYC, 2**15-2**18 values ran within the noise of a shared machine
+# (48-65 ms per 6.5M values), the larger blocks paying fewer per-block calls.
+_BLOCK_VALUES = BLOCK_NUMEL // 2
 
 Entries = tuple[torch.Tensor, torch.Tensor]  # (k,) increasing bin indices, (k,) complex64 values
 
