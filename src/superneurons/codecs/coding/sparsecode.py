@@ -316,7 +316,7 @@ def add_kept(
 def scatter_mean_(
     out: torch.Tensor, parts: Sequence[tuple[torch.Tensor, torch.Tensor]], divisor: int
 ) -> torch.Tensor:
-    """``out`` = the sum of every ``(increasing indices, values)`` part scattered into zeros,
+    """``out`` = the sum of every ``(indices, values)`` part scattered into zeros,
     divided by ``divisor``: bitwise the dense ``zeros().index_add_(...) / divisor``. ``out`` is
     ``(T,)`` (width 1: row-wise index ops on ``(T, 1)`` views ran 4-14x slower) or ``(T,
     width)``.
@@ -326,7 +326,8 @@ def scatter_mean_(
     whole freshly zeroed tensor missed the cache on every kept value (26 MB, 65k values:
     ~15 ms against ~4 here, one thread)."""
     numel = out.shape[0]
-    if out.dim() != 1 or out.device.type != "cpu" or numel <= BLOCK_NUMEL:
+    increasing = all(bool((i[1:] >= i[:-1]).all()) for i, _ in parts)  # O(k): blocks need it
+    if out.dim() != 1 or out.device.type != "cpu" or numel <= BLOCK_NUMEL or not increasing:
         out.zero_()
         for indices, values in parts:
             out.index_add_(0, indices, values)
