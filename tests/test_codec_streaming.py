@@ -69,7 +69,9 @@ def _step(spec: str, numel: int) -> Callable[[], None]:
         owner_residual, owner_error = (torch.zeros(layout.rows, layout.cols) for _ in "ab")
         message = torch.zeros(2, layout.slice_bytes, dtype=torch.uint8)
         owned = torch.zeros(1, layout.slice_bytes, dtype=torch.uint8)
-        scratch = stages.StageScratch.make(layout, lambda _, n, d: torch.empty(n, dtype=d))
+        scratch = stages.StageScratch.make(
+            layout, lambda _, n, d: torch.empty(n, dtype=d), torch.device("cpu")
+        )
 
         def two_phase() -> None:
             stages.worker_encode(

@@ -72,7 +72,7 @@ def test_blocked_stages_equal_the_unblocked_sequence(
     want, want_error, _ = _reference_worker(
         x, residual, config, layout, torch.Generator().manual_seed(5)
     )
-    scratch = stages.StageScratch.make(layout, _fresh)
+    scratch = stages.StageScratch.make(layout, _fresh, torch.device("cpu"))
     message = torch.zeros(_WORLD, layout.slice_bytes, dtype=torch.uint8)
     error = torch.empty(layout.padded_numel)
     rows = x.clone().view(-1, layout.cols)
@@ -128,7 +128,7 @@ def test_a_non_finite_value_makes_the_message_nan_and_keeps_no_error(
     want, _, finite = _reference_worker(x, torch.zeros_like(x), config, layout, None)
     assert not finite
     message = torch.full((_WORLD, layout.slice_bytes), 3, dtype=torch.uint8)
-    scratch = stages.StageScratch.make(layout, _fresh)
+    scratch = stages.StageScratch.make(layout, _fresh, torch.device("cpu"))
     rows = x.view(-1, layout.cols)
     got = stages.worker_encode(rows, message, layout, config, scratch, residual=None, error=None)
     assert not got

@@ -59,10 +59,11 @@ class StageScratch:
     scales: torch.Tensor  # float32 (>= P * rows,): every chunk's scale before it is written
 
     @classmethod
-    def make(cls, layout: SliceLayout, take: Take) -> StageScratch:
-        """The buffers ``layout`` needs, each from ``take(name, numel, dtype)`` (e.g. a kept
-        buffer of the caller's state; ``lambda _, n, d: torch.empty(n, dtype=d)``: fresh)."""
-        block = _block_rows(layout) * layout.cols
+    def make(cls, layout: SliceLayout, take: Take, device: torch.device) -> StageScratch:
+        """The buffers ``layout`` needs on ``device``, each from ``take(name, numel, dtype)``
+        (e.g. a kept buffer of the caller's state; ``lambda _, n, d: torch.empty(n,
+        dtype=d)``: fresh)."""
+        block = _block_rows(layout, device) * layout.cols
         world = layout.world_size
         return cls(
             work=take("work", block, torch.float32),
@@ -74,7 +75,11 @@ class StageScratch:
         )
 
 
-def _block_rows(layout: SliceLayout) -> int:
+def _block_rows(layout: SliceLayout, device: torch.device) -> int:
+    """Rows per block: cache-sized on the CPU; on other devices every row at once (there
+    kernel launches, not memory passes, dominate; as :mod:`.coding.noise` does)."""
+    if device.type != "cpu":
+        return layout.rows
     return max(1, min(layout.rows, BLOCK_VALUES // layout.cols))
 
 
@@ -144,7 +149,7 @@ def worker_encode(
     owner ``j``); the new residual goes to ``error`` (same shape, not ``residual``'s storage)
     when given. Returns whether every value was finite (else ``error`` holds nothing to
     keep)."""
-    per, cols = _block_rows(layout), layout.cols
+    per, cols = _block_rows(layout, rows.device), layout.cols
     key = _key(config, generator, rows.device)
     for owner in range(layout.world_size):
         for first in range(0, layout.rows, per):
@@ -175,7 +180,7 @@ def owner_reduce(
     """Owner side: decode the ``P`` copies of the owned slice (``received``: uint8 ``(P, >=
     slice_bytes)``), average them in fp32, add ``residual`` (``(rows, cols)``), re-quantise
     into ``owned`` (uint8 ``(1, >= slice_bytes)``), the new residual into ``error``."""
-    per, cols, world = _block_rows(layout), layout.cols, layout.world_size
+    per, cols, world = _block_rows(layout, received.device), layout.cols, layout.world_size
     key = _key(config, generator, received.device)
     for first in range(0, layout.rows, per):
         count = min(per, layout.rows - first)
@@ -225,7 +230,7 @@ def decode_slices(
 ) -> torch.Tensor:
     """Every rank: decode every owner's segment (``gathered``: uint8 ``(P, >= slice_bytes)``)
     into ``rows`` (float32 ``(P * rows, cols)``), block by block."""
-    per, cols = _block_rows(layout), layout.cols
+    per, cols = _block_rows(layout, rows.device), layout.cols
     for owner in range(layout.world_size):
         segment = gathered[owner : owner + 1]
         for first in range(0, layout.rows, per):

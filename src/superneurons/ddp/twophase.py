@@ -221,7 +221,7 @@ def _scratch(
     def take(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return state.buffer((tag, name), numel, dtype, device)
 
-    return StageScratch.make(layout, take)
+    return StageScratch.make(layout, take, device)
 
 
 def _encode(

@@ -255,7 +255,7 @@ def _measure_twophase(
     message = torch.zeros(world_size, layout.slice_bytes, dtype=torch.uint8, device=device)
     owned = torch.zeros(1, layout.slice_bytes, dtype=torch.uint8, device=device)
     scratch = StageScratch.make(
-        layout, lambda _, numel, dtype: torch.empty(numel, dtype=dtype, device=device)
+        layout, lambda _, numel, dtype: torch.empty(numel, dtype=dtype, device=device), device
     )
     gen = torch.Generator(device=device).manual_seed(0)
     shape = (layout.rows, cols)
