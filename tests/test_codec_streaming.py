@@ -143,17 +143,19 @@ def test_numpy_float_to_uint8_truncates_as_torch_does() -> None:
     assert torch.equal(torch.from_numpy(got), want)
 
 
-def test_four_bit_rows_pack_as_pack_bits_does() -> None:
-    codes = torch.randint(0, 16, (3, 1024), generator=torch.Generator().manual_seed(4))
-    codes = codes.to(torch.uint8)
-    want = torch.stack([pack_bits(row, 4) for row in codes])
-    out = torch.empty(3, 512, dtype=torch.uint8)
-    pack_rows_(codes.clone(), 4, out=out)
-    assert torch.equal(out, want)
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_rows_pack_and_unpack_as_pack_bits_does(bits: int) -> None:
+    gen = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 2**bits, (3, 1024), generator=gen).to(torch.uint8)
+    width = 1024 * bits // 8
+    want = torch.stack([pack_bits(row, bits) for row in codes])
+    message = torch.zeros(3, width + 8, dtype=torch.uint8)  # rows written into a strided view
+    pack_rows_(codes.clone(), bits, out=message[:, 4 : 4 + width])
+    assert torch.equal(message[:, 4 : 4 + width], want)
     back = torch.empty(3, 1024, dtype=torch.uint8)
-    unpack_rows(out, 4, out=back)
+    unpack_rows(message[:, 4 : 4 + width], bits, out=back)
     assert torch.equal(back, codes)
-    assert torch.equal(unpack_bits(out[1], 4, 1024).to(torch.uint8), codes[1])
+    assert torch.equal(unpack_bits(want[1], bits, 1024).to(torch.uint8), codes[1])
 
 
 @pytest.mark.parametrize("spec", ["ctopk", "topk", "fft", "twophase:bits=4", "twophase:bits=1"])

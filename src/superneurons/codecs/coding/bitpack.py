@@ -7,6 +7,7 @@ stores ``n`` codes of ``bits`` bits each in exactly ``packed_bytes(n, bits)`` by
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -202,6 +203,13 @@ def byte_codes(bits: int, device: torch.device) -> torch.Tensor:
     return (byte >> shifts) & ((1 << bits) - 1)
 
 
+@functools.cache
+def _byte_table_2bit() -> np.ndarray:
+    """The four 2-bit codes of each byte value, little-endian in one uint32 (as unpacked)."""
+    byte = np.arange(256, dtype=np.uint32)
+    return (byte & 3) | ((byte >> 2 & 3) << 8) | ((byte >> 4 & 3) << 16) | ((byte >> 6) << 24)
+
+
 def pack_rows_(codes: torch.Tensor, bits: int, *, out: torch.Tensor) -> torch.Tensor:
     """``pack_bits`` of each row of ``codes`` (uint8 ``(blocks, n)``, contiguous, ``n * bits`` a
     multiple of 64) written into ``out`` (uint8 ``(blocks, n * bits / 8)``, may be a strided
@@ -223,6 +231,11 @@ def pack_rows_(codes: torch.Tensor, bits: int, *, out: torch.Tensor) -> torch.Te
         return out.bitwise_or_(pairs[..., 0])
     if bits not in (1, 2):
         raise ConfigError(f"pack_rows_ packs 1, 2, 4 or 8 bits, got {bits}")
+    if bits == 1 and codes.device.type == "cpu":
+        # NOTE: numpy's packbits (LSB-first, as the gather below): one pass instead of an int64
+        # multiply and a strided byte copy; codes are 0/1 (``_check`` of pack_bits' contract)
+        np.copyto(out.numpy(), np.packbits(codes.numpy(), axis=-1, bitorder="little"))
+        return out
     word, gather = (torch.int64, _GATHER1) if bits == 1 else (torch.int32, _GATHER2)
     words = codes.view(word).mul_(gather)  # (blocks, bytes out): the byte is the top one
     size = words.element_size()
@@ -244,6 +257,15 @@ def unpack_rows(data: torch.Tensor, bits: int, *, out: torch.Tensor) -> torch.Te
         np.copyto(words, data.numpy(), casting="unsafe")
         np.bitwise_or(words, words << 4, out=words)
         np.bitwise_and(words, 0x0F0F, out=words)
+        return out
+    if bits in (1, 2) and data.device.type == "cpu":
+        # NOTE: one gather per byte from a 256-entry table of its codes (1 bit: numpy's
+        # unpackbits): 8 or 4 strided shift-and-mask passes were ~6x slower (one thread)
+        if bits == 1:
+            out.numpy()[...] = np.unpackbits(data.numpy(), axis=-1, bitorder="little")
+        else:
+            table = _byte_table_2bit()
+            np.take(table, data.numpy(), out=out.numpy().view(np.uint32))
         return out
     slots = out.view(*data.shape, per)
     mask = (1 << bits) - 1
