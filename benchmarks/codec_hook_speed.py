@@ -246,6 +246,7 @@ def hook_worker(rank: int, spec: str, numel: int, args: argparse.Namespace) -> N
         ddp(x).backward()
         steps.append((time.perf_counter() - wall0, time.process_time() - cpu0))
     dist.barrier()
+    stage_cpu_s, collective_s = dict(stages.cpu_s), dict(stages.wall_s)  # before any profile
     if rank == 0:
         profile = ""
         if args.profile:
@@ -259,8 +260,8 @@ def hook_worker(rank: int, spec: str, numel: int, args: argparse.Namespace) -> N
             "numel": numel,
             "step_wall_ms": 1e3 * sum(w for w, _ in timed) / len(timed),
             "step_cpu_ms": 1e3 * sum(c for _, c in timed) / len(timed),
-            "stage_cpu_ms": {k: 1e3 * v / args.steps for k, v in stages.cpu_s.items()},
-            "collective_wall_ms": {k: 1e3 * v / args.steps for k, v in stages.wall_s.items()},
+            "stage_cpu_ms": {k: 1e3 * v / args.steps for k, v in stage_cpu_s.items()},
+            "collective_wall_ms": {k: 1e3 * v / args.steps for k, v in collective_s.items()},
             "profile": profile,
         }
         print("RECORD " + json.dumps(record), flush=True)

@@ -176,7 +176,31 @@ def main() -> int:
             args.out, "ddp_mlp_loopback", "Compressed DDP, 2 gloo ranks on loopback, 28.4M MLP",
             body, record | {"rows": rows, "runs": runs},
         )  # fmt: skip
+        _plot(rows, arms, specs, args.out / "ddp_mlp_loopback.png")
     return 0
+
+
+def _plot(rows: list[dict], arms: dict[str, str], specs: list[str], path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(arms)
+    for k, arm in enumerate(arms):
+        got = {r["spec"]: r["over dense ms"] for r in rows if r["arm"] == arm}
+        ax.bar(
+            [i + k * width for i in range(len(specs))], [got[s] for s in specs], width, label=arm
+        )
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(specs))], specs, rotation=20)
+    ax.set_ylabel("rank-0 CPU ms per step over dense")
+    ax.set_title("2 gloo ranks, loopback, 28.4M-parameter MLP")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def _summary(runs: list[dict], arms: dict[str, str], specs: list[str]) -> list[dict]:
