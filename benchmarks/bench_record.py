@@ -63,6 +63,21 @@ def environment() -> dict[str, Any]:
     }
 
 
+def arms(specs: Sequence[str]) -> dict[str, str]:
+    """``--arm NAME=SRC`` values as ``{name: src}``; exits (one line, status 2) on a source tree
+    without ``superneurons/``: ``PYTHONPATH`` would silently fall back on the installed tree, and
+    the two arms would be the same code."""
+    parsed: dict[str, str] = {}
+    for spec in specs:
+        name, sep, src = spec.partition("=")
+        if not sep or not name or not (Path(src) / "superneurons" / "__init__.py").is_file():
+            print(f"--arm {spec!r}: expected NAME=SRC, SRC a source tree holding superneurons/",
+                  file=sys.stderr)  # fmt: skip
+            sys.exit(2)
+        parsed[name] = src
+    return parsed
+
+
 def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
     def cell(value: Any) -> str:
         if isinstance(value, float):

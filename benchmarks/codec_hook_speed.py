@@ -35,6 +35,7 @@ import random
 import socket
 import subprocess
 import sys
+import threading
 import time
 import typing
 from pathlib import Path
@@ -171,10 +172,12 @@ class _Stages:
         @functools.wraps(fn)  # DDP reads a hook's signature
         def run(*args: Any, **kwargs: Any) -> Any:
             start = time.thread_time()
+            # a decode runs inline (inside the hook body) when the collective had finished
+            where = "" if threading.current_thread() is threading.main_thread() else " (cb)"
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.add(self.cpu_s, name, time.thread_time() - start)
+                self.add(self.cpu_s, name + where, time.thread_time() - start)
 
         if name == "hook body":  # resolved annotations: DDP reads the signature (unwrapped)
             fn.__annotations__ = run.__annotations__ = typing.get_type_hints(fn)
@@ -312,12 +315,17 @@ def _hook_pair(spec: str, numel: int, args: argparse.Namespace) -> dict[str, Any
 
 def _hook_row(record: dict[str, Any], bandwidth: float) -> dict[str, Any]:
     cpu = record["stage_cpu_ms"]
+
+    def both(name: str) -> float:  # on the hook's thread and on gloo's callback thread
+        return cpu.get(name, 0.0) + cpu.get(name + " (cb)", 0.0)
+
     body = cpu.get("hook body", 0.0)
-    encode = cpu.get("encode", 0.0) + cpu.get("worker_encode", 0.0)
-    owner = cpu.get("owner_reduce", 0.0)
-    feedback = cpu.get("subtract_decode", 0.0)
-    decode = cpu.get("decode_mean_into", 0.0) + cpu.get("decode_slices", 0.0)
-    hook = body + decode
+    encode = both("encode") + both("worker_encode")
+    owner = both("owner_reduce")
+    feedback = both("subtract_decode")
+    decode = both("decode_mean_into") + both("decode_slices")
+    inline = cpu.get("decode_mean_into", 0.0) + cpu.get("decode_slices", 0.0)
+    hook = body + decode - inline
     return {
         "spec": record["spec"],
         "values": record["numel"],
@@ -328,7 +336,7 @@ def _hook_row(record: dict[str, Any], bandwidth: float) -> dict[str, Any]:
         "owner": owner,
         "error feedback": feedback,
         "decode": decode,
-        "bookkeeping": body - encode - owner - feedback,
+        "bookkeeping": body - encode - owner - feedback - inline,
         "collectives wall ms": sum(record["collective_wall_ms"].values()),
         "hook GB/s": 4 * record["numel"] / hook / 1e6 if hook else None,
         "of bandwidth": 4 * record["numel"] / hook / 1e6 / bandwidth if hook else None,
@@ -373,6 +381,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: the codecs alone")
     parser.add_argument("--no-hook", action="store_true", help="skip the 2-rank hook part")
+    parser.add_argument("--no-codecs", action="store_true", help="skip the codecs-alone part")
     parser.add_argument("--profile", action="store_true", help="profile one hook step")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--codecs-worker", action="store_true", help=argparse.SUPPRESS)
@@ -391,17 +400,17 @@ def main() -> int:
     import bench_record
     import torch
 
+    arms = bench_record.arms(args.arm or ["after=src"])
     torch.set_num_threads(1)
     device = args.device
     bandwidth = bandwidth_gbps(max(args.repeats, 7), device)
     print(f"copy_ of {BANDWIDTH_NUMEL:,} fp32 on {device}: {bandwidth:.2f} GB/s", flush=True)
-    arms = dict(a.split("=", 1) for a in (args.arm or ["after=src"]))
     rows: list[dict[str, Any]] = []
     loads: dict[str, list[list[float]]] = {arm: [] for arm in arms}
     best: dict[tuple[str, str, int], dict[str, Any]] = {}
     # NOTE: arms alternate per (spec, size) and each takes its best over rounds: on a shared
     # machine a whole arm run after another met a different load (4x apart on one codec).
-    for numel in args.sizes:
+    for numel in [] if args.no_codecs else args.sizes:
         for spec in args.specs:
             for _ in range(args.rounds):
                 for arm, src in arms.items():
@@ -451,8 +460,9 @@ def main() -> int:
         body += [
             "\n**The hook, per bucket** (2 gloo ranks, loopback, one parameter = one bucket, "
             f"{args.warmup} untimed then {args.steps} timed steps; stage = CPU ms per step of "
-            "the thread running it (decode runs on gloo's callback thread); `bookkeeping` = "
-            "the hook body's CPU less its encode, owner stage and error feedback; every figure "
+            "the thread running it (a decode runs on gloo's callback thread, or inline in the hook "
+            "when the collective had finished); `bookkeeping` = the hook body's CPU less its "
+            "encode, owner stage, error feedback and inline decode; every figure "
             "the mean over the timed steps; `collectives wall ms`: issue to completion).\n",
             bench_record.markdown_table(hook_rows, list(hook_rows[0])),
         ]
@@ -468,7 +478,8 @@ def main() -> int:
         args.out, name, f"Codec and hook throughput against memory bandwidth ({device})",
         "\n".join(body), record_out | {"args": {k: str(v) for k, v in vars(args).items()}},
     )  # fmt: skip
-    _plot(rows, list(arms), args.sizes[0], bandwidth, args.out / f"{name}.png")
+    if rows:
+        _plot(rows, list(arms), args.sizes[0], bandwidth, args.out / f"{name}.png")
     return 0
 
 

@@ -146,7 +146,7 @@ def main() -> int:
         return 0
     import bench_record
 
-    arms = dict(a.split("=", 1) for a in (args.arm or ["after=src"]))
+    arms = bench_record.arms(args.arm or ["after=src"])
     specs = [s for s in args.specs.split(";") if s]
     runs = []
     for round_ in range(args.rounds):
