@@ -17,7 +17,7 @@ from distributed import run_ranks
 
 def one(rank, world):
     torch.set_num_threads(1)
-    from superneurons.bench.network_data import bench_batches
+    from superneurons.bench.network.data import bench_batches
     from superneurons.compress import register_compression
     from superneurons.models import build_model, default_loss
 

@@ -36,10 +36,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from superneurons.bench.artifacts import markdown_table, write_json, write_markdown
-from superneurons.bench.memory_meter import device_peak_bytes
+from superneurons.bench.memory.meter import device_peak_bytes
 from superneurons.memory import apply_plan, make_plan, min_peak_bytes, profile_step
-from superneurons.memory.below import below_profiles
-from superneurons.memory.headloss import chunk_tokens_for, linear_cross_entropy
+from superneurons.memory.chunked.headloss import chunk_tokens_for, linear_cross_entropy
+from superneurons.memory.profiling.below import below_profiles
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, MLP, VOCAB = 256, 4, 4, 2, 688, 32000
 BATCH, SEQ = 4, 256

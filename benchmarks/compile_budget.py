@@ -1,5 +1,5 @@
 """The budget under ``torch.compile``: a tiny Llama (CPU, AdamW), measured in the c10 allocator's
-view (:func:`superneurons.bench.memory_meter.allocator_peak_bytes`, which sees what inductor's
+view (:func:`superneurons.bench.memory.meter.allocator_peak_bytes`, which sees what inductor's
 generated code allocates).
 
 For fp32 parameters, fp32 under autocast-bf16 and bf16 parameters; the plain loop and HF's
@@ -28,13 +28,13 @@ from typing import Any
 import torch
 
 from superneurons.bench.artifacts import markdown_table, write_json, write_markdown
-from superneurons.bench.memory_meter import allocator_peak_bytes
+from superneurons.bench.memory.meter import allocator_peak_bytes
 from superneurons.errors import ConfigError
 from superneurons.memory import apply_plan, make_plan
-from superneurons.memory.compiled import refusal_message
 from superneurons.memory.plan import InfeasibleBudgetError, Plan
-from superneurons.memory.planner import strategy_floors
-from superneurons.memory.profile import output_loss, profile_step
+from superneurons.memory.planner.decide import strategy_floors
+from superneurons.memory.profiling.step import output_loss, profile_step
+from superneurons.memory.runtime.compiled import refusal_message
 
 VOCAB, SEQ, BATCH, STEPS = 512, 128, 4, 4  # as tests/test_memory_budget_matrix.py
 IDS = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))

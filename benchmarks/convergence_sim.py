@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from superneurons.bench.convergence import SHAKESPEARE, ConvergenceConfig, _datasets, _evaluate  # noqa: I001
+from superneurons.bench.convergence.config import SHAKESPEARE, ConvergenceConfig
+from superneurons.bench.convergence.rank import datasets, evaluate
 from superneurons.models import build_model, default_loss
 from superneurons.schemes.grammar import parse_spec
 
@@ -25,7 +26,7 @@ torch.set_num_threads(1)
 P = 2
 task = SHAKESPEARE
 cfg = ConvergenceConfig(codecs=("dense",), tasks=(task,), shakespeare_root="data/shakespeare")
-(xtr, ytr), (xte, yte) = _datasets(task, cfg)
+(xtr, ytr), (xte, yte) = datasets(task, cfg)
 
 
 def run(
@@ -149,7 +150,7 @@ def run(
                 p.sub_(upd, alpha=lr)
         if step % (steps // evals) == 0:
             part = slice(0, task.eval_limit) if step == steps else slice(0, 2000)
-            curve.append([step, round(_evaluate(model, xte[part], yte[part], task.task), 4)])
+            curve.append([step, round(evaluate(model, xte[part], yte[part], task.task), 4)])
     # bytes: only rank 0's share counted for compressed parts (C called P times) -> per rank
     return curve, bytes_total / steps, dense_bytes
 

@@ -1,6 +1,6 @@
 """Micro-benchmark of the FFT codec (HPDC'20) on one 4 MiB fp32 bucket, one thread.
 
-Target (task brief): encode >= 0.5 GB/s and decode >= 0.5 GB/s of input fp32 bytes per second
+Target: encode >= 0.5 GB/s and decode >= 0.5 GB/s of input fp32 bytes per second
 for ``fft:theta=0.9,bits=8`` on 2**20 elements, at <= 1.5 bits per element. Anchors measured in
 the same run: a plain ``torch.fft.rfft``/``irfft`` of the whole bucket, ``torch.topk`` of 10%,
 a copy of the bucket, and the dense range-float codec.

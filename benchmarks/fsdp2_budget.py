@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from superneurons.bench.artifacts import markdown_table, write_json, write_markdown
-from superneurons.bench.memory_meter import allocator_step_bytes, device_peak_bytes
+from superneurons.bench.memory.meter import allocator_step_bytes, device_peak_bytes
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, MLP, VOCAB = 256, 4, 4, 2, 688, 2000
 BATCH, SEQ = 4, 256

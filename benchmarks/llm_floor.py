@@ -4,8 +4,8 @@ The Llama-3-8B shape (Meta's published ``config.json``: hidden 4096, 32 layers, 
 key-value heads, MLP 14336, vocabulary 128256, untied embeddings), bf16 parameters, AdamW,
 batch 1, built under ``FakeTensorMode`` (no weight is materialised) and profiled at each
 ``--seq-len``: the plain step and the step below the largest layer (the LM head + loss in
-chunks, each block's MLP split over the sequence: ``memory.below``), through the library's
-own path (``memory.llm.profile_causal_lm_below``, as ``superneurons plan --model hf:``). For
+chunks, each block's MLP split over the sequence: ``memory.profiling.below``), through the library's
+own path (``memory.sizing.llm.profile_causal_lm_below``, as ``superneurons plan --model hf:``). For
 every strategy: its floor over both profiles, whether DDP can use it, and for the lowest DDP-capable one the
 largest-layer bound (``floor_over_largest_layer``), the head + loss working set and which unit
 binds. Bytes are device independent; attention is profiled with the CPU flash kernel, which
@@ -24,10 +24,10 @@ from typing import Any
 import torch
 
 from superneurons.bench.artifacts import markdown_table, write_json, write_markdown
-from superneurons.memory.bounds import head_loss_bytes
-from superneurons.memory.cost import cost_model
-from superneurons.memory.llm import LMStep, profile_causal_lm_below
-from superneurons.memory.strategy_search import strategy_floors
+from superneurons.memory.planner.bounds import head_loss_bytes
+from superneurons.memory.planner.cost import cost_model
+from superneurons.memory.planner.decide import strategy_floors
+from superneurons.memory.sizing.llm import LMStep, profile_causal_lm_below
 
 GiB = 2**30
 # Meta's Llama-3-8B config.json (huggingface.co/meta-llama/Meta-Llama-3-8B)

@@ -64,7 +64,7 @@ def _parameters(name: str) -> tuple[int, int]:
     from accelerate.utils import calculate_maximum_sizes
     from transformers import AutoModelForCausalLM
 
-    from superneurons.memory.llm import load_config
+    from superneurons.memory.sizing.llm import load_config
 
     config, _ = load_config(name)
     with init_empty_weights():
@@ -148,7 +148,7 @@ def _truth() -> dict[str, Any]:
 
     import transformers
 
-    from superneurons.bench.memory_meter import allocator_peak_bytes
+    from superneurons.bench.memory.meter import allocator_peak_bytes
 
     config = transformers.LlamaConfig(
         num_hidden_layers=4, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,

@@ -22,10 +22,10 @@ import torch
 
 from superneurons.bench.artifacts import markdown_table, write_json, write_markdown
 from superneurons.errors import ConfigError
-from superneurons.memory.bounds import largest_unit_bytes, resident_bytes, split_largest
-from superneurons.memory.planner import make_plan, min_peak_bytes
-from superneurons.memory.profile import profile_step
-from superneurons.memory.simulate import OPTIMIZERS, simulate_plan
+from superneurons.memory.planner.bounds import largest_unit_bytes, resident_bytes, split_largest
+from superneurons.memory.planner.decide import make_plan, min_peak_bytes
+from superneurons.memory.profiling.step import profile_step
+from superneurons.memory.sizing.simulate import OPTIMIZERS, simulate_plan
 from superneurons.models.zoo import build_model, default_loss, model_input
 
 CASES = [

@@ -6,7 +6,7 @@ fp32 master weights the optimizer keeps in its state (``MasterAdamW`` below). Lo
 one (``model(**batch).loss.backward()``) and HF's ``no_trainer`` one (``outputs`` alive until the
 next step). Budgets: 60% and 45% of eager's predicted peak and the reported minimum of strategy
 ``recompute`` (``plan_for_batch``'s ``auto`` on a CPU device). Measured: the c10 CPU allocator's
-peak of one steady-state step (``bench.memory_meter.allocator_peak_bytes``); gradients after
+peak of one steady-state step (``bench.memory.meter.allocator_peak_bytes``); gradients after
 the steps compared bit for bit with an eager twin. Under autocast, also the floor when the whole
 ``plan_for_batch`` call runs inside the user's autocast against ``autocast=torch.bfloat16``.
 
@@ -24,12 +24,12 @@ import torch
 import transformers
 
 from superneurons.bench.artifacts import markdown_table, write_json, write_markdown
-from superneurons.bench.memory_meter import allocator_peak_bytes
+from superneurons.bench.memory.meter import allocator_peak_bytes
 from superneurons.errors import ConfigError
 from superneurons.integrations.hf import plan_for_batch
 from superneurons.memory import apply_plan, make_plan
-from superneurons.memory.planner import strategy_floors
-from superneurons.memory.profile import output_loss, profile_step
+from superneurons.memory.planner.decide import strategy_floors
+from superneurons.memory.profiling.step import output_loss, profile_step
 
 VOCAB, SEQ, BATCH = 512, 128, 4
 IDS = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from superneurons.integrations.accelerate import prepare_superneurons
-from superneurons.train.rank import exit_rank
+from superneurons.train import exit_rank
 
 VOCAB = 128
 SEQ = 64

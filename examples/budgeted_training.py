@@ -20,13 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from superneurons.bytesize import format_bytes, parse_bytes
-from superneurons.data.fashion_mnist import fashion_mnist
-from superneurons.device import Placement
-from superneurons.memory import InfeasibleBudgetError, make_plan
-from superneurons.memory.profile import profile_step
-from superneurons.memory.runtime import apply_plan
-from superneurons.models.zoo import build_model
+from superneurons import format_bytes, parse_bytes
+from superneurons.data import fashion_mnist
+from superneurons.memory import InfeasibleBudgetError, apply_plan, make_plan, profile_step
+from superneurons.models import build_model
 
 
 def main() -> None:
@@ -41,7 +38,8 @@ def main() -> None:
     torch.manual_seed(0)
 
     # The first GPU when there is one (activations offload to pinned host memory), else the CPU.
-    placement = Placement(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    pinned = device.type == "cuda"  # batches copy from pinned memory, overlapping host work
     model = build_model(
         "resnet",
         layers=(2, 2, 2, 2),
@@ -51,15 +49,15 @@ def main() -> None:
         in_channels=1,
         small_input=True,
     )
-    model = placement.module(model)
+    model = model.to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loader = DataLoader(
         fashion_mnist(split="train"),
         batch_size=args.batch,
         shuffle=True,
-        pin_memory=placement.pin_memory,
+        pin_memory=pinned,
     )
-    images, labels = placement.batch(next(iter(loader)))
+    images, labels = (t.to(device, non_blocking=pinned) for t in next(iter(loader)))
 
     profile = profile_step(model, images, labels, F.cross_entropy, optimizer)
     eager_peak = profile.predicted_peak_bytes()
@@ -86,7 +84,7 @@ def main() -> None:
     factory = sgd if plan.optimizer_in_backward else None
     with apply_plan(model, plan, optimizer_factory=factory) as handle:
         for step, batch in zip(range(args.steps), loader, strict=False):
-            images, labels = placement.batch(batch)
+            images, labels = (t.to(device, non_blocking=pinned) for t in batch)
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(images), labels)
             loss.backward()

@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from superneurons.compress import ErrorFeedback, Warmup, parse_spec, register_compression
-from superneurons.train.rank import exit_rank, init_distributed
+from superneurons.train import exit_rank, init_distributed
 
 
 def main() -> None:

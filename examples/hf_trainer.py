@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from superneurons.integrations.transformers import SuperNeuronsCallback
-from superneurons.train.rank import exit_rank
+from superneurons.train import exit_rank
 
 VOCAB = 128
 SEQ = 64

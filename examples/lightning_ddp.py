@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Subset
 from superneurons.data import build_dataset
 from superneurons.integrations.lightning import CompressedDDPStrategy
 from superneurons.models import build_model
-from superneurons.train.rank import exit_rank
+from superneurons.train import exit_rank
 
 
 class Classifier(L.LightningModule):

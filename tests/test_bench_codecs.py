@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from superneurons.bench.codecs import CodecBenchConfig, run_codec_bench, write_codec_artifacts
-from superneurons.bench.gradients import GradientCapture, bucket_bounds
+from superneurons.bench.codecs.budgets import CodecBenchConfig, run_codec_bench
+from superneurons.bench.codecs.gradients import GradientCapture, bucket_bounds
+from superneurons.bench.codecs.report import write_codec_artifacts
 from superneurons.models import build_model, default_loss, model_input
 from superneurons.schemes.grammar import parse_spec
 
@@ -92,7 +93,7 @@ def test_error_feedback_helps_a_biased_sparsifier() -> None:
 
 
 def test_speed_records_every_codec_on_the_cpu(tmp_path: Path) -> None:
-    from superneurons.bench.codec_speed import (
+    from superneurons.bench.codecs.speed import (
         SpeedConfig,
         measure_codec_speed,
         write_speed_artifacts,
@@ -114,10 +115,36 @@ def test_speed_records_every_codec_on_the_cpu(tmp_path: Path) -> None:
 
 
 def test_speed_rejects_cuda_without_a_gpu_and_bad_specs() -> None:
-    from superneurons.bench.codec_speed import SpeedConfig
+    from superneurons.bench.codecs.speed import SpeedConfig
     from superneurons.errors import ConfigError
 
     with pytest.raises(ConfigError, match="unknown codec"):
         SpeedConfig(specs=("nope",))
     with pytest.raises(ConfigError, match="device"):
         SpeedConfig(device="mps")
+
+
+def test_settings_build_codecs_and_the_speed_config_parses_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import collections
+
+    from superneurons.bench.codecs.budgets import bench_settings
+    from superneurons.bench.codecs.speed import SpeedConfig, measure_codec_speed
+    from superneurons.schemes import grammar
+
+    counts: collections.Counter[str] = collections.Counter()
+    check = grammar._check_text
+
+    def counted(text: object) -> None:
+        counts[str(text)] += 1
+        check(text)
+
+    monkeypatch.setattr(grammar, "_check_text", counted)
+    settings = bench_settings([2**16, 4096], (1.0, 4.0))
+    assert not counts  # objects all the way: no spec string formatted and read back
+    assert all(parse_spec(s.spec) == s.codec for s in settings)  # and they print as they are
+    counts.clear()
+    config = SpeedConfig(sizes_mib=(0.01,), repeats=1, specs=("fft", "qsgd"))
+    measure_codec_speed(config)
+    assert counts == {"fft": 1, "qsgd": 1}

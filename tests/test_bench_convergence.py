@@ -2,26 +2,28 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
+import pickle
 import shutil
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from superneurons.bench.convergence import (
-    FASHION_MNIST,
-    SHAKESPEARE,
-    ConvergenceConfig,
-    add_deltas,
-    run_convergence_bench,
-)
-from superneurons.bench.convergence_labels import adam_auto, applies
-from superneurons.bench.convergence_report import write_artifacts
+from superneurons.bench.convergence.config import FASHION_MNIST, SHAKESPEARE, ConvergenceConfig
+from superneurons.bench.convergence.labels import read_label
+from superneurons.bench.convergence.report import summary_lines, write_artifacts
+from superneurons.bench.convergence.run import add_deltas, run_convergence_bench
+from superneurons.codecs.schedule import DiminishingTheta, Scheduled
 from superneurons.errors import ConfigError
-from superneurons.schemes.adam import AdamAuto
+from superneurons.schemes import grammar
+from superneurons.schemes.adam import AdamAuto, AdamUpdate
+from superneurons.schemes.auto import Auto
+from superneurons.schemes.grammar import parse_spec
+from superneurons.schemes.theta import Diminishing, RunScheduled
 
 FMNIST_ROOT = Path(ConvergenceConfig().fashion_mnist_root)
 SHAKESPEARE_ROOT = Path(__file__).resolve().parents[1] / "data" / "shakespeare"
@@ -106,6 +108,19 @@ def test_codec_labels_are_checked_before_any_rank_starts() -> None:
         ConvergenceConfig(codecs=("dense", "adam-update:nope"))
     with pytest.raises(ConfigError, match="until"):
         ConvergenceConfig(codecs=("dense", "fft|diminishing:until=2"))
+    with pytest.raises(ConfigError, match="no θ to schedule"):
+        ConvergenceConfig(codecs=("dense", "qsgd|diminishing"))
+    with pytest.raises(ConfigError, match="'dense'"):
+        ConvergenceConfig(codecs=("dense", "every-step"))
+
+
+def test_a_theta_schedule_over_the_run_is_read_once_and_set_when_the_length_is_known() -> None:
+    label = read_label("fft:theta=0.999|diminishing:start=0.999,floor=0.9,drops=1,until=0.5")
+    fft = parse_spec("fft:theta=0.999")
+    expected = RunScheduled(fft, Diminishing(start=0.999, floor=0.9, drops=1, until=0.5))
+    assert label.on("sgd") == label.on("adamw") == expected
+    assert expected.at(468) == Scheduled(fft, DiminishingTheta(0.999, 0.9, steps=234, drops=1))
+    assert read_label(str(expected)).on("sgd") == expected  # the spec reads back
 
 
 @pytest.mark.slow
@@ -131,13 +146,14 @@ def test_adam_auto_labels_run_on_adam_tasks_only() -> None:
     ConvergenceConfig(codecs=("dense", "auto:link=100mbit", "auto:margin=0.1"))
     with pytest.raises(ConfigError, match="link"):
         ConvergenceConfig(codecs=("dense", "auto:link=fast"))
-    assert adam_auto("adamw", "auto:link=100mbit") == AdamAuto(link_bit_s=100_000_000)
-    assert adam_auto("adamw", "auto") == AdamAuto()
-    assert adam_auto("sgd", "auto") is None  # SGD: the gradient hook's auto
-    assert adam_auto("adamw", "auto:observe_steps=3") is None  # the hook's auto options
-    assert applies("adamw", "auto:link=100mbit") and applies("sgd", "auto")
-    assert not applies("sgd", "auto:link=100mbit") and not applies("sgd", "adam-update:fp16")
-    assert applies("sgd", "auto:observe_steps=3")
+    assert read_label("auto:link=100mbit").on("adamw") == AdamAuto(link_bit_s=100_000_000)
+    assert read_label("auto").on("adamw") == AdamAuto()
+    assert read_label("auto").on("sgd") == Auto()  # SGD: the gradient hook's auto
+    assert read_label("auto:observe_steps=3").on("sgd") == Auto(observe_steps=3)
+    assert read_label("auto:observe_steps=3").on("adamw") is None  # the hook's auto options
+    assert read_label("auto:link=100mbit").on("sgd") is None
+    assert read_label("adam-update:fp16").on("sgd") is None  # the optimizer communicates
+    assert isinstance(read_label("adam-update:fp16").on("adam"), AdamUpdate)
 
 
 @pytest.mark.slow
@@ -180,20 +196,19 @@ def test_shaped_link_trains_the_same_steps_between_namespaces() -> None:
 
 
 def test_diloco_labels_name_diloco_with_error_feedback_on_a_lossy_wire() -> None:
-    from superneurons.bench.convergence_labels import scheme_of
     from superneurons.codecs.feedback import ErrorFeedback
     from superneurons.codecs.qsgd import QSGDCodec
     from superneurons.schemes.diloco import DiLoCo
 
-    assert scheme_of("adamw", "diloco[steps=4]:qsgd") == DiLoCo(ErrorFeedback(QSGDCodec()), 4)
-    assert scheme_of("sgd", "diloco:steps=4") == DiLoCo(steps=4)
-    assert applies("sgd", "diloco:steps=4") and applies("adamw", "diloco:steps=4")
+    label = read_label("diloco[steps=4]:qsgd")
+    assert label.on("adamw") == label.on("sgd") == DiLoCo(ErrorFeedback(QSGDCodec()), 4)
+    assert read_label("diloco:steps=4").on("sgd") == DiLoCo(steps=4)
     with pytest.raises(ConfigError, match="steps"):
         ConvergenceConfig(codecs=("dense", "diloco:steps=0"))
 
 
 def test_time_to_loss_interpolates_between_curve_points() -> None:
-    from superneurons.bench.convergence_report import time_to_loss_s
+    from superneurons.bench.convergence.report import time_to_loss_s
 
     record = {"curve": [[10, 3.0], [20, 2.6], [30, 2.5]], "curve_train_s": [5.0, 9.0, 13.0]}
     assert time_to_loss_s(record, 3.1) == 5.0  # the first point already
@@ -218,3 +233,48 @@ def test_diloco_counts_its_rounds_bytes_and_times_its_curve() -> None:
     assert len(diloco["curve_train_s"]) == len(diloco["curve"]) == 2
     assert 0 < diloco["curve_train_s"][0] < diloco["curve_train_s"][1]
     assert math.isfinite(diloco["final_metric"]) and dense["ratio_vs_dense"] == 1.0
+
+
+def test_labels_are_read_at_the_edge_and_never_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The config reads each label once per optimizer family; the tasks, the ranks (a pickled
+    copy, as a shaped rank reads it) and the report take the objects and parse nothing."""
+    counts: collections.Counter[str] = collections.Counter()
+    check = grammar._check_text
+
+    def counted(text: object) -> None:
+        counts[str(text)] += 1
+        check(text)
+
+    monkeypatch.setattr(grammar, "_check_text", counted)
+    labels = ("dense", "fft|diminishing:until=0.5", "auto", "adam-update:signsgd")
+    config = ConvergenceConfig(codecs=(*labels, "diloco[steps=2]:fp16"))
+    assert counts == {"dense": 2, "fft": 2, "auto": 2, "adam-update:signsgd": 2, "fp16": 2}
+    read = counts.copy()
+    for task in config.tasks:
+        assert [lb.on(task.optimizer) is not None for lb in config.labels].count(False) == (
+            1 if task.optimizer == "sgd" else 0  # adam-update replaces Adam: not on SGD
+        )
+    records = [
+        {"task": "shakespeare", "codec": text, "final_metric": 2.0, "delta_vs_dense": 0.0}
+        for text in config.codecs
+    ]
+    summary_lines(records, pickle.loads(pickle.dumps(config)))
+    assert counts == read
+
+
+def test_every_label_in_the_recorded_results_still_reads() -> None:
+    """The spellings the recorded runs used (``fft:theta=0.999|diminishing:...`` among them)
+    read as the one grammar's RUN, and print back to what reads the same."""
+    root = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    texts = {
+        record["codec"]
+        for path in root.rglob("convergence.json")
+        for record in json.loads(path.read_text())["records"]
+    }
+    assert any("|diminishing:" in text for text in texts)
+    for text in sorted(texts):
+        label = read_label(text)
+        for optimizer in ("sgd", "adamw"):
+            reading = label.on(optimizer)
+            if reading is not None:
+                assert read_label(str(reading)).on(optimizer) == reading, (text, optimizer)

@@ -3,7 +3,7 @@
 CPU: every plan the benchmark measures fits its budget and its prediction (within 3%), the
 anchors are measured in the same run, the verdicts follow from the records, and the command
 writes its three artifacts. CUDA (skipped without a device): the same run on real CUDA tensors
-with ``max_memory_allocated``, and the allocator cap of :mod:`superneurons.memory.workspace`.
+with ``max_memory_allocated``, and the allocator cap of :mod:`superneurons.memory.profiling.workspace`.
 """
 
 from __future__ import annotations
@@ -18,11 +18,15 @@ import pytest
 import torch
 from torch import nn
 
-from superneurons.bench.memory import MODELS, MemoryBenchConfig, run_memory_bench
-from superneurons.bench.memory_report import verdicts
+from superneurons.bench.memory.report import verdicts
+from superneurons.bench.memory.run import MODELS, MemoryBenchConfig, run_memory_bench
 from superneurons.commands import bench_memory
 from superneurons.errors import ConfigError
-from superneurons.memory.workspace import cudnn_settings, limit_workspace, untracked_peak_bytes
+from superneurons.memory.profiling.workspace import (
+    cudnn_settings,
+    limit_workspace,
+    untracked_peak_bytes,
+)
 
 TINY = dict(batch_size=4, block_size=64, steps=1, budgets=(0.9, 0.8))
 NO_COMPILE = ("eager", "ours", "ours-offload", "checkpoint", "selective", "save_on_cpu")
@@ -174,8 +178,8 @@ def test_every_anchor_runs_every_bench_model_with_eager_gradients(model: str) ->
     """checkpoint, selective and save_on_cpu on each model the benchmark offers (ResNet-50's
     in-place ReLU after a unit boundary included): the step runs and its gradients are
     bitwise eager's (recomputation replays the same ops and the same dropout draws)."""
-    from superneurons.bench.memory import _build, _no_kv_cache
-    from superneurons.bench.memory_anchors import checkpointed_units, save_on_cpu
+    from superneurons.bench.memory.anchors import checkpointed_units, save_on_cpu
+    from superneurons.bench.memory.run import _build, _no_kv_cache
     from superneurons.memory.profile_types import default_units
 
     if model == "hf-gpt2":

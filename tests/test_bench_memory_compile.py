@@ -2,7 +2,7 @@
 
 Inductor's CPU kernels get their buffers from the c10 allocator without going through the
 dispatcher, where the live-storage count looks; the meter reads the allocator's own events
-(:func:`~superneurons.bench.memory_meter.allocator_peak_bytes`), so the compile anchor of
+(:func:`~superneurons.bench.memory.meter.allocator_peak_bytes`), so the compile anchor of
 ``bench memory`` is measured in the same view as our plans and the other anchors.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from superneurons.bench.memory import MemoryBenchConfig, run_memory_bench
-from superneurons.bench.memory_meter import allocator_peak_bytes
+from superneurons.bench.memory.meter import allocator_peak_bytes
+from superneurons.bench.memory.run import MemoryBenchConfig, run_memory_bench
 
 
 @pytest.mark.slow  # inductor generates and compiles C++ (tens of seconds)

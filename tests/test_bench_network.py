@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -13,18 +14,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from superneurons.bench import network
-from superneurons.bench.network import (
+from superneurons.bench.network import run as network
+from superneurons.bench.network.report import write_artifacts
+from superneurons.bench.network.run import (
     NetworkBenchConfig,
     _wait_all,
     add_speedups,
     run_network_bench,
 )
-from superneurons.bench.network_report import write_artifacts
-from superneurons.bench.network_worker import analytic_bytes_per_step
+from superneurons.bench.network.worker import analytic_bytes_per_step
 from superneurons.cli import main
 from superneurons.errors import ConfigError
 from superneurons.models import build_model
+from superneurons.schemes import grammar
+from superneurons.schemes.grammar import parse_spec
 
 TINY = {"mlp": {"hidden": [16]}}
 FASHION = Path("/usr/share/datasets/fashion-mnist/train-labels-idx1-ubyte.gz")
@@ -190,8 +193,8 @@ def test_analytic_powersgd_bytes_follow_torch_rule() -> None:
     # 100x50 compressed to rank 4: 4 (50 + 100); the 2x50 matrix and both biases stay dense.
     expected = 4 * (4 * (50 + 100) + 50 + 2 * 50 + 2)
     numel = 100 * 50 + 50 + 50 * 2 + 2
-    assert analytic_bytes_per_step(model, "torch-powersgd:rank=4", 2) == expected
-    assert analytic_bytes_per_step(model, "dense", 4) == pytest.approx(1.5 * 4 * numel)
+    assert analytic_bytes_per_step(model, parse_spec("torch-powersgd:rank=4"), 2) == expected
+    assert analytic_bytes_per_step(model, parse_spec("dense"), 4) == pytest.approx(1.5 * 4 * numel)
 
 
 def test_bad_cli_input_is_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -219,16 +222,20 @@ def test_from_partial_writes_artifacts_of_an_interrupted_run(tmp_path: Path) -> 
 
 
 def test_scale_lines_judge_bytes_and_step_targets_across_world_sizes() -> None:
-    from superneurons.bench.network_scale import exchange_kind, scale_lines
+    from superneurons.bench.network.scale import exchange_kind, scale_lines
 
-    assert [exchange_kind(c) for c in ("dense", "torch-fp16", "bf16", "powersgd:rank=4")] == [
+    def kind(label: str) -> str:
+        return exchange_kind(parse_spec(label))
+
+    assert [kind(c) for c in ("dense", "torch-fp16", "bf16", "powersgd:rank=4")] == [
         "dense",
         "anchor",
         "ring",
         "ring",
     ]
-    assert exchange_kind("twophase:bits=4") == "twophase"
-    assert exchange_kind("ef(ctopk)") == "gather" and exchange_kind("auto") == "auto"
+    assert kind("twophase:bits=4") == "twophase" and kind("torch-powersgd:rank=4") == "anchor"
+    assert kind("ef(ctopk)") == "gather" and kind("auto") == "auto"
+    assert exchange_kind(None) == "unknown"  # a label the configuration does not name
 
     def record(p: int, codec: str, received: float, step_s: float) -> dict[str, object]:
         return {"bandwidth": "1gbit", "model": "fc-heavy", "status": "ok", "nproc": p,
@@ -242,7 +249,8 @@ def test_scale_lines_judge_bytes_and_step_targets_across_world_sizes() -> None:
         record(8, "torch-fp16", 400.0, 1.6),
         record(8, "auto", 50.0, 1.02),
     ]
-    lines = scale_lines(records)
+    compressions = {c: parse_spec(c) for c in ("twophase:bits=4", "ctopk", "torch-fp16", "auto")}
+    lines = scale_lines(records, compressions)
     assert any("twophase:bits=4" in ln and "1.05x; target within 10%: met" in ln for ln in lines)
     assert any("predict 2(P-1)/P: 1.75x" in ln for ln in lines)
     assert any(
@@ -255,14 +263,15 @@ def test_scale_lines_judge_bytes_and_step_targets_across_world_sizes() -> None:
         "auto 1.020 s/step, 0.98x the best fixed choice" in ln and ": met)" in ln for ln in lines
     )
     records[1]["bytes_received_per_rank"] = 120.0
-    assert any("1.20x; target within 10%: NOT met" in ln for ln in scale_lines(records))
+    assert any(
+        "1.20x; target within 10%: NOT met" in ln for ln in scale_lines(records, compressions)
+    )
 
 
 def test_extrapolation_sets_measured_beside_predicted_and_says_what_auto_would_choose(
     tmp_path: Path,
 ) -> None:
-    from superneurons.bench.network_extrapolate import extrapolation, write_extrapolation
-    from superneurons.compress import parse_spec
+    from superneurons.bench.network.extrapolate import extrapolation, write_extrapolation
     from superneurons.strategy import DENSE, BucketTiming, CodecCost, DecisionInputs, ring_network
 
     def inputs(p: int) -> dict[str, object]:
@@ -285,8 +294,10 @@ def test_extrapolation_sets_measured_beside_predicted_and_says_what_auto_would_c
                 "status": "ok", "nproc": p, "codec": codec, "mean_step_s": step_s,
                 **({"sync_inputs": inputs(p)} if codec == "auto" else {})}  # fmt: skip
 
-    records = [record(p, c, 1.0) for p in (2, 8) for c in ("dense", "ctopk", "auto")]
-    rows, choices = extrapolation(records, predict_nprocs=(64,))
+    labels = ("dense", "ctopk", "auto")
+    records = [record(p, c, 1.0) for p in (2, 8) for c in labels]
+    compressions = {c: parse_spec(c) for c in labels}
+    rows, choices = extrapolation(records, compressions, predict_nprocs=(64,))
     at = {(r["codec"], r["rate_bit_s"], r["nproc"]): r for r in rows}
     assert at[("dense", 1e9, 8)]["measured_step_s"] == 1.0  # measured where it ran ...
     assert at[("dense", 1e10, 8)]["measured_step_s"] is None  # ... and at no other rate
@@ -294,10 +305,46 @@ def test_extrapolation_sets_measured_beside_predicted_and_says_what_auto_would_c
     assert at[("twophase:bits=4", 1e9, 8)]["predicted_step_s"] is None  # not a candidate here
     assert at[("dense", 1e11, 64)]["predicted_step_s"] < at[("dense", 1e9, 64)]["predicted_step_s"]
     assert len(choices) == 3 and all("P=64" in line for line in choices)
-    paths = write_extrapolation(records, tmp_path, predict_nprocs=(64, 512))
+    paths = write_extrapolation(records, tmp_path, compressions, predict_nprocs=(64, 512))
     assert [p.name for p in paths] == [
         "extrapolation.json",
         "extrapolation.md",
         "extrapolation.png",
     ]
     assert "| fc-heavy | dense | 1 Gbit/s | **1** / " in (tmp_path / "extrapolation.md").read_text()
+
+
+def test_the_extrapolation_table_names_what_its_labels_parse_to() -> None:
+    from superneurons.bench.network.extrapolate import TABLE_CODECS
+
+    assert {label: parse_spec(label) for label in TABLE_CODECS} == TABLE_CODECS
+
+
+def test_codec_labels_are_parsed_once_per_process(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The config parses each label once; the reports take its objects; a worker (a process of
+    its own) parses its labels once more, when it reads its configuration."""
+    from superneurons.bench.network.worker import WorkerConfig
+
+    counts: collections.Counter[str] = collections.Counter()
+    check = grammar._check_text
+
+    def counted(text: object) -> None:
+        counts[str(text)] += 1
+        check(text)
+
+    monkeypatch.setattr(grammar, "_check_text", counted)
+    config = _tiny(codecs=("dense", "twophase:bits=4", "auto"))
+    assert counts == dict.fromkeys(config.codecs, 1)
+    fields = {"model": "fc-heavy", "status": "ok", "compute_step_s": 1.0, "bytes_per_step": 1e6}
+    records = [
+        {"bandwidth": "1gbit", "nproc": p, "codec": c, "mean_step_s": 1.0, **fields}
+        for p in (2, 4)
+        for c in config.codecs
+    ]
+    write_artifacts(records, tmp_path, config)
+    assert counts == dict.fromkeys(config.codecs, 1)
+    worker = WorkerConfig(0, 2, "127.0.0.1", 1, "mlp", config.codecs)
+    assert counts == dict.fromkeys(config.codecs, 2)
+    assert worker.compressions == config.compressions

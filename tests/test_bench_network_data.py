@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from superneurons.bench.network import DEFAULT_MODELS, NetworkBenchConfig
-from superneurons.bench.network_data import bench_batches, real_data_fits
+from superneurons.bench.network.data import bench_batches, real_data_fits
+from superneurons.bench.network.run import DEFAULT_MODELS, NetworkBenchConfig
 from superneurons.data.fashion_mnist import DEFAULT_ROOT
 from superneurons.errors import ConfigError
 from superneurons.models import build_model

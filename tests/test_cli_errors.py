@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -134,18 +135,27 @@ def test_bad_input_is_one_line_exit_2(
     assert cpu_s <= BOUND_S, f"{case}: {cpu_s:.1f} s of CPU"
 
 
+def _child_cpu_s(command: list[str], env: dict[str, str]) -> tuple[float, Any]:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), done
+
+
 def test_bad_input_through_a_fresh_interpreter(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1")
+    # NOTE: start-up (the interpreter, torch's import) is measured beside the check, in the same
+    # test, so a busy machine raises both: the bound is on the work the refusal adds to it.
+    start_up_s, _ = _child_cpu_s([sys.executable, "-m", "superneurons.cli", "--help"], env)
     for case in ("truncated .gz IDX", "garbage checkpoint"):
         data = write_fashion_mnist(tmp_path / case / "data")
         out = tmp_path / case / "out"
         extra, named = CASES[case](data, out)
         command = [sys.executable, "-m", "superneurons.cli", *_command(data, out, extra)]
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        cpu_s, done = _child_cpu_s(command, env)
         assert done.returncode == 2, done.stderr
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and named in lines[0] and "Traceback" not in done.stderr, lines
-        assert cpu_s <= BOUND_S, f"{case}: {cpu_s:.1f} s of CPU including start-up"
+        assert cpu_s - start_up_s <= BOUND_S, (
+            f"{case}: {cpu_s:.1f} s of CPU, {start_up_s:.1f} s of it the interpreter's start-up"
+        )

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from superneurons.demo.memory import compare_memory
-from superneurons.memory.profile import profile_step
+from superneurons.memory.profiling.step import profile_step
 from superneurons.models.zoo import build_model, default_loss, model_input
 from superneurons.train.task import TASKS
 

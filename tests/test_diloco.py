@@ -285,7 +285,7 @@ def _resume_mid_window(rank: int, world_size: int, tmp: str, wire: str = "qsgd")
         {"model": model.state_dict(), "adam": adam.state_dict(), "local": local.state_dict()}, path
     )
     model, ddp, adam, local = build()
-    saved = torch.load(path, weights_only=False)
+    saved = torch.load(path, weights_only=True)
     model.load_state_dict(saved["model"])
     adam.load_state_dict(saved["adam"])
     local.load_state_dict(saved["local"])

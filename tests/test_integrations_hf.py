@@ -204,7 +204,7 @@ def _hf_step_peak(*, use_cache: bool) -> tuple[int, int]:
     recompute plan; measured in the c10 allocator's view, which a real cpu profile predicts."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from superneurons.bench.memory_meter import allocator_peak_bytes
+    from superneurons.bench.memory.meter import allocator_peak_bytes
 
     torch.manual_seed(0)
     config = GPT2Config(
@@ -251,7 +251,7 @@ def test_keep_outputs_plans_the_no_trainer_loop_within_budget() -> None:
     them: ``plan_for_batch(..., keep_outputs=True)`` counts them, and the loop stays within."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from superneurons.bench.memory_meter import allocator_peak_bytes
+    from superneurons.bench.memory.meter import allocator_peak_bytes
 
     torch.manual_seed(0)
     config = GPT2Config(

@@ -16,9 +16,9 @@ import pytest
 import torch
 from torch import nn
 
-from superneurons.bench.memory_meter import device_peak_bytes
+from superneurons.bench.memory.meter import device_peak_bytes
 from superneurons.memory import apply_plan, make_plan, min_peak_bytes, profile_step
-from superneurons.memory.below import below_profiles
+from superneurons.memory.profiling.below import below_profiles
 
 transformers = pytest.importorskip("transformers")
 

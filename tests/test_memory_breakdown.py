@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from superneurons.memory.plan import SEARCH_STRATEGIES, STRATEGIES
-from superneurons.memory.planner import make_plan, min_peak_bytes, strategy_floors
-from superneurons.memory.predict import BREAKDOWN
-from superneurons.memory.profile import profile_step
+from superneurons.memory.planner.decide import make_plan, min_peak_bytes, strategy_floors
+from superneurons.memory.planner.predict import BREAKDOWN
 from superneurons.memory.profile_types import Profile
+from superneurons.memory.profiling.step import profile_step
 
 VOCAB, WIDTH, BATCH, SEQ = 512, 32, 4, 16
 

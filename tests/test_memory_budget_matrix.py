@@ -4,7 +4,7 @@ For fp32 parameters, fp32 parameters under autocast (forward + loss) and bf16 pa
 plain loop (``model(**batch).loss.backward()``) and HF's ``no_trainer`` loop (``outputs`` kept
 until the next step replaces them); budgets of 60% and 45% of eager's predicted peak and the
 reported minimum: the measured peak, in the c10 CPU allocator's view
-(:func:`~superneurons.bench.memory_meter.allocator_peak_bytes`: kernel scratch, the generator
+(:func:`~superneurons.bench.memory.meter.allocator_peak_bytes`: kernel scratch, the generator
 state checkpoint stashes and everything else the allocator serves), never exceeds the budget,
 is within 1% of the prediction, and the parameters after the steps are bitwise equal to eager.
 A budget below the floor of every strategy a CPU can measure is refused (the floor checked).
@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 import torch
 
-from superneurons.bench.memory_meter import allocator_peak_bytes
+from superneurons.bench.memory.meter import allocator_peak_bytes
 from superneurons.memory import PoolConfig, apply_plan, make_plan
 from superneurons.memory.plan import InfeasibleBudgetError, Plan, StrategyFloor
-from superneurons.memory.planner import strategy_floors
-from superneurons.memory.profile import output_loss, profile_step
+from superneurons.memory.planner.decide import strategy_floors
+from superneurons.memory.profiling.step import output_loss, profile_step
 
 transformers = pytest.importorskip("transformers")
 

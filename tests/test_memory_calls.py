@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from superneurons.errors import ConfigError
-from superneurons.memory.bounds import working_sets
-from superneurons.memory.planner import make_plan, min_peak_bytes
-from superneurons.memory.profile import profile_step
+from superneurons.memory.planner.bounds import working_sets
+from superneurons.memory.planner.decide import make_plan, min_peak_bytes
 from superneurons.memory.profile_types import layer_units
-from superneurons.memory.simulate import simulate_plan
+from superneurons.memory.profiling.step import profile_step
+from superneurons.memory.sizing.simulate import simulate_plan
 from superneurons.models.zoo import build_model, default_loss, model_input
 
 KWARGS = {"layers": (1, 1, 1, 1), "width": 8, "num_classes": 10, "small_input": True}
@@ -68,11 +68,11 @@ def test_the_first_ops_output_is_not_taken_for_an_input() -> None:
     """The stem conv's output is born at event 0, as are (clamped) the storages alive before
     the step: only the latter are the caller's. Offloading the BatchNorm that saves the conv's
     output frees it, predicted and measured alike (real CPU tensors)."""
-    from superneurons.bench.memory_meter import device_peak_bytes
+    from superneurons.bench.memory.meter import device_peak_bytes
+    from superneurons.memory.offload.pool import PoolConfig
     from superneurons.memory.plan import Plan, UnitDecision
-    from superneurons.memory.pool import PoolConfig
-    from superneurons.memory.predict import evaluate
-    from superneurons.memory.runtime import apply_plan
+    from superneurons.memory.planner.predict import evaluate
+    from superneurons.memory.runtime.apply import apply_plan
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(

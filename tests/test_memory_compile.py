@@ -1,4 +1,4 @@
-"""``torch.compile`` over a plan (:mod:`superneurons.memory.compiled`).
+"""``torch.compile`` over a plan (:mod:`superneurons.memory.runtime.compiled`).
 
 By default a compiled call of a planned model, or of one of its units compiled alone, is refused
 with a ``ConfigError`` at its first call (the budget holds for the eager step the plan was
@@ -21,13 +21,13 @@ import pytest
 import torch
 from torch import nn
 
-from superneurons.bench.memory_meter import allocator_peak_bytes
+from superneurons.bench.memory.meter import allocator_peak_bytes
 from superneurons.errors import ConfigError
 from superneurons.memory import apply_plan, make_plan
-from superneurons.memory.compiled import refusal_message
 from superneurons.memory.plan import Plan, UnitDecision
-from superneurons.memory.planner import strategy_floors
-from superneurons.memory.profile import output_loss, profile_step
+from superneurons.memory.planner.decide import strategy_floors
+from superneurons.memory.profiling.step import output_loss, profile_step
+from superneurons.memory.runtime.compiled import refusal_message
 
 transformers = pytest.importorskip("transformers")
 

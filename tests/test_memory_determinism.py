@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from superneurons.memory.plan import Plan
-from superneurons.memory.planner import make_plan
-from superneurons.memory.profile import output_loss, profile_step
+from superneurons.memory.planner.decide import make_plan
 from superneurons.memory.profile_types import Profile
+from superneurons.memory.profiling.step import output_loss, profile_step
 
 transformers = pytest.importorskip("transformers")
 
@@ -79,8 +79,8 @@ def test_every_unit_a_plan_moves_off_keep_is_needed() -> None:
     """Minimal plans: taking any one unit of the plan back to "keep" breaks the budget, whatever
     order timing noise gives the candidates (a unit that entered the greedy prefix early and
     ended up lowering nothing is taken back), so noise cannot add a useless unit to a plan."""
-    from superneurons.memory.cost import CostModel
-    from superneurons.memory.predict import evaluate
+    from superneurons.memory.planner.cost import CostModel
+    from superneurons.memory.planner.predict import evaluate
 
     model, batch = _model_and_batch()
     profile = profile_step(model, batch, None, output_loss, None, keep_output=False)

@@ -78,7 +78,7 @@ def _measured(
     """A step, then the per-rank peak of a second one: the c10 CPU allocator's (resident state
     included) with the bytes whose free its profiler missed, and the live-storage tracker's
     (which sees frees on every thread); and the shards after those steps."""
-    from superneurons.bench.memory_meter import allocator_step_bytes, device_peak_bytes
+    from superneurons.bench.memory.meter import allocator_step_bytes, device_peak_bytes
 
     _step(model, optimizer, _batch(rank, 0))
     batch = _batch(rank, 1)

@@ -14,7 +14,7 @@ from integrations_support import TinyLM, batch
 from superneurons.errors import ConfigError
 from superneurons.integrations.accelerate import prepare_superneurons
 from superneurons.integrations.hf import plan_for_batch
-from superneurons.memory.handover import factory_like
+from superneurons.memory.offload.handover import factory_like
 
 HOST = "offload+host-optimizer"
 needs_accelerate = pytest.mark.skipif(

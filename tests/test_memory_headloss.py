@@ -1,6 +1,6 @@
-"""The LM head + loss in chunks (memory.headloss): values and gradients equal to the unchunked
-reference on PyTorch's chunked op and on the fallback loop, ignored tokens, masked spans, odd
-chunk counts, bf16 without fp32 GEMMs, no data-dependent op (it runs on fake tensors), and a
+"""The LM head + loss in chunks (memory.chunked.headloss): values and gradients equal to the
+unchunked reference on PyTorch's chunked op and on the fallback loop, ignored tokens, masked spans,
+odd chunk counts, bf16 without fp32 GEMMs, no data-dependent op (it runs on fake tensors), and a
 peak a fraction of the unchunked one."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from superneurons.errors import ConfigError
-from superneurons.memory import headloss
-from superneurons.memory.headloss import (
+from superneurons.memory.chunked import headloss
+from superneurons.memory.chunked.headloss import (
     HEAD_MODES,
     MIN_CHUNK_TOKENS,
     chunk_tokens_for,

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from superneurons.bench.memory_meter import allocator_peak_bytes
+from superneurons.bench.memory.meter import allocator_peak_bytes
 from superneurons.errors import ConfigError
 from superneurons.memory import PoolConfig, apply_plan, make_plan, profile_step
 from superneurons.memory.plan import Plan

@@ -1,6 +1,6 @@
-"""The optimizer on the host (memory.host_optimizer, memory.host_buckets): bitwise equal to the
-same optimizer on the device, alone and under DDP on 2 gloo ranks (with PyTorch's default
-all-reduce and with a compression hook), checkpoint round trip, the buckets' device bytes as
+"""The optimizer on the host (memory.offload.host_optimizer, memory.offload.host_buckets): bitwise
+equal to the same optimizer on the device, alone and under DDP on 2 gloo ranks (with PyTorch's
+default all-reduce and with a compression hook), checkpoint round trip, the buckets' device bytes as
 predicted, and the planner taking it only when the budget needs it."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from superneurons.memory import (
     profile_step,
     simulate_plan,
 )
-from superneurons.memory.buckets import assign_buckets, bucket_timeline
+from superneurons.memory.planner.buckets import assign_buckets, bucket_timeline
 
 Factory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 # the reference runs the same implementation the host optimizer picks (fused on the host)

@@ -17,8 +17,9 @@ from sentinel import assert_same, fingerprint
 from superneurons.errors import ConfigError
 from superneurons.integrations.hf import plan_for_batch
 from superneurons.memory import profile_step
-from superneurons.memory.isolate import IsolationError, inner_optimizer, isolated
+from superneurons.memory.offload.handover import inner_optimizer
 from superneurons.memory.profile_types import ALLOCATOR_MARGIN_BYTES
+from superneurons.memory.profiling.isolate import IsolationError, isolated
 
 
 class _Wrapped(torch.optim.Optimizer):

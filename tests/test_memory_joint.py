@@ -12,15 +12,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from superneurons.bench.memory import device_peak_bytes
+from superneurons.bench.memory.meter import device_peak_bytes
 from superneurons.errors import ConfigError
-from superneurons.memory.bounds import LOSS, largest_unit_bytes, resident_bytes, working_sets
+from superneurons.memory.offload.pool import PoolConfig
 from superneurons.memory.plan import Plan, UnitDecision
-from superneurons.memory.planner import make_plan, min_peak_bytes
-from superneurons.memory.pool import PoolConfig
-from superneurons.memory.profile import profile_step
-from superneurons.memory.runtime import apply_plan
-from superneurons.memory.simulate import simulate_plan
+from superneurons.memory.planner.bounds import (
+    LOSS,
+    largest_unit_bytes,
+    resident_bytes,
+    working_sets,
+)
+from superneurons.memory.planner.decide import make_plan, min_peak_bytes
+from superneurons.memory.profiling.step import profile_step
+from superneurons.memory.runtime.apply import apply_plan
+from superneurons.memory.sizing.simulate import simulate_plan
 from superneurons.models.zoo import build_model, default_loss, model_input
 
 ALL_BYTES = PoolConfig(min_offload_bytes=0)
@@ -246,7 +251,7 @@ def test_cuda_pinned_pool_prefetch_overlaps_compute() -> None:
 
 
 def test_device_presets_and_measured_copy_bandwidth() -> None:
-    from superneurons.memory.cost import DEVICE_PRESETS, cost_model, measure_copy_bandwidth
+    from superneurons.memory.planner.cost import DEVICE_PRESETS, cost_model, measure_copy_bandwidth
 
     assert set(DEVICE_PRESETS) == {"h100", "a100", "a100-80gb", "rtx4090", "cpu"}
     h100 = cost_model("h100")

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from superneurons.bench.memory_meter import allocator_peak_bytes
+from superneurons.bench.memory.meter import allocator_peak_bytes
 from superneurons.cli import main
-from superneurons.memory.llm import LMStep, attention_ops, load_config, profile_causal_lm
 from superneurons.memory.plan import SEARCH_STRATEGIES
-from superneurons.memory.predict import BREAKDOWN
+from superneurons.memory.planner.predict import BREAKDOWN
+from superneurons.memory.sizing.llm import LMStep, attention_ops, load_config, profile_causal_lm
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,5 +1,5 @@
-"""Causal LMs as shipped under a plan that chunks the LM head + loss (memory.lmhead): tiny HF
-Llama and GPT-2 configs and the zoo GPT, with labels: the loss equal to the model's own,
+"""Causal LMs as shipped under a plan that chunks the LM head + loss (memory.chunked.lmhead): tiny
+HF Llama and GPT-2 configs and the zoo GPT, with labels: the loss equal to the model's own,
 gradients equal within fp32 rounding, ``logits`` None, the model as shipped without labels; the
 planner chunking only when the budget needs it, its prediction executed to the byte."""
 
@@ -12,13 +12,13 @@ import pytest
 import torch
 from torch import nn
 
-from superneurons.bench.memory_meter import allocator_peak_bytes
+from superneurons.bench.memory.meter import allocator_peak_bytes
 from superneurons.errors import ConfigError
 from superneurons.memory import apply_plan, make_plan, min_peak_bytes, profile_step
-from superneurons.memory.below import below_profiles, head_chunking
-from superneurons.memory.lmhead import chunk_head, find_output_embedding
+from superneurons.memory.chunked.lmhead import chunk_head, find_output_embedding
 from superneurons.memory.plan import HeadChunking, Plan, UnitDecision
 from superneurons.memory.profile_types import ALLOCATOR_MARGIN_BYTES
+from superneurons.memory.profiling.below import below_profiles, head_chunking
 
 transformers = pytest.importorskip("transformers")
 
@@ -196,6 +196,6 @@ def test_planner_chunks_the_head_only_when_the_budget_needs_it() -> None:
 
 
 def _native() -> bool:
-    from superneurons.memory import headloss
+    from superneurons.memory.chunked import headloss
 
     return headloss.native_linear_cross_entropy() is not None

@@ -1,7 +1,7 @@
 """Mixed precision predicted exactly: autocast's cached parameter casts, an enclosing autocast
 around the planning call, and fp32 master weights an optimizer keeps for bf16 parameters.
 
-CPU, bf16, the c10 allocator's view (:func:`~superneurons.bench.memory_meter.allocator_peak_bytes`)
+CPU, bf16, the c10 allocator's view (:func:`~superneurons.bench.memory.meter.allocator_peak_bytes`)
 against the prediction, gradients bitwise equal to eager.
 """
 
@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from superneurons.bench.memory_meter import allocator_peak_bytes
+from superneurons.bench.memory.meter import allocator_peak_bytes
 from superneurons.memory import apply_plan, make_plan
-from superneurons.memory.planner import strategy_floors
-from superneurons.memory.profile import profile_step
+from superneurons.memory.planner.decide import strategy_floors
+from superneurons.memory.profiling.step import profile_step
 
 WIDTH, TOKENS, BLOCKS, REPEAT = 256, 16, 4, 64
 

@@ -1,5 +1,5 @@
-"""Optimizer state in the host pool (memory.optim_host) for optimizer-in-backward: updates equal
-the device-state path bitwise, state_dict round trip, every device byte back at the end of the
+"""Optimizer state in the host pool (memory.offload.optim_host) for optimizer-in-backward: updates
+equal the device-state path bitwise, state_dict round trip, every device byte back at the end of the
 step, and the planner's predicted peak equal to the executed one."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from torch import nn
 
 from superneurons.errors import ConfigError
 from superneurons.memory import Plan, UnitDecision, apply_plan, make_plan, min_peak_bytes
-from superneurons.memory.optim_host import MIN_STATE_OFFLOAD_BYTES, HostOptimizerState
-from superneurons.memory.profile import profile_step
-from superneurons.memory.simulate import simulate_plan
+from superneurons.memory.offload.optim_host import MIN_STATE_OFFLOAD_BYTES, HostOptimizerState
+from superneurons.memory.profiling.step import profile_step
+from superneurons.memory.sizing.simulate import simulate_plan
 
 Factory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 OPTIMIZERS: dict[str, Factory] = {

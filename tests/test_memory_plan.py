@@ -9,9 +9,9 @@ from torch import nn
 from superneurons.bytesize import parse_bytes
 from superneurons.errors import ConfigError
 from superneurons.memory.plan import InfeasibleBudgetError, Plan, UnitDecision
-from superneurons.memory.planner import make_plan, min_peak_bytes
-from superneurons.memory.profile import profile_step
+from superneurons.memory.planner.decide import make_plan, min_peak_bytes
 from superneurons.memory.profile_types import Profile
+from superneurons.memory.profiling.step import profile_step
 
 
 def _chain(depth: int = 6, width: int = 16) -> nn.Sequential:

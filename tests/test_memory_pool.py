@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from superneurons.errors import ConfigError
+from superneurons.memory.offload.pool import PoolConfig, TensorPool
+from superneurons.memory.offload.slab import alias_storage
 from superneurons.memory.plan import Plan, UnitDecision
-from superneurons.memory.pool import PoolConfig, TensorPool
-from superneurons.memory.runtime import apply_plan
-from superneurons.memory.slab import alias_storage
+from superneurons.memory.runtime.apply import apply_plan
 
 
 class _Probe(torch.autograd.Function):
@@ -297,7 +297,7 @@ def test_prefetch_takes_the_previous_group_only_when_adjacent() -> None:
 @pytest.mark.parametrize("fake", [False, True])
 def test_alias_of_a_resident_storage_dies_with_its_last_user(fake: bool) -> None:
     # a prefetch of a tensor still resident elsewhere re-wraps its storage (``set_``); under
-    # fake tensors the dispatch cache kept that storage alive for good (memory.simulate then
+    # fake tensors the dispatch cache kept that storage alive for good (memory.sizing.simulate then
     # measured one activation too many)
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from superneurons.errors import ConfigError
-from superneurons.memory.profile import Profile, profile_step
+from superneurons.memory.profiling.step import Profile, profile_step
 from superneurons.memory.tracker import LiveStorageTracker
 
 

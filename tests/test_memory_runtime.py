@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from superneurons.bench.memory import device_peak_bytes
+from superneurons.bench.memory.meter import device_peak_bytes
 from superneurons.errors import ConfigError
+from superneurons.memory.offload.pool import PoolConfig
 from superneurons.memory.plan import Plan, UnitDecision
-from superneurons.memory.pool import PoolConfig
-from superneurons.memory.runtime import PlanHandle, apply_plan
+from superneurons.memory.runtime.apply import PlanHandle, apply_plan
 from superneurons.models.zoo import build_model, default_loss, model_input
 
 ALL_BYTES = PoolConfig(min_offload_bytes=0)  # offload every saved activation, however small
@@ -299,8 +299,8 @@ def test_measured_peak_under_offload_and_recompute_bounds() -> None:
 
 
 def test_measured_peak_within_planner_budget_and_prediction() -> None:
-    from superneurons.memory.planner import make_plan
-    from superneurons.memory.profile import profile_step
+    from superneurons.memory.planner.decide import make_plan
+    from superneurons.memory.profiling.step import profile_step
 
     model, x = Chain(blocks=6), torch.randn(1024, 128)
     profile = profile_step(model, x, None, lambda out, _targets: out)

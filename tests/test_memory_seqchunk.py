@@ -1,5 +1,5 @@
-"""Memory-centric blocks (memory.seqchunk): a block's MLP split over the sequence, each piece
-under its own checkpoint: outputs and gradients equal to the whole MLP within fp32 rounding,
+"""Memory-centric blocks (memory.chunked.seqchunk): a block's MLP split over the sequence, each
+piece under its own checkpoint: outputs and gradients equal to the whole MLP within fp32 rounding,
 the split chosen from the profile's bytes, and the block's working set down in a profile."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from torch import nn
 
 from superneurons.errors import ConfigError
 from superneurons.memory import profile_step
-from superneurons.memory.bounds import working_sets
+from superneurons.memory.chunked.seqchunk import MIN_PIECE_TOKENS, sequence_splits, split_sequence
 from superneurons.memory.plan import SeqChunking
-from superneurons.memory.seqchunk import MIN_PIECE_TOKENS, sequence_splits, split_sequence
+from superneurons.memory.planner.bounds import working_sets
 
 transformers = pytest.importorskip("transformers")
 

@@ -9,11 +9,11 @@ import torch
 from torch import nn
 
 from superneurons.errors import ConfigError
-from superneurons.memory.planner import make_plan, min_peak_bytes
-from superneurons.memory.predict import evaluate
-from superneurons.memory.profile import profile_step
-from superneurons.memory.search import max_fitting
-from superneurons.memory.simulate import profile_zoo, simulate_plan
+from superneurons.memory.planner.decide import make_plan, min_peak_bytes
+from superneurons.memory.planner.predict import evaluate
+from superneurons.memory.profiling.step import profile_step
+from superneurons.memory.sizing.search import max_fitting
+from superneurons.memory.sizing.simulate import profile_zoo, simulate_plan
 
 
 def _peaks(n: int) -> dict[str, int]:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from superneurons.bench import netns
+from superneurons.bench.links import netns
 from superneurons.errors import ConfigError
 from superneurons.rates import parse_rate
 
@@ -77,7 +77,7 @@ def test_namespaces_removed_on_signal(sig: signal.Signals, exit_code: int) -> No
     """SIGTERM or Ctrl-C in the body still runs the cleanup, then ends the process."""
     script = (
         "import os, signal, sys\n"
-        "from superneurons.bench.netns import network_namespaces\n"
+        "from superneurons.bench.links.netns import network_namespaces\n"
         "try:\n"
         "    with network_namespaces(2) as topo:\n"
         "        print(' '.join(topo.namespaces), flush=True)\n"

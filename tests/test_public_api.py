@@ -5,6 +5,7 @@ from __future__ import annotations
 import superneurons
 import superneurons.compress
 import superneurons.memory
+import superneurons.train
 
 TOP_LEVEL = {
     "InfeasibleBudgetError",
@@ -20,6 +21,7 @@ TOP_LEVEL = {
     "Payload",
     "parse_spec",
     "register_compression",
+    "exit_rank",
     "ConfigError",
     "__version__",
     "format_bytes",
@@ -33,8 +35,17 @@ def test_top_level_surface_is_frozen() -> None:
         assert hasattr(superneurons, name), name
 
 
+# How a user's own distributed script joins the group torchrun prepared and leaves it.
+TRAIN = {"TrainConfig", "exit_rank", "init_distributed", "train"}
+
+
+def test_train_surface_is_frozen() -> None:
+    assert set(superneurons.train.__all__) == TRAIN
+    assert superneurons.exit_rank is superneurons.train.exit_rank
+
+
 def test_subpackage_all_names_exist() -> None:
-    for package in (superneurons.compress, superneurons.memory):
+    for package in (superneurons.compress, superneurons.memory, superneurons.train):
         assert len(package.__all__) == len(set(package.__all__))
         for name in package.__all__:
             assert hasattr(package, name), f"{package.__name__}.{name}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from superneurons.durations import format_duration, parse_duration_ns
 from superneurons.errors import ConfigError
 from superneurons.rates import format_rate, parse_rate
 
@@ -28,4 +29,21 @@ def test_byte_rates_take_byte_units_and_a_capital_b() -> None:
 def test_garbage_is_one_line_saying_how_to_write_a_rate(bad: str) -> None:
     with pytest.raises(ConfigError, match="bandwidth") as info:
         parse_rate(bad)
+    assert "\n" not in str(info.value)
+
+
+def test_durations_take_a_unit_and_round_trip_in_whole_nanoseconds() -> None:
+    assert parse_duration_ns("50us") == parse_duration_ns("50µs") == 50_000
+    assert parse_duration_ns("0.2ms") == 200_000
+    assert parse_duration_ns("1.5 s") == 1_500_000_000
+    assert parse_duration_ns("0us") == 0
+    assert format_duration(1_500_000) == "1500us"
+    for text in ("50us", "2ms", "1s", "1500ns", "0ns", "44us"):
+        assert format_duration(parse_duration_ns(text)) == text
+
+
+@pytest.mark.parametrize("bad", ["50", "fast", "-1ms", "1 hour", "", "us"])
+def test_a_duration_without_its_unit_is_one_line_saying_how_to_write_one(bad: str) -> None:
+    with pytest.raises(ConfigError, match="50us") as info:
+        parse_duration_ns(bad)
     assert "\n" not in str(info.value)

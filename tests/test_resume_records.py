@@ -100,7 +100,7 @@ def _train_crash_in_save(rank: int, world_size: int, config: TrainConfig, at_ste
 
     def crash_before_rename(src: Any, dst: Any) -> None:
         is_new = rank == 1 and str(src).endswith(".tmp")
-        if is_new and torch.load(src, weights_only=False, mmap=True)["step"] == at_step:
+        if is_new and torch.load(src, weights_only=True, mmap=True)["step"] == at_step:
             raise _Crash
         replace(src, dst)
 
@@ -139,8 +139,8 @@ def _assert_same(a: Any, b: Any, where: str) -> None:
 
 def _assert_same_checkpoints(a: Path, b: Path) -> None:
     for rank in range(2):
-        x = torch.load(checkpoint_path(a, rank), weights_only=False)
-        y = torch.load(checkpoint_path(b, rank), weights_only=False)
+        x = torch.load(checkpoint_path(a, rank), weights_only=True)
+        y = torch.load(checkpoint_path(b, rank), weights_only=True)
         assert (x["epoch"], x["step"]) == (y["epoch"], y["step"])
         for key in ("model", "optimizer", "compression", "rng"):
             _assert_same(x[key], y[key], f"rank{rank}.{key}")
@@ -184,7 +184,7 @@ def test_a_checkpoint_inside_an_epoch_resumes_bit_exact(ranks: Ranks, straight: 
     out = Path(config.out_dir)
     point = find_resume_point(out, config=asdict(config), world_size=2)
     assert (point.step, point.epoch) == (4, 1)
-    assert torch.load(point.paths[0], weights_only=False)["epoch_step"] == 1
+    assert torch.load(point.paths[0], weights_only=True)["epoch_step"] == 1
     ranks.run(_train, _config(root, "mid-epoch", checkpoint_every=2, resume=True), timeout_s=120)
     _assert_same_checkpoints(straight, out)
     assert _summary(out)["steps"] == _summary(straight)["steps"] == 9

@@ -16,7 +16,8 @@ import pytest
 
 from superneurons.codecs.canonical import option_fields
 from superneurons.errors import ConfigError
-from superneurons.schemes.grammar import SPECS, WRAPPERS, parse_spec
+from superneurons.schemes.adam import AdamAuto
+from superneurons.schemes.grammar import SPECS, WRAPPERS, parse_scheme, parse_spec
 
 # String options are validated by their codec, not typed: the values each may take.
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -105,3 +106,15 @@ def test_every_option_is_a_field_in_declaration_order() -> None:
             continue
         keys = [part.split("=")[0] for part in str(config).partition(":")[2].split(",") if part]
         assert keys == [f.name for f in option_fields(cls)], cls.__name__
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_auto_under_adam_round_trips_with_a_random_stated_link(seed: int) -> None:
+    # rates and latencies print in their units (link=..., latency=...) and read back exactly
+    rng = random.Random(f"adam-auto/{seed}")
+    rate_bit_s = rng.choice([10_000, 100 * 10**6, 10**9, 1_500_000, rng.randint(1, 10**12)])
+    latency_ns = rng.choice([0, 1, 50_000, 1_500_000, 2 * 10**9, rng.randint(0, 10**10)])
+    config = AdamAuto(rate_bit_s, round(rng.random(), 3), latency_ns=latency_ns)
+    text = str(config)
+    assert parse_scheme(text, adam=True) == config
+    assert str(parse_scheme(text, adam=True)) == text

@@ -169,11 +169,11 @@ def test_checkpoint_rotation_keeps_the_last_complete_file(
     newest, previous = checkpoint_path(tmp_path, 0), previous_checkpoint_path(tmp_path, 0)
     save(1)
     save(2)
-    assert resume_step() == 2 and torch.load(previous, weights_only=False)["step"] == 1
+    assert resume_step() == 2 and torch.load(previous, weights_only=True)["step"] == 1
     newest.write_bytes(newest.read_bytes()[:100])  # the newest file cut short
     assert resume_step() == 1
     save(3)  # the damaged file is not kept as the previous one
-    assert torch.load(previous, weights_only=False)["step"] == 1 and resume_step() == 3
+    assert torch.load(previous, weights_only=True)["step"] == 1 and resume_step() == 3
 
     def crash(src: Any, dst: Any) -> None:
         raise KeyboardInterrupt("killed between the temporary file and the rename")

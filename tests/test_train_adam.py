@@ -12,7 +12,14 @@ import torch
 from distributed import Ranks, shared_ranks
 from superneurons.cli import main
 from superneurons.train.config import TrainConfig
-from train_support import load_checkpoint, mlp_config, needs_data, run_rank
+from train_support import (
+    STATED_COMPUTE,
+    load_checkpoint,
+    mlp_config,
+    needs_data,
+    run_rank,
+    run_rank_stated,
+)
 
 ONE_BIT = "adam-momentum[warmup=2,wire=fp16]:signsgd"
 pytestmark = needs_data
@@ -77,10 +84,11 @@ def test_auto_chooses_by_the_link_and_trains_as_the_chosen_scheme(
         "dense": "dense",
     }
     summaries = {}
-    for name, compress in runs.items():
+    for name, compress in runs.items():  # auto decides from the stated link and compute
         config = _config(tmp_path / name, compress=compress)
-        summaries[name] = ranks.run(run_rank, config, timeout_s=120)[0]
+        summaries[name] = ranks.run(run_rank_stated, config, timeout_s=120)[0]
     slow, fast = summaries["slow"]["sync_decision"], summaries["fast"]["sync_decision"]
+    assert fast["backward_s"] == STATED_COMPUTE.backward_s  # nothing measured entered
     assert slow["scheme"] == summaries["slow"]["codec"] == spec
     assert slow["predicted_compressed_step_s"] < slow["predicted_dense_step_s"]
     assert fast["scheme"] == summaries["fast"]["codec"] == "dense"
@@ -113,6 +121,8 @@ def test_auto_resumes_with_its_saved_decision(ranks: Ranks, tmp_path: Path) -> N
         (["--compress", ONE_BIT, "--optimizer", "adamw", "--warmup-steps", "5"], "warm-up"),
         (["--compress", ONE_BIT, "--optimizer", "adamw", "--no-error-feedback"], "feedback"),
         (["--compress", "auto:link=fast", "--optimizer", "adamw"], "rate"),
+        (["--compress", "auto:latency=50us", "--optimizer", "adamw"], "link=1gbit"),
+        (["--compress", "auto:link=1gbit,latency=fast", "--optimizer", "adamw"], "50us"),
         (["--compress", "auto:observe_steps=2", "--optimizer", "adam"], "--optimizer sgd"),
     ],
 )

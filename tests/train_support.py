@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from superneurons.optim.stepcost import ComputeTimes, OptimizerTimes
 from superneurons.train.checkpoint import checkpoint_path
 from superneurons.train.config import TrainConfig
 
@@ -41,8 +42,31 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, Any]:
     return run_training(config, torch.device("cpu"))
 
 
+# What auto (Adam) measures on this device, stated instead so that a decision a test checks
+# depends on nothing but its inputs: the MLP's backward and optimizer steps as
+# superneurons.optim.stepcost.measure_compute timed them here (batch 16, one thread, load
+# average ~4; medians of 5, rounded): 1-bit Adam's steps are slower than AdamW's.
+STATED_COMPUTE = ComputeTimes(
+    backward_s=0.002,
+    optimizer=OptimizerTimes(adamw_s=0.004, warmup_s=0.012, compressed_s=0.020),
+)
+
+
+def run_rank_stated(rank: int, world_size: int, config: TrainConfig) -> dict[str, Any]:
+    """:func:`run_rank` with ``auto`` (Adam) taking :data:`STATED_COMPUTE` instead of
+    measuring (the rank processes are shared: the measurement is put back afterwards)."""
+    from superneurons.optim import autoadam
+
+    measure = autoadam.measure_compute
+    autoadam.measure_compute = lambda *_args, **_kwargs: STATED_COMPUTE  # type: ignore[assignment]
+    try:
+        return run_rank(rank, world_size, config)
+    finally:
+        autoadam.measure_compute = measure
+
+
 def load_checkpoint(out_dir: Path, rank: int) -> dict[str, Any]:
-    return torch.load(checkpoint_path(out_dir, rank), weights_only=False)
+    return torch.load(checkpoint_path(out_dir, rank), weights_only=True)
 
 
 def descendants(pid: int) -> list[int]:

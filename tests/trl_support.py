@@ -93,7 +93,7 @@ class PeakMeter:
 
     def begin(self) -> None:
         from superneurons.memory import LiveStorageTracker
-        from superneurons.memory.isolate import inner_optimizer
+        from superneurons.memory.offload.handover import inner_optimizer
 
         model = self.trainer.model
         optimizer = inner_optimizer(self.trainer.optimizer)

@@ -34,6 +34,7 @@ from superneurons.memory import (
     make_plan,
     profile_step,
 )
+from superneurons.train import exit_rank
 from superneurons.version import __version__
 
 logging.getLogger("superneurons").addHandler(logging.NullHandler())
@@ -54,6 +55,7 @@ __all__ = [
     "Payload",
     "parse_spec",
     "register_compression",
+    "exit_rank",  # how a process that used a process group ends (superneurons.train)
     # common
     "ConfigError",
     "__version__",

@@ -142,6 +142,6 @@ def check_replicas(
 
 def _inner(optimizer: Any) -> Any:
     """The optimizer holding the state (accelerate's and Lightning's wrappers unwrapped)."""
-    from superneurons.memory.isolate import inner_optimizer
+    from superneurons.memory.offload.handover import inner_optimizer
 
     return inner_optimizer(optimizer)

@@ -12,10 +12,12 @@ order. :func:`spec_of` writes it in one of the grammar's forms
 
 Values: integers and strings as they are, floats as ``repr`` (``0.9``, ``1e-05``), ``None`` as
 ``None``, booleans as ``true``/``false``, nested configs by their spec, and fields with
-``metadata={"rate": True}`` as tc writes rates (``100mbit``). Field metadata ``"key"`` names the
-option differently from the field (``link_bit_s`` is written ``link=``); ``"option": False``
-keeps a field out of the spec. A class with ``SPEC_DEFAULTS = False`` writes only the options
-that differ from their defaults (Adam's schemes, whose short form is what runs record).
+``metadata={"rate": True}`` as tc writes rates (``100mbit``), fields with
+``metadata={"duration": True}`` (nanoseconds) in the largest unit that divides them (``50us``).
+Field metadata ``"key"`` names the option differently from the field (``link_bit_s`` is written
+``link=``); ``"option": False`` keeps a field out of the spec. A class with ``SPEC_DEFAULTS =
+False`` writes only the options that differ from their defaults (Adam's schemes, whose short
+form is what runs record).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+from superneurons.durations import format_duration
 from superneurons.rates import format_rate
 
 __all__ = ["Canonical", "option_fields", "option_key", "spec_of"]
@@ -50,6 +53,8 @@ def format_value(value: Any, field: dataclasses.Field[Any]) -> str:
         return "true" if value else "false"
     if field.metadata.get("rate"):
         return format_rate(value)
+    if field.metadata.get("duration"):
+        return format_duration(value)
     if isinstance(value, str):
         return value
     if isinstance(value, int | float):

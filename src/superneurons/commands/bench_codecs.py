@@ -21,14 +21,15 @@ from pathlib import Path
 
 import torch
 
-from superneurons.bench.codec_speed import (
+from superneurons.bench.codecs.budgets import CodecBenchConfig, run_codec_bench
+from superneurons.bench.codecs.gradients import CAPTURE_MODELS, CaptureConfig, load_or_capture
+from superneurons.bench.codecs.report import write_codec_artifacts
+from superneurons.bench.codecs.speed import (
     SPEED_SPECS,
     SpeedConfig,
     measure_codec_speed,
     write_speed_artifacts,
 )
-from superneurons.bench.codecs import CodecBenchConfig, run_codec_bench, write_codec_artifacts
-from superneurons.bench.gradients import CAPTURE_MODELS, CaptureConfig, load_or_capture
 from superneurons.errors import ConfigError
 
 HELP = "codec error / bits / speed on real gradients at equal bit budgets"

@@ -19,9 +19,10 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from superneurons.bench.convergence import ConvergenceConfig, TaskConfig, run_convergence_bench
-from superneurons.bench.convergence_report import summary_lines, write_artifacts
-from superneurons.bench.netns import check_shaping_rate
+from superneurons.bench.convergence.config import ConvergenceConfig, TaskConfig
+from superneurons.bench.convergence.report import summary_lines, write_artifacts
+from superneurons.bench.convergence.run import run_convergence_bench
+from superneurons.bench.links.netns import check_shaping_rate
 from superneurons.errors import ConfigError
 from superneurons.rates import parse_rate
 
@@ -80,7 +81,7 @@ def _override(task: TaskConfig, args: argparse.Namespace) -> TaskConfig:
         task = replace(task, eval_points=args.eval_points)
     if task.task == "fashion-mnist":
         if args.model == "resnet":
-            from superneurons.bench.network import DEFAULT_MODELS
+            from superneurons.bench.network.run import DEFAULT_MODELS
 
             task = replace(task, model="resnet", model_kwargs=dict(DEFAULT_MODELS["resnet"]))
         if args.epochs is not None:
@@ -129,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
             f"{r['task']:>14} {r['codec']:>40} {r['metric']:>18} {r['final_metric']:>9.3f} "
             f"{delta:>+9.3f} {r['ratio_vs_dense']:>6.1f}x"
         )
-    for line in summary_lines(records):
+    for line in summary_lines(records, config):
         print(line)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0

@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from superneurons.bench.artifacts import markdown_table
-    from superneurons.bench.deeper import run_deeper
+    from superneurons.bench.memory.deeper import run_deeper
 
     torch.set_num_threads(1)
     records = run_deeper(

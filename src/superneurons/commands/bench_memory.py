@@ -114,7 +114,7 @@ def _fractions(text: str) -> tuple[float, ...]:
 
 
 def _anchors(text: str | None, *, device: str, no_compile: bool) -> tuple[str, ...]:
-    from superneurons.bench.memory_anchors import ANCHORS
+    from superneurons.bench.memory.anchors import ANCHORS
 
     if text is None:
         chosen = ANCHORS if device == "cuda" else tuple(a for a in ANCHORS if a != "compile")
@@ -132,8 +132,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from superneurons.bench.artifacts import write_json, write_markdown
-    from superneurons.bench.memory import MemoryBenchConfig, bench_context, run_memory_bench
-    from superneurons.bench.memory_report import plot, report_markdown, table_rows, verdicts
+    from superneurons.bench.memory.report import plot, report_markdown, table_rows, verdicts
+    from superneurons.bench.memory.run import MemoryBenchConfig, bench_context, run_memory_bench
 
     if args.render_only:
         return _render(args.out)
@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
             }
         )
     from superneurons.bench.artifacts import markdown_table
-    from superneurons.bench.memory_report import COLUMNS
+    from superneurons.bench.memory.report import COLUMNS
 
     print(markdown_table(table_rows(records), COLUMNS))
     found = verdicts(records)
@@ -194,7 +194,7 @@ def _render(out: Path) -> int:
     import json
 
     from superneurons.bench.artifacts import write_markdown
-    from superneurons.bench.memory_report import plot, report_markdown
+    from superneurons.bench.memory.report import plot, report_markdown
 
     path = out / "memory.json"
     if not path.exists():

@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from superneurons.bench.netns import check_shaping_rate
-from superneurons.bench.network import (
+from superneurons.bench.links.netns import check_shaping_rate
+from superneurons.bench.network.report import summary_lines, write_artifacts
+from superneurons.bench.network.run import (
     ALL_CODECS,
     DEFAULT_MODELS,
     NetworkBenchConfig,
@@ -24,8 +25,7 @@ from superneurons.bench.network import (
     add_speedups,
     run_network_bench,
 )
-from superneurons.bench.network_report import summary_lines, write_artifacts
-from superneurons.bench.network_scale import scale_lines
+from superneurons.bench.network.scale import scale_lines
 from superneurons.errors import ConfigError
 from superneurons.rates import parse_rate
 
@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
             value = record.get(column)
             cells.append(f"{value:>22.4g}" if isinstance(value, float) else f"{value!s:>22}")
         print("  ".join(cells))
-    for line in summary_lines(records) + scale_lines(records):
+    for line in summary_lines(records) + scale_lines(records, config.compressions):
         print(line)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0 if all(r.get("status") == "ok" for r in records) else 1

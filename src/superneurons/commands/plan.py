@@ -13,11 +13,11 @@ every strategy's floor and the plan for the budget:
 ``--model hf:NAME_OR_PATH`` builds a Hugging Face causal LM from a configuration
 (``superneurons.models.hf_configs`` ships a few by name; a path is any ``config.json``) and
 profiles the step as people write it, modelling the target device's attention kernels and
-optimizer implementation (``superneurons.memory.llm``). ``--max-depth`` / ``--max-batch`` /
+optimizer implementation (``superneurons.memory.sizing.llm``). ``--max-depth`` / ``--max-batch`` /
 ``--max-seq-len`` search the largest size whose smallest predicted peak fits, per strategy (an
-affine fit over three profiled sizes, ``superneurons.memory.search``). For ``hf:`` models the
+affine fit over three profiled sizes, ``superneurons.memory.sizing.search``). For ``hf:`` models the
 planner also searches the step below the largest layer (``--below``: the LM head + loss in chunks,
-block MLPs over sequence pieces, ``superneurons.memory.below``). Progress goes to stderr.
+block MLPs over sequence pieces, ``superneurons.memory.profiling.below``). Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -28,29 +28,14 @@ from typing import Any
 
 from superneurons.bytesize import format_bytes
 from superneurons.commands.plan_search import SEQ_QUANTUM, run_search
-from superneurons.commands.plan_target import (
-    BELOW,
-    HF,
-    ZOO_BUDGET,
-    budget_bytes_of,
-    device_cost,
-    lm_target,
-    progress,
-    zoo_kwargs,
-)
-from superneurons.errors import ConfigError
-from superneurons.memory.cost import DEVICE_PRESETS, CostModel
-from superneurons.memory.llm import (
-    DTYPES,
-    OPTIMIZER_IMPLS,
-    attention_ops,
-    profile_causal_lm_below,
-)
-from superneurons.memory.plan import SEARCH_STRATEGIES, STRATEGIES, InfeasibleBudgetError, Plan
-from superneurons.memory.planner import make_plan, strategy_floors
-from superneurons.memory.profile_types import GRANULARITIES, Profile
-from superneurons.memory.search import profile_for_strategy
-from superneurons.memory.simulate import OPTIMIZERS, profile_zoo
+from superneurons.commands.plan_target import BELOW, ZOO_BUDGET, progress, request_of
+from superneurons.memory.plan import STRATEGIES, Plan
+from superneurons.memory.planner.cost import DEVICE_PRESETS
+from superneurons.memory.profile_types import GRANULARITIES
+from superneurons.memory.sizing.llm import DTYPES, OPTIMIZER_IMPLS
+from superneurons.memory.sizing.model_plan import plan_model
+from superneurons.memory.sizing.simulate import OPTIMIZERS
+from superneurons.memory.sizing.target import LMTarget
 
 HELP = "plan keep/offload/recompute per unit under a memory budget (fake tensors)"
 
@@ -81,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--device-preset",
         default="a100",
         choices=tuple(DEVICE_PRESETS),
-        help="the device: speeds of the cost model and memory size (memory.cost.DEVICE_PRESETS; "
+        help="the device: speeds of the cost model and memory size (memory.planner.cost.DEVICE_PRESETS; "
         "default a100)",
     )
     parser.add_argument(
@@ -143,117 +128,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.batch is not None and args.batch < 1:
-        raise ConfigError(f"--batch must be >= 1, got {args.batch}")
-    if args.seq_len is not None and args.seq_len < 1:
-        raise ConfigError(f"--seq-len must be >= 1, got {args.seq_len}")
-    cost = device_cost(args)
-    budget_bytes = budget_bytes_of(args, cost)
-    strategies = SEARCH_STRATEGIES if args.strategy == "auto" else (args.strategy,)
-    language_model = args.model.startswith(HF)
-    if not language_model and (args.max_seq_len or args.seq_len or args.autocast):
-        raise ConfigError("--seq-len, --autocast and --max-seq-len apply to --model hf:... only")
-    if args.max_depth or args.max_batch or args.max_seq_len:
-        return run_search(args, strategies, budget_bytes, cost)
-    if language_model:
-        config, step, record = lm_target(args)
-        progress(f"profiling {args.model} {step.batch_size} x {step.seq_len} on fake tensors")
-        granularity = args.granularity or "block"
-        if granularity != "block":
-            raise ConfigError("hf: models are planned per block: leave --granularity out")
-        profile, chunked = profile_causal_lm_below(config, step, variants=BELOW[args.below])
-        record["attention_ops"] = attention_ops(profile)
-        record["below"] = args.below
+    request = request_of(args)
+    if request.search is not None:
+        return run_search(request, as_json=args.json)
+    target = request.target
+    if isinstance(target, LMTarget):
+        size = f"{target.step.batch_size} x {target.step.seq_len}"
     else:
-        record, profile, granularity = _zoo(args, cost)
-        chunked = []
-    record["granularity"] = granularity
-    record["device_preset"] = args.device_preset
-    return _report(args, record, profile, budget_bytes, cost, chunked)
-
-
-def _zoo(args: argparse.Namespace, cost: CostModel) -> tuple[dict[str, Any], Profile, str]:
-    kwargs = zoo_kwargs(args)
-    batch = args.batch or 16
-    progress(f"profiling {args.model} batch {batch} on fake tensors")
-    options = dict(batch_size=batch, optimizer=args.optimizer or "sgd", **kwargs)
-    granularity = args.granularity or "auto"
-    if granularity == "auto":  # blocks, or the largest blocks split: the lower floor
-        profile, granularity = profile_for_strategy(args.model, args.strategy, cost=cost, **options)
-    else:
-        profile = profile_zoo(args.model, granularity=granularity, **options)
-    return {"model": args.model, **kwargs, "batch": batch}, profile, granularity
-
-
-def _report(
-    args: argparse.Namespace,
-    record: dict[str, Any],
-    profile: Profile,
-    budget_bytes: int,
-    cost: CostModel,
-    chunked: list[Profile],
-) -> int:
-    floors = strategy_floors(profile, cost=cost, chunked=chunked)
-    record["eager_peak_bytes"] = profile.predicted_peak_bytes()
-    # the largest-layer bound (SuperNeurons' claim): resident state + the largest working set
-    # of one unit's forward + backward, next to the floor of the requested strategy
-    minima = {name: f.min_budget_bytes for name, f in floors.items()}
-    named = args.strategy if args.strategy in minima else min(minima, key=lambda s: minima[s])
-    floor = minima[named]
-    # the bound of the strategy that reaches the floor, with its own resident bytes (optimizer
-    # state on the host is not resident) and its own profile's largest unit (below the largest
-    # layer: the chunked one)
-    record["floor_strategy"] = named
-    record["resident_bytes"] = floors[named].resident_bytes
-    record["largest_unit_bytes"] = floors[named].largest_unit_bytes
-    record["floor_bytes"] = floor
-    record["floor_over_largest_layer"] = floors[named].floor_over_largest_layer
-    record["floor_over_eager"] = floor / record["eager_peak_bytes"]
-    record["strategies"] = {name: f.to_dict() for name, f in floors.items()}
-    try:
-        plan = make_plan(
-            profile, budget_bytes=budget_bytes, strategy=args.strategy, cost=cost, chunked=chunked
-        )
-    except InfeasibleBudgetError as exc:
-        record.update(
-            feasible=False,
-            strategy=args.strategy,
-            budget_bytes=budget_bytes,
-            min_budget_bytes=exc.min_budget_bytes,
-            min_budget_strategy=exc.strategy,
-            message=str(exc),
-        )
-        if args.json:
-            print(json.dumps(record, indent=1))
-        else:
-            _print_floors(record)
-        raise
-    record.update(
-        feasible=plan.feasible,
-        strategy=plan.strategy,
-        budget_bytes=budget_bytes,
-        predicted_peak_bytes=plan.predicted_peak_bytes,
-        min_budget_bytes=plan.min_budget_bytes,
-        host_bytes=plan.host_bytes,
-        extra_compute_s=plan.extra_compute_s,
-        transfer_s=plan.transfer_s,
-        optimizer_in_backward=plan.optimizer_in_backward,
-        optimizer_on_host=plan.optimizer_on_host,
-        optimizer_host_bytes=plan.optimizer_host_bytes,
-        optimizer_copy_s=plan.optimizer_copy_s,
-        peak_at=plan.peak_at,
-        breakdown=plan.breakdown,
-        units={a: plan.count(a) for a in ("keep", "offload", "recompute", "recompute+offload")},
-        segments=len({u.segment for u in plan.units if u.segment >= 0}),
-        head_chunk_tokens=plan.head.chunk_tokens if plan.head else None,
-        head_mode=plan.head.mode if plan.head else None,
-        mlp_pieces=max((c.chunks for c in plan.seq_chunks), default=1),
+        size = f"batch {target.batch_size}"
+    progress(f"profiling {args.model} {size} on fake tensors")
+    found = plan_model(
+        target, budget_bytes=request.budget_bytes, strategy=request.strategy, cost=request.cost
     )
+    record = found.to_dict()
     if args.json:
-        print(json.dumps({**record, "plan": plan.to_dict()}, indent=1))
+        print(json.dumps(record, indent=1))
     else:
         _print_floors(record)
-        _print_plan(record, plan)
+    if found.plan is None:
+        assert found.infeasible is not None
+        raise found.infeasible
+    if not args.json:
+        _print_plan(record, found.plan)
     return 0
 
 

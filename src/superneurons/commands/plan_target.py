@@ -1,60 +1,97 @@
-"""What ``superneurons plan`` plans, read from its flags: the zoo model or the causal LM, the
-device (cost model and memory size) and the budget. Shared by the one-plan report
-(:mod:`.plan`) and the largest-size searches (:mod:`.plan_search`)."""
+"""What ``superneurons plan`` plans, read once from its flags: the target (a zoo model or a
+causal LM, :mod:`superneurons.memory.sizing.target`), the device (cost model and memory size)
+and the budget. Shared by the one-plan report (:mod:`.plan`) and the largest-size searches
+(:mod:`.plan_search`)."""
 
 from __future__ import annotations
 
 import argparse
 import re
 import sys
-from typing import Any
+from dataclasses import dataclass
 
 from superneurons.bytesize import parse_bytes
 from superneurons.errors import ConfigError
-from superneurons.memory.below import VARIANTS
-from superneurons.memory.cost import CostModel, cost_model
-from superneurons.memory.llm import (
-    BELOW_FLOOR,
-    LM_OPTIMIZERS,
+from superneurons.memory.planner.cost import CostModel, cost_model
+from superneurons.memory.sizing.llm import (
     LMStep,
     default_optimizer_impl,
     load_config,
     max_positions,
 )
+from superneurons.memory.sizing.target import BELOW, HF, LMTarget, Target, ZooTarget
 from superneurons.rates import parse_rate
 
-__all__ = [
-    "BELOW",
-    "HF",
-    "ZOO_BUDGET",
-    "budget_bytes_of",
-    "device_cost",
-    "lm_target",
-    "progress",
-    "zoo_kwargs",
-]
+__all__ = ["BELOW", "ZOO_BUDGET", "PlanRequest", "progress", "request_of"]
 
-HF = "hf:"
-ZOO_BUDGET = "12GiB"
-# ``--below``: which ``memory.below.VARIANTS`` ``plan --model hf:`` profiles besides the plain step
-BELOW: dict[str, tuple[str, ...]] = {
-    "floor": BELOW_FLOOR,
-    "all": VARIANTS,
-    "off": (),
-}  # the SuperNeurons experiments' card (a 12 GiB TITAN X)
+ZOO_BUDGET = "12GiB"  # the SuperNeurons experiments' card (a 12 GiB TITAN X)
 
 
-def zoo_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {}
-    if args.image_size is not None:
-        kwargs["image_size"] = args.image_size
-    if args.model == "resnet" and args.depth is not None:
-        kwargs["depth"] = args.depth
-    elif args.depth is not None:
-        raise ConfigError("--depth applies to --model resnet only; use resnet50/101/152 by name")
-    if args.model == "gpt":
-        kwargs["preset"] = args.preset or "gpt2"
-    return kwargs
+@dataclass(frozen=True)
+class PlanRequest:
+    """``superneurons plan``'s flags, read once.
+
+    Attributes:
+        target: what is profiled.
+        cost: the device's cost model (``--device-preset``, ``--bandwidth``).
+        budget_bytes: the device budget.
+        strategy: the planner's strategy (``auto``: its choice).
+        search: ``"depth"``, ``"batch"`` or ``"seq_len"`` for ``--max-*``; None: one plan.
+    """
+
+    target: Target
+    cost: CostModel
+    budget_bytes: int
+    strategy: str
+    search: str | None
+
+
+def request_of(args: argparse.Namespace) -> PlanRequest:
+    """The target, the device, the budget and what to find, from the command line."""
+    target = target_of(args)
+    cost = device_cost(args)
+    search = (
+        "depth" if args.max_depth else "batch" if args.max_batch else "seq_len"
+        if args.max_seq_len else None
+    )  # fmt: skip
+    return PlanRequest(target, cost, budget_bytes_of(args, target, cost), args.strategy, search)
+
+
+def target_of(args: argparse.Namespace) -> Target:
+    """``--model`` and the flags that shape its step, parsed once: ``hf:NAME_OR_PATH`` is a
+    causal LM from a configuration, anything else a zoo model."""
+    if args.model.startswith(HF):
+        return _lm_target(args, args.model[len(HF) :])
+    if args.max_seq_len or args.seq_len is not None or args.autocast:
+        raise ConfigError("--seq-len, --autocast and --max-seq-len apply to --model hf:... only")
+    return ZooTarget(
+        name=args.model,
+        batch_size=16 if args.batch is None else args.batch,
+        optimizer=args.optimizer or "sgd",
+        granularity=args.granularity or "auto",
+        image_size=args.image_size,
+        depth=args.depth,
+        preset=(args.preset or "gpt2") if args.model == "gpt" else None,
+    )
+
+
+def _lm_target(args: argparse.Namespace, name: str) -> LMTarget:
+    if (args.granularity or "block") != "block":
+        raise ConfigError("hf: models are planned per block: leave --granularity out")
+    config, source = load_config(name)
+    limit = max_positions(config)
+    target_device = args.target_device or ("cpu" if args.device_preset == "cpu" else "cuda")
+    step = LMStep(
+        seq_len=min(2048, limit or 2048) if args.seq_len is None else args.seq_len,
+        batch_size=1 if args.batch is None else args.batch,
+        dtype=args.dtype,
+        autocast=args.autocast,
+        optimizer=args.optimizer or "adamw",
+        optimizer_impl=args.optimizer_impl or default_optimizer_impl(target_device),
+        keep_outputs=args.keep_outputs,
+        target_device=target_device,
+    )
+    return LMTarget(name, config, source, step, below=args.below)
 
 
 def progress(message: str) -> None:
@@ -62,10 +99,12 @@ def progress(message: str) -> None:
 
 
 def device_cost(args: argparse.Namespace) -> CostModel:
-    if args.bandwidth is None:
-        return cost_model(args.device_preset)
-    rate = bandwidth_bytes_per_s(args.bandwidth)
-    return cost_model(args.device_preset, bandwidth_bytes_per_s=rate, h2d_bytes_per_s=rate)
+    """``--device-preset``, its copy rates replaced by ``--bandwidth`` (both ways) if given."""
+    rates = {}
+    if args.bandwidth is not None:
+        rate = bandwidth_bytes_per_s(args.bandwidth)
+        rates = {"bandwidth_bytes_per_s": rate, "h2d_bytes_per_s": rate}
+    return cost_model(args.device_preset, **rates)
 
 
 def bandwidth_bytes_per_s(text: str) -> float:
@@ -76,52 +115,13 @@ def bandwidth_bytes_per_s(text: str) -> float:
     return float(parse_bytes(text))
 
 
-def budget_bytes_of(args: argparse.Namespace, cost: CostModel) -> int:
+def budget_bytes_of(args: argparse.Namespace, target: Target, cost: CostModel) -> int:
+    """``--budget``; left out: the device preset's memory for a causal LM, else
+    :data:`ZOO_BUDGET`."""
     if args.budget is not None:
         return parse_bytes(args.budget)
-    if not args.model.startswith(HF):
+    if isinstance(target, ZooTarget):
         return parse_bytes(ZOO_BUDGET)
     if cost.memory_bytes <= 0:
         raise ConfigError(f"--device-preset {args.device_preset} has no memory size: give --budget")
     return cost.memory_bytes
-
-
-def lm_target(args: argparse.Namespace) -> tuple[Any, LMStep, dict[str, Any]]:
-    """The configuration, the step and its record fields of ``--model hf:...``."""
-    name = args.model[len(HF) :]
-    config, source = load_config(name)
-    limit = max_positions(config)
-    seq_len = args.seq_len or min(2048, limit or 2048)
-    target = args.target_device or ("cpu" if args.device_preset == "cpu" else "cuda")
-    optimizer = args.optimizer or "adamw"
-    if optimizer not in LM_OPTIMIZERS:
-        raise ConfigError(f"--optimizer for hf: models is one of {', '.join(LM_OPTIMIZERS)}")
-    step = LMStep(
-        seq_len=seq_len,
-        batch_size=args.batch or 1,
-        dtype=args.dtype,
-        autocast=args.autocast,
-        optimizer=optimizer,
-        optimizer_impl=args.optimizer_impl or default_optimizer_impl(target),
-        keep_outputs=args.keep_outputs,
-        target_device=target,
-    )
-    if limit is not None and seq_len > limit:
-        raise ConfigError(
-            f"--seq-len {seq_len} is beyond the {limit} positions of hf:{name} "
-            "(max_position_embeddings): use --seq-len <= that"
-        )
-    record = {
-        "model": args.model,
-        "config_source": source,
-        "seq_len": step.seq_len,
-        "batch": step.batch_size,
-        "dtype": step.dtype,
-        "autocast": step.autocast,
-        "optimizer": step.optimizer,
-        "optimizer_impl": step.optimizer_impl,
-        "target_device": step.target_device,
-        "keep_outputs": step.keep_outputs,
-        "max_positions": limit,
-    }
-    return config, step, record

@@ -4,7 +4,8 @@ Everything that changes during training lives here and round-trips through
 ``state_dict()``/``load_state_dict()``: the step counter, error-feedback residuals keyed by
 parameter name (DDP rebuilds its buckets after the first step, so bucket indices are not
 stable), PowerSGD's warm-start factors, the two-phase routes' worker and owner residuals, the RNG of stochastic codecs, ``auto``'s decision and
-the byte counters. The process group is never part of the state dict.
+the byte counters. The process group is never part of the state dict, and the state dict holds
+tensors and plain data only, so a weights-only ``torch.load`` reads it back.
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ class CompressionState:
         if self.twophase is not None:
             state["twophase"] = self.twophase.state_dict()
         if self.torch_state is not None:
-            state["torch_powersgd"] = self.torch_state.__getstate__()
+            state["torch_powersgd"] = _torch_powersgd_state(self.torch_state)
         if self.auto is not None:
             state["auto"] = self.auto.state_dict()
         return state
@@ -197,7 +198,47 @@ class CompressionState:
                 self.twophase = TwoPhaseState(seed=self.seed, world_size=self.world_size)
             self.twophase.load_state_dict(state["twophase"])
         if self.torch_state is not None:
-            self.torch_state.__setstate__(state["torch_powersgd"])
-            self.torch_state.process_group = self.process_group
+            _load_torch_powersgd_state(self.torch_state, state["torch_powersgd"])
         if self.auto is not None:
             self.auto.load_state_dict(state["auto"])
+
+
+def _cloned(value: Any) -> Any:
+    """``value``, or a copy of it with cloned tensors when it is a dict of them."""
+    if not isinstance(value, dict):  # error_dict, p_memory_dict, q_memory_dict: tensors
+        return value
+    return {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in value.items()}
+
+
+def _torch_powersgd_state(torch_state: Any) -> dict[str, Any]:
+    """PyTorch's ``PowerSGDState`` as tensors and plain data, which a weights-only
+    ``torch.load`` reads back: its slots but the process group (tensors cloned), and its numpy
+    ``RandomState`` (what ``__getstate__`` would pickle as an object) as its MT19937 key and
+    position (:func:`_load_torch_powersgd_state` restores it bit for bit)."""
+    slots = [slot for slot in type(torch_state).__slots__ if slot != "process_group"]
+    state = {slot: _cloned(getattr(torch_state, slot)) for slot in slots}
+    kind, keys, position, has_gauss, gauss = torch_state.rng.get_state()
+    state["rng"] = {
+        "kind": str(kind),
+        "keys": torch.from_numpy(keys.astype("int64")),  # (624,) uint32 values
+        "position": int(position),
+        "has_gauss": int(has_gauss),
+        "gauss": float(gauss),
+    }
+    return state
+
+
+def _load_torch_powersgd_state(torch_state: Any, state: dict[str, Any]) -> None:
+    """Restore :func:`_torch_powersgd_state` output into ``torch_state`` (its process group
+    is left as it is)."""
+    import numpy as np
+
+    for slot, value in state.items():
+        if slot == "rng" and isinstance(value, dict):
+            keys = value["keys"].numpy().astype(np.uint32)
+            rng = np.random.RandomState()
+            rng.set_state(
+                (value["kind"], keys, value["position"], value["has_gauss"], value["gauss"])
+            )
+            value = rng
+        setattr(torch_state, slot, _cloned(value))

@@ -4,13 +4,13 @@ Both are measured the same way, in the view the plan's prediction describes, ove
 steady-state step (optimizer state already allocated):
 
 * **CPU**: the c10 allocator's bytes
-  (:func:`~superneurons.bench.memory_meter.allocator_timeline_bytes`): live tensors plus the
+  (:func:`~superneurons.bench.memory.meter.allocator_timeline_bytes`): live tensors plus the
   scratch kernels allocate for themselves (a convolution's backward) and the generator state a
   checkpoint stashes, which a real CPU profile counts. The tensor pool's host slab is allocated
   in the warm-up, before the measured step, and is not in it.
 * **CUDA**: a dispatch-level live-storage count
   (:class:`~superneurons.memory.tracker.LiveStorageTracker`) with the pool's pinned host
-  buffers subtracted (a CUDA profile counts no kernel workspaces: ``memory.workspace``).
+  buffers subtracted (a CUDA profile counts no kernel workspaces: ``memory.profiling.workspace``).
 
 The live-storage peak is recorded beside it on both (``*_tracked_peak_bytes``).
 """
@@ -26,11 +26,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from superneurons.bench.memory_meter import allocator_timeline_bytes
+from superneurons.bench.memory.meter import allocator_timeline_bytes
 from superneurons.memory.plan import ACTIONS, InfeasibleBudgetError, Plan
-from superneurons.memory.planner import make_plan
-from superneurons.memory.profile import profile_step
-from superneurons.memory.runtime import apply_plan
+from superneurons.memory.planner.decide import make_plan
+from superneurons.memory.profiling.step import profile_step
+from superneurons.memory.runtime.apply import apply_plan
 from superneurons.memory.tracker import LiveStorageTracker
 
 __all__ = ["MemoryComparison", "compare_memory"]

@@ -53,7 +53,7 @@ class DemoConfig:
     epochs: int = 1
     batch_size: int = 64
     # NOTE: with equal coding fft lost to ctopk on 5 of 6 models but won on this zoo ResNet
-    # (5-9% lower error, benchmarks/results/codecs/ANSWER.md); a demo run with
+    # (5-9% lower error, benchmarks/results/codecs/README.md); a demo run with
     # ctopk:theta=0.92,bits=8 (same bytes) ended 3.05 points below dense. Elsewhere use ctopk.
     compress: str = "fft:theta=0.9,bits=8"
     budget_fraction: float = 0.5

@@ -52,9 +52,9 @@ from superneurons.integrations.hf import (
     training_without_kv_cache,
 )
 from superneurons.memory import Plan, PlanHandle, apply_plan
-from superneurons.memory.handover import factory_like, hand_over
-from superneurons.memory.host_optimizer import HostOptimizerView
-from superneurons.memory.isolate import unwrapped
+from superneurons.memory.offload.handover import factory_like, hand_over
+from superneurons.memory.offload.host_optimizer import HostOptimizerView
+from superneurons.memory.profiling.isolate import unwrapped
 from superneurons.replicas import check_replicas
 
 __all__ = ["SuperNeuronsSetup", "ddp_reserved_bytes", "prepare_superneurons"]
@@ -148,7 +148,7 @@ def prepare_superneurons(
         optimizer: the (prepared) optimizer, so its state counts in the profiled peak; when
             the plan steps the optimizer on the host (``offload+host-optimizer``, one process
             only), the loop keeps stepping it and the host optimizer does the work
-            (:mod:`superneurons.memory.handover`; its state: ``setup.state_dict()``).
+            (:mod:`superneurons.memory.offload.handover`; its state: ``setup.state_dict()``).
         strategy: the planner's strategy (``auto`` by default).
         loss_of: how the training loop gets the loss, ``loss_of(model, batch)`` (default
             ``model(**batch)``), so the profile runs the forward training will call.
@@ -168,64 +168,82 @@ def prepare_superneurons(
     if compression is not None:
         _check_can_compress(accelerator, ddp)
     setup = SuperNeuronsSetup()
-    inner = unwrapped(model)
     if budget_given:
-        batch: Mapping[str, Any] = sample_batch or {}
-        turned_off = setup._undo.enter_context(hf_checkpointing_off(inner))
-        if turned_off:
-            logger.info(
-                "%s had HF activation checkpointing on in %d modules (TRL's SFTConfig turns "
-                "gradient_checkpointing on by default): off while the memory plan runs, which "
-                "recomputes per block where the budget needs it; setup.remove() restores it",
-                type(inner).__name__,
-                turned_off,
-            )
-        setup.reserved_bytes = ddp_reserved_bytes(ddp) if ddp is not None else 0
-        setup.plan = _planned_on_rank_zero(
-            lambda: plan_for_batch(
-                inner,
-                batch,
-                budget_bytes=budget_bytes,
-                budget_fraction=budget_fraction,
-                optimizer=optimizer,
-                strategy=strategy,
-                loss_of=loss_of,
-                reserved_bytes=setup.reserved_bytes,
-                # NOTE: DDP already holds its gradient buckets: the host optimizer needs the
-                # plan applied before the model is wrapped (superneurons train does so)
-                allow_host_optimizer=ddp is None,
-            )
+        budget = dict(
+            budget_bytes=budget_bytes,
+            budget_fraction=budget_fraction,
+            strategy=strategy,
+            loss_of=loss_of,
         )
-        setup._undo.enter_context(training_without_kv_cache(inner))
-        factory = None
-        if setup.plan.host_optimizer:
-            if optimizer is None:
-                raise ConfigError(
-                    "the plan steps the optimizer on the host (offload+host-optimizer): pass "
-                    "optimizer=, the optimizer the loop steps"
-                )
-            if getattr(accelerator, "gradient_accumulation_steps", 1) > 1:
-                raise ConfigError(
-                    "the plan steps the optimizer on the host after every backward, which "
-                    "gradient accumulation cannot follow: set gradient_accumulation_steps=1 "
-                    "(a larger batch per step), or a budget that fits without the host optimizer"
-                )
-            factory = factory_like(optimizer, inner)
-        setup.plan_handle = setup._undo.enter_context(
-            apply_plan(inner, setup.plan, optimizer_factory=factory)
-        )
-        if setup.plan.host_optimizer:
-            setup._undo.callback(hand_over(optimizer, setup.plan_handle).remove)
-            logger.info(
-                "the optimizer steps on the host, bucket by bucket in backward: the loop's "
-                "optimizer.step() waits for it; its state is setup.state_dict()['host_optimizer']"
-            )
+        _apply_memory_plan(setup, accelerator, model, ddp, sample_batch or {}, optimizer, budget)
     if compression is not None and ddp is not None:
         setup.compression = register_compression(ddp, compression, **compression_options)
     if ddp is not None:  # replicas: the same state on every rank, or an error naming a tensor
         optimizers = [optimizer] if optimizer is not None else []
         check_replicas(ddp, optimizers=optimizers, process_group=ddp.process_group)
     return setup
+
+
+def _apply_memory_plan(
+    setup: SuperNeuronsSetup,
+    accelerator: Any,
+    model: nn.Module,
+    ddp: DistributedDataParallel | None,
+    batch: Mapping[str, Any],
+    optimizer: Any,
+    budget: dict[str, Any],
+) -> None:
+    """Plan the step of one sample batch on rank 0 (:func:`plan_for_batch` with the caller's
+    ``budget`` options) and apply it to the unwrapped model, every change entered in
+    ``setup``'s undo stack: HF's own checkpointing off, the KV cache off, the plan's hooks and,
+    for a host-optimizer plan, the loop's optimizer handed over."""
+    inner = unwrapped(model)
+    turned_off = setup._undo.enter_context(hf_checkpointing_off(inner))
+    if turned_off:
+        logger.info(
+            "%s had HF activation checkpointing on in %d modules (TRL's SFTConfig turns "
+            "gradient_checkpointing on by default): off while the memory plan runs, which "
+            "recomputes per block where the budget needs it; setup.remove() restores it",
+            type(inner).__name__,
+            turned_off,
+        )
+    setup.reserved_bytes = ddp_reserved_bytes(ddp) if ddp is not None else 0
+    setup.plan = _planned_on_rank_zero(
+        lambda: plan_for_batch(
+            inner,
+            batch,
+            optimizer=optimizer,
+            reserved_bytes=setup.reserved_bytes,
+            # NOTE: DDP already holds its gradient buckets: the host optimizer needs the
+            # plan applied before the model is wrapped (superneurons train does so)
+            allow_host_optimizer=ddp is None,
+            **budget,
+        )
+    )
+    setup._undo.enter_context(training_without_kv_cache(inner))
+    factory = None
+    if setup.plan.host_optimizer:
+        if optimizer is None:
+            raise ConfigError(
+                "the plan steps the optimizer on the host (offload+host-optimizer): pass "
+                "optimizer=, the optimizer the loop steps"
+            )
+        if getattr(accelerator, "gradient_accumulation_steps", 1) > 1:
+            raise ConfigError(
+                "the plan steps the optimizer on the host after every backward, which "
+                "gradient accumulation cannot follow: set gradient_accumulation_steps=1 "
+                "(a larger batch per step), or a budget that fits without the host optimizer"
+            )
+        factory = factory_like(optimizer, inner)
+    setup.plan_handle = setup._undo.enter_context(
+        apply_plan(inner, setup.plan, optimizer_factory=factory)
+    )
+    if setup.plan.host_optimizer:
+        setup._undo.callback(hand_over(optimizer, setup.plan_handle).remove)
+        logger.info(
+            "the optimizer steps on the host, bucket by bucket in backward: the loop's "
+            "optimizer.step() waits for it; its state is setup.state_dict()['host_optimizer']"
+        )
 
 
 def ddp_reserved_bytes(ddp: DistributedDataParallel) -> int:

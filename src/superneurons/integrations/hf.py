@@ -4,7 +4,7 @@ Hugging Face models (and the loops of ``transformers.Trainer`` and ``accelerate`
 model with keyword arguments and read the loss from its output. :func:`plan_for_batch` runs
 SuperNeurons' three verbs on such a model (Wang et al., PPoPP'18; ``superneurons.memory``):
 profile one real step on ``batch`` in training mode (isolated,
-:mod:`superneurons.memory.isolate`: the model's own forward runs, patches and autocast
+:mod:`superneurons.memory.profiling.isolate`: the model's own forward runs, patches and autocast
 wrappers included, while its parameters, gradients, buffers, the optimizer and the RNG are
 untouched), plan keep / offload / recompute per transformer block under a byte budget, and
 return the plan with unit fqns relative to the model, ready for ``apply_plan(model, plan)``.
@@ -50,8 +50,8 @@ from superneurons.memory import (
     profile_step,
 )
 from superneurons.memory.fsdp import agree_plan, is_fully_sharded
-from superneurons.memory.isolate import unwrapped
-from superneurons.memory.profile import output_loss
+from superneurons.memory.profiling.isolate import unwrapped
+from superneurons.memory.profiling.step import output_loss
 
 __all__ = [
     "LossOf",
@@ -164,35 +164,12 @@ def plan_for_batch(
         ConfigError: (FSDP2) a strategy other than ``recompute``/``auto``, or another rank
             failed to plan, or planned other units.
     """
-    if (budget_bytes is None) == (budget_fraction is None):
-        raise ConfigError("give exactly one of budget_bytes= or budget_fraction=")
-    if budget_fraction is not None and not 0.0 < budget_fraction <= 1.0:
-        raise ConfigError(f"budget_fraction must be in (0, 1], got {budget_fraction}")
-    if not isinstance(batch, Mapping):
-        raise ConfigError(f"batch must be a dict of model inputs, got {type(batch).__name__}")
     model = unwrapped(model)
-    if is_fully_sharded(model) and strategy not in ("auto", "recompute", "eager", "checkpoint"):
-        raise ConfigError(
-            f"strategy {strategy!r} on a fully_shard (FSDP2) model: use 'recompute' (or 'auto'); "
-            "FSDP2 already shards parameters, gradients and optimizer state"
-        )
-    step = _BatchLoss(model, loss_of, whole_output=keep_outputs)
+    _check_request(model, batch, budget_bytes, budget_fraction, strategy)
     chosen = units if units is not None else default_units(model)
     if not chosen:
         raise ConfigError("the model has no nn.ModuleList/nn.Sequential blocks: pass units=")
-    with _training_mode(model):  # trainers call model.train() before every step
-        profile = profile_step(
-            step,
-            dict(batch),
-            None,
-            output_loss if keep_outputs else _loss_is_output,
-            optimizer,
-            units=[_PREFIX + fqn for fqn in chosen],
-            keep_output=True,
-            carry_output=keep_outputs,
-            autocast=autocast,
-        )
-    _check_observed(profile, model, chosen)
+    profile = _profile_batch(model, batch, optimizer, chosen, loss_of, keep_outputs, autocast)
     eager_bytes = profile.predicted_peak_bytes() + reserved_bytes
     if budget_bytes is None:
         assert budget_fraction is not None
@@ -202,8 +179,85 @@ def plan_for_batch(
             f"a budget of {budget_bytes} B leaves nothing for the step beside the "
             f"{reserved_bytes} B reserved (DDP's gradient buckets): raise the budget"
         )
-    budget_bytes -= reserved_bytes
     plan_options.setdefault("allow_optimizer_in_backward", False)
+    plan = _agreed_plan(
+        model, profile, budget_bytes - reserved_bytes, strategy, plan_options, reserved_bytes
+    )
+    logger.info(
+        "plan for %s: eager peak %d B (%d B of it reserved), budget %d B -> predicted %d B "
+        "(%s: %d recompute, %d offload units)",
+        type(model).__name__,
+        eager_bytes,
+        reserved_bytes,
+        budget_bytes,
+        plan.predicted_peak_bytes + reserved_bytes,
+        plan.strategy,
+        plan.count("recompute"),
+        plan.count("offload"),
+    )
+    return _relative(plan)
+
+
+def _profile_batch(
+    model: nn.Module,
+    batch: Mapping[str, Any],
+    optimizer: torch.optim.Optimizer | None,
+    units: list[str],
+    loss_of: LossOf,
+    keep_outputs: bool,
+    autocast: torch.dtype | None,
+) -> Profile:
+    """One step of the trainer's own forward (``loss_of``) in training mode, profiled per
+    unit; checked to have run and saved in the units."""
+    step = _BatchLoss(model, loss_of, whole_output=keep_outputs)
+    with _training_mode(model):  # trainers call model.train() before every step
+        profile = profile_step(
+            step,
+            dict(batch),
+            None,
+            output_loss if keep_outputs else _loss_is_output,
+            optimizer,
+            units=[_PREFIX + fqn for fqn in units],
+            keep_output=True,
+            carry_output=keep_outputs,
+            autocast=autocast,
+        )
+    _check_observed(profile, model, units)
+    return profile
+
+
+def _check_request(
+    model: nn.Module,
+    batch: Any,
+    budget_bytes: int | None,
+    budget_fraction: float | None,
+    strategy: str,
+) -> None:
+    """One budget, a fraction in (0, 1], a dict batch, and a strategy FSDP2 can run."""
+    if (budget_bytes is None) == (budget_fraction is None):
+        raise ConfigError("give exactly one of budget_bytes= or budget_fraction=")
+    if budget_fraction is not None and not 0.0 < budget_fraction <= 1.0:
+        raise ConfigError(f"budget_fraction must be in (0, 1], got {budget_fraction}")
+    if not isinstance(batch, Mapping):
+        raise ConfigError(f"batch must be a dict of model inputs, got {type(batch).__name__}")
+    if is_fully_sharded(model) and strategy not in ("auto", "recompute", "eager", "checkpoint"):
+        raise ConfigError(
+            f"strategy {strategy!r} on a fully_shard (FSDP2) model: use 'recompute' (or 'auto'); "
+            "FSDP2 already shards parameters, gradients and optimizer state"
+        )
+
+
+def _agreed_plan(
+    model: nn.Module,
+    profile: Profile,
+    budget_bytes: int,
+    strategy: str,
+    plan_options: dict[str, Any],
+    reserved_bytes: int,
+) -> Plan:
+    """The plan for the step's own budget (the reserved bytes taken off); on a CPU device and
+    for a fully_shard model ``auto`` is ``recompute``. A fully_shard model's ranks all get rank
+    0's plan, and all raise where one failed."""
     first = next(iter(model.parameters()), None)
     sharded = is_fully_sharded(model)
     if strategy == "auto" and (sharded or (first is not None and first.device.type == "cpu")):
@@ -224,19 +278,7 @@ def plan_for_batch(
     elif error is not None:
         raise error
     assert plan is not None
-    logger.info(
-        "plan for %s: eager peak %d B (%d B of it reserved), budget %d B -> predicted %d B "
-        "(%s: %d recompute, %d offload units)",
-        type(model).__name__,
-        eager_bytes,
-        reserved_bytes,
-        budget_bytes + reserved_bytes,
-        plan.predicted_peak_bytes + reserved_bytes,
-        plan.strategy,
-        plan.count("recompute"),
-        plan.count("offload"),
-    )
-    return _relative(plan)
+    return plan
 
 
 def _plan(profile: Profile, budget_bytes: int, strategy: str, options: dict[str, Any]) -> Plan:

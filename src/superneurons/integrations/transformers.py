@@ -21,10 +21,11 @@ backward; then the ranks check they hold the same parameters and optimizer state
 (:func:`~superneurons.replicas.check_replicas`). ``on_train_end`` restores the model's forwards,
 ``use_cache`` and HF's activation checkpointing. ``on_save`` writes each rank's compression
 state (error-feedback residuals, step) into the checkpoint folder; resuming loads it back from
-the folder given to ``train(resume_from_checkpoint=...)``, whatever ``output_dir`` is.
+the folder given to ``train(resume_from_checkpoint=...)``, whatever ``output_dir`` is, read
+weights-only (a file that would import anything but tensors and plain data is refused).
 
-The profile is isolated (:mod:`superneurons.memory.isolate`): it runs the forward the trainer
-runs (accelerate's autocast under ``bf16=True``; TRL's fused LM head for ``SFTTrainer``), in
+The profile is isolated (:mod:`superneurons.memory.profiling.isolate`): it runs the forward the
+trainer runs (accelerate's autocast under ``bf16=True``; TRL's fused LM head for ``SFTTrainer``), in
 training mode, with the trainer's optimizer state, and leaves parameters, gradients,
 optimizer, LR scheduler and random-number states as they were, so training is the same as
 without the callback. HF's own activation checkpointing (``activation_checkpointing=True``,
@@ -45,9 +46,10 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from superneurons.errors import ConfigError
+from superneurons.errors import CheckpointError, ConfigError
 from superneurons.integrations.accelerate import SuperNeuronsSetup, prepare_superneurons
 from superneurons.integrations.hf import LossOf, model_loss
+from superneurons.train.safeload import load_weights_only, refusal
 
 __all__ = ["SuperNeuronsCallback"]
 
@@ -197,11 +199,26 @@ class SuperNeuronsCallback(TrainerCallback):  # type: ignore[misc]
                     restarts[kind],
                 )
                 continue
-            part.load_state_dict(torch.load(path, weights_only=False))
+            part.load_state_dict(_read_state(path, restarts[kind]))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.setup is not None:
             self.setup.remove()
+
+
+def _read_state(path: Path, without: str) -> Any:
+    """One of :meth:`SuperNeuronsCallback.on_save`'s files, read weights-only: a file that
+    would import anything but tensors and plain data is refused, unread (one line)."""
+    try:
+        return load_weights_only(path)
+    except Exception as exc:
+        why = refusal(exc)
+        if why is None:
+            raise
+        raise CheckpointError(
+            f"{path}: {why}; resume from a checkpoint folder you trust, or delete the file to "
+            f"resume without it ({without})"
+        ) from None
 
 
 def _state_file(folder: Path, args: Any, kind: str) -> Path:

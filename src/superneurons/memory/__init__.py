@@ -6,13 +6,11 @@ recomputation, in eager PyTorch. The verbs: ``profile_step`` -> ``make_plan`` ->
 
 from __future__ import annotations
 
-from superneurons.memory.below import below_profiles
-from superneurons.memory.bounds import largest_unit_bytes, resident_bytes, working_sets
-from superneurons.memory.cost import DEVICE_PRESETS, CostModel, cost_model, measure_copy_bandwidth
-from superneurons.memory.headloss import linear_cross_entropy
-from superneurons.memory.host_optimizer import HostOptimizer, HostOptimizerView
-from superneurons.memory.optim_backward import register_optimizer_in_backward
-from superneurons.memory.optim_host import HostOptimizerState, HostStateStats
+from superneurons.memory.chunked.headloss import linear_cross_entropy
+from superneurons.memory.offload.host_optimizer import HostOptimizer, HostOptimizerView
+from superneurons.memory.offload.optim_backward import register_optimizer_in_backward
+from superneurons.memory.offload.optim_host import HostOptimizerState, HostStateStats
+from superneurons.memory.offload.pool import PoolConfig, PoolStats, TensorPool
 from superneurons.memory.plan import (
     ACTIONS,
     PLAN_VERSION,
@@ -24,12 +22,19 @@ from superneurons.memory.plan import (
     TensorDecision,
     UnitDecision,
 )
-from superneurons.memory.planner import make_plan, min_peak_bytes
-from superneurons.memory.pool import PoolConfig, PoolStats, TensorPool
-from superneurons.memory.profile import profile_step
+from superneurons.memory.planner.bounds import largest_unit_bytes, resident_bytes, working_sets
+from superneurons.memory.planner.cost import (
+    DEVICE_PRESETS,
+    CostModel,
+    cost_model,
+    measure_copy_bandwidth,
+)
+from superneurons.memory.planner.decide import make_plan, min_peak_bytes
 from superneurons.memory.profile_types import Profile, SavedTensor, UnitProfile, default_units
-from superneurons.memory.runtime import PlanHandle, apply_plan
-from superneurons.memory.simulate import profile_zoo, simulate_plan
+from superneurons.memory.profiling.below import below_profiles
+from superneurons.memory.profiling.step import profile_step
+from superneurons.memory.runtime.apply import PlanHandle, apply_plan
+from superneurons.memory.sizing.simulate import profile_zoo, simulate_plan
 from superneurons.memory.tracker import LiveStorageTracker
 
 __all__ = [

@@ -11,14 +11,15 @@ checkpoint saves) lives in the host pool between forward and a prefetch one unit
 nothing of the unit stays on the device.
 
 Below the largest layer (the language-model case): ``head`` evaluates the LM head and its loss
-in chunks of tokens (:mod:`superneurons.memory.headloss`), ``seq_chunks`` runs position-wise
+in chunks of tokens (:mod:`superneurons.memory.chunked.headloss`), ``seq_chunks`` runs position-wise
 sub-layers (a block's MLP) over chunks of the sequence under recomputation, and
 ``host_optimizer`` keeps the optimizer (state, fp32 master weights, its step) on the host,
-stepping bucket by bucket as gradients are ready (:mod:`superneurons.memory.host_optimizer`).
+stepping bucket by bucket as gradients are ready
+(:mod:`superneurons.memory.offload.host_optimizer`).
 
 A Plan is frozen data with a ``version`` and a JSON round trip, so the runtime (another
 process, another machine) can execute a plan made here. It is made by
-:func:`superneurons.memory.planner.make_plan` (this module imports nothing from the planner).
+:func:`superneurons.memory.planner.decide.make_plan` (this module imports nothing from the planner).
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from superneurons.errors import ConfigError
-from superneurons.memory.headloss import HEAD_MODES, IMPLEMENTATIONS
 
 __all__ = [
     "ACTIONS",
+    "HEAD_MODES",
+    "IMPLEMENTATIONS",
     "PLAN_VERSION",
     "SEARCH_STRATEGIES",
     "SINGLE_DEVICE_STRATEGIES",
@@ -44,6 +46,12 @@ __all__ = [
     "TensorDecision",
     "UnitDecision",
 ]
+
+# How the LM head + loss runs in chunks (``memory.chunked.headloss`` executes them): recompute
+# the logits in backward, or compute the gradient in the forward; PyTorch's chunked op or the
+# project's loop.
+HEAD_MODES: tuple[str, ...] = ("recompute", "grad-in-forward")
+IMPLEMENTATIONS: tuple[str, ...] = ("native", "pure")
 
 # 2: the ``recompute+offload`` action, resident/largest-unit bounds; 3: head and sequence
 # chunking, the host optimizer
@@ -187,14 +195,14 @@ class Plan:
             free the gradient (``Tensor.register_post_accumulate_grad_hook``).
         optimizer_on_host: with ``optimizer_in_backward``, keep the optimizer state in the host
             pool between the parameters' steps (ZeRO-Offload's placement; fetched one parameter
-            ahead in backward, sent back after the step: ``memory.optim_host``).
+            ahead in backward, sent back after the step: ``memory.offload.optim_host``).
         optimizer_host_bytes: optimizer-state bytes in the host pool (0 unless on host).
         optimizer_copy_s: predicted copy time of that state per step (both directions).
         predicted_peak_bytes: predicted device peak of one training step under the plan.
         peak_at: where that peak is: ``{"unit", "phase", "event"}``
-            (:func:`superneurons.memory.where.locate`).
+            (:func:`superneurons.memory.planner.where.locate`).
         breakdown: the live bytes at that peak by what they are
-            (:data:`superneurons.memory.predict.BREAKDOWN`); they sum to the peak.
+            (:data:`superneurons.memory.planner.predict.BREAKDOWN`); they sum to the peak.
         min_budget_bytes: the smallest peak any strategy reaches for this profile.
         host_bytes: predicted pinned host bytes for offloaded activations.
         extra_compute_s: predicted recompute time per step.

@@ -1,4 +1,5 @@
-"""The records a profiled step produces: :class:`Profile`, :class:`SavedTensor`, :class:`UnitProfile`.
+"""The records a profiled step produces: :class:`Profile`, :class:`SavedTensor`,
+:class:`UnitProfile`.
 
 Events are the aten ops of the step in execution order (forward, backward, optimizer step). A
 storage is live on ``[birth, death]`` (inclusive, sampled right after each op, as the tracker
@@ -157,7 +158,7 @@ class StorageLife:
     calls: tuple[int, ...] = ()
     from_caller: bool = False  # alive before the step (an input): no plan frees it
     # one of its saves is a view the tensor pool does not move (broadcast, stride 0): the
-    # storage stays on the device however its units are planned (memory.pool)
+    # storage stays on the device however its units are planned (memory.offload.pool)
     pool_keeps: bool = False
     head: bool = False  # the LM head's or the loss's (``Profile.head_unit``; ``breakdown``)
     # a parameter cast autocast's cache holds until the autocast block exits (the end of the
@@ -217,7 +218,7 @@ class UnitProfile:
     input_bytes: int = 0
     bwd_end_event: int = -1
     inplace: bool = False
-    norm_state_bytes: int = 0  # running statistics a recompute snapshots (memory.recompute)
+    norm_state_bytes: int = 0  # running statistics a recompute snapshots (memory.runtime.recompute)
     unsaved_input_bytes: int = 0
     in_sequential: bool = False  # a child of an ``nn.Sequential`` (segments need one)
     calls: tuple[tuple[int, int, int, int], ...] = ()
@@ -285,8 +286,8 @@ class Profile:
     # does not save, with the units that took it: what checkpoints of those units keep
     unsaved_inputs: tuple[StorageLife, ...] = ()
     # device bytes no tensor holds (real cpu profiles; none on fake ones, and on CUDA, where
-    # ``memory.workspace`` handles workspaces): (event, bytes) of the scratch an op allocated
-    # for itself (counted as temporaries at that event), and the cpu generator state a
+    # ``memory.profiling.workspace`` handles workspaces): (event, bytes) of the scratch an op
+    # allocated for itself (counted as temporaries at that event), and the cpu generator state a
     # checkpoint stashes per recomputed call
     scratch: tuple[tuple[int, int], ...] = ()
     rng_state_bytes: int = 0
@@ -331,6 +332,15 @@ class Profile:
             self.carried_output_bytes
         )
         return table
+
+    @functools.cached_property
+    def gradients(self) -> tuple[tuple[int, int, int], ...]:
+        """``(birth, ready, nbytes)`` of each gradient, in ``grad_births`` order: born at
+        ``birth``, accumulated into its parameter's ``.grad`` at ``ready`` (its birth where
+        ``grad_ready`` was not recorded). Computed once per profile: the planner's searches and
+        predictions read it hundreds of times."""
+        ready = self.grad_ready or tuple(b for b, _ in self.grad_births)
+        return tuple((b, max(b, r), n) for (b, n), r in zip(self.grad_births, ready, strict=True))
 
     def head_rows(self) -> np.ndarray:
         """``(2, num_events)`` int64 array: the eager live bytes (steady state) of saved tensors

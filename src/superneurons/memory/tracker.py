@@ -92,7 +92,7 @@ class LiveStorageTracker(TorchDispatchMode):
         timeline_bytes: ``live_bytes`` after each op (``record_timeline=True``).
         mark_ops: wrap each op in a ``torch.profiler`` range named :data:`MARKER` + its event
             index, so a profiler's allocator events can be placed on the events
-            (:func:`superneurons.memory.workspace.op_scratch`).
+            (:func:`superneurons.memory.profiling.workspace.op_scratch`).
         births / deaths: storage serial -> op index of its creation / release (a ``resize_``
             releases the old serial and creates a new one).
         lineage: storage serial -> the first serial of the same storage object (itself unless

@@ -102,7 +102,7 @@ class GPT(nn.Module):
     """``forward(idx: (B, T) int64) -> logits (B, T, vocab_size)``; with ``targets`` ((B, T)
     int64, aligned with ``idx``'s positions, -100 ignored) it returns the mean cross-entropy
     instead, which a plan may compute in chunks without the logits
-    (:mod:`superneurons.memory.lmhead`)."""
+    (:mod:`superneurons.memory.chunked.lmhead`)."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()

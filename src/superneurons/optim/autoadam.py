@@ -17,24 +17,33 @@ all-reduce) and :func:`one_bit_adam` — by the predicted step time:
   scaled-sign momentum (measured encode/decode of ``signsgd``); the run's mean step counts
   both in proportion.
 
-Both predictions are :func:`superneurons.strategy.cost.predicted_step_s` on the fitted
-network model (:func:`superneurons.strategy.netmodel.measure_network`) plus each optimizer's
-measured local ``step()`` (1-bit Adam's per-parameter encode, error feedback and decode are
-Python loops that per-byte codec costs missed). 1-bit Adam is chosen only when its mean
-predicted step is at least ``margin`` (20%) below dense's. Rank 0 decides and broadcasts, so
-every rank builds the same optimizer.
+Both predictions are :func:`superneurons.strategy.cost.predicted_step_s` on a network model
+plus each optimizer's measured local ``step()`` (1-bit Adam's per-parameter encode, error
+feedback and decode are Python loops that per-byte codec costs missed). 1-bit Adam is chosen
+only when its mean predicted step is at least ``margin`` (20%) below dense's. Rank 0 decides
+and broadcasts, so every rank builds the same optimizer.
 
-``auto:link=100mbit`` plans for a *stated* link (the ring model of
-:func:`~superneurons.strategy.netmodel.ring_network` at that rate, latency as measured) instead
-of the measured one: for planning a deployment from a test machine, and labelled as such in
-every record.
+The decision is the pure :func:`choose_adam_scheme` of three inputs, each recorded in it:
+
+* the network: fitted on the real process group
+  (:func:`~superneurons.strategy.netmodel.measure_network`), or, with ``auto:link=RATE
+  [,latency=T]``, *stated*: :func:`~superneurons.strategy.netmodel.stated_network` of that rate
+  and latency (:data:`~superneurons.schemes.adam.DEFAULT_LATENCY_NS` when none is stated), and
+  then nothing of the network is measured: for planning a deployment from a test machine,
+  labelled as such in every record;
+* the model: its parameters' sizes (the buckets, the bytes on the wire: the codecs' payload
+  sizes are exact, not measured);
+* this device's compute, which no link statement covers (:class:`ComputeTimes`: backward and
+  each optimizer's ``step()``, 1-bit Adam's codec work inside it): measured on rank 0 by
+  :func:`measure_compute`, or stated (``compute=``, e.g. an earlier decision's record). A
+  measurement is taken at whatever load the machine has; with a stated link and stated compute
+  the decision is a function of the statement alone, whatever runs beside it.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -45,18 +54,24 @@ from torch import nn
 
 from superneurons.codecs.cast import Fp16Codec
 from superneurons.codecs.sign import SignSGDCodec
+from superneurons.durations import format_duration
 from superneurons.errors import ConfigError
+from superneurons.optim.stepcost import ComputeTimes, OptimizerTimes, measure_compute
 from superneurons.rates import format_rate
 from superneurons.schemes.adam import AdamAuto, AdamMomentum, AdamScheme, AdamUpdate
 from superneurons.schemes.grammar import parse_scheme
 
 __all__ = [
     "AdamDecision",
+    "ComputeTimes",
     "OptimizerTimes",
+    "choose_adam_scheme",
     "decide_adam_scheme",
     "dense_bucket_timings",
+    "measure_compute",
     "one_bit_adam",
     "predict_adam_schemes",
+    "stated_link",
     "warmup_steps_for",
 ]
 
@@ -85,7 +100,7 @@ class AdamDecision:
     predicted_dense_step_s: float
     predicted_compressed_step_s: float  # mean over the run, warm-up included
     backward_s: float
-    link: str  # "measured" or "stated: 100mbit (ring model, not measured)"
+    link: str  # "measured" or "stated: 100mbit, latency 44us (ring model, not measured)"
     network: dict[str, Any]
     optimizer_s: dict[str, float] | None = None  # OptimizerTimes as a dict
     version: int = _DECISION_VERSION
@@ -177,66 +192,67 @@ def predict_adam_schemes(
     return dense_s, (warm * warm_s + (total_steps - warm) * sign_s) / total_steps
 
 
-@dataclass(frozen=True)
-class OptimizerTimes:
-    """Measured local seconds of one ``step()``: AdamW, 1-bit Adam in its warm-up (fp16
-    encode/decode) and after it (error feedback, sign encode, decode); collectives excluded."""
+def _wire_cost(codec: Any, numel: int) -> Any:
+    """What ``codec`` puts on the wire for ``numel`` fp32 elements, exactly (its payload size);
+    its compute is inside the measured optimizer steps, so none is added here."""
+    from superneurons.strategy.codecs import CodecCost
 
-    adamw_s: float
-    warmup_s: float
-    compressed_s: float
+    bits = codec.payload_bytes(numel) * 8 / numel
+    # NOTE: rel_error is the selection's (strategy.select); the timeline does not read it.
+    return CodecCost(codec, codec.summable, 0.0, 0.0, bits, 0.0)
 
 
-def _optimizer_times(
-    params: Sequence[torch.Tensor], world: int, solo: Any, repeats: int
-) -> OptimizerTimes:
-    """Time each optimizer on copies of ``params`` (with their gradients) on a one-rank group,
-    so nothing is sent; 1-bit Adam decodes one payload instead of ``world`` (its decode of
-    the others is added from a second decode of the same payloads, ``world - 1`` times)."""
-    from superneurons.optim.adam import CompressedAdamW
-    from superneurons.strategy.timing import time_call_s
+def stated_link(config: AdamAuto, world_size: int) -> tuple[Any, str]:
+    """The network ``auto:link=RATE[,latency=T]`` states, and its label for the records. Pure:
+    nothing is measured. Needs ``config.link_bit_s``."""
+    from superneurons.strategy.netmodel import stated_network
 
-    device = params[0].device
-
-    def copies() -> list[torch.Tensor]:
-        out = []
-        for p in params:
-            q = p.detach().clone().requires_grad_(True)
-            q.grad = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-            out.append(q)
-        return out
-
-    adamw = torch.optim.AdamW(copies(), lr=1e-3)
-    dense = [time_call_s(adamw.step, device) for _ in range(repeats + 1)][1:]
-    one_bit = CompressedAdamW(
-        copies(),
-        codec=SignSGDCodec(),
-        warmup_steps=2,
-        warmup_codec=Fp16Codec(),
-        process_group=solo,
+    if config.link_bit_s is None:
+        raise ConfigError("auto: no link is stated (write link=RATE, e.g. auto:link=100mbit)")
+    network = stated_network(
+        world_size, rate_bit_s=config.link_bit_s, latency_s=config.latency_ns / 1e9
     )
-    times = [time_call_s(one_bit.step, device) for _ in range(repeats + 2)]
-    warm, after = times[1], statistics.median(times[2:])
-    decode_s = 0.0
-    if world > 1:  # the receiver decodes every rank's payload
-        flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None]).float()
-        codec = SignSGDCodec()
-        payload = codec.encode(flat)
-        decode_s = time_call_s(lambda: codec.decode(payload), device) * (world - 1)
-    return OptimizerTimes(statistics.median(dense), warm, after + decode_s)
+    rate, latency = format_rate(config.link_bit_s), format_duration(config.latency_ns)
+    return network, f"stated: {rate}, latency {latency} (ring model, not measured)"
 
 
-def _backward_s(model: nn.Module, batch: tuple[Any, Any], loss_fn: Any, repeats: int) -> float:
-    """Median seconds of one backward of ``model`` on ``batch`` (forward not counted)."""
-    from superneurons.strategy.timing import time_call_s
-
-    inputs, targets = batch
-    device = next(model.parameters()).device
-    times = []
-    for _ in range(repeats + 1):  # the first is a warm-up (allocation)
-        loss = loss_fn(model(inputs), targets)
-        times.append(time_call_s(loss.backward, device))
-    return statistics.median(times[1:])
+def choose_adam_scheme(
+    numels: Sequence[int],
+    *,
+    config: AdamAuto,
+    network: Any,
+    link: str,
+    compute: ComputeTimes,
+    total_steps: int,
+    bucket_cap_bytes: int,
+) -> AdamDecision:
+    """Dense AdamW or 1-bit Adam for a model of parameters of ``numels`` (registration order)
+    on ``network`` (labelled ``link`` in the record) with ``compute``. Pure: the same inputs
+    give the same decision (see the module docstring)."""
+    warmup = warmup_steps_for(total_steps, config)
+    numel = sum(numels)
+    dense_s, compressed_s = predict_adam_schemes(
+        numels,
+        backward_s=compute.backward_s,
+        network=network,
+        sign_cost=_wire_cost(SignSGDCodec(), numel),
+        wire_cost=_wire_cost(Fp16Codec(), numel),
+        warmup_steps=warmup,
+        total_steps=total_steps,
+        bucket_cap_bytes=bucket_cap_bytes,
+        optimizer_s=compute.optimizer,
+    )
+    pays = network.world_size > 1 and compressed_s < (1.0 - config.margin) * dense_s
+    return AdamDecision(
+        scheme=one_bit_adam(warmup) if pays else None,
+        warmup_steps=warmup,
+        predicted_dense_step_s=dense_s,
+        predicted_compressed_step_s=compressed_s,
+        backward_s=compute.backward_s,
+        link=link,
+        network=network.to_dict(),
+        optimizer_s=asdict(compute.optimizer),
+    )
 
 
 def decide_adam_scheme(
@@ -249,67 +265,43 @@ def decide_adam_scheme(
     bucket_cap_bytes: int,
     group: dist.ProcessGroup | None = None,
     repeats: int = 3,
+    compute: ComputeTimes | None = None,
 ) -> AdamDecision:
-    """Measure, predict, choose (collective: every rank calls it; rank 0 decides, broadcasts).
+    """Measure what is not stated, predict, choose (collective: every rank calls it, with the
+    same ``config`` and ``compute``; rank 0 decides and broadcasts).
 
-    Call before wrapping ``model`` in DDP: the timed backwards run on the bare model; its
-    gradients are cleared and the RNG streams restored, so the training that follows is the
-    same as without this call.
+    The network is measured on ``group`` unless ``config`` states a link; the compute is
+    measured on rank 0 (:func:`measure_compute`) unless ``compute`` states it. Call before
+    wrapping ``model`` in DDP: the timed backwards run on the bare model; its gradients are
+    cleared and the RNG streams restored, so the training that follows is the same as without
+    this call.
     """
-    from superneurons.strategy.codecs import measure_codecs
-    from superneurons.strategy.netmodel import measure_network, ring_network
+    from superneurons.strategy.netmodel import measure_network
 
     device = next(model.parameters()).device
     world = dist.get_world_size(group)
-    network = measure_network(group, device=device)
-    link = "measured"
-    if config.link_bit_s is not None:
-        network = ring_network(
-            world,
-            alpha_s=network.all_reduce.alpha_s,
-            bandwidth_bytes_per_s=config.link_bit_s / 8,
-        )
-        link = f"stated: {format_rate(config.link_bit_s)} (ring model, not measured)"
-    warmup = warmup_steps_for(total_steps, config)
-    decision: list[Any] = [None]
+    if config.link_bit_s is None:
+        network, link = measure_network(group, device=device), "measured"
+    else:
+        network, link = stated_link(config, world)
     leader = dist.get_global_rank(group, 0) if group is not None else 0
-    solo = dist.new_group([leader])  # collective: every rank creates it, rank 0 times in it
+    # collective: every rank creates it (or none does: compute is the same on every rank)
+    solo = dist.new_group([leader]) if compute is None else None
+    decision: list[Any] = [None]
     if dist.get_rank(group) == 0:
-        params = [p for p in model.parameters() if p.requires_grad]
-        devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            backward_s = _backward_s(model, batch, loss_fn, repeats)
-            sample = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
-            sign, wire = (  # their time is inside the measured optimizer steps
-                replace(cost, encode_s_per_byte=0.0, decode_s_per_byte=0.0)
-                for cost in measure_codecs([SignSGDCodec(), Fp16Codec()], sample, world_size=world)[
-                    1:
-                ]
+        if compute is None:
+            compute = measure_compute(
+                model, batch, loss_fn, world_size=world, solo=solo, repeats=repeats
             )
-            optimizer_s = _optimizer_times(params, world, solo, repeats)
-        for p in params:
-            p.grad = None
-        dense_s, compressed_s = predict_adam_schemes(
-            [p.numel() for p in params],
-            backward_s=backward_s,
+        numels = [p.numel() for p in model.parameters() if p.requires_grad]
+        decision[0] = choose_adam_scheme(
+            numels,
+            config=config,
             network=network,
-            sign_cost=sign,
-            wire_cost=wire,
-            warmup_steps=warmup,
+            link=link,
+            compute=compute,
             total_steps=total_steps,
             bucket_cap_bytes=bucket_cap_bytes,
-            optimizer_s=optimizer_s,
-        )
-        pays = world > 1 and compressed_s < (1.0 - config.margin) * dense_s
-        decision[0] = AdamDecision(
-            scheme=one_bit_adam(warmup) if pays else None,
-            warmup_steps=warmup,
-            predicted_dense_step_s=dense_s,
-            predicted_compressed_step_s=compressed_s,
-            backward_s=backward_s,
-            link=link,
-            network=network.to_dict(),
-            optimizer_s=asdict(optimizer_s),
         ).to_dict()
     dist.broadcast_object_list(decision, src=leader, group=group)
     chosen = AdamDecision.from_dict(decision[0])

@@ -4,7 +4,7 @@ Both are productions of the one grammar (:mod:`.grammar`)::
 
     adam-momentum[warmup=N,wire=SPEC,clip=RMS]:CODEC    1-bit Adam (Tang et al., ICML 2021)
     adam-update[warmup=N,wire=SPEC,clip=RMS]:CODEC      averaged local AdamW updates
-    auto[:link=RATE,margin=F]                           with --optimizer adam/adamw only
+    auto[:link=RATE,latency=T,margin=F]                 with --optimizer adam/adamw only
 
 The first two configure :class:`~superneurons.optim.adam.CompressedAdamW` (``kwargs()``); the
 last is :func:`~superneurons.optim.autoadam.decide_adam_scheme`'s config. Their canonical form
@@ -22,11 +22,24 @@ from superneurons.codecs.codec import Codec
 from superneurons.codecs.twophase import TwoPhase
 from superneurons.errors import ConfigError
 
-__all__ = ["DEFAULT_MARGIN", "AdamAuto", "AdamMomentum", "AdamScheme", "AdamUpdate"]
+__all__ = [
+    "DEFAULT_LATENCY_NS",
+    "DEFAULT_MARGIN",
+    "AdamAuto",
+    "AdamMomentum",
+    "AdamScheme",
+    "AdamUpdate",
+]
 
 # NOTE: 1-bit Adam ran up to ~40% above its predicted step here (char-GPT, 100 Mbit/s), and a
 # 9% predicted gain was a 1.26x loss: choose it only when predicted >= 20% faster.
 DEFAULT_MARGIN = 0.2
+
+# A stated link's latency per message step when none is stated: the 2-rank all-reduce line the
+# network benchmark fitted between two namespaces on a veth pair shaped to 1 Gbit/s, gloo, one
+# thread per rank (benchmarks/results/nproc/network-1gbit/network.json, the 2-rank ``auto``
+# record: alpha = 88.9 us per call), over the 2 message steps of a 2-rank ring all-reduce.
+DEFAULT_LATENCY_NS = 44_000
 
 
 @dataclass(frozen=True)
@@ -109,13 +122,17 @@ AdamScheme = AdamMomentum | AdamUpdate
 
 @dataclass(frozen=True)
 class AdamAuto(Canonical):
-    """``auto[:link=RATE,margin=F]`` under an Adam-family optimizer.
+    """``auto[:link=RATE,latency=T,margin=F]`` under an Adam-family optimizer.
 
     Args:
         link_bit_s: plan for a link of this rate (bits per second, written ``link=100mbit``)
-            instead of the measured network; None: the measured one.
+            instead of the measured network (nothing of the network is measured then); None:
+            the measured one.
         margin: 1-bit Adam is chosen only when its predicted mean step is at least this
             fraction faster than dense's.
+        latency_ns: the stated link's latency per message step (written ``latency=50us``;
+            a ring all-reduce takes ``2(P-1)`` steps, an all-gather ``P-1``): by default
+            :data:`DEFAULT_LATENCY_NS`; only with ``link``.
         warmup_fraction, min_warmup_steps: 1-bit Adam's warm-up is
             ``max(min_warmup_steps, ceil(warmup_fraction * total_steps))`` (10% and 20 steps:
             a 10-step warm-up diverged on the char-GPT); not options of the spec.
@@ -123,6 +140,9 @@ class AdamAuto(Canonical):
 
     link_bit_s: int | None = field(default=None, metadata={"key": "link", "rate": True})
     margin: float = DEFAULT_MARGIN
+    latency_ns: int = field(
+        default=DEFAULT_LATENCY_NS, metadata={"key": "latency", "duration": True}
+    )
     warmup_fraction: float = field(default=0.1, metadata={"option": False})
     min_warmup_steps: int = field(default=20, metadata={"option": False})
     NAME: ClassVar[str] = "auto"
@@ -135,6 +155,14 @@ class AdamAuto(Canonical):
     def __post_init__(self) -> None:
         if self.link_bit_s is not None and self.link_bit_s <= 0:
             raise ConfigError(f"auto: link must be > 0 bit/s, got {self.link_bit_s}")
+        latency = self.latency_ns
+        if isinstance(latency, bool) or not isinstance(latency, int) or latency < 0:
+            raise ConfigError(f"auto: latency must be >= 0 ns, got {latency!r}")
+        if self.link_bit_s is None and latency != DEFAULT_LATENCY_NS:
+            raise ConfigError(
+                "auto: latency= is the stated link's: state its rate too, e.g. "
+                "auto:link=1gbit,latency=50us"
+            )
         if not 0.0 <= self.margin < 1.0:
             raise ConfigError(f"auto: margin must be in [0, 1), got {self.margin}")
         if not 0.0 < self.warmup_fraction < 1.0 or self.min_warmup_steps < 1:

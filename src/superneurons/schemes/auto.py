@@ -55,7 +55,9 @@ class Auto(Canonical):
     drift: float = 0.5
     drift_steps: int = 5
     NAME: ClassVar[str] = "auto"
-    SPEC_HINT: ClassVar[str] = "link and margin are auto's options with --optimizer adam or adamw"
+    SPEC_HINT: ClassVar[str] = (
+        "link, latency and margin are auto's options with --optimizer adam or adamw"
+    )
 
     def __post_init__(self) -> None:
         for name in ("observe_steps", "drift_steps"):

@@ -9,6 +9,7 @@ Grammar (parsed once, at the edge, into an object that is passed on as that obje
     OPTION  := KEY "=" VALUE
     SYNC    := SYNCNAME [":" OPTION ("," OPTION)*]        e.g. diloco:steps=50 (train --sync)
              | SYNCNAME "[" OPTION ("," OPTION)* "]" ":" SPEC          e.g. diloco[steps=50]:fp16
+    RUN     := SYNC | SPEC ["|" THETA]     e.g. fft|diminishing:until=0.5 (bench labels, .theta)
 
 NAMEs are codecs (``CODECS``), ``powersgd``, PyTorch's anchors (``dense``, ``torch-allreduce``
 = ``dense``, ``torch-fp16``, ``torch-powersgd``) and ``auto``; WRAPPERs are ``ef`` (error
@@ -21,8 +22,8 @@ communicates); with an Adam-family optimizer (``parse_spec(text, adam=True)``) `
 derived from the fields (:mod:`superneurons.codecs.canonical`), and parses back to an equal
 object. ``train --sync`` takes a SYNC (:func:`parse_sync`, the names in ``SYNCS``:
 ``every-step`` and ``diloco``, :mod:`.diloco`). Values are converted by the dataclass field types (``int``, ``float``, ``str``,
-``bool``, ``X | None``, ``Literal[...]``, a codec) or a field's ``rate`` metadata
-(:func:`superneurons.rates.parse_rate`); the class's own ``__post_init__`` validates ranges.
+``bool``, ``X | None``, ``Literal[...]``, a codec) or a field's ``rate`` or ``duration``
+metadata (:data:`_UNITS`); the class's own ``__post_init__`` validates ranges.
 
 ``CODECS`` and ``SPECS`` are literal dicts, not registries: adding a codec is one line in
 ``CODECS``.
@@ -52,6 +53,7 @@ from superneurons.codecs.sparse.fft import FFTCodec
 from superneurons.codecs.sparse.topk import TopKCodec
 from superneurons.codecs.terngrad import TernGradCodec
 from superneurons.codecs.twophase import TwoPhase
+from superneurons.durations import parse_duration_ns
 from superneurons.errors import ConfigError
 from superneurons.rates import parse_rate
 from superneurons.schemes.adam import AdamAuto, AdamMomentum, AdamScheme, AdamUpdate
@@ -71,6 +73,7 @@ __all__ = [
     "WRAPPERS",
     "describe_codecs",
     "parse_codec",
+    "parse_options",
     "parse_scheme",
     "parse_spec",
     "parse_sync",
@@ -126,6 +129,9 @@ GRAMMAR = (
     "'topk:ratio=0.01', 'ef(warmup(steps=100,topk))')"
 )
 _OPTION = re.compile(r"^\s*[A-Za-z_]\w*\s*=")
+
+_UNITS = {"rate": (parse_rate, "a rate such as 100mbit or 1gbit"),  # metadata: parser, hint
+          "duration": (parse_duration_ns, "a duration such as 50us, 0.2ms or 1s")}  # fmt: skip
 
 _TRUE = frozenset({"true", "1", "yes", "on"})
 _FALSE = frozenset({"false", "0", "no", "off"})
@@ -209,8 +215,8 @@ def _valid_names(names: dict[str, type]) -> str:
     return ", ".join([*SPECS, *(f"{name}(...)" for name in WRAPPERS), *adam])
 
 
-def _options(name: str, cls: type, items: list[str], text: str) -> dict[str, Any]:
-    """``KEY=VALUE`` items -> typed keyword arguments of ``cls``."""
+def parse_options(name: str, cls: type, items: list[str], text: str) -> dict[str, Any]:
+    """``KEY=VALUE`` items -> typed keyword arguments of ``cls`` (every production's options)."""
     fields = _fields(cls)
     kwargs: dict[str, Any] = {}
     hint = getattr(cls, "SPEC_HINT", "")
@@ -229,16 +235,16 @@ def _options(name: str, cls: type, items: list[str], text: str) -> dict[str, Any
         field, tp = fields[key]
         if field.name in kwargs:
             raise ConfigError(f"spec {text!r} sets {key!r} twice")
+        unit = next((m for m in _UNITS if field.metadata.get(m)), None)
         try:
-            if field.metadata.get("rate"):
-                kwargs[field.name] = None if value.lower() == "none" else parse_rate(value)
-            else:
+            if unit is None:
                 kwargs[field.name] = _convert(value, tp)
+            else:  # NOTE: "none" is an optional rate's None (link=none)
+                none = value.lower() == "none" and unit == "rate"
+                kwargs[field.name] = None if none else _UNITS[unit][0](value)
         except (ValueError, ConfigError):
-            what = "a rate such as 100mbit or 1gbit" if field.metadata.get("rate") else None
-            raise ConfigError(
-                f"{name!r}: {key}={value!r} must be {what or _type_name(tp)}"
-            ) from None
+            what = _UNITS[unit][1] if unit else _type_name(tp)
+            raise ConfigError(f"{name!r}: {key}={value!r} must be {what}") from None
     return kwargs
 
 
@@ -273,7 +279,7 @@ def _parse(text: str, whole: str, names: dict[str, type]) -> Any:
                 f"malformed spec {whole!r}: {name} names no codec after ':'; expected {GRAMMAR}"
             )
         codec = _parse(inner, whole, SPECS)
-        return ADAM[name](codec, **_options(name, ADAM[name], items, whole))
+        return ADAM[name](codec, **parse_options(name, ADAM[name], items, whole))
     head, paren, body = stripped.partition("(")
     if paren and ":" not in head:
         name = head.strip().lower()
@@ -290,7 +296,7 @@ def _parse(text: str, whole: str, names: dict[str, type]) -> Any:
                 f"malformed spec {whole!r}: {name}(...) wraps no spec; expected {GRAMMAR}"
             )
         cls = WRAPPERS[name]
-        kwargs = _options(name, cls, items[:first_inner], whole)
+        kwargs = parse_options(name, cls, items[:first_inner], whole)
         return cls(_parse(",".join(items[first_inner:]), whole, names), **kwargs)
     name, sep, rest = stripped.partition(":")
     name = name.strip().lower()
@@ -301,7 +307,7 @@ def _parse(text: str, whole: str, names: dict[str, type]) -> Any:
     if sep and not rest.strip():
         raise ConfigError(f"malformed spec {whole!r}: nothing after ':'; expected {GRAMMAR}")
     items = rest.split(",") if rest.strip() else []
-    return names[name](**_options(name, names[name], items, whole))
+    return names[name](**parse_options(name, names[name], items, whole))
 
 
 def parse_spec(text: str) -> Compression:
@@ -356,7 +362,7 @@ def parse_sync(text: str) -> Sync:
         if rest.strip() and (colon != ":" or not options.strip()):
             raise ConfigError(f"malformed --sync {text!r}: expected {SYNC_GRAMMAR}")
     items = options.split(",") if options.strip() else []
-    kwargs = _options(head.lower(), cls, items, text)
+    kwargs = parse_options(head.lower(), cls, items, text)
     sync: Sync = cls(parse_spec(wire), **kwargs) if bracket else cls(**kwargs)
     return sync
 

@@ -32,7 +32,14 @@ from superneurons.compat import all_gather_into_tensor
 from superneurons.errors import ConfigError
 from superneurons.strategy.timing import time_call_s
 
-__all__ = ["LinkModel", "NetworkModel", "fit_link", "measure_network", "ring_network"]
+__all__ = [
+    "LinkModel",
+    "NetworkModel",
+    "fit_link",
+    "measure_network",
+    "ring_network",
+    "stated_network",
+]
 
 NETWORK_MODEL_VERSION = 2
 # bytes each rank moves per input byte, and message steps, of each collective at P ranks
@@ -176,6 +183,27 @@ def ring_network(world_size: int, *, alpha_s: float, bandwidth_bytes_per_s: floa
         all_gather=LinkModel(alpha_s, (p - 1) * per_byte),
         all_to_all=LinkModel(alpha_s, (p - 1) / p * per_byte),
     )
+
+
+def stated_network(world_size: int, *, rate_bit_s: float, latency_s: float) -> NetworkModel:
+    """A link stated by its rate and its latency per message step, nothing measured: each
+    collective at ``world_size`` ranks takes the ring factors (module docs) of the link's
+    per-byte time — all-reduce ``2(P−1)/P``, all-gather ``P−1``, all-to-all ``(P−1)/P`` per
+    input byte — and that many latencies as it has message steps: ``2(P−1)``, ``P−1``,
+    ``P−1``. A pure function of the statement (``auto:link=RATE,latency=T``)."""
+    if not rate_bit_s > 0 or rate_bit_s == float("inf"):
+        raise ConfigError(f"a stated link's rate must be > 0 bit/s, got {rate_bit_s}")
+    if not 0.0 <= latency_s < float("inf"):
+        raise ConfigError(f"a stated link's latency must be >= 0 s, got {latency_s}")
+    per_byte_s = 8.0 / rate_bit_s
+    lines = {
+        kind: LinkModel(
+            _STEPS_FACTOR[kind](world_size) * latency_s,
+            _BYTES_FACTOR[kind](world_size) * per_byte_s,
+        )
+        for kind in ("all_reduce", "all_gather", "all_to_all")
+    }
+    return NetworkModel(world_size=world_size, **lines)
 
 
 def fit_link(sizes_bytes: Sequence[int], times_s: Sequence[float]) -> LinkModel:

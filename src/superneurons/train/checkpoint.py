@@ -14,7 +14,9 @@ new one. ``--resume`` therefore picks the newest step for which *every* rank hol
 file (the ranks exchange what they hold, so they cannot disagree and never hang on a mismatch).
 
 A checkpoint is written at the end of every epoch and, with ``--checkpoint-every STEPS``, every
-``STEPS`` optimizer steps inside one (``epoch_step`` says how far into its epoch it is).
+``STEPS`` optimizer steps inside one (``epoch_step`` says how far into its epoch it is). It holds
+tensors and plain data only and is read weights-only (:mod:`superneurons.train.safeload`): a
+file that would import anything else is refused, unread, as unusable.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from superneurons.errors import CheckpointError
+from superneurons.train.safeload import load_weights_only, refusal
 
 __all__ = [
     "Checkpoint",
@@ -139,14 +142,11 @@ def _reason(exc: Exception) -> str:
 def _try_read(path: Path, *, mmap: bool) -> tuple[dict[str, Any] | None, str]:
     """``(body, "")`` for a readable checkpoint, else ``(None, why not)``."""
     try:
-        # NOTE: weights_only=False: the state of PyTorch's own PowerSGD hook (the torch-powersgd
-        # anchor) holds a numpy RandomState, which the weights-only unpickler refuses. These
-        # are the run's own files in its own output directory.
-        body = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+        body = load_weights_only(path, mmap=mmap)  # a folder from elsewhere runs no code
     except FileNotFoundError:
         return None, "no such file"
     except Exception as exc:  # noqa: BLE001 - whatever torch.load raises, the file is unusable
-        return None, _reason(exc)
+        return None, refusal(exc) or _reason(exc)
     if not isinstance(body, dict) or body.get("version") != CHECKPOINT_VERSION:
         version = body.get("version") if isinstance(body, dict) else None
         return None, f"not a superneurons checkpoint of version {CHECKPOINT_VERSION} ({version!r})"

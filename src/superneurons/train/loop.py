@@ -21,8 +21,8 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable
-from dataclasses import asdict
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +42,11 @@ from superneurons.train.checkpoint import (
     save_checkpoint,
 )
 from superneurons.train.config import TrainConfig
+from superneurons.train.evaluate import batch_accuracy, evaluate
 from superneurons.train.metrics import MetricsLog, last_logged_step, summarize, write_summary
 from superneurons.train.rank import init_distributed, leave_process_group
 from superneurons.train.sync import (
+    Synchronisation,
     attach_synchronisation,
     build_optimizer,
     communicating_optimizer,
@@ -74,13 +76,62 @@ def train(config: TrainConfig) -> dict[str, Any]:
         leave_process_group(barrier=finished)
 
 
+@dataclass
+class _Run:
+    """One rank's training, built once by :func:`_build`: the task and model, the data, and
+    how ranks synchronise (the DDP wrapper, the optimizer, the wire)."""
+
+    config: TrainConfig
+    placement: Placement
+    rank: int
+    world_size: int
+    task: Task
+    model: nn.Module
+    sampler: DistributedSampler[Any]
+    loader: DataLoader[Any]
+    steps_per_epoch: int
+    plan_handle: Any
+    ddp: DistributedDataParallel
+    optimizer: torch.optim.Optimizer
+    compression: Synchronisation
+
+
 def run_training(config: TrainConfig, device: Placement | torch.device) -> dict[str, Any]:
     """The loop itself, in an already initialised process group (tests call it directly).
 
     Every model, batch and target reaches the rank's device through one
     :class:`~superneurons.device.Placement` (a bare device means ``Placement(device)``).
     """
-    placement = Placement.of(device)
+    run, saved = _build(config, Placement.of(device))
+    start_epoch, step, done_in_epoch = _restore(run, saved)
+    run.compression.check_replicas(run.ddp, run.optimizer)  # what must be equal on every rank
+    test = {"test_loss": float("nan"), "test_accuracy": float("nan")}
+    restart = restart_count()
+    logged = last_logged_step(Path(config.out_dir) / "metrics.jsonl") if run.rank == 0 else None
+    resume_at = None if saved is None else (saved.epoch, saved.step)
+    with MetricsLog(config.out_dir, enabled=run.rank == 0, resume_at=resume_at) as log:
+        if saved is not None:
+            log.load_state_dict(saved.metrics or {"steps": saved.step})
+        if saved is not None or restart:
+            step_from = 0 if saved is None else saved.step
+            log.note_resume(step=step_from, restart=restart, last_logged_step=logged)
+        for epoch in range(start_epoch, config.epochs):
+            step = _train_epoch(run, log, epoch=epoch, step=step, done_in_epoch=done_in_epoch)
+            done_in_epoch = 0
+            test = evaluate(run.ddp.module, run.task, config, run.placement)
+            log.write("epoch", epoch=epoch, step=step, wall_s=log.wall_s, **test)
+            _save(run, log, epoch=epoch + 1, step=step)
+        summary = _summary(run, log, test=test, restarts=restart)
+    if run.plan_handle is not None:
+        run.plan_handle.remove()
+    if run.rank == 0:
+        write_summary(config.out_dir, summary)
+    return summary
+
+
+def _build(config: TrainConfig, placement: Placement) -> tuple[_Run, Checkpoint | None]:
+    """Seed, build the task, the data and the memory plan, find the checkpoint to resume
+    from, decide ``auto`` (Adam), wrap the model in DDP and attach the synchronisation."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(config.seed)  # same initial weights on every rank
     random.seed(config.seed)  # NOTE: checkpointed too; unseeded it differs run to run
@@ -88,26 +139,8 @@ def run_training(config: TrainConfig, device: Placement | torch.device) -> dict[
         config.model, config.data, data_dir=config.data_dir, block_size=config.block_size
     )
     model = placement.module(task.model)
-    sampler: DistributedSampler[Any] = DistributedSampler(
-        task.train_set, seed=config.seed, drop_last=True
-    )
-    loader = DataLoader(
-        task.train_set,
-        batch_size=config.batch_size,
-        sampler=sampler,
-        pin_memory=placement.pin_memory,
-    )
-    if len(loader) == 0:
-        raise ConfigError(f"--batch-size {config.batch_size} leaves no batch per rank")
-    plan_handle = None
-    if config.budget_bytes is not None:
-        batch = placement.batch(next(iter(loader)))  # profiled where it will run
-        factory = None
-        if not communicating_optimizer(config):  # the host optimizer can stand in for it
-            factory = functools.partial(build_optimizer, config)
-        plan_handle = _apply_budget(
-            model, batch, config.budget_bytes, loss_fn=task.loss_fn, optimizer_factory=factory
-        )
+    sampler, loader = _data(config, task, placement)
+    plan_handle = _plan(config, model, loader, placement, task)
     saved = _resume_or_start_over(config, rank, world_size)
     steps_per_epoch = min(len(loader), config.limit_steps or len(loader))
 
@@ -130,157 +163,158 @@ def run_training(config: TrainConfig, device: Placement | torch.device) -> dict[
     optimizer, compression = attach_synchronisation(
         config, model, ddp, decision=decision, optimizer=host
     )
-    start_epoch = step = done_in_epoch = 0
-    if saved is not None:
-        model.load_state_dict(saved.model)
-        optimizer.load_state_dict(saved.optimizer)
-        compression.load_state_dict(saved.compression)
-        restore_rng(saved.rng)
-        start_epoch, step, done_in_epoch = saved.epoch, saved.step, saved.epoch_step
-    compression.check_replicas(ddp, optimizer)  # what must be equal on every rank
-    test = {"test_loss": float("nan"), "test_accuracy": float("nan")}
-    resume_at = None if saved is None else (saved.epoch, saved.step)
-    restart = restart_count()
-    logged = last_logged_step(Path(config.out_dir) / "metrics.jsonl") if rank == 0 else None
-    with MetricsLog(config.out_dir, enabled=rank == 0, resume_at=resume_at) as log:
-        if saved is not None:
-            log.load_state_dict(saved.metrics or {"steps": saved.step})
-        if saved is not None or restart:
-            step_from = 0 if saved is None else saved.step
-            log.note_resume(step=step_from, restart=restart, last_logged_step=logged)
-        for epoch in range(start_epoch, config.epochs):
-            sampler.set_epoch(epoch)
-            ddp.train()
-            progress = _progress(steps_per_epoch, f"epoch {epoch + 1}/{config.epochs}", rank)
-            if done_in_epoch:  # NOTE: a DataLoader iterator draws a seed; the checkpoint's
-                with torch.random.fork_rng(devices=[]):  # RNG state came after that draw
-                    batches = iter(loader)
-                if progress is not None:
-                    progress.update(done_in_epoch)
-            else:
-                batches = iter(loader)
-            for index, (inputs, targets) in enumerate(batches):
-                if index >= steps_per_epoch:
-                    break
-                if index < done_in_epoch:
-                    continue  # done before the checkpoint this run resumed from
-                inputs, targets = placement.batch((inputs, targets))
-                step_start_s = time.perf_counter()
-                optimizer.zero_grad(set_to_none=True)
-                output = ddp(inputs)
-                loss = task.loss_fn(output, targets)
-                loss.backward()
-                optimizer.step()
-                compression.after_step(end_of_epoch=index == steps_per_epoch - 1)  # DiLoCo
-                step_s = time.perf_counter() - step_start_s
-                loss_value = float(loss.detach())
-                step += 1
-                log.record_step_time(
-                    step_s=step_s,
-                    bytes_sent=compression.bytes_sent_step,
-                    dense_bytes=compression.dense_bytes_step,
-                )
-                if step % config.log_every == 0 or index == steps_per_epoch - 1:
-                    log.write(
-                        "step",
-                        step=step,
-                        epoch=epoch,
-                        loss=loss_value,
-                        accuracy=_accuracy(output, targets),
-                        bytes_sent=compression.bytes_sent_step,
-                        step_s=step_s,
-                    )
-                if progress is not None:
-                    progress.update(1)
-                    progress.set_postfix(loss=f"{loss_value:.3f}")
-                every = config.checkpoint_every
-                if every is not None and step % every == 0 and index < steps_per_epoch - 1:
-                    save_checkpoint(  # inside the epoch; its last step is saved below
-                        config.out_dir,
-                        rank,
-                        epoch=epoch,
-                        epoch_step=index + 1,
-                        step=step,
-                        model=model,
-                        optimizer=optimizer,
-                        compression=compression.state_dict(),
-                        config=asdict(config),
-                        world_size=world_size,
-                        metrics=log.state_dict(),
-                    )
-            done_in_epoch = 0
-            if progress is not None:
-                progress.close()
-            test = _evaluate(ddp.module, task, config, device)
-            log.write("epoch", epoch=epoch, step=step, wall_s=log.wall_s, **test)
-            save_checkpoint(
-                config.out_dir,
-                rank,
-                epoch=epoch + 1,
-                step=step,
-                model=model,
-                optimizer=optimizer,
-                compression=compression.state_dict(),
-                config=asdict(config),
-                world_size=world_size,
-                metrics=log.state_dict(),
-            )
-        summary = summarize(
-            log,
-            model=config.model,
-            data=config.data,
-            codec=compression.codec,
-            **compression.summary(),
-            world_size=world_size,
-            restarts=restart,
-            epochs=config.epochs,
-            wall_s=log.wall_s,
-            final_test_accuracy=test["test_accuracy"],
-            final_test_loss=test["test_loss"],
-            parameters=sum(p.numel() for p in model.parameters()),
-            device=str(placement.device),
-            backend=dist.get_backend(),
-            torch_version=torch.__version__,
-        )
-    if plan_handle is not None:
-        plan_handle.remove()
-    if rank == 0:
-        write_summary(config.out_dir, summary)
-    return summary
+    run = _Run(
+        config, placement, rank, world_size, task, model, sampler, loader, steps_per_epoch,
+        plan_handle, ddp, optimizer, compression,
+    )  # fmt: skip
+    return run, saved
 
 
-def _accuracy(output: torch.Tensor, targets: torch.Tensor) -> float:
-    return float((output.argmax(dim=-1) == targets).float().mean())
-
-
-@torch.no_grad()
-def _evaluate(
-    model: nn.Module, task: Task, config: TrainConfig, device: Placement | torch.device
-) -> dict[str, float]:
-    """Loss and accuracy on the test split, each rank a shard, summed by all-reduce."""
-    placement = Placement.of(device)
-    model.eval()
-    sampler: DistributedSampler[Any] = DistributedSampler(task.test_set, shuffle=False)
+def _data(
+    config: TrainConfig, task: Task, placement: Placement
+) -> tuple[DistributedSampler[Any], DataLoader[Any]]:
+    """This rank's shard of the training split (``DistributedSampler``), in batches."""
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        task.train_set, seed=config.seed, drop_last=True
+    )
     loader = DataLoader(
-        task.test_set,
+        task.train_set,
         batch_size=config.batch_size,
         sampler=sampler,
         pin_memory=placement.pin_memory,
     )
-    # loss sum, correct, count (fp64 on the device: NCCL all-reduces device tensors)
-    totals = torch.zeros(3, dtype=torch.float64, device=placement.device)
-    for index, (inputs, targets) in enumerate(loader):
-        if config.limit_steps is not None and index >= config.limit_steps:
+    if len(loader) == 0:
+        raise ConfigError(f"--batch-size {config.batch_size} leaves no batch per rank")
+    return sampler, loader
+
+
+def _plan(
+    config: TrainConfig, model: nn.Module, loader: DataLoader[Any], placement: Placement, task: Task
+) -> Any:
+    """``--budget``: the memory plan applied to ``model`` (its handle), else None."""
+    if config.budget_bytes is None:
+        return None
+    batch = placement.batch(next(iter(loader)))  # profiled where it will run
+    factory = None
+    if not communicating_optimizer(config):  # the host optimizer can stand in for it
+        factory = functools.partial(build_optimizer, config)
+    return _apply_budget(
+        model, batch, config.budget_bytes, loss_fn=task.loss_fn, optimizer_factory=factory
+    )
+
+
+def _restore(run: _Run, saved: Checkpoint | None) -> tuple[int, int, int]:
+    """Load a checkpoint's model, optimizer, wire and RNG state; returns where the run goes on:
+    ``(epoch, step, steps done in that epoch)``."""
+    if saved is None:
+        return 0, 0, 0
+    run.model.load_state_dict(saved.model)
+    run.optimizer.load_state_dict(saved.optimizer)
+    run.compression.load_state_dict(saved.compression)
+    restore_rng(saved.rng)
+    return saved.epoch, saved.step, saved.epoch_step
+
+
+def _batches(run: _Run, done_in_epoch: int) -> Iterator[Any]:
+    """This epoch's batches; a resumed epoch draws its iterator's seed outside the RNG stream
+    (NOTE: a DataLoader iterator draws a seed; the checkpoint's RNG state came after that
+    draw)."""
+    if not done_in_epoch:
+        return iter(run.loader)
+    with torch.random.fork_rng(devices=[]):
+        return iter(run.loader)
+
+
+def _train_epoch(run: _Run, log: MetricsLog, *, epoch: int, step: int, done_in_epoch: int) -> int:
+    """Train one epoch from its step ``done_in_epoch`` on, logging and checkpointing as asked;
+    returns the steps done so far in the run."""
+    config, total = run.config, run.steps_per_epoch
+    run.sampler.set_epoch(epoch)
+    run.ddp.train()
+    progress = _progress(total, f"epoch {epoch + 1}/{config.epochs}", run.rank)
+    if progress is not None and done_in_epoch:
+        progress.update(done_in_epoch)
+    for index, (inputs, targets) in enumerate(_batches(run, done_in_epoch)):
+        if index >= total:
             break
-        inputs, targets = placement.batch((inputs, targets))
-        output = model(inputs)
-        count = targets.numel()
-        totals[0] += float(task.loss_fn(output, targets)) * count
-        totals[1] += float((output.argmax(dim=-1) == targets).sum())
-        totals[2] += count
-    dist.all_reduce(totals)
-    loss_sum, correct, count = totals.tolist()
-    return {"test_loss": loss_sum / max(count, 1), "test_accuracy": correct / max(count, 1)}
+        if index < done_in_epoch:
+            continue  # done before the checkpoint this run resumed from
+        last = index == total - 1
+        output, targets, loss_value, step_s = _train_step(run, inputs, targets, last=last)
+        step += 1
+        sent = run.compression.bytes_sent_step
+        log.record_step_time(
+            step_s=step_s, bytes_sent=sent, dense_bytes=run.compression.dense_bytes_step
+        )
+        if step % config.log_every == 0 or last:
+            accuracy = batch_accuracy(output, targets)
+            log.write("step", step=step, epoch=epoch, loss=loss_value, accuracy=accuracy,
+                      bytes_sent=sent, step_s=step_s)  # fmt: skip
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(loss=f"{loss_value:.3f}")
+        every = config.checkpoint_every
+        if every is not None and step % every == 0 and not last:  # the last: saved after it
+            _save(run, log, epoch=epoch, step=step, epoch_step=index + 1)
+    if progress is not None:
+        progress.close()
+    return step
+
+
+def _train_step(
+    run: _Run, inputs: Any, targets: Any, *, last: bool
+) -> tuple[torch.Tensor, Any, float, float]:
+    """One optimizer step: ``(output, targets on the device, loss, seconds)``."""
+    inputs, targets = run.placement.batch((inputs, targets))
+    start_s = time.perf_counter()
+    run.optimizer.zero_grad(set_to_none=True)
+    output = run.ddp(inputs)
+    loss = run.task.loss_fn(output, targets)
+    loss.backward()
+    run.optimizer.step()
+    run.compression.after_step(end_of_epoch=last)  # DiLoCo
+    step_s = time.perf_counter() - start_s
+    return output, targets, float(loss.detach()), step_s
+
+
+def _save(run: _Run, log: MetricsLog, *, epoch: int, step: int, epoch_step: int = 0) -> None:
+    """This rank's checkpoint: ``epoch`` epochs and ``epoch_step`` steps of the next done."""
+    save_checkpoint(
+        run.config.out_dir,
+        run.rank,
+        epoch=epoch,
+        epoch_step=epoch_step,
+        step=step,
+        model=run.model,
+        optimizer=run.optimizer,
+        compression=run.compression.state_dict(),
+        config=asdict(run.config),
+        world_size=run.world_size,
+        metrics=log.state_dict(),
+    )
+
+
+def _summary(
+    run: _Run, log: MetricsLog, *, test: dict[str, float], restarts: int
+) -> dict[str, Any]:
+    config = run.config
+    return summarize(
+        log,
+        model=config.model,
+        data=config.data,
+        codec=run.compression.codec,
+        **run.compression.summary(),
+        world_size=run.world_size,
+        restarts=restarts,
+        epochs=config.epochs,
+        wall_s=log.wall_s,
+        final_test_accuracy=test["test_accuracy"],
+        final_test_loss=test["test_loss"],
+        parameters=sum(p.numel() for p in run.model.parameters()),
+        device=str(run.placement.device),
+        backend=dist.get_backend(),
+        torch_version=torch.__version__,
+    )
 
 
 def restart_count() -> int:
@@ -347,9 +381,9 @@ def _apply_budget(
     handle (kept alive for the whole run).
     """
     try:
-        from superneurons.memory.planner import make_plan
-        from superneurons.memory.profile import profile_step
-        from superneurons.memory.runtime import apply_plan
+        from superneurons.memory.planner.decide import make_plan
+        from superneurons.memory.profiling.step import profile_step
+        from superneurons.memory.runtime.apply import apply_plan
     except ImportError as exc:
         raise ConfigError(f"--budget needs the memory runtime ({exc})") from exc
     inputs, targets = batch

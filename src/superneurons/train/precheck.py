@@ -76,8 +76,8 @@ def _check_plan(config: TrainConfig, task: Task) -> None:
     if config.budget_bytes is None:
         return
     from superneurons.memory.plan import InfeasibleBudgetError
-    from superneurons.memory.planner import make_plan
-    from superneurons.memory.profile import profile_step
+    from superneurons.memory.planner.decide import make_plan
+    from superneurons.memory.profiling.step import profile_step
 
     count = min(config.batch_size, len(task.train_set))  # type: ignore[arg-type]
     inputs, targets = default_collate([task.train_set[i] for i in range(count)])

@@ -2,7 +2,7 @@
 
 The project's own codec. HPDC'20 (Wang et al., arXiv 1811.08596) sparsifies every gradient in
 the Fourier domain; measured on real gradients, Top-k in the spatial domain does as well or
-better once both pay the same coding (benchmarks/results/codecs/ANSWER.md), because gradients mix spatially
+better once both pay the same coding (benchmarks/results/codecs/README.md), because gradients mix spatially
 sparse regions (embedding rows, ReLU-gated units) with smooth or periodic ones (convolution
 kernels, norms). So choose per chunk of ``L`` elements whichever orthonormal basis puts the
 chunk's energy into the fewest coefficients: spatial (identity, i.e. Top-k), real Fourier or
@@ -24,7 +24,7 @@ L2 norm is the more compressible vector: Donoho, "Compressed sensing", IEEE TIT 
 switched chunks and fills the fixed payload with coefficients; the encoder keeps the switches
 only if they lower the message's squared error (quantisation included). Its sizes follow from
 a count read on the host (a GPU synchronisation per encode and payload decoded), and it encodes
-~1.4x slower, for ~0.2% less error after error feedback (benchmarks/results/codecs/ANSWER.md), so ``fixed`` is the
+~1.4x slower, for ~0.2% less error after error feedback (benchmarks/results/codecs/README.md), so ``fixed`` is the
 default: it runs with no host read on any device.
 
 ``scope="global"`` ranks all chunks' coefficients together (dropped energy ``<= theta`` of the
@@ -110,7 +110,7 @@ class AdaptiveCodec(Canonical):
     share per chunk: a per-chunk error bound). ``choice``: "rd" | "l1" basis cost.
     ``select``/``index`` as in ``fft``. ``margin`` in [0, 1): share by which a transform must
     beat the spatial basis' cost (0: none; measured worse after error feedback,
-    benchmarks/results/codecs/ANSWER.md).
+    benchmarks/results/codecs/README.md).
     ``header``: "fixed" (default: 2 bits per chunk, no host read, needed by ``scope="chunk"``)
     | "sparse" (switched chunks only, variable kept count in a fixed payload; one host read).
     """

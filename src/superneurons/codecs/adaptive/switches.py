@@ -2,7 +2,7 @@
 
 A fixed 2-bit basis code per chunk (``header="fixed"``) costs ``C / 4`` bytes whether or not
 any chunk switches; on gradients whose chunks nearly all stay spatial (HF ResNet-18 in
-benchmarks/results/codecs/ANSWER.md) that is pure cost against Top-k. ``header="sparse"`` keeps
+benchmarks/results/codecs/README.md) that is pure cost against Top-k. ``header="sparse"`` keeps
 the payload size fixed (gathered payloads must be; ``payload_bytes`` stays a function of
 ``numel``) but lets the kept count vary per message with the number ``m`` of switched chunks::
 

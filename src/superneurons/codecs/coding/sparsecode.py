@@ -7,7 +7,7 @@ sends them in one fixed-size layout::
     [range-float header, 8 B][index code: bitmap or Elias-Fano][k * width values at ``bits``]
 
 so bits per element compare transforms, not coding (a Top-k paying 64 bits per kept element
-against FFT's 8-bit values and compact index decides nothing: benchmarks/results/codecs/ANSWER.md). The index code
+against FFT's 8-bit values and compact index decides nothing: benchmarks/results/codecs/README.md). The index code
 is :mod:`superneurons.codecs.coding.indexcode`'s bitmap or Elias-Fano gap code, whichever is smaller
 for ``(T, k)`` when ``index="auto"``; values are range-floats
 (:mod:`superneurons.codecs.rangefloat`) with the window from the largest kept part down to the

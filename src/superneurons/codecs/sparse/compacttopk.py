@@ -3,7 +3,7 @@
 Top-k (Aji & Heafield, EMNLP'17; Stich et al., NeurIPS'18) is usually sent as fp32 value + int32
 index, 64 bits per kept element (:class:`~superneurons.codecs.sparse.topk.TopKCodec`). HPDC'20's FFT
 codec pays ~8 bits per kept value and a compact index, so comparing the two at equal bits per
-element compares codings, not transforms (benchmarks/results/codecs/ANSWER.md). This codec keeps the Top-k
+element compares codings, not transforms (benchmarks/results/codecs/README.md). This codec keeps the Top-k
 *selection* and sends it exactly as ``fft`` sends its bins
 (:mod:`superneurons.codecs.coding.sparsecode`): ``k = n - floor(theta * n)`` largest-magnitude
 elements, values as range-floats at ``bits`` over ``[weakest kept, max]``, indices as a bitmap

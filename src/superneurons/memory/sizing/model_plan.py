@@ -1,0 +1,182 @@
+"""``superneurons plan`` as one call: a target in, every strategy's floor and the plan out.
+
+:func:`plan_model` profiles the target's step on fake tensors (a causal LM also below its
+largest layer), searches each strategy's floor once, and plans for the budget from those same
+searches; :meth:`ModelPlan.to_dict` is ``plan --json``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from superneurons.memory.plan import InfeasibleBudgetError, Plan, StrategyFloor
+from superneurons.memory.planner.cost import CostModel
+from superneurons.memory.planner.decide import Floors, describe_floors, make_plan, search_floors
+from superneurons.memory.profile_types import Profile
+from superneurons.memory.sizing.llm import attention_ops, profile_causal_lm_below
+from superneurons.memory.sizing.simulate import profile_zoo
+from superneurons.memory.sizing.target import LMTarget, Target, ZooTarget
+
+__all__ = ["ModelPlan", "plan_model"]
+
+PLAN_ACTIONS: tuple[str, ...] = ("keep", "offload", "recompute", "recompute+offload")
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """What ``plan`` found for a target: every strategy's floor, and the plan for the budget.
+
+    Attributes:
+        target: what was profiled.
+        granularity: the units it was planned in (``auto`` resolved).
+        device_preset: the cost model's device.
+        eager_peak_bytes: the step's predicted peak with nothing planned.
+        attention_ops: the attention kernels a causal LM's step ran (None: a zoo model).
+        floors: strategy -> its smallest predicted peak and what it holds.
+        strategy: the strategy asked for (``auto``: the planner's choice).
+        budget_bytes: the device budget.
+        plan: the plan, or None where no plan of ``strategy`` fits (then ``infeasible``).
+        infeasible: why no plan fits, naming the minimum budget.
+    """
+
+    target: Target
+    granularity: str
+    device_preset: str
+    eager_peak_bytes: int
+    attention_ops: list[str] | None
+    floors: dict[str, StrategyFloor]
+    strategy: str
+    budget_bytes: int
+    plan: Plan | None
+    infeasible: InfeasibleBudgetError | None = None
+
+    @property
+    def floor_strategy(self) -> str:
+        """The strategy asked for, else the one with the lowest floor."""
+        if self.strategy in self.floors:
+            return self.strategy
+        return min(self.floors, key=lambda s: self.floors[s].min_budget_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """``plan --json``: the target, the floors (docs/CONTRACTS.md) and the plan."""
+        record = self.target.record()
+        if isinstance(self.target, LMTarget):
+            record.update(attention_ops=self.attention_ops, below=self.target.below)
+        record.update(granularity=self.granularity, device_preset=self.device_preset)
+        record.update(self._floor_fields())
+        if self.plan is None:
+            assert self.infeasible is not None
+            record.update(
+                feasible=False,
+                strategy=self.strategy,
+                budget_bytes=self.budget_bytes,
+                min_budget_bytes=self.infeasible.min_budget_bytes,
+                min_budget_strategy=self.infeasible.strategy,
+                message=str(self.infeasible),
+            )
+            return record
+        record.update(self._plan_fields(self.plan))
+        record["plan"] = self.plan.to_dict()
+        return record
+
+    def _floor_fields(self) -> dict[str, Any]:
+        # the largest-layer bound (SuperNeurons' claim) of the strategy that reaches the floor,
+        # with its own resident bytes (optimizer state on the host is not resident) and its
+        # own profile's largest unit (below the largest layer: the chunked one)
+        floor = self.floors[self.floor_strategy]
+        return {
+            "eager_peak_bytes": self.eager_peak_bytes,
+            "floor_strategy": self.floor_strategy,
+            "resident_bytes": floor.resident_bytes,
+            "largest_unit_bytes": floor.largest_unit_bytes,
+            "floor_bytes": floor.min_budget_bytes,
+            "floor_over_largest_layer": floor.floor_over_largest_layer,
+            "floor_over_eager": floor.min_budget_bytes / self.eager_peak_bytes,
+            "strategies": {name: f.to_dict() for name, f in self.floors.items()},
+        }
+
+    def _plan_fields(self, plan: Plan) -> dict[str, Any]:
+        return {
+            "feasible": plan.feasible,
+            "strategy": plan.strategy,
+            "budget_bytes": self.budget_bytes,
+            "predicted_peak_bytes": plan.predicted_peak_bytes,
+            "min_budget_bytes": plan.min_budget_bytes,
+            "host_bytes": plan.host_bytes,
+            "extra_compute_s": plan.extra_compute_s,
+            "transfer_s": plan.transfer_s,
+            "optimizer_in_backward": plan.optimizer_in_backward,
+            "optimizer_on_host": plan.optimizer_on_host,
+            "optimizer_host_bytes": plan.optimizer_host_bytes,
+            "optimizer_copy_s": plan.optimizer_copy_s,
+            "peak_at": plan.peak_at,
+            "breakdown": plan.breakdown,
+            "units": {a: plan.count(a) for a in PLAN_ACTIONS},
+            "segments": len({u.segment for u in plan.units if u.segment >= 0}),
+            "head_chunk_tokens": plan.head.chunk_tokens if plan.head else None,
+            "head_mode": plan.head.mode if plan.head else None,
+            "mlp_pieces": max((c.chunks for c in plan.seq_chunks), default=1),
+        }
+
+
+def plan_model(
+    target: Target, *, budget_bytes: int, strategy: str = "auto", cost: CostModel
+) -> ModelPlan:
+    """Profile ``target``'s step on fake tensors, search every strategy's floor once and plan
+    for ``budget_bytes`` from those searches.
+
+    A budget below every plan of ``strategy`` is no error here: the result carries the
+    :class:`~superneurons.memory.plan.InfeasibleBudgetError` (``infeasible``) beside the floors.
+
+    Raises:
+        ConfigError: the target cannot be profiled, or ``strategy`` cannot run on it.
+    """
+    ops = None
+    if isinstance(target, LMTarget):
+        plain, chunked = profile_causal_lm_below(
+            target.config, target.step, variants=target.variants
+        )
+        profile, granularity = plain, "block"
+        floors = search_floors(plain, cost=cost, chunked=chunked)
+        ops = attention_ops(plain)
+    else:
+        profile, granularity, floors = _zoo_profile(target, strategy, cost)
+    described = describe_floors(floors)
+    plan, infeasible = None, None
+    try:
+        plan = make_plan(profile, budget_bytes=budget_bytes, strategy=strategy, floors=floors)
+    except InfeasibleBudgetError as exc:
+        infeasible = exc
+    return ModelPlan(
+        target=target,
+        granularity=granularity,
+        device_preset=cost.name,
+        eager_peak_bytes=profile.predicted_peak_bytes(),
+        attention_ops=ops,
+        floors=described,
+        strategy=strategy,
+        budget_bytes=budget_bytes,
+        plan=plan,
+        infeasible=infeasible,
+    )
+
+
+def _zoo_profile(target: ZooTarget, strategy: str, cost: CostModel) -> tuple[Profile, str, Floors]:
+    """The zoo profile at the target's granularity; ``auto``: blocks or the largest blocks
+    split, whichever gives ``strategy`` (``auto``: any strategy) the lower floor (blocks suit
+    checkpointing, split blocks suit the tensor pool)."""
+    options = dict(
+        batch_size=target.batch_size, optimizer=target.optimizer, **target.model_kwargs()
+    )
+    tried = []
+    for granularity in (
+        ("block", "split") if target.granularity == "auto" else (target.granularity,)
+    ):
+        profile = profile_zoo(target.name, granularity=granularity, **options)
+        floors = search_floors(profile, cost=cost)
+        minima = floors.peak_bytes()
+        floor = minima[strategy] if strategy in minima else min(minima.values())
+        tried.append((floor, granularity, profile, floors))
+    _, granularity, profile, floors = min(tried, key=lambda t: t[0])
+    return profile, granularity, floors

@@ -1,0 +1,335 @@
+"""The largest depth / batch / sequence that fits a budget, per memory strategy (fake tensors).
+
+:func:`max_fitting` finds the largest depth (the ``[6, 32, n, 6]`` ResNet family of SuperNeurons,
+Wang et al., PPoPP'18 §4) or batch whose smallest predicted peak under a strategy fits a budget,
+without profiling every candidate: every middle block of stage 3 is identical (same shapes, same
+ops), so once stage 3 holds the peak the strategy's minimal peak is *affine* in n; likewise
+activations are affine in the batch. It profiles three sizes, fits the line through the two
+largest, reports the third's residual, and solves for the largest fitting size. Callers validate
+against a direct profile at the answer where they can afford it (``verify=True`` for batches).
+
+:func:`largest_fitting` is ``superneurons plan --max-depth / --max-batch / --max-seq-len``:
+batches and sequence lengths are checked by direct profiles there; sequence lengths are searched
+in multiples of :data:`SEQ_QUANTUM` tokens (a quarter of the positions for configurations with
+fewer than 4 x that) and stop at the configuration's positions: nothing beyond them is profiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from superneurons.errors import ConfigError
+from superneurons.memory.planner.cost import CostModel
+from superneurons.memory.planner.decide import min_peak_bytes
+from superneurons.memory.sizing.llm import LMStep, profile_causal_lm_below
+from superneurons.memory.sizing.simulate import profile_zoo
+from superneurons.memory.sizing.target import LMTarget, Target, ZooTarget
+
+__all__ = ["SEQ_QUANTUM", "FitResult", "largest_fitting", "lm_peaks", "max_fitting", "zoo_peaks"]
+
+DEPTH_SAMPLES = (24, 48, 72)  # stage-3 blocks n; the peak sits in stage 3 from n ~ 20 on
+BATCH_SAMPLES = (4, 8, 16)
+SEQ_QUANTUM = 256  # max_seq_len answers in multiples of this many tokens
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """The largest size that fits, and how it was found.
+
+    Attributes:
+        strategy: planner strategy.
+        size: largest depth-family ``n`` or batch whose predicted peak fits (0: none fits).
+        intercept_bytes / slope_bytes: the fitted ``peak = intercept + slope * size``.
+        samples: ``(size, peak_bytes)`` of the profiled sizes.
+        residual: relative error of the fit at the smallest sample.
+        seconds: wall time of the search.
+        verified: the size was checked (and corrected) by direct profiles.
+    """
+
+    strategy: str
+    size: int
+    intercept_bytes: float
+    slope_bytes: float
+    samples: tuple[tuple[int, int], ...]
+    residual: float
+    seconds: float
+    verified: bool = False
+
+
+def max_fitting(
+    peaks: Callable[[int], dict[str, int]],
+    strategies: tuple[str, ...],
+    *,
+    budget_bytes: int,
+    sizes: tuple[int, int, int],
+    progress: Callable[[str], None] | None = None,
+    verify: bool = False,
+    limit: int | None = None,
+) -> dict[str, FitResult]:
+    """Largest size per strategy with ``peaks(size)[strategy] <= budget_bytes`` (affine fit).
+
+    ``peaks(size)`` returns each strategy's smallest predicted peak at ``size`` (e.g.
+    ``min_peak_bytes(profile_zoo(...))``); it is called once per sample size. With ``verify``
+    the fitted answer is then checked by direct calls (``size`` fits, ``size + 1`` does not)
+    and corrected by a bracketing search where the peak is not affine (``verified=True``).
+    ``limit``: the largest size there is (a configuration's positions): answers stop there and
+    nothing beyond it is called.
+    """
+    if budget_bytes <= 0:
+        raise ConfigError(f"budget must be positive, got {budget_bytes}")
+    start_s = time.perf_counter()
+    small, mid, large = sorted(sizes)
+    samples: dict[int, dict[str, int]] = {}
+
+    def peak(size: int, strategy: str) -> int:
+        if size not in samples:
+            t0 = time.perf_counter()
+            samples[size] = peaks(size)
+            if progress is not None:
+                progress(f"profiled size {size} in {time.perf_counter() - t0:.1f} s")
+        return samples[size][strategy]
+
+    for size in (small, mid, large):
+        peak(size, strategies[0])
+    results = {}
+    for strategy in strategies:
+        y_mid, y_large = samples[mid][strategy], samples[large][strategy]
+        slope = (y_large - y_mid) / (large - mid)
+        intercept = y_large - slope * large
+        fit_small = intercept + slope * small
+        residual = abs(fit_small - samples[small][strategy]) / max(samples[small][strategy], 1)
+        if slope <= 0:
+            size = large if y_large <= budget_bytes else 0
+        else:
+            size = max(int(math.floor((budget_bytes - intercept) / slope)), 0)
+        if limit is not None:
+            size = min(size, limit)
+        if verify:
+            fits = functools.partial(_fits, peak, strategy, budget_bytes, limit)
+            size = _bracket(fits, max(size, 1))
+        results[strategy] = FitResult(
+            strategy=strategy,
+            size=size,
+            intercept_bytes=intercept,
+            slope_bytes=slope,
+            samples=tuple((s, samples[s][strategy]) for s in (small, mid, large)),
+            residual=residual,
+            seconds=time.perf_counter() - start_s,
+            verified=verify,
+        )
+    return results
+
+
+def _fits(
+    peak: Callable[[int, str], int], strategy: str, budget_bytes: int, limit: int | None, size: int
+) -> bool:
+    return (limit is None or size <= limit) and peak(size, strategy) <= budget_bytes
+
+
+def _bracket(fits: Callable[[int], bool], guess: int) -> int:
+    """Largest ``n >= 1`` with ``fits(n)`` (0 if none), searching outward from ``guess``;
+    assumes ``fits`` is monotone (a larger model or batch never needs less memory)."""
+    if fits(guess):
+        low, step = guess, 1
+        while fits(low + step):
+            low, step = low + step, step * 2
+        high = low + step  # fails
+    else:
+        high, step = guess, 1
+        while True:
+            candidate = high - step
+            if candidate < 1:
+                if high == 1 or not fits(1):
+                    return 0
+                low = 1
+                break
+            if fits(candidate):
+                low = candidate
+                break
+            high, step = candidate, step * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def zoo_peaks(
+    name: str, axis: str, *, cost: CostModel | None = None, **fixed: Any
+) -> Callable[[int], dict[str, int]]:
+    """``f(size)`` -> each strategy's smallest peak; ``axis`` is ``"n"`` (stage-3 blocks of the
+    ``[6, 32, n, 6]`` ResNet) or ``"batch"``; ``fixed`` holds the other :func:`profile_zoo`
+    arguments (``batch_size`` for ``"n"``)."""
+    if axis not in ("n", "batch"):
+        raise ConfigError(f"axis must be 'n' or 'batch', got {axis!r}")
+
+    def peaks(size: int) -> dict[str, int]:
+        kwargs = dict(fixed)
+        if axis == "n":
+            kwargs["layers"] = (6, 32, size, 6)
+        else:
+            kwargs["batch_size"] = size
+        # NOTE: blocks suit checkpointing (a layer's checkpoint is its input: no saving);
+        # splitting the largest blocks into layers suits the pool: each strategy its best
+        block = min_peak_bytes(profile_zoo(name, granularity="block", **kwargs), cost=cost)
+        split = min_peak_bytes(profile_zoo(name, granularity="split", **kwargs), cost=cost)
+        return {s: min(block[s], split[s]) for s in block}
+
+    return peaks
+
+
+def lm_peaks(
+    config: Any,
+    step: LMStep,
+    axis: str,
+    *,
+    cost: CostModel | None = None,
+    quantum: int = 1,
+    variants: tuple[str, ...] = (),
+) -> Callable[[int], dict[str, int]]:
+    """``f(size)`` -> each strategy's smallest peak for a causal LM (:mod:`.llm`): ``axis``
+    ``"seq_len"`` (``size * quantum`` tokens) or ``"batch"`` (``size`` sequences). With fused
+    attention every activation is linear in ``B x T``, so the peak is affine in either (below
+    the largest layer, ``variants`` of ``memory.profiling.below``, chunk sizes step in powers of
+    two: nearly affine, which the caller's direct profiles check)."""
+    if axis not in ("seq_len", "batch"):
+        raise ConfigError(f"axis must be 'seq_len' or 'batch', got {axis!r}")
+
+    def peaks(size: int) -> dict[str, int]:
+        if axis == "seq_len":
+            sized = dataclasses.replace(step, seq_len=size * quantum)
+        else:
+            sized = dataclasses.replace(step, batch_size=size)
+        plain, chunked = profile_causal_lm_below(config, sized, variants=variants)
+        return min_peak_bytes(plain, cost=cost, chunked=chunked)
+
+    return peaks
+
+
+def largest_fitting(
+    target: Target,
+    axis: str,
+    *,
+    budget_bytes: int,
+    strategies: tuple[str, ...],
+    cost: CostModel,
+    progress: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
+    """The largest ``axis`` (``"depth"``: the ``[6, 32, n, 6]`` ResNet; ``"batch"``;
+    ``"seq_len"``: a causal LM's) whose smallest predicted peak fits ``budget_bytes``, per
+    strategy: the records ``plan --max-* --json`` prints."""
+    if axis not in ("depth", "batch", "seq_len"):
+        raise ConfigError(f"axis must be 'depth', 'batch' or 'seq_len', got {axis!r}")
+    if isinstance(target, LMTarget):
+        if axis == "depth":
+            raise ConfigError("--max-depth searches the [6, 32, n, 6] ResNet family")
+        return _lm_search(target, axis, strategies, budget_bytes, cost, progress)
+    if axis == "seq_len":
+        raise ConfigError("--max-seq-len applies to --model hf:... only")
+    return _zoo_search(target, axis, strategies, budget_bytes, cost, progress)
+
+
+def _lm_search(
+    target: LMTarget,
+    axis: str,
+    strategies: tuple[str, ...],
+    budget_bytes: int,
+    cost: CostModel,
+    progress: Callable[[str], None] | None,
+) -> list[dict[str, Any]]:
+    key = f"max_{axis}"
+    limit = target.max_positions if axis == "seq_len" else None
+    quantum = SEQ_QUANTUM if axis == "seq_len" else 1
+    if limit is not None and limit < 4 * SEQ_QUANTUM:  # a small configuration: 4 samples
+        quantum = max(limit // 4, 1)
+    peaks = lm_peaks(
+        target.config, target.step, axis, cost=cost, quantum=quantum, variants=target.variants
+    )
+    top = (limit or 64 * SEQ_QUANTUM) // quantum if axis == "seq_len" else 8
+    sizes = (max(top // 4, 1), max(top // 2, 2), max(top, 3))
+    fits = max_fitting(
+        peaks,
+        strategies,
+        budget_bytes=budget_bytes,
+        sizes=sizes,
+        progress=progress,
+        verify=True,
+        limit=limit // quantum if limit is not None else None,
+    )
+    records: list[dict[str, Any]] = []
+    for strategy, fit in fits.items():
+        size = fit.size * quantum
+        found = {"strategy": strategy, **target.record(), key: size, "budget_bytes": budget_bytes}
+        found["below"] = target.below
+        if limit is not None:  # the answer is the configuration's positions
+            found["limited_by_positions"] = size + quantum > limit
+        found.update(fit_residual=fit.residual, slope_bytes=fit.slope_bytes)
+        found.update(intercept_bytes=fit.intercept_bytes, device_preset=cost.name)
+        records.append(found)
+    return records
+
+
+def _zoo_search(
+    target: ZooTarget,
+    axis: str,
+    strategies: tuple[str, ...],
+    budget_bytes: int,
+    cost: CostModel,
+    progress: Callable[[str], None] | None,
+) -> list[dict[str, Any]]:
+    kwargs = target.model_kwargs()
+    kwargs.pop("depth", None)
+    if axis == "depth":
+        if target.name != "resnet":
+            raise ConfigError("--max-depth searches the [6, 32, n, 6] family: use --model resnet")
+        peaks = zoo_peaks(
+            target.name,
+            "n",
+            cost=cost,
+            optimizer=target.optimizer,
+            batch_size=target.batch_size,
+            **kwargs,
+        )
+        sizes = DEPTH_SAMPLES
+    else:
+        peaks = zoo_peaks(target.name, "batch", cost=cost, optimizer=target.optimizer, **kwargs)
+        sizes = BATCH_SAMPLES
+    # NOTE: batches are verified by direct profiles (cheap); depths trust the affine fit,
+    # which is exact once stage 3 holds the peak (validated in `superneurons bench deeper`).
+    fits = max_fitting(
+        peaks,
+        strategies,
+        budget_bytes=budget_bytes,
+        sizes=sizes,
+        progress=progress,
+        verify=axis == "batch",
+    )
+    depth = axis == "depth"
+    return [_zoo_row(target, fit, budget_bytes, depth) for fit in fits.values()]
+
+
+def _zoo_row(
+    target: ZooTarget, fit: FitResult, budget_bytes: int, max_depth: bool
+) -> dict[str, Any]:
+    from superneurons.models.resnet import n_to_depth
+
+    record: dict[str, Any] = {
+        "strategy": fit.strategy,
+        "model": target.name,
+        "budget_bytes": budget_bytes,
+        "fit_residual": fit.residual,
+        "slope_bytes": fit.slope_bytes,
+        "intercept_bytes": fit.intercept_bytes,
+    }
+    if max_depth:
+        record.update(
+            max_depth=n_to_depth(fit.size) if fit.size else 0, n=fit.size, batch=target.batch_size
+        )
+    else:
+        record.update(max_batch=fit.size)
+    return record
