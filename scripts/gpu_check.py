@@ -172,17 +172,21 @@ def memory_figures(out: Path) -> list[dict[str, Any]]:
 
 
 def codec_figures(out: Path) -> list[dict[str, Any]]:
-    (path,) = sorted(out.glob("speed-*.json"))  # speed-cuda.json on the GPU
+    """Each codec's encode and decode rate, and what fraction of the device's memory
+    bandwidth (a device ``copy_`` of 120 MB, measured in the same run) each reaches."""
+    (path,) = sorted(out.glob("codec_hook_speed*.json"))  # codec_hook_speed-cuda.json on a GPU
     body = _json(path)
-    return [
-        figure(
-            f"{r['codec']} {r['size_mib']:g} MiB encode / decode GB/s",
-            [round(r["encode_gbps"], 2), round(r["decode_gbps"], 2)],
-            None,
-            None,
-        )
-        for r in body["records"]
-    ]
+    bandwidth = body["bandwidth_gbps"]
+    found = [figure("copy_ bandwidth GB/s", round(bandwidth, 1), "measured", bandwidth > 0)]
+    for r in body["rows"]:
+        name = f"{r['spec']} {r['values']:,} values: encode, decode GB/s; fraction of bandwidth"
+        if "error" in r:
+            found.append(figure(name, r["error"], "measured", False))
+            continue
+        rates = [r["encode GB/s"], r["decode GB/s"]]
+        value = [round(x, 2) for x in rates] + [round(x / bandwidth, 3) for x in rates]
+        found.append(figure(name, value, None, None))
+    return found
 
 
 def _python(arguments: str) -> tuple[str, ...]:
@@ -251,11 +255,19 @@ STEPS: list[Step] = [
     ),
     Step(
         "codecs",
-        "bench codecs: encode/decode GB/s of every codec at 4 and 100 MiB on the GPU",
-        _cli("bench codecs --device cuda --out {out}"),
+        "every codec's encode and decode GB/s on the GPU at 25 MiB and 120 MB, each as a "
+        "fraction of the device's memory bandwidth (a device copy_, measured in the same run)",
+        (
+            *_python(
+                f"{ROOT / 'benchmarks' / 'codec_hook_speed.py'} --device cuda --no-hook "
+                "--sizes 6553600,30000000 --repeats 3 --out {out}"
+            ),
+            "--specs",
+            "fft;ctopk;topk;qsgd;terngrad;signsgd;fp16;twophase:bits=1;twophase:bits=4",
+        ),
         45,
         codec_figures,
-        ("recorded (no target yet)",),
+        ("every codec measured; its fraction of the copy_ bandwidth recorded (no target yet)",),
     ),
     # ---- LLM plans: append the LLM measurements here --------------------------------------
     Step(

@@ -121,6 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_adapter_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    _add_step_arguments(parser)
     search = parser.add_mutually_exclusive_group()
     search.add_argument("--max-depth", action="store_true", help="largest resnet depth that fits")
     search.add_argument("--max-batch", action="store_true", help="largest batch that fits")
@@ -190,6 +191,19 @@ def add_adapter_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """What the loop does around the optimizer step (``memory.plan.TrainingStep``)."""
+    step = parser.add_argument_group("the training step")
+    step.add_argument(
+        "--max-grad-norm",
+        type=float,
+        default=0.0,
+        help="the loop clips gradients to this global norm (0: no clipping, the default): an "
+        "optimizer off the device then waits for the norm; the floors count it and "
+        "step_costs says what it costs each strategy",
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     request = request_of(args)
     if request.search is not None:
@@ -255,6 +269,17 @@ def _print_floors(record: dict[str, Any]) -> None:
         )
     if record.get("feasible") is False:
         print(f"  budget {format_bytes(record['budget_bytes'])}: {record['message']}")
+    if record.get("step_costs"):
+        _print_step_costs(record)
+
+
+def _print_step_costs(record: dict[str, Any]) -> None:
+    print(f"  clipping to a global norm of {record['max_grad_norm']} costs each floor above:")
+    for name, c in record["step_costs"].items():
+        print(
+            f"    {name:<26}{format_bytes(c['device_bytes']):>12} device "
+            f"{format_bytes(c['host_bytes']):>12} host {c['overhead_s'] * 1e3:>9.2f} ms"
+        )
 
 
 def _print_plan(record: dict[str, Any], plan: Plan) -> None:

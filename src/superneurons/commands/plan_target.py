@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from superneurons.bytesize import parse_bytes
 from superneurons.errors import ConfigError
@@ -55,7 +55,7 @@ class PlanRequest:
 
 def request_of(args: argparse.Namespace) -> PlanRequest:
     """The target, the device, the budget and what to find, from the command line."""
-    target = target_of(args)
+    target = with_training_step(target_of(args), args)
     cost = device_cost(args)
     search = (
         "depth" if args.max_depth else "batch" if args.max_batch else "seq_len"
@@ -105,6 +105,19 @@ def target_of(args: argparse.Namespace) -> Target:
         depth=args.depth,
         preset=(args.preset or "gpt2") if args.model == "gpt" else None,
     )
+
+
+def with_training_step(target: Target, args: argparse.Namespace) -> Target:
+    """``target`` planned for the loop's training step (``--max-grad-norm``); a ``--max-*``
+    search plans the plain step only."""
+    max_grad_norm = getattr(args, "max_grad_norm", 0.0) or 0.0
+    if not max_grad_norm:
+        return target
+    if args.max_depth or args.max_batch or args.max_seq_len:
+        raise ConfigError("--max-grad-norm plans one step: leave out --max-depth/-batch/-seq-len")
+    if not max_grad_norm > 0:
+        raise ConfigError(f"--max-grad-norm must be >= 0, got {max_grad_norm}")
+    return replace(target, max_grad_norm=max_grad_norm)
 
 
 def _lm_target(args: argparse.Namespace, name: str) -> LMTarget:
