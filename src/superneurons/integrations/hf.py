@@ -107,6 +107,13 @@ def _loss_of_output(output: Any) -> torch.Tensor:
     return loss
 
 
+def _data_parallel() -> bool:
+    """A process group of several ranks is running (the plan must suit DDP)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def plan_for_batch(
     model: nn.Module,
     batch: Mapping[str, Any],
@@ -180,6 +187,8 @@ def plan_for_batch(
             f"{reserved_bytes} B reserved (DDP's gradient buckets): raise the budget"
         )
     plan_options.setdefault("allow_optimizer_in_backward", False)
+    # streamed weights are one device's: under data parallelism FSDP2 shards them instead
+    plan_options.setdefault("allow_weight_streaming", not _data_parallel())
     plan = _agreed_plan(
         model, profile, budget_bytes - reserved_bytes, strategy, plan_options, reserved_bytes
     )
