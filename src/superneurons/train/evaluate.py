@@ -30,7 +30,7 @@ def evaluate(
     placement = Placement.of(device)
     model.eval()
     test_set = task.test_set
-    if config.eval_limit is not None and config.eval_limit < len(test_set):
+    if config.eval_limit is not None and config.eval_limit < len(test_set):  # type: ignore[arg-type]
         test_set = Subset(test_set, range(config.eval_limit))
     sampler: DistributedSampler[Any] = DistributedSampler(test_set, shuffle=False)
     loader = DataLoader(
