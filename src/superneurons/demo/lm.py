@@ -197,14 +197,27 @@ def _sft_run(steps: int, *, budget_fraction: float | None) -> dict[str, Any]:
 
 def trl_under_budget(steps: int, *, budget_fraction: float) -> dict[str, Any]:
     """TRL's gradient checkpointing, then the callback under ``budget_fraction`` of the eager
-    peak: both runs, the peak ratio and whether the losses are identical."""
+    peak (raised by 0.1 while the planner refuses it, each refusal recorded): both runs, the
+    peak ratio and whether the losses are identical."""
+    from superneurons.memory.plan import InfeasibleBudgetError
+
     torch.set_num_threads(1)
     trl = _sft_run(steps, budget_fraction=None)
-    ours = _sft_run(steps, budget_fraction=budget_fraction)
+    refused: list[dict[str, Any]] = []
+    while True:
+        try:
+            ours = _sft_run(steps, budget_fraction=budget_fraction)
+            break
+        except InfeasibleBudgetError as exc:
+            if budget_fraction >= 1.0:
+                raise
+            refused.append({"budget_fraction": budget_fraction, "message": str(exc)})
+            budget_fraction = min(1.0, round(budget_fraction + 0.1, 2))
     return {
         "model": "tiny LlamaForCausalLM (4 blocks, width 16, MLP 4096), batch 8 x 34 tokens, fp32",
         "steps": steps,
         "budget_fraction": budget_fraction,
+        "refused": refused,
         "trl_checkpointing": trl,
         "superneurons": ours,
         "peak_over_trl": ours["peak_bytes"] / trl["peak_bytes"],
