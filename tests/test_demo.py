@@ -71,6 +71,7 @@ def test_demo_quick_end_to_end_tiny(tmp_path: Path) -> None:
         {"time_budget_s": 0.0},
         {"evals": 0},
         {"lm_steps": 0},
+        {"rate_bit_s": 100},
     ],
 )
 def test_demo_config_rejects_bad_values(kwargs: dict) -> None:

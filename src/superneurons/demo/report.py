@@ -324,7 +324,9 @@ def write_report(
         "## How this was made\n",
         f"`superneurons demo{' --quick' if demo['quick'] else ''}`: {demo['device']}. Machine: "
         f"{env['machine']['cpu']} ({env['machine']['cpu_count']} cores), torch "
-        f"{env['versions']['torch']}. Total demo time {demo['wall_s']:.0f} s; load average at "
+        f"{env['versions']['torch']}. Total demo time {demo['wall_s']:.0f} s ("
+        + ", ".join(f"{k} {v:.0f} s" for k, v in demo.get("parts_s", {}).items())
+        + f"); load average at "
         f"the end {', '.join(f'{x:.1f}' for x in demo['load_avg'])}. Every figure above is "
         "read from `demo.json`.\n",
     ]

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from superneurons.bench.links.netns import check_shaping_rate
 from superneurons.device import Placement, choose_backend, cuda_count, rank_device
 from superneurons.errors import ConfigError
 
@@ -104,6 +105,7 @@ class DemoConfig:
             raise ConfigError("--limit-steps must be >= 1")
         if self.time_budget_s <= 0 or self.evals < 1 or self.eval_limit < 1:
             raise ConfigError("--time-budget, --evals and --eval-limit must be positive")
+        check_shaping_rate(self.rate_bit_s)  # before any work: tbf shapes 8kbit and up
         if self.lm_seq_len < 1 or self.lm_steps < 1:
             raise ConfigError("the language-model part needs seq_len >= 1 and steps >= 1")
 
@@ -124,12 +126,13 @@ class DemoConfig:
 
 # The stated link, and why (the report prints this).
 RATE_WHY = (
-    "10 Mbit/s is a home uplink or a thin cross-site link. On this model (0.70M parameters, "
-    "2.8 MB of fp32 gradients per step) dense DDP then spends ~2.5 s per step on the wire "
-    "while the FFT codec encodes and decodes those gradients in well under 0.1 s of CPU "
-    "(benchmarks/results/network/codec_cpu.txt: 0.27 s encode + 0.23 s decode for 30M "
-    "elements), so the bytes it saves cost far more time than its CPU does; at 1 Gbit/s the "
-    "same codec does not pay (benchmarks/results/network/README.md)."
+    "10 Mbit/s is a home uplink or a thin cross-site link. There dense DDP's 2.8 MB of fp32 "
+    "gradients per step (0.70M parameters) take ~2.3 s on the wire, while the FFT hook's CPU "
+    "cost on a ResNet step is ~0.11 s (benchmarks/results/network/resnet-100mbit: rank 0's CPU "
+    "0.446 s per step with fft vs 0.335 s dense, 2.8M parameters) and its payload 29x smaller: "
+    "on an idle core a step would take ~0.6 s against dense's ~2.7 s. At 100 Mbit/s the wire "
+    "takes ~0.23 s, about twice the codec's CPU, and no codec gains much on this conv model "
+    "(benchmarks/results/network/README.md); at 1 Gbit/s FFT is slower than dense."
 )
 
 
@@ -247,13 +250,16 @@ def run_demo(config: DemoConfig, *, progress: Progress = lambda _msg: None) -> P
         f"      eager peak {memory['eager_peak_bytes'] / 2**20:.1f} MiB, budget "
         f"{budget / 2**20:.1f} MiB, planned peak {memory['planned_peak_bytes'] / 2**20:.1f} MiB"
     )
+    parts_s = {"memory": time.perf_counter() - started}
     raced = _race(config, budget, progress)
+    parts_s["race"] = time.perf_counter() - started - sum(parts_s.values())
     lm = None
     if config.lm:
         from superneurons.demo.lm import language_model_part
 
         progress("[4/5] the language-model part: what fits, and TRL's SFTTrainer under a budget")
         lm = language_model_part(config, progress=progress)
+        parts_s["lm"] = time.perf_counter() - started - sum(parts_s.values())
     progress("[5/5] writing the report")
     record = {
         "version": 1,
@@ -269,6 +275,7 @@ def run_demo(config: DemoConfig, *, progress: Progress = lambda _msg: None) -> P
         "memory": {k: v for k, v in memory.items() if not k.endswith("timeline_bytes")},
         "lm": lm,
         "wall_s": time.perf_counter() - started,
+        "parts_s": parts_s,
         "load_avg": list(os.getloadavg()),
     }
     (config.out_dir / "demo.json").write_text(json.dumps(record, indent=2) + "\n")
