@@ -8,17 +8,19 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from superneurons.bytesize import parse_bytes
 from superneurons.errors import ConfigError
 from superneurons.memory.planner.cost import CostModel, cost_model
+from superneurons.memory.sizing.adapters import LoraSpec, QuantSpec, parse_lora, parse_quantize
 from superneurons.memory.sizing.llm import (
     LMStep,
     default_optimizer_impl,
     load_config,
     max_positions,
 )
+from superneurons.memory.sizing.search import LMSearch
 from superneurons.memory.sizing.target import BELOW, HF, LMTarget, Target, ZooTarget
 from superneurons.rates import parse_rate
 
@@ -37,6 +39,7 @@ class PlanRequest:
         budget_bytes: the device budget.
         strategy: the planner's strategy (``auto``: its choice).
         search: ``"depth"``, ``"batch"`` or ``"seq_len"`` for ``--max-*``; None: one plan.
+        lm_search: how a causal LM is searched (``--beyond-positions``, ``--fit-depth``).
     """
 
     target: Target
@@ -44,17 +47,32 @@ class PlanRequest:
     budget_bytes: int
     strategy: str
     search: str | None
+    lm_search: LMSearch = LMSearch()
 
 
 def request_of(args: argparse.Namespace) -> PlanRequest:
     """The target, the device, the budget and what to find, from the command line."""
-    target = target_of(args)
+    target = with_training_step(target_of(args), args)
     cost = device_cost(args)
     search = (
         "depth" if args.max_depth else "batch" if args.max_batch else "seq_len"
         if args.max_seq_len else None
     )  # fmt: skip
-    return PlanRequest(target, cost, budget_bytes_of(args, target, cost), args.strategy, search)
+    lm_search = lm_search_of(args, search)
+    budget_bytes = budget_bytes_of(args, target, cost)
+    return PlanRequest(target, cost, budget_bytes, args.strategy, search, lm_search=lm_search)
+
+
+def lm_search_of(args: argparse.Namespace, search: str | None) -> LMSearch:
+    """``--beyond-positions`` and ``--fit-depth``: options of ``--max-seq-len`` /
+    ``--max-batch``."""
+    options = LMSearch(
+        beyond_positions=getattr(args, "beyond_positions", False),
+        fit_depth=getattr(args, "fit_depth", False),
+    )
+    if options != LMSearch() and search not in ("seq_len", "batch"):
+        raise ConfigError("--beyond-positions and --fit-depth apply to --max-seq-len / --max-batch")
+    return options
 
 
 def target_of(args: argparse.Namespace) -> Target:
@@ -64,6 +82,8 @@ def target_of(args: argparse.Namespace) -> Target:
         return _lm_target(args, args.model[len(HF) :])
     if args.max_seq_len or args.seq_len is not None or args.autocast:
         raise ConfigError("--seq-len, --autocast and --max-seq-len apply to --model hf:... only")
+    if getattr(args, "lora", None) or getattr(args, "quantize", None):
+        raise ConfigError("--lora and --quantize apply to --model hf:... only")
     return ZooTarget(
         name=args.model,
         batch_size=16 if args.batch is None else args.batch,
@@ -73,6 +93,19 @@ def target_of(args: argparse.Namespace) -> Target:
         depth=args.depth,
         preset=(args.preset or "gpt2") if args.model == "gpt" else None,
     )
+
+
+def with_training_step(target: Target, args: argparse.Namespace) -> Target:
+    """``target`` planned for the loop's training step (``--max-grad-norm``); a ``--max-*``
+    search plans the plain step only."""
+    max_grad_norm = getattr(args, "max_grad_norm", 0.0) or 0.0
+    if not max_grad_norm:
+        return target
+    if args.max_depth or args.max_batch or args.max_seq_len:
+        raise ConfigError("--max-grad-norm plans one step: leave out --max-depth/-batch/-seq-len")
+    if not max_grad_norm > 0:
+        raise ConfigError(f"--max-grad-norm must be >= 0, got {max_grad_norm}")
+    return replace(target, max_grad_norm=max_grad_norm)
 
 
 def _lm_target(args: argparse.Namespace, name: str) -> LMTarget:
@@ -90,8 +123,23 @@ def _lm_target(args: argparse.Namespace, name: str) -> LMTarget:
         optimizer_impl=args.optimizer_impl or default_optimizer_impl(target_device),
         keep_outputs=args.keep_outputs,
         target_device=target_device,
+        lora=lora_of(args),
+        quantize=quantize_of(args),
     )
     return LMTarget(name, config, source, step, below=args.below)
+
+
+def lora_of(args: argparse.Namespace) -> LoraSpec | None:
+    """``--lora``, parsed once (:func:`superneurons.memory.sizing.adapters.parse_lora`)."""
+    text = getattr(args, "lora", None)
+    return None if text is None else parse_lora(text)
+
+
+def quantize_of(args: argparse.Namespace) -> QuantSpec | None:
+    """``--quantize``, parsed once (:func:`superneurons.memory.sizing.adapters.
+    parse_quantize`)."""
+    text = getattr(args, "quantize", None)
+    return None if text is None else parse_quantize(text)
 
 
 def progress(message: str) -> None:

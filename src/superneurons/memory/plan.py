@@ -44,6 +44,7 @@ __all__ = [
     "SeqChunking",
     "StrategyFloor",
     "TensorDecision",
+    "TrainingStep",
     "UnitDecision",
 ]
 
@@ -183,6 +184,49 @@ class TensorDecision:
 
 
 @dataclass(frozen=True)
+class TrainingStep:
+    """What the training loop does around the optimizer step: where a plan may step it, and
+    what the step holds (the planner counts it; the runtime follows it).
+
+    Attributes:
+        max_grad_norm: the loop clips the gradients to this global norm before each step
+            (``torch.nn.utils.clip_grad_norm_``, HF's ``max_grad_norm``); 0: no clipping. An
+            optimizer off the device cannot step a parameter before every gradient of the step
+            exists: its step waits for the global norm (after backward, not beside it).
+        norm_type: the p of that norm (2.0; ``inf`` allowed).
+        accumulation_steps: micro-batches whose gradients are summed before one optimizer step
+            (HF's ``gradient_accumulation_steps``): the sum lives through the micro-batches, on
+            the device (eager, recompute, offload, optimizer-in-backward) or in host buffers
+            (the host optimizer).
+    """
+
+    max_grad_norm: float = 0.0
+    norm_type: float = 2.0
+    accumulation_steps: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.max_grad_norm >= 0:  # NaN fails too
+            raise ConfigError(
+                f"max_grad_norm must be >= 0 (0: no clipping), got {self.max_grad_norm}"
+            )
+        if not self.norm_type > 0:
+            raise ConfigError(f"norm_type must be > 0, got {self.norm_type}")
+        steps = self.accumulation_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ConfigError(f"accumulation_steps must be an int >= 1, got {steps!r}")
+
+    @property
+    def clips(self) -> bool:
+        return self.max_grad_norm > 0
+
+    @property
+    def waits(self) -> bool:
+        """An optimizer stepped as gradients arrive must wait instead: for the global norm, or
+        for the last micro-batch."""
+        return self.clips or self.accumulation_steps > 1
+
+
+@dataclass(frozen=True)
 class Plan:
     """Per-unit decisions plus predictions. Build with ``make_plan``; execute with ``apply_plan``.
 
@@ -220,6 +264,8 @@ class Plan:
             stays on the device between buckets.
         grad_buckets: with ``host_optimizer``, the parameter fqns of each gradient bucket in the
             order they are launched (the same on every rank).
+        step: the training step the plan was made for (clipping, accumulation); None: one
+            backward per step, no clipping. ``to_dict`` leaves the key out when None.
         version: format version of this record.
     """
 
@@ -245,6 +291,7 @@ class Plan:
     grad_buckets: tuple[tuple[str, ...], ...] = ()
     peak_at: dict[str, Any] = field(default_factory=dict)
     breakdown: dict[str, int] = field(default_factory=dict)
+    step: TrainingStep | None = None
     version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:
@@ -285,7 +332,15 @@ class Plan:
         return sum(1 for u in self.units if u.action == action)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        body = asdict(self)
+        if self.step is None:  # a plan made for the plain step reads as it always has
+            del body["step"]
+        return body
+
+    @property
+    def training_step(self) -> TrainingStep:
+        """:attr:`step`, or the plain step (no clipping, no accumulation)."""
+        return self.step if self.step is not None else TrainingStep()
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
@@ -300,6 +355,8 @@ class Plan:
                 data["head"] = HeadChunking(**data["head"])
             data["seq_chunks"] = tuple(SeqChunking(**c) for c in data.get("seq_chunks", ()))
             data["grad_buckets"] = tuple(tuple(b) for b in data.get("grad_buckets", ()))
+            if data.get("step") is not None:
+                data["step"] = TrainingStep(**data["step"])
             return cls(**data)
         except (KeyError, TypeError) as exc:
             raise ConfigError(

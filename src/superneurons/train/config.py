@@ -66,6 +66,7 @@ class TrainConfig:
     budget_bytes: int | None = None
     sync: str = "every-step"  # or diloco[...]: when ranks synchronise (parsed: sync_scheme)
     checkpoint_every: int | None = None  # also checkpoint every N steps inside an epoch
+    max_grad_norm: float = 0.0  # clip the averaged gradients to this global norm (0: no)
     # Training against the clock (the demo's race over a slow link): stop after this many
     # seconds of training, evaluate every ``eval_every_s`` of them (kind="eval" records), each
     # evaluation on the first ``eval_limit`` test samples; evaluations are not counted.
@@ -87,6 +88,7 @@ class TrainConfig:
             _positive("budget", self.budget_bytes)
         if self.checkpoint_every is not None:
             _positive("checkpoint_every", self.checkpoint_every)
+        _positive("max_grad_norm", self.max_grad_norm, allow_zero=True)
         for name in ("time_budget_s", "eval_every_s", "eval_limit"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
@@ -102,6 +104,12 @@ class TrainConfig:
             raise ConfigError(f"config version {self.version} is not supported ({CONFIG_VERSION})")
         self.scheme  # noqa: B018  (parses --compress now: bad input fails before any rank starts)
         self.sync_scheme  # noqa: B018  (and --sync)
+        if self.max_grad_norm and isinstance(self.scheme, AdamAuto | AdamMomentum | AdamUpdate):
+            raise ConfigError(
+                f"--max-grad-norm with --compress {self.compress!r}: that optimizer averages "
+                "the gradients inside its own step, so only each rank's local gradients exist "
+                "to clip; drop --max-grad-norm or use a gradient codec"
+            )
 
     @cached_property
     def scheme(self) -> Scheme:

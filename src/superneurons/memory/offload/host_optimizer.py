@@ -192,16 +192,22 @@ class HostOptimizer:
 
 
 class HostOptimizerView(torch.optim.Optimizer):
-    """What a training loop holds as its optimizer when the host optimizer steps in backward.
+    """What a training loop holds as its optimizer when the host optimizer steps its buckets.
 
-    ``step()`` and ``zero_grad()`` do nothing (each bucket was stepped when its gradients
-    arrived, and no gradient is left on the device); ``param_groups`` are the host optimizer's
-    own, so learning-rate schedulers act on it; ``state_dict()``/``load_state_dict()`` save and
-    restore the host optimizer (masters included)."""
+    Where the plan steps in backward, ``step()`` and ``zero_grad()`` have nothing left to do
+    (each bucket was stepped when its gradients arrived, and no gradient is left on the
+    device); where the loop clips or accumulates (``Plan.step``), ``clip_grad_norm_()`` clips
+    the gradients waiting on the host, ``step()`` steps them and ``zero_grad()`` drops them
+    (:class:`~superneurons.memory.offload.host_buckets.GradientBuckets`). ``param_groups`` are
+    the host optimizer's own, so learning-rate schedulers act on it;
+    ``state_dict()``/``load_state_dict()`` save and restore the host optimizer (masters
+    included)."""
 
-    def __init__(self, host: HostOptimizer) -> None:  # noqa: D107 -- no super().__init__:
-        # the parameters are the host optimizer's; nothing here owns state of its own
+    def __init__(self, host: HostOptimizer, buckets: Any = None) -> None:  # noqa: D107
+        # no super().__init__: the parameters are the host optimizer's; nothing here owns
+        # state of its own
         self.host = host
+        self.buckets = buckets  # the GradientBuckets feeding ``host`` (None: stepped elsewhere)
         self.defaults = host.optimizer.defaults
         self.param_groups = host.optimizer.param_groups
         self.state = host.optimizer.state
@@ -216,12 +222,30 @@ class HostOptimizerView(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         if closure is not None:
             raise ConfigError(
-                "the host optimizer steps in backward: step(closure) is not supported"
+                "the host optimizer steps bucket by bucket: step(closure) is not supported"
             )
+        if self.buckets is not None and self.buckets.waits:
+            self.buckets.step_landed()
         self.host.wait()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        return None
+        if self.buckets is not None:
+            self.buckets.discard()
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, parameters: Any = None
+    ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type)`` of the gradients
+        the host holds for this step: returns the total norm (of the norms in the order of
+        ``parameters``; default: the model's) and scales them in place (see
+        :meth:`~superneurons.memory.offload.host_buckets.GradientBuckets.clip_grad_norm_`)."""
+        if self.buckets is None:
+            raise ConfigError("this host optimizer has no gradient buckets to clip")
+        order = None
+        if parameters is not None:
+            fqn_of = {id(p): f for f, p in self.host.params.items()}
+            order = [fqn_of[id(p)] for p in parameters if id(p) in fqn_of]
+        return self.buckets.clip_grad_norm_(max_norm, norm_type, order)
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         return self.host.state_dict()

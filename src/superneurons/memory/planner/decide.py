@@ -52,6 +52,7 @@ from superneurons.memory.plan import (
     Plan,
     StrategyFloor,
     TensorDecision,
+    TrainingStep,
     UnitDecision,
 )
 from superneurons.memory.planner.bounds import head_loss_bytes, largest_unit_bytes, resident_bytes
@@ -74,6 +75,7 @@ __all__ = [
     "make_plan",
     "min_peak_bytes",
     "search_floors",
+    "step_costs",
     "strategy_floors",
 ]
 
@@ -92,6 +94,7 @@ def make_plan(
     cost: CostModel | None = None,
     chunked: Sequence[Profile] = (),
     floors: Floors | None = None,
+    step: TrainingStep | None = None,
 ) -> Plan:
     """Plan keep / offload / recompute per unit so the predicted peak fits ``budget_bytes``.
 
@@ -127,7 +130,10 @@ def make_plan(
         raise ConfigError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
     if floors is None:
         cost = _cost_of(profile, cost, bandwidth_bytes_per_s)
-        floors = search_floors(profile, cost=cost, chunked=chunked)
+        floors = search_floors(profile, cost=cost, chunked=chunked, step=step)
+    elif step is not None and floors.step != _plain(step):
+        raise ConfigError("floors= were searched for another training step than step=")
+    step = floors.step
     allowed = _Allowed(optimizer_in_backward, allow_optimizer_in_backward, allow_host_optimizer)
     minima = allowed.minima(floors, strategy)
     best_strategy = min(minima, key=lambda s: minima[s])
@@ -136,7 +142,7 @@ def make_plan(
         chosen = _least_exposed(floors, order, budget_bytes)
         minima["auto"] = min(minima[s] for s in order)
     else:
-        chosen = search_all(floors.profiles, strategy, budget_bytes, floors.cost)
+        chosen = search_all(floors.profiles, strategy, budget_bytes, floors.cost, step)
         if optimizer_in_backward and not chosen.optimizer_in_backward:
             chosen.optimizer_in_backward = True
             chosen.outcome = evaluate(
@@ -145,6 +151,7 @@ def make_plan(
                 optimizer_in_backward=True,
                 cost=floors.cost,
                 segments=chosen.segments,
+                step=step,
             )
     if chosen.outcome.peak_bytes > budget_bytes:
         raise InfeasibleBudgetError(
@@ -156,7 +163,8 @@ def make_plan(
             min_budget_bytes=minima[best_strategy],
             strategy=best_strategy,
         )
-    return _plan_of(chosen, chosen.profile or profile, budget_bytes, minima[best_strategy])
+    plan = _plan_of(chosen, chosen.profile or profile, budget_bytes, minima[best_strategy])
+    return plan if step is None else replace(plan, step=step)
 
 
 @dataclass(frozen=True)
@@ -171,11 +179,13 @@ class Floors:
         cost: the device cost model the searches used.
         choices: strategy -> its least-peak search, for every search strategy the profiles can
             run (:data:`~superneurons.memory.plan.SEARCH_STRATEGIES`).
+        step: the training step the searches were for (clipping, accumulation; None: plain).
     """
 
     profiles: tuple[Profile, ...]
     cost: CostModel
     choices: dict[str, Choice]
+    step: TrainingStep | None = None  # the training step searched for (None: the plain one)
 
     def peak_bytes(self) -> dict[str, int]:
         """Strategy -> its smallest predicted peak."""
@@ -183,16 +193,48 @@ class Floors:
 
 
 def search_floors(
-    profile: Profile, *, cost: CostModel | None = None, chunked: Sequence[Profile] = ()
+    profile: Profile,
+    *,
+    cost: CostModel | None = None,
+    chunked: Sequence[Profile] = (),
+    step: TrainingStep | None = None,
 ) -> Floors:
     """Each search strategy's least-peak plan over ``profile`` and the ``chunked`` profiles of
-    the same step."""
+    the same step, for a loop that clips or accumulates as ``step`` says (None: neither)."""
     cost = cost or CostModel()
     profiles = (profile, *chunked)
+    step = _plain(step)
     choices = {
-        s: search_all(profiles, s, None, cost) for s in SEARCH_STRATEGIES if usable(profiles, s)
+        s: search_all(profiles, s, None, cost, step)
+        for s in SEARCH_STRATEGIES
+        if usable(profiles, s)
     }
-    return Floors(profiles, cost, choices)
+    return Floors(profiles, cost, choices, step)
+
+
+def step_costs(floors: Floors, plain: Floors) -> dict[str, dict[str, float]]:
+    """What the training step ``floors`` were searched for (clipping, accumulation) costs each
+    strategy: its floor there against its floor in ``plain`` (the same profiles searched for
+    the plain step), as differences of the peak (``device_bytes``), of the host bytes
+    (``host_bytes``: activations and the optimizer's host side) and of the predicted overhead
+    per micro-batch (``overhead_s``)."""
+    costs = {}
+    for strategy in (s for s in floors.choices if s in plain.choices):
+        stepped, base = floors.choices[strategy].outcome, plain.choices[strategy].outcome
+        costs[strategy] = {
+            "device_bytes": stepped.peak_bytes - base.peak_bytes,
+            "host_bytes": (stepped.host_bytes + stepped.optimizer_host_bytes)
+            - (base.host_bytes + base.optimizer_host_bytes),
+            "overhead_s": (stepped.extra_compute_s + stepped.exposed_s)
+            - (base.extra_compute_s + base.exposed_s),
+        }
+    return costs
+
+
+def _plain(step: TrainingStep | None) -> TrainingStep | None:
+    """None for the plain step (no clipping, no accumulation): plans made for it read as they
+    always have."""
+    return None if step is None or step == TrainingStep() else step
 
 
 def min_peak_bytes(
@@ -306,7 +348,7 @@ def _least_exposed(floors: Floors, order: list[str], budget_bytes: int) -> Choic
     """``auto``: of the strategies in ``order`` that fit, the one with the least exposed time,
     stepping in backward, state on the host or the host optimizer only where nothing else
     fits; none fits: the least peak."""
-    tried = [search_all(floors.profiles, s, budget_bytes, floors.cost) for s in order]
+    tried = [search_all(floors.profiles, s, budget_bytes, floors.cost, floors.step) for s in order]
     fits = [c for c in tried if c.outcome.peak_bytes <= budget_bytes]
     if not fits:
         return min(tried, key=lambda c: c.outcome.peak_bytes)

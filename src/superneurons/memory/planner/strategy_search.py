@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from superneurons.errors import ConfigError
+from superneurons.memory.plan import TrainingStep
 from superneurons.memory.planner.buckets import BUCKET_CAPS, assign_buckets
 from superneurons.memory.planner.cost import CostModel
 from superneurons.memory.planner.predict import Outcome, evaluate
@@ -103,9 +104,14 @@ class Choice:
 
 
 def search_all(
-    profiles: Sequence[Profile], strategy: str, budget_bytes: int | None, cost: CostModel
+    profiles: Sequence[Profile],
+    strategy: str,
+    budget_bytes: int | None,
+    cost: CostModel,
+    step: TrainingStep | None = None,
 ) -> Choice:
-    """The first profile whose search fits ``budget_bytes`` (None: the least peak over all)."""
+    """The first profile whose search fits ``budget_bytes`` (None: the least peak over all),
+    for a loop that clips or accumulates as ``step`` says (None: neither)."""
     tried = []
     runnable = usable(profiles, strategy)
     if not runnable:
@@ -114,9 +120,9 @@ def search_all(
             "gradient in the forward cannot follow: plan it with a recompute head as well"
         )
     for profile in runnable:
-        choice = _search(profile, strategy, budget_bytes, cost)
+        choice = _search(profile, strategy, budget_bytes, cost, step)
         if choice.host_optimizer:
-            choice = _widest_buckets(choice, budget_bytes, cost)
+            choice = _widest_buckets(choice, budget_bytes, cost, step)
         if budget_bytes is not None and choice.outcome.peak_bytes <= budget_bytes:
             return choice
         tried.append(choice)
@@ -132,7 +138,13 @@ def usable(profiles: Sequence[Profile], strategy: str) -> list[Profile]:
     return [p for p in profiles if not (in_backward and p.head and p.head.mode != "recompute")]
 
 
-def _search(profile: Profile, strategy: str, budget_bytes: int | None, cost: CostModel) -> Choice:
+def _search(
+    profile: Profile,
+    strategy: str,
+    budget_bytes: int | None,
+    cost: CostModel,
+    step: TrainingStep | None = None,
+) -> Choice:
     """Shortest candidate prefix that fits ``budget_bytes`` (None: the prefix with least peak)."""
     opt_in = strategy in IN_BACKWARD
     host_opt = strategy == HOST_OPTIMIZER
@@ -144,9 +156,8 @@ def _search(profile: Profile, strategy: str, budget_bytes: int | None, cost: Cos
         actions = {
             u.fqn: "recompute" if _recomputable(profile, u) else "keep" for u in profile.units
         }
-        return Choice(
-            strategy, actions, {}, False, evaluate(profile, actions, cost=cost), profile=profile
-        )
+        outcome = evaluate(profile, actions, cost=cost, step=step)
+        return Choice(strategy, actions, {}, False, outcome, profile=profile)
     actions = {u.fqn: "keep" for u in profile.units}
     first, upgrades = _candidates(profile, _ALLOWED[strategy], cost)
     segment: list[tuple[str, str]] = [_SEGMENT] if "recompute" in _ALLOWED[strategy] else []
@@ -169,6 +180,7 @@ def _search(profile: Profile, strategy: str, budget_bytes: int | None, cost: Cos
             optimizer_on_host=on_host,
             host_optimizer=host_opt,
             buckets=buckets if host_opt else None,
+            step=step,
         )
 
     def choice(outcome: Outcome) -> Choice:
@@ -242,7 +254,9 @@ def segment_runs(profile: Profile, actions: dict[str, str]) -> dict[str, int]:
     return segments
 
 
-def _widest_buckets(choice: Choice, budget_bytes: int | None, cost: CostModel) -> Choice:
+def _widest_buckets(
+    choice: Choice, budget_bytes: int | None, cost: CostModel, step: TrainingStep | None = None
+) -> Choice:
     """The host optimizer's buckets as wide as the budget allows (fewer, larger collectives):
     the largest of :data:`BUCKET_CAPS` whose peak fits ``budget_bytes`` (None: whose peak is
     the least), the actions kept."""
@@ -259,6 +273,7 @@ def _widest_buckets(choice: Choice, budget_bytes: int | None, cost: CostModel) -
             segments=choice.segments,
             host_optimizer=True,
             buckets=buckets,
+            step=step,
         )
         limit = best.outcome.peak_bytes if budget_bytes is None else budget_bytes
         if outcome.peak_bytes <= limit:

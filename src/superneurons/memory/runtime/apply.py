@@ -51,6 +51,7 @@ from superneurons.memory.fsdp import check_sharded_plan, is_fully_sharded
 from superneurons.memory.nodes import on_enter, on_leave, output_nodes
 from superneurons.memory.offload.host_buckets import GradientBuckets
 from superneurons.memory.offload.host_optimizer import HostOptimizerView
+from superneurons.memory.offload.optim_backward import WaitingSteps
 from superneurons.memory.offload.optim_host import HostOptimizerState
 from superneurons.memory.offload.plan_optimizer import attach_optimizer
 from superneurons.memory.offload.pool import PoolConfig, PoolStats, TensorPool
@@ -79,6 +80,9 @@ class PlanHandle:
         optimizer: with ``plan.host_optimizer``, the optimizer a training loop holds
             (:class:`~superneurons.memory.offload.host_optimizer.HostOptimizerView`), else None.
         buckets: with ``plan.host_optimizer``, the gradient buckets, else None.
+        waiting_steps: with ``plan.optimizer_in_backward`` and a ``plan.step`` that clips or
+            accumulates, the steps held to the end of the last micro-batch (its ``sync`` and
+            ``grad_norm``), else None.
     """
 
     def __init__(self, model: nn.Module, plan: Plan, pool: TensorPool) -> None:
@@ -90,6 +94,7 @@ class PlanHandle:
         self.host_state: HostOptimizerState | None = None
         self.optimizer: HostOptimizerView | None = None
         self.buckets: GradientBuckets | None = None
+        self.waiting_steps: WaitingSteps | None = None
         self._forwards = ForwardPatches()
         self._hooks: list[Any] = []
         self._removed = False
@@ -116,13 +121,17 @@ class PlanHandle:
             "recompute": {k: v.state_dict() for k, v in self.recompute_stats.items()},
         }
 
-    def attach(self, ddp_model: nn.parallel.DistributedDataParallel) -> None:
+    def attach(
+        self, ddp_model: nn.parallel.DistributedDataParallel, *, rebuild: bool = False
+    ) -> None:
         """Average gradients over ``ddp_model``'s process group with its communication hook
         (``plan.host_optimizer``; :meth:`GradientBuckets.attach`). Call it on every rank,
-        after wrapping the planned model, before the first backward."""
+        after wrapping the planned model, before the first backward; ``rebuild``: the model
+        was wrapped before the plan was applied, and the wrapper is rebuilt in place
+        (:mod:`superneurons.memory.offload.rewrap`; :meth:`remove` rebuilds it as it was)."""
         if self.buckets is None:
             raise ConfigError("attach() is for plans with host_optimizer; this plan has none")
-        self.buckets.attach(ddp_model)
+        self.buckets.attach(ddp_model, rebuild=rebuild)
 
     def state_dict(self) -> dict[str, Any]:
         if self.host_state is not None:

@@ -7,18 +7,24 @@ searches; :meth:`ModelPlan.to_dict` is ``plan --json``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from superneurons.memory.plan import InfeasibleBudgetError, Plan, StrategyFloor
 from superneurons.memory.planner.cost import CostModel
-from superneurons.memory.planner.decide import Floors, describe_floors, make_plan, search_floors
+from superneurons.memory.planner.decide import (
+    Floors,
+    describe_floors,
+    make_plan,
+    search_floors,
+    step_costs,
+)
 from superneurons.memory.profile_types import Profile
 from superneurons.memory.sizing.llm import attention_ops, profile_causal_lm_below
 from superneurons.memory.sizing.simulate import profile_zoo
-from superneurons.memory.sizing.target import LMTarget, Target, ZooTarget
+from superneurons.memory.sizing.target import LMTarget, Target, ZooTarget, training_step
 
-__all__ = ["ModelPlan", "plan_model"]
+__all__ = ["ModelPlan", "parameter_fields", "plan_model"]
 
 PLAN_ACTIONS: tuple[str, ...] = ("keep", "offload", "recompute", "recompute+offload")
 
@@ -38,6 +44,10 @@ class ModelPlan:
         budget_bytes: the device budget.
         plan: the plan, or None where no plan of ``strategy`` fits (then ``infeasible``).
         infeasible: why no plan fits, naming the minimum budget.
+        parameters: what trains and what is frozen (:func:`parameter_fields`), for a causal
+            LM that trains adapters; empty otherwise (the record is as it was).
+        step_costs: what the target's training step (clipping) costs each strategy's floor
+            (:func:`~superneurons.memory.planner.decide.step_costs`); {}: the plain step.
     """
 
     target: Target
@@ -50,6 +60,8 @@ class ModelPlan:
     budget_bytes: int
     plan: Plan | None
     infeasible: InfeasibleBudgetError | None = None
+    parameters: dict[str, int] = field(default_factory=dict)
+    step_costs: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def floor_strategy(self) -> str:
@@ -62,9 +74,12 @@ class ModelPlan:
         """``plan --json``: the target, the floors (docs/CONTRACTS.md) and the plan."""
         record = self.target.record()
         if isinstance(self.target, LMTarget):
+            record.update(self.parameters)
             record.update(attention_ops=self.attention_ops, below=self.target.below)
         record.update(granularity=self.granularity, device_preset=self.device_preset)
         record.update(self._floor_fields())
+        if self.step_costs:  # what clipping costs (the floors above include it)
+            record["step_costs"] = self.step_costs
         if self.plan is None:
             assert self.infeasible is not None
             record.update(
@@ -132,14 +147,16 @@ def plan_model(
     Raises:
         ConfigError: the target cannot be profiled, or ``strategy`` cannot run on it.
     """
-    ops = None
+    ops, parameters = None, {}
+    step = training_step(target)
     if isinstance(target, LMTarget):
         plain, chunked = profile_causal_lm_below(
             target.config, target.step, variants=target.variants
         )
         profile, granularity = plain, "block"
-        floors = search_floors(plain, cost=cost, chunked=chunked)
+        floors = search_floors(plain, cost=cost, chunked=chunked, step=step)
         ops = attention_ops(plain)
+        parameters = parameter_fields(plain) if target.lora is not None else {}
     else:
         profile, granularity, floors = _zoo_profile(target, strategy, cost)
     described = describe_floors(floors)
@@ -159,7 +176,30 @@ def plan_model(
         budget_bytes=budget_bytes,
         plan=plan,
         infeasible=infeasible,
+        parameters=parameters,
+        step_costs=_step_costs(floors),
     )
+
+
+def parameter_fields(profile: Profile) -> dict[str, int]:
+    """``plan --json``'s parameter fields of a step that trains adapters: ``trainable_params``
+    (elements stepped), ``trainable_bytes`` (their gradients' bytes, the parameters' dtype),
+    ``frozen_bytes`` (parameters without a gradient: the frozen or quantized base and its
+    quantization state), all from the profile."""
+    return {
+        "trainable_params": profile.param_numel,
+        "trainable_bytes": profile.grad_bytes,
+        "frozen_bytes": profile.frozen_bytes,
+    }
+
+
+def _step_costs(floors: Floors) -> dict[str, dict[str, float]]:
+    """What the target's training step costs each strategy: its floors against those of the
+    same profiles searched again for the plain step ({} for the plain step itself)."""
+    if floors.step is None:
+        return {}
+    plain, *chunked = floors.profiles
+    return step_costs(floors, search_floors(plain, cost=floors.cost, chunked=chunked))
 
 
 def _zoo_profile(target: ZooTarget, strategy: str, cost: CostModel) -> tuple[Profile, str, Floors]:
@@ -174,7 +214,7 @@ def _zoo_profile(target: ZooTarget, strategy: str, cost: CostModel) -> tuple[Pro
         ("block", "split") if target.granularity == "auto" else (target.granularity,)
     ):
         profile = profile_zoo(target.name, granularity=granularity, **options)
-        floors = search_floors(profile, cost=cost)
+        floors = search_floors(profile, cost=cost, step=training_step(target))
         minima = floors.peak_bytes()
         floor = minima[strategy] if strategy in minima else min(minima.values())
         tried.append((floor, granularity, profile, floors))
