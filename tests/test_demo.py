@@ -32,7 +32,7 @@ def test_demo_quick_end_to_end_tiny(tmp_path: Path) -> None:
     config = replace(
         DemoConfig(out_dir=tmp_path / "demo").as_quick(),
         limit_steps=2, epochs=1, batch_size=16, budget_fraction=0.6, shaping=False,
-        time_budget_s=1e6, evals=1, eval_limit=32, lm_models=(str(config_json),),
+        time_budget_s=1e6, evals=1, eval_limit=32, lm_models=(str(config_json),), lm_tunings=("full", "qlora"),
         lm_seq_len=64, lm_steps=1,
     )  # fmt: skip
     report = run_demo(config, progress=messages.append)
@@ -54,8 +54,11 @@ def test_demo_quick_end_to_end_tiny(tmp_path: Path) -> None:
     ours = json.loads((out / "superneurons" / "summary.json").read_text())
     assert dense["codec"] == "dense" and ours["codec"].startswith("fft:")
     assert ours["bytes_per_step"] < dense["bytes_per_step"] / 10
-    (row,) = demo["lm"]["what_fits"]
-    assert row["superneurons_bytes"] <= row["hf_checkpointing_bytes"] <= row["eager_bytes"]
+    full, qlora = demo["lm"]["what_fits"]
+    assert (full["tuning"], qlora["tuning"]) == ("full", "qlora")
+    assert full["superneurons_bytes"] <= full["hf_checkpointing_bytes"] <= full["eager_bytes"]
+    assert qlora["superneurons_bytes"] <= qlora["hf_checkpointing_bytes"] <= qlora["eager_bytes"]
+    assert "--quantize nf4" in qlora["command"]
     trl = demo["lm"]["trl"]
     assert trl["losses_identical"] and trl["within_budget"]
     assert any(m.startswith("[5/5]") for m in messages)

@@ -4,7 +4,7 @@
     configurations (:mod:`superneurons.models.hf_configs`), on fake tensors (no weights, no
     device): eager PyTorch's modelled peak, HF gradient checkpointing's (every block recomputed:
     the ``checkpoint`` strategy's floor) and superneurons' floor, each against a 24 GiB and an
-    80 GiB card. Full fine-tune, AdamW, batch 1.
+    80 GiB card: a full fine-tune, LoRA and QLoRA (``plan --lora/--quantize``), AdamW, batch 1.
 (b) :func:`trl_under_budget`: a tiny Llama trained for a few steps by TRL's ``SFTTrainer``
     twice from the same weights and data: with TRL's own gradient checkpointing (its default),
     and with :class:`~superneurons.integrations.transformers.SuperNeuronsCallback` under a
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CARDS_GIB", "language_model_part", "trl_under_budget", "what_fits"]
+__all__ = ["CARDS_GIB", "TUNINGS", "language_model_part", "trl_under_budget", "what_fits"]
 
 log = logging.getLogger("superneurons.demo")
 
@@ -30,41 +30,73 @@ CARDS_GIB = (24, 80)  # a 24 GiB card (RTX 4090 class) and an 80 GiB one (H100/A
 Progress = Callable[[str], None]
 
 
-def what_fits(names: tuple[str, ...], *, seq_len: int) -> list[dict[str, Any]]:
-    """One row per shipped configuration: modelled peaks (bytes) of eager PyTorch, HF gradient
-    checkpointing and superneurons' floor, and which fit each card of :data:`CARDS_GIB`."""
-    from superneurons.memory.planner.cost import cost_model
-    from superneurons.memory.sizing.llm import LMStep, load_config, max_positions
-    from superneurons.memory.sizing.model_plan import plan_model
-    from superneurons.memory.sizing.target import LMTarget
+# How each row fine-tunes: a full fine-tune, LoRA (QLoRA's recipe: r 16 on every linear layer)
+# and QLoRA (the same adapters over nf4 base weights, double quantisation); ``plan``'s flags.
+TUNINGS: dict[str, tuple[str | None, str | None]] = {
+    "full": (None, None),
+    "lora": ("r=16,alpha=32,targets=all-linear", None),
+    "qlora": ("r=16,alpha=32,targets=all-linear", "nf4,double_quant=true"),
+}
+
+
+def what_fits(
+    names: tuple[str, ...], *, seq_len: int, tunings: tuple[str, ...] = ("full",)
+) -> list[dict[str, Any]]:
+    """One row per shipped configuration and tuning (:data:`TUNINGS`): modelled peaks (bytes)
+    of eager PyTorch, HF gradient checkpointing and superneurons' floor, and which fit each card
+    of :data:`CARDS_GIB`."""
+    from superneurons.memory.sizing.llm import load_config
 
     rows = []
     for name in names:
         config, source = load_config(name)
-        limit = max_positions(config)
-        step = LMStep(seq_len=min(seq_len, limit or seq_len), dtype="bf16")
-        budget = max(CARDS_GIB) * GIB
-        result = plan_model(
-            LMTarget(name, config, source, step), budget_bytes=budget, cost=cost_model("h100")
-        )
-        floors = result.floors
-        peaks = {
-            "eager_bytes": result.eager_peak_bytes,
-            "hf_checkpointing_bytes": floors["checkpoint"].min_budget_bytes,
-            "superneurons_bytes": floors[result.floor_strategy].min_budget_bytes,
-        }
-        row: dict[str, Any] = {
-            "model": f"hf:{name}",
-            "seq_len": step.seq_len,
-            "command": f"superneurons plan --model hf:{name} --seq-len {step.seq_len} --dtype bf16",
-            **peaks,
-            "superneurons_strategy": result.floor_strategy,
-        }
-        for card in CARDS_GIB:
-            for key, value in peaks.items():
-                row[f"{key.removesuffix('_bytes')}_fits_{card}gib"] = value <= card * GIB
-        rows.append(row)
+        for tuning in tunings:
+            rows.append(_fits_row(name, config, source, seq_len=seq_len, tuning=tuning))
     return rows
+
+
+def _fits_row(name: str, config: Any, source: str, *, seq_len: int, tuning: str) -> dict:
+    from superneurons.memory.planner.cost import cost_model
+    from superneurons.memory.sizing.adapters import parse_lora, parse_quantize
+    from superneurons.memory.sizing.llm import LMStep, max_positions
+    from superneurons.memory.sizing.model_plan import plan_model
+    from superneurons.memory.sizing.target import LMTarget
+
+    lora, quantize = TUNINGS[tuning]
+    limit = max_positions(config)
+    step = LMStep(
+        seq_len=min(seq_len, limit or seq_len),
+        dtype="bf16",
+        lora=None if lora is None else parse_lora(lora),
+        quantize=None if quantize is None else parse_quantize(quantize),
+    )
+    result = plan_model(
+        LMTarget(name, config, source, step),
+        budget_bytes=max(CARDS_GIB) * GIB,
+        cost=cost_model("h100"),
+    )
+    floors = result.floors
+    peaks = {
+        "eager_bytes": result.eager_peak_bytes,
+        "hf_checkpointing_bytes": floors["checkpoint"].min_budget_bytes,
+        "superneurons_bytes": floors[result.floor_strategy].min_budget_bytes,
+    }
+    flags = "".join(
+        f" --{flag} {value}" for flag, value in (("lora", lora), ("quantize", quantize)) if value
+    )
+    row: dict[str, Any] = {
+        "model": f"hf:{name}",
+        "tuning": tuning,
+        "seq_len": step.seq_len,
+        "command": f"superneurons plan --model hf:{name} --seq-len {step.seq_len} --dtype bf16"
+        + flags,
+        **peaks,
+        "superneurons_strategy": result.floor_strategy,
+    }
+    for card in CARDS_GIB:
+        for key, value in peaks.items():
+            row[f"{key.removesuffix('_bytes')}_fits_{card}gib"] = value <= card * GIB
+    return row
 
 
 def _tokenizer() -> Any:
@@ -228,10 +260,10 @@ def trl_under_budget(steps: int, *, budget_fraction: float) -> dict[str, Any]:
 
 def language_model_part(config: Any, *, progress: Progress) -> dict[str, Any]:
     """Both parts for a :class:`~superneurons.demo.run.DemoConfig`."""
-    fits = what_fits(config.lm_models, seq_len=config.lm_seq_len)
+    fits = what_fits(config.lm_models, seq_len=config.lm_seq_len, tunings=config.lm_tunings)
     for row in fits:
         progress(
-            f"      {row['model']} at {row['seq_len']} tokens: eager "
+            f"      {row['model']} ({row['tuning']}) at {row['seq_len']} tokens: eager "
             f"{row['eager_bytes'] / GIB:.1f} GiB, HF checkpointing "
             f"{row['hf_checkpointing_bytes'] / GIB:.1f} GiB, superneurons "
             f"{row['superneurons_bytes'] / GIB:.1f} GiB"

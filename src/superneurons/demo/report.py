@@ -252,7 +252,7 @@ def _lm_section(lm: Mapping[str, Any]) -> list[str]:
     cards = lm["cards_gib"]
     rows = []
     for row in lm["what_fits"]:
-        record = {"model": row["model"], "tokens": row["seq_len"]}
+        record = {"model": row["model"], "tuning": row["tuning"], "tokens": row["seq_len"]}
         for key, label in (
             ("eager", "eager"),
             ("hf_checkpointing", "HF checkpointing"),
@@ -268,9 +268,10 @@ def _lm_section(lm: Mapping[str, Any]) -> list[str]:
     ours, base = trl["superneurons"], trl["trl_checkpointing"]
     return [
         "## The language-model part\n",
-        "What fits: `superneurons plan --model hf:NAME --seq-len T --dtype bf16` (fake tensors, "
-        "full fine-tune, AdamW, batch 1), modelled peaks: eager PyTorch, HF gradient "
-        "checkpointing (every block recomputed) and superneurons' floor.\n",
+        "What fits: `superneurons plan --model hf:NAME --seq-len T --dtype bf16 [--lora "
+        "r=16,alpha=32,targets=all-linear [--quantize nf4,double_quant=true]]` (fake tensors, "
+        "AdamW, batch 1), modelled peaks: eager PyTorch, HF gradient checkpointing (every block "
+        "recomputed) and superneurons' floor.\n",
         markdown_table(rows, list(rows[0])),
         f"\nTRL's `SFTTrainer`, {trl['model']}, {trl['steps']} steps, measured each step's peak "
         f"of live storage bytes: TRL's own gradient checkpointing "

@@ -62,6 +62,7 @@ class DemoConfig:
         eval_limit: test images per evaluation (the same first ones for both arms).
         lm: run the language-model part.
         lm_models: shipped configurations (``hf:NAME``) of its "what fits" table.
+        lm_tunings: its rows per model: ``full``, ``lora``, ``qlora`` (:data:`.lm.TUNINGS`).
         lm_seq_len: the sequence length that table plans at.
         lm_steps: SFTTrainer steps of its tiny-Llama runs.
         lm_budget_fraction: the callback's budget there, a fraction of the eager peak.
@@ -88,7 +89,8 @@ class DemoConfig:
     evals: int = 6
     eval_limit: int = 1000
     lm: bool = True
-    lm_models: tuple[str, ...] = ("llama-3.2-1b", "llama-3-8b")
+    lm_models: tuple[str, ...] = ("llama-3-8b",)
+    lm_tunings: tuple[str, ...] = ("full", "lora", "qlora")
     lm_seq_len: int = 4096
     lm_steps: int = 4
     # NOTE: the callback's budget for the tiny Llama, a fraction of its eager peak: 0.4 sits
@@ -119,7 +121,7 @@ class DemoConfig:
     def as_quick(self) -> DemoConfig:
         """``--quick``: the same parts, smaller (about 3 minutes on 2 CPU cores)."""
         return replace(
-            self, quick=True, time_budget_s=40.0, evals=4, eval_limit=500, lm_models=("llama-3.2-1b",),
+            self, quick=True, time_budget_s=40.0, evals=4, eval_limit=500, lm_models=("llama-3.2-1b",), lm_tunings=("full", "qlora"),
             lm_seq_len=2048, lm_steps=3,
         )  # fmt: skip
 
