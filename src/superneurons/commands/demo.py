@@ -7,8 +7,8 @@ in the report's first line), with test accuracy against time; and the language-m
 fits on a 24 and an 80 GiB card, TRL's SFTTrainer under a budget vs TRL's checkpointing).
 
 Ranks: 2 gloo ranks over the shaped link; on loopback one per GPU (at most 2, NCCL) on a GPU
-machine, else 2 on CPU (gloo); --nproc N chooses. About 10 minutes on 2 CPU cores; --quick about
-3; --limit-steps makes it a smoke test.
+machine, else 2 on CPU (gloo); --nproc N chooses. 17.5 minutes measured on a shared 2-core
+machine (--quick: 9, smaller everywhere); --limit-steps makes it a smoke test.
 """
 
 from __future__ import annotations
@@ -50,7 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--limit-steps", type=int, default=None, help="steps per run (smoke test)")
     parser.add_argument(
-        "--quick", action="store_true", help="the same parts, smaller: about 3 minutes"
+        "--quick",
+        action="store_true",
+        help="the same parts, smaller (9 minutes measured on a busy 2-core machine)",
     )
     parser.add_argument(
         "--rate", default=None, help="the emulated link's rate (default 10mbit), e.g. 50mbit"

@@ -119,7 +119,8 @@ class DemoConfig:
         return min(cuda_count(), 2) or 2
 
     def as_quick(self) -> DemoConfig:
-        """``--quick``: the same parts, smaller (about 3 minutes on 2 CPU cores)."""
+        """``--quick``: the same parts, smaller (benchmarks/results/demo/README.md: 536 s on 2
+        busy cores)."""
         return replace(
             self, quick=True, time_budget_s=40.0, evals=4, eval_limit=500, lm_models=("llama-3.2-1b",), lm_tunings=("full", "qlora"),
             lm_seq_len=2048, lm_steps=3,
