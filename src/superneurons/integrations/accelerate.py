@@ -51,6 +51,7 @@ from superneurons.integrations.hf import (
     plan_for_batch,
     training_without_kv_cache,
 )
+from superneurons.integrations.no_trace import no_trace
 from superneurons.memory import Plan, PlanHandle, apply_plan
 from superneurons.memory.offload.handover import factory_like, hand_over
 from superneurons.memory.offload.host_optimizer import HostOptimizerView
@@ -128,6 +129,7 @@ def prepare_superneurons(
     optimizer: Any = None,
     strategy: str = "auto",
     loss_of: LossOf = model_loss,
+    keep_outputs: bool = True,
     **compression_options: Any,
 ) -> SuperNeuronsSetup:
     """Apply a memory plan and gradient compression to a model ``accelerator.prepare`` returned.
@@ -152,6 +154,9 @@ def prepare_superneurons(
         strategy: the planner's strategy (``auto`` by default).
         loss_of: how the training loop gets the loss, ``loss_of(model, batch)`` (default
             ``model(**batch)``), so the profile runs the forward training will call.
+        keep_outputs: the loop may keep the whole output (the logits) through backward, as
+            accelerate's ``no_trainer`` examples do (default: counted, so the budget holds);
+            ``False`` for a loop that keeps only the loss (HF's ``Trainer``).
         compression_options: ``register_compression`` options (``seed``, ``process_group``);
             error feedback, warm-up and θ schedules are wrappers in ``compression`` itself
             (``"ef(warmup(steps=100,topk:ratio=0.01))"``).
@@ -168,19 +173,23 @@ def prepare_superneurons(
     if compression is not None:
         _check_can_compress(accelerator, ddp)
     setup = SuperNeuronsSetup()
-    if budget_given:
-        budget = dict(
-            budget_bytes=budget_bytes,
-            budget_fraction=budget_fraction,
-            strategy=strategy,
-            loss_of=loss_of,
-        )
-        _apply_memory_plan(setup, accelerator, model, ddp, sample_batch or {}, optimizer, budget)
-    if compression is not None and ddp is not None:
-        setup.compression = register_compression(ddp, compression, **compression_options)
-    if ddp is not None:  # replicas: the same state on every rank, or an error naming a tensor
-        optimizers = [optimizer] if optimizer is not None else []
-        check_replicas(ddp, optimizers=optimizers, process_group=ddp.process_group)
+    with no_trace(model, undo=setup.remove):  # a set-up that fails leaves the model as it was
+        if budget_given:
+            budget = dict(
+                budget_bytes=budget_bytes,
+                budget_fraction=budget_fraction,
+                strategy=strategy,
+                loss_of=loss_of,
+                keep_outputs=keep_outputs,
+            )
+            _apply_memory_plan(
+                setup, accelerator, model, ddp, sample_batch or {}, optimizer, budget
+            )
+        if ddp is not None:  # replicas: the same state on every rank, or an error naming a tensor
+            optimizers = [optimizer] if optimizer is not None else []
+            check_replicas(ddp, optimizers=optimizers, process_group=ddp.process_group)
+        if compression is not None and ddp is not None:  # last: DDP cannot unregister a hook
+            setup.compression = register_compression(ddp, compression, **compression_options)
     return setup
 
 

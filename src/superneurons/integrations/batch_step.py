@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from superneurons.errors import ConfigError
+from superneurons.integrations.no_trace import no_trace
 from superneurons.memory import Profile, below_profiles, profile_step
 from superneurons.memory.profiling.step import output_loss
 
@@ -104,7 +105,8 @@ class BatchStep:
     def profile(self) -> Profile:
         """The step profiled per unit, checked to have run in the units."""
         step = _BatchLoss(self.model, self.loss_of, whole_output=self.keep_outputs)
-        with _training_mode(self.model):  # trainers call model.train() before every step
+        # trainers call model.train() before every step; a failing profile leaves no trace
+        with no_trace(self.model), _training_mode(self.model):
             profile = profile_step(
                 step, dict(self.batch), None, self._loss_fn(), self.optimizer, **self._options()
             )
@@ -118,7 +120,7 @@ class BatchStep:
         if shape is None:
             return []
         step = _BatchLoss(self.model, self.loss_of, whole_output=self.keep_outputs)
-        with _training_mode(self.model):
+        with no_trace(self.model), _training_mode(self.model):
             return below_profiles(
                 step,
                 dict(self.batch),

@@ -98,22 +98,16 @@ def plan_for_batch(
         reserved_bytes: device bytes the step holds besides what the profile sees (DDP's
             gradient buckets): part of the eager peak a fraction refers to, and left out of
             the budget the plan gets (``plan.budget_bytes`` is the budget minus them).
-        keep_outputs: the loop may keep the model's whole output (the logits) alive through
-            backward and the optimizer step, until the next step reassigns it, as HF's
-            ``no_trainer`` examples do (``outputs = model(**batch); loss = outputs.loss``):
-            ``True`` (default) counts it, so the budget holds for such a loop (planned for
-            the loss only, that loop measured +9.5% over its budget on a tiny Llama).
-            ``False``: the loop keeps only the loss, as HF's ``Trainer`` and TRL's do (their
-            callback passes it): a lower peak where the logits exist.
+        keep_outputs: ``True`` (default): the loop may keep the whole output (the logits)
+            through backward and the step, as HF's ``no_trainer`` examples do (``outputs =
+            model(**batch)``); counted, so the budget holds for such a loop. ``False``: it
+            keeps only the loss (HF's ``Trainer``, TRL): a lower peak where logits exist.
         autocast: the loop runs forward and loss under ``torch.autocast(device, dtype=...)``
             and backward and the step outside it (PyTorch's AMP recipe); also read from an
             enabled autocast block around this call.
-        below: where the budget is below what the plain step reaches, profile the step again
-            below its largest layer (a causal LM's head + loss in chunks of tokens, TRL's
-            fused head included, and block MLPs over pieces of the sequence:
-            :func:`superneurons.memory.below_profiles`) and plan with those profiles; the
-            head is found through ``get_output_embeddings()`` wherever it lives (inside PEFT's
-            wrappers too). ``False``: plan the step as it is.
+        below: where the plain step does not fit, profile it below its largest layer too (a
+            causal LM's head + loss in chunks, inside PEFT's wrappers and TRL's fused head
+            too; MLPs over the sequence: :mod:`.batch_step`). ``False``: the step as it is.
         plan_options: further ``make_plan`` options (e.g. ``bandwidth_bytes_per_s``).
 
     Returns:
@@ -143,14 +137,7 @@ def plan_for_batch(
     step = BatchStep(model, batch, optimizer, chosen, loss_of, keep_outputs, autocast)
     profile = step.profile()
     eager_bytes = profile.predicted_peak_bytes() + reserved_bytes
-    if budget_bytes is None:
-        assert budget_fraction is not None
-        budget_bytes = max(1, int(budget_fraction * eager_bytes))
-    if budget_bytes <= reserved_bytes:
-        raise ConfigError(
-            f"a budget of {budget_bytes} B leaves nothing for the step beside the "
-            f"{reserved_bytes} B reserved (DDP's gradient buckets): raise the budget"
-        )
+    budget_bytes = _step_budget(eager_bytes, budget_bytes, budget_fraction, reserved_bytes)
     plan_options.setdefault("allow_optimizer_in_backward", False)
     plan = _agreed_plan(
         model,
@@ -163,7 +150,7 @@ def plan_for_batch(
     )
     logger.info(
         "plan for %s: eager peak %d B (%d B of it reserved), budget %d B -> predicted %d B "
-        "(%s: %d recompute, %d offload units)",
+        "(%s: %d recompute, %d offload units, head %s)",
         type(model).__name__,
         eager_bytes,
         reserved_bytes,
@@ -172,8 +159,25 @@ def plan_for_batch(
         plan.strategy,
         plan.count("recompute"),
         plan.count("offload"),
+        "in chunks" if plan.head is not None else "as shipped",
     )
     return _relative(plan)
+
+
+def _step_budget(
+    eager_bytes: int, budget_bytes: int | None, budget_fraction: float | None, reserved_bytes: int
+) -> int:
+    """The budget in bytes (a fraction of the eager peak, reserved bytes included), checked to
+    leave room for the step beside the reserved bytes."""
+    if budget_bytes is None:
+        assert budget_fraction is not None
+        budget_bytes = max(1, int(budget_fraction * eager_bytes))
+    if budget_bytes <= reserved_bytes:
+        raise ConfigError(
+            f"a budget of {budget_bytes} B leaves nothing for the step beside the "
+            f"{reserved_bytes} B reserved (DDP's gradient buckets): raise the budget"
+        )
+    return budget_bytes
 
 
 def _check_request(

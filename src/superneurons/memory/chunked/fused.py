@@ -64,12 +64,15 @@ class TrlFusedHead:
 
 def trl_fused_head(forward: Callable[..., Any]) -> TrlFusedHead | None:
     """The settings of TRL's fused LM head when ``forward`` is its patched forward, else None."""
-    func = getattr(forward, "__func__", None)
-    if func is None or func.__name__ != "_fused_forward":
+    func: Any = getattr(forward, "__func__", None)
+    # NOTE: TRL wraps it with functools.wraps(type(model).forward), so its __name__ and
+    # __module__ are the model's: its code and globals say whose it is
+    code = getattr(func, "__code__", None)
+    if code is None or code.co_name != "_fused_forward":
         return None
-    if not str(getattr(func, "__module__", "")).startswith("trl."):
+    if not str(getattr(func, "__globals__", {}).get("__name__", "")).startswith("trl."):
         return None
-    cells = dict(zip(func.__code__.co_freevars, func.__closure__ or (), strict=True))
+    cells = dict(zip(code.co_freevars, func.__closure__ or (), strict=True))
     if any(name not in cells for name in _SETTINGS) or not _has_kernel():
         return None
     value = {name: cells[name].cell_contents for name in _SETTINGS}
@@ -109,7 +112,7 @@ def fused_forward(
         hidden, labels = backbone.last_hidden_state[:, :-1], labels[:, 1:]  # (B, T-1, H)
     else:
         hidden, labels = backbone.last_hidden_state, shift_labels
-    linear = lm.get_output_embeddings()
+    linear: Any = lm.get_output_embeddings()  # type: ignore[operator]
     weight, bias = linear.weight, linear.bias  # (V, H), (V,)
     hidden, labels = hidden.to(weight.device), labels.to(weight.device)
     mask = labels != -100  # (B, T')

@@ -48,6 +48,7 @@ from superneurons.memory.profiling.from_recording import build_profile
 from superneurons.memory.profiling.isolate import IsolationError, isolated, unwrapped
 from superneurons.memory.profiling.owners import kept_in_place, with_owners
 from superneurons.memory.profiling.recording import Recorder
+from superneurons.memory.profiling.weights import weight_state_tensors
 from superneurons.memory.profiling.workspace import op_scratch, scratch_recorder
 from superneurons.memory.runtime.recompute import running_stat_bytes
 from superneurons.memory.runtime.stateful import kv_cache_off
@@ -303,8 +304,9 @@ def _register_resident(
     optimizer: torch.optim.Optimizer | None,
     batch: Any,
 ) -> None:
-    """What is alive before the step: parameters and buffers, optimizer state, the batch."""
-    params = [*model.parameters(), *model.buffers()]
+    """What is alive before the step: parameters and buffers (with what quantized parameters
+    hold beside their data: :mod:`.weights`), optimizer state, the batch."""
+    params = [*model.parameters(), *model.buffers(), *weight_state_tensors(model)]
     leaves = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
     tracker.register(params)
     rec.param_storages.update({tracker.serial_of(p) for p in params} - {None})  # type: ignore[arg-type]
