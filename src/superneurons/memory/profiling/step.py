@@ -407,13 +407,16 @@ def _call(model: nn.Module, inputs: Any) -> Any:
 
 
 def _takes(model: nn.Module, batch: Mapping[str, Any]) -> bool:
-    """The forward names the batch's keys (HF models): called with them as keywords; else the
+    """The forward names the batch's keys (HF models), or takes only ``*args, **kwargs`` (a
+    wrapper passing them on: PEFT's ``PeftModel``): called with them as keywords; else the
     mapping is the one positional input (a step wrapper's ``forward(batch)``)."""
     try:
-        names = inspect.signature(model.forward).parameters
+        params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
         return False
-    return any(key in names for key in batch)
+    kinds = {p.kind for p in params.values()}
+    passes_on = kinds == {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}
+    return passes_on or any(key in params for key in batch)
 
 
 def _device_type(model: nn.Module, *, fake: bool) -> str:
