@@ -131,3 +131,41 @@ def test_the_minimum_a_plan_names_is_one_the_same_call_reaches() -> None:
     )  # fmt: skip
     assert again.strategy == plan.strategy == "recompute"
     assert again.predicted_peak_bytes <= plan.min_budget_bytes
+
+
+def test_prepare_superneurons_plans_a_peft_model_and_gives_it_back() -> None:
+    """Accelerate: a LoRA model with HF's checkpointing on (as TRL sets it) is planned below
+    its head, trains as eager, and gets its checkpointing back from ``setup.remove()``."""
+    import warnings
+
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+
+    from superneurons.integrations.accelerate import prepare_superneurons
+
+    def checkpointing(model: torch.nn.Module) -> bool:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return bool(model.is_gradient_checkpointing)
+
+    loop = Loop(lora_llama(QV))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        loop.model.gradient_checkpointing_enable()
+    loop.step()
+    setup = prepare_superneurons(
+        Accelerator(cpu=True), loop.model, sample_batch=loop.batch, optimizer=loop.opt,
+        budget_fraction=0.5,
+    )  # fmt: skip
+    assert setup.plan is not None and setup.plan.head is not None
+    assert not checkpointing(loop.model)  # the plan recomputes instead
+    for _ in range(2):
+        loop.step()
+    setup.remove()
+    assert checkpointing(loop.model)
+    assert all("forward" not in vars(m) for m in loop.model.modules())
+    twin = Loop(lora_llama(QV))
+    for _ in range(3):
+        twin.step()
+    for a, b in zip(twin.model.parameters(), loop.model.parameters(), strict=True):
+        assert torch.equal(a, b)
