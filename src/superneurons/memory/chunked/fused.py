@@ -5,21 +5,24 @@ fused_lm_head=True)`` runs the backbone and returns per-token log-probabilities 
 entropy and top-1 flags its metrics log) instead of logits. Its kernel
 (``trl.kernels.ChunkedLogProbFunction``) tiles the head by up to 4096 tokens x 32768
 vocabulary entries whatever the model (``TOKEN_CHUNK_SIZE``; ``mm_buf`` in
-``trl/kernels/chunked_logprob.py``), and its CPU path holds about five fp32 tiles of that size
-at once: 128 KiB per token of a 32k vocabulary, more than a small model's whole block stack, and
-nothing a plan of the blocks can lower.
+``trl/kernels/chunked_logprob.py``): 128 KiB per token for each fp32 tile, and its CPU path holds
+several tiles at once (the logits, their scaled copies, their exponentials). On a tiny Llama with
+a 32k vocabulary (batch 4 x 128, LoRA) TRL's step peaked at 563 MiB with its gradient
+checkpointing on, its head binding: nothing a plan of the blocks can lower.
 
 Under a plan with :class:`~superneurons.memory.plan.HeadChunking`, :func:`fused_forward` runs
 the same forward with the same kernel on ``chunk_tokens`` tokens at a time, each chunk its own
 autograd node that recomputes its tile in backward as TRL's does (so the mode is always
-``recompute``): the head's working set falls to a chunk's tiles. The arithmetic of every token
+``recompute``, and the plan's ``impl`` is not used: the kernel is TRL's): the head's working
+set falls to a chunk's tiles. The arithmetic of every token
 is TRL's own (one row of the same GEMM, the same fold); only the GEMM's row count differs. Every
 position is scored, as TRL does off Triton devices, so no data-dependent op runs.
 
 The settings TRL closed over when it patched the model (temperature, soft-capping, logit scale,
 the fields to compute) are read from the patched forward's closure (:func:`trl_fused_head`); a
 patch whose closure does not name them (another TRL version) is not chunked: ``head_chunking``
-offers no chunking for it, and a plan made elsewhere is refused at its first call.
+offers no chunking for it (:func:`patched_by_trl`), and a plan made elsewhere is refused at its
+first fused call.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from torch import nn
 
 from superneurons.errors import ConfigError
 
-__all__ = ["TrlFusedHead", "fused_forward", "trl_fused_head"]
+__all__ = ["TrlFusedHead", "fused_forward", "patched_by_trl", "trl_fused_head"]
 
 # What TRL 1.x's ``_fused_forward`` closes over (``add_fused_lm_head``'s locals).
 _SETTINGS = (
@@ -62,16 +65,24 @@ class TrlFusedHead:
     text_config: Any
 
 
-def trl_fused_head(forward: Callable[..., Any]) -> TrlFusedHead | None:
-    """The settings of TRL's fused LM head when ``forward`` is its patched forward, else None."""
+def patched_by_trl(forward: Callable[..., Any]) -> bool:
+    """``forward`` is a fused LM head TRL patched on (whether or not this module can read it)."""
     func: Any = getattr(forward, "__func__", None)
     # NOTE: TRL wraps it with functools.wraps(type(model).forward), so its __name__ and
     # __module__ are the model's: its code and globals say whose it is
     code = getattr(func, "__code__", None)
     if code is None or code.co_name != "_fused_forward":
+        return False
+    return str(getattr(func, "__globals__", {}).get("__name__", "")).startswith("trl.")
+
+
+def trl_fused_head(forward: Callable[..., Any]) -> TrlFusedHead | None:
+    """The settings of TRL's fused LM head when ``forward`` is TRL 1.x's patched forward, else
+    None."""
+    if not patched_by_trl(forward):
         return None
-    if not str(getattr(func, "__globals__", {}).get("__name__", "")).startswith("trl."):
-        return None
+    func: Any = getattr(forward, "__func__", None)
+    code = func.__code__
     cells = dict(zip(code.co_freevars, func.__closure__ or (), strict=True))
     if any(name not in cells for name in _SETTINGS) or not _has_kernel():
         return None

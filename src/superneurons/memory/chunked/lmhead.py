@@ -17,6 +17,13 @@ generation) both models run as shipped and return their logits.
 
 A model that transforms its logits after the output embedding (soft-capping, scaling) is
 refused at its first call: the chunked loss could not reproduce it.
+
+**Adapters and TRL.** The output embedding is found where it lives: PEFT's wrappers
+(``PeftModelForCausalLM`` -> ``LoraModel``) forward ``get_output_embeddings`` to the causal LM
+inside them, whose forward is the one patched (its fqn ``base_model.model.lm_head``), so an
+adapter fine-tune goes below its head as a full one does; the head's frozen weight gets no
+gradient. A call with TRL's ``fused_lm_head=True`` runs TRL's own fused forward with its kernel
+in chunks of tokens (:mod:`.fused`).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from superneurons.errors import ConfigError
-from superneurons.memory.chunked.fused import trl_fused_head
+from superneurons.memory.chunked.fused import patched_by_trl, trl_fused_head
 from superneurons.memory.chunked.headloss import chunk_tokens_for, resolve_implementation
 from superneurons.memory.chunked.lmhead import chunk_head, find_output_embedding
 from superneurons.memory.chunked.seqchunk import sequence_splits, split_sequence
@@ -52,7 +52,9 @@ def head_chunking(
     if fqn is None:
         return None
     lm = model.get_submodule(fqn.rpartition(".")[0])
-    if mode != "recompute" and (impl == "exact" or trl_fused_head(lm.forward) is not None):
+    if patched_by_trl(lm.forward) and (mode != "recompute" or trl_fused_head(lm.forward) is None):
+        return None  # TRL's fused head: its kernel in chunks, recomputing, when it can be read
+    if mode != "recompute" and impl == "exact":
         return None
     weight = cast(nn.Linear, model.get_submodule(fqn)).weight  # (V, H)
     vocab, hidden = int(weight.shape[0]), int(weight.shape[1])
