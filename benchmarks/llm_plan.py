@@ -16,9 +16,12 @@ memory are measured). Beside it, in the same run, the anchors, which count param
   AdamW in fp32, 18 with mixed precision, activations excluded).
 
 A small configuration is also run for real on this CPU (``--truth``): the same command's eager
-prediction against the c10 allocator's measured peak, and every anchor against it.
+prediction against the c10 allocator's measured peak, and every anchor against it; and a LoRA
+and a QLoRA step of a small Llama (``plan --lora`` / ``--quantize`` against PEFT and
+bitsandbytes run for real; ``--adapters-only`` runs just those).
 
     .venv/bin/python benchmarks/llm_plan.py [--out benchmarks/results/llm_plan] [--quick]
+        [--adapters-only]
 """
 
 from __future__ import annotations
@@ -192,23 +195,91 @@ def _truth() -> dict[str, Any]:
     return row
 
 
+ADAPTER_CASES: list[dict[str, Any]] = [
+    {"dtype": "fp32", "quantize": None},
+    {"dtype": "bf16", "quantize": None},
+    {"dtype": "bf16", "quantize": "nf4"},
+]
+
+
+def _adapter_truth() -> list[dict[str, Any]]:
+    """LoRA r = 8 (PEFT, all linear layers) and QLoRA (bitsandbytes nf4 ``Linear4bit``, which
+    runs on the CPU) on a small Llama, run for real on this CPU: ``plan --lora`` /
+    ``--quantize`` against the c10 allocator's peak, beside what the same command predicts
+    without ``--lora`` (a full fine-tune, the only step it could plan before)."""
+    import tempfile
+
+    import transformers
+
+    from superneurons.bench.memory.adapted_step import adapted_model, measured_peak_bytes
+    from superneurons.memory.sizing.adapters import parse_lora, parse_quantize
+
+    config = transformers.LlamaConfig(
+        num_hidden_layers=4, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=688, vocab_size=32000, max_position_embeddings=512, use_cache=False,
+    )  # fmt: skip
+    lora = "r=8,alpha=16,targets=all-linear"
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "config.json"
+        config.to_json_file(str(path))
+        for case in ADAPTER_CASES:
+            args = ["--model", f"hf:{path}", "--seq-len", "128", "--batch", "4"]
+            args += ["--dtype", case["dtype"], "--device-preset", "cpu", "--budget", "4GiB"]
+            full, _, _ = _plan(args)
+            quantize = ["--quantize", case["quantize"]] if case["quantize"] else []
+            record, wall_s, _ = _plan([*args, "--lora", lora, *quantize])
+            dtype = torch.float32 if case["dtype"] == "fp32" else torch.bfloat16
+            torch.manual_seed(0)
+            base = transformers.AutoModelForCausalLM.from_config(
+                config, attn_implementation="sdpa", dtype=dtype
+            )
+            spec = parse_quantize(case["quantize"]) if case["quantize"] else None
+            model = adapted_model(base, parse_lora(lora), spec, compute=dtype)
+            ids = torch.randint(0, 32000, (4, 128), generator=torch.Generator().manual_seed(1))
+            measured = measured_peak_bytes(model, {"input_ids": ids, "labels": ids})
+            rows.append(
+                {
+                    "dtype": case["dtype"],
+                    "quantize": case["quantize"] or "-",
+                    "lora": lora,
+                    "measured_bytes": measured,
+                    "plan_lora_bytes": record["eager_peak_bytes"],
+                    "plan_lora_error": record["eager_peak_bytes"] / measured - 1,
+                    "plan_full_finetune_over_measured": full["eager_peak_bytes"] / measured,
+                    "trainable_params": record["trainable_params"],
+                    "frozen_bytes": record["frozen_bytes"],
+                    "plan_wall_s": wall_s,
+                }
+            )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/llm_plan"))
     parser.add_argument("--quick", action="store_true", help="llama-3-8b only, no --max-seq-len")
+    parser.add_argument(
+        "--adapters-only", action="store_true", help="only the LoRA / QLoRA steps on this CPU"
+    )
     args = parser.parse_args()
+    if args.adapters_only:
+        _write_adapters(args.out, _adapter_truth())
+        return
     torch.set_num_threads(1)
     with open("/proc/loadavg") as load:
         loadavg = load.read().split()[:3]
     cases = CASES[:1] if args.quick else CASES
     rows = [_case(case) for case in cases]
     truth = _truth()
+    adapters = _adapter_truth()
     searches = [] if args.quick else _max_seq_len()
     args.out.mkdir(parents=True, exist_ok=True)
     write_json(
         args.out / "llm_plan.json",
         rows,
         truth=truth,
+        adapters=adapters,
         max_seq_len=searches,
         loadavg=loadavg,
         command=" ".join(sys.argv),
@@ -231,8 +302,30 @@ def main() -> None:
     if searches:
         body += "\n\n`--max-seq-len` for llama-3-8b, bf16, AdamW (foreach):\n\n"
         body += markdown_table(searches, list(searches[0]))
+    body += "\n\n" + _adapters_markdown(adapters)
     write_markdown(args.out / "README.md", "What fits: causal LMs from their configuration", body)
     print(json.dumps({"rows": rows, "truth": truth, "max_seq_len": searches}, indent=1))
+
+
+def _adapters_markdown(adapters: list[dict[str, Any]]) -> str:
+    return (
+        "LoRA and QLoRA on this CPU (Llama 4 x 256, 4/2 heads, vocab 32000, batch 4 x 128, "
+        "AdamW over the adapters; bitsandbytes' nf4 `Linear4bit` runs on the CPU): "
+        "`plan --lora` / `--quantize` against the c10 allocator's peak, and the full fine-tune "
+        "the command predicts without `--lora`:\n\n"
+        + markdown_table(adapters, [k for k in adapters[0] if k != "lora"])
+    )
+
+
+def _write_adapters(out: Path, adapters: list[dict[str, Any]]) -> None:
+    """``--adapters-only``: their own files beside the full run's."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "llm_plan_adapters.json", adapters, command=" ".join(sys.argv))
+    write_markdown(
+        out / "README_adapters.md", "Adapters: plan --lora against a real CPU step",
+        _adapters_markdown(adapters),
+    )  # fmt: skip
+    print(json.dumps(adapters, indent=1))
 
 
 if __name__ == "__main__":

@@ -102,6 +102,44 @@ def test_plan_of_a_config_agrees_with_a_real_cpu_step(
     assert abs(record["eager_peak_bytes"] - measured) <= 0.02 * measured, (record, measured)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "quantize"), [("fp32", None), ("bf16", None), ("bf16", "nf4"), ("fp32", "nf4")]
+)
+def test_plan_of_an_adapted_config_agrees_with_a_real_cpu_step(
+    dtype: str, quantize: str | None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``plan --lora`` (PEFT's LoRA, the base frozen) and ``--quantize nf4`` (bitsandbytes'
+    ``Linear4bit``, which runs on the CPU) against the same step run for real, within 1%: the
+    CPU's kernels modelled (bitsandbytes' CPU gemm_4bit: dequantize, then F.linear)."""
+    pytest.importorskip("peft")
+    if quantize is not None:
+        pytest.importorskip("bitsandbytes")
+    from superneurons.bench.memory.adapted_step import adapted_model, measured_peak_bytes
+    from superneurons.memory.sizing.adapters import parse_lora, parse_quantize
+
+    path = tmp_path / "config.json"
+    _llama_config().to_json_file(str(path))  # type: ignore[attr-defined]
+    flags = ["--lora", "r=8,alpha=16", "--dtype", dtype]
+    flags += [] if quantize is None else ["--quantize", quantize]
+    record = _plan_json(
+        capsys, "--model", f"hf:{path}", "--seq-len", str(SEQ), "--batch", str(BATCH),
+        "--device-preset", "cpu", "--budget", "1GiB", *flags,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+    config = transformers.AutoConfig.from_pretrained(str(path))
+    base = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="sdpa", dtype=torch_dtype
+    )
+    spec = None if quantize is None else parse_quantize(quantize)
+    model = adapted_model(base, parse_lora("r=8,alpha=16"), spec, compute=torch_dtype)
+    ids = torch.randint(0, 512, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    measured = measured_peak_bytes(model, {"input_ids": ids, "labels": ids})
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert record["trainable_params"] == trainable
+    assert abs(record["eager_peak_bytes"] - measured) <= 0.01 * measured, (record, measured)
+
+
 def test_plan_json_carries_the_contract(
     config_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

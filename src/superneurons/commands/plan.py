@@ -45,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         default="resnet",
         help="zoo model (resnet, resnet50, gpt, ...) or hf:NAME_OR_PATH, a causal LM from a "
-        "shipped configuration (llama-3-8b, llama-3.2-1b, qwen2.5-7b, gpt2) or a config.json",
+        "shipped configuration (llama-3-8b, llama-3.1-8b, llama-3.3-70b, llama-3.2-1b, qwen2.5-7b, "
+        "gpt2) or a config.json",
     )
     parser.add_argument(
         "--depth", type=int, default=None, help="resnet depth (3n + 134 or 50/101/152)"
@@ -116,6 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "LM head + loss in chunks and block MLPs over sequence pieces, one more profile), all "
         "(also the head alone, recomputing or computing its gradient in the forward), off",
     )
+    add_adapter_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     search = parser.add_mutually_exclusive_group()
     search.add_argument("--max-depth", action="store_true", help="largest resnet depth that fits")
@@ -124,6 +126,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-seq-len",
         action="store_true",
         help=f"hf: longest sequence (x{SEQ_QUANTUM}) that fits",
+    )
+    add_search_arguments(parser)
+
+
+def add_search_arguments(parser: argparse.ArgumentParser) -> None:
+    """How ``--max-seq-len`` / ``--max-batch`` search a causal LM."""
+    lm = parser.add_argument_group("searches of hf: models (--max-seq-len, --max-batch)")
+    lm.add_argument(
+        "--beyond-positions",
+        action="store_true",
+        help="--max-seq-len of a model with rotary positions: also search what memory allows "
+        "past the configuration's max_position_embeddings (max_seq_len_memory); max_seq_len "
+        "still stops at them",
+    )
+    lm.add_argument(
+        "--fit-depth",
+        action="store_true",
+        help="profile copies with 4 and 8 decoder layers and extrapolate to the model's depth "
+        "(every decoder layer alike), reporting the line's residual at 16 layers: a deep model "
+        "searched in a fraction of the time",
+    )
+
+
+def add_adapter_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--lora`` and ``--quantize`` (``superneurons.memory.sizing.adapters``' grammar)."""
+    adapters = parser.add_argument_group("adapters (--model hf:...)")
+    adapters.add_argument(
+        "--lora",
+        default=None,
+        metavar="r=R[,alpha=A,dropout=P,targets=all-linear|NAME,...,dtype=fp32|base]",
+        help="train LoRA adapters (PEFT's LoraConfig; its defaults r=8, alpha=8, dropout 0, "
+        "targets all-linear) with the base frozen; dtype: the adapters' (fp32: get_peft_model's "
+        "default, base: the base's)",
+    )
+    adapters.add_argument(
+        "--quantize",
+        default=None,
+        metavar="nf4[,double_quant=true|false,blocksize=64]|int8",
+        help="with --lora: the frozen linear layers at bitsandbytes' storage (nf4: Linear4bit "
+        "with double quantization, QLoRA's recipe; int8: Linear8bitLt)",
     )
 
 

@@ -23,6 +23,7 @@ def run_search(request: PlanRequest, *, as_json: bool) -> int:
         strategies=strategies,
         cost=request.cost,
         progress=progress,
+        lm=request.lm_search,
     )
     if as_json:
         print(json.dumps(records[0] if len(records) == 1 else records, indent=1))
@@ -30,7 +31,11 @@ def run_search(request: PlanRequest, *, as_json: bool) -> int:
     key = f"max_{request.search}"
     for r in records:
         note = " (the configuration's positions)" if r.get("limited_by_positions") else ""
+        if f"{key}_memory" in r:
+            note += f"; memory allows {r[f'{key}_memory']}"
         print(
             f"{r['strategy']:<26} {key} {r[key]:>7}{note}   (fit residual {r['fit_residual']:.2%})"
         )
+    if "depth_fit_residual" in records[0]:
+        print(f"depth fit residual {records[0]['depth_fit_residual']:.2%}")
     return 0

@@ -13,12 +13,14 @@ from dataclasses import dataclass
 from superneurons.bytesize import parse_bytes
 from superneurons.errors import ConfigError
 from superneurons.memory.planner.cost import CostModel, cost_model
+from superneurons.memory.sizing.adapters import LoraSpec, QuantSpec, parse_lora, parse_quantize
 from superneurons.memory.sizing.llm import (
     LMStep,
     default_optimizer_impl,
     load_config,
     max_positions,
 )
+from superneurons.memory.sizing.search import LMSearch
 from superneurons.memory.sizing.target import BELOW, HF, LMTarget, Target, ZooTarget
 from superneurons.rates import parse_rate
 
@@ -37,6 +39,7 @@ class PlanRequest:
         budget_bytes: the device budget.
         strategy: the planner's strategy (``auto``: its choice).
         search: ``"depth"``, ``"batch"`` or ``"seq_len"`` for ``--max-*``; None: one plan.
+        lm_search: how a causal LM is searched (``--beyond-positions``, ``--fit-depth``).
     """
 
     target: Target
@@ -44,6 +47,7 @@ class PlanRequest:
     budget_bytes: int
     strategy: str
     search: str | None
+    lm_search: LMSearch = LMSearch()
 
 
 def request_of(args: argparse.Namespace) -> PlanRequest:
@@ -54,7 +58,21 @@ def request_of(args: argparse.Namespace) -> PlanRequest:
         "depth" if args.max_depth else "batch" if args.max_batch else "seq_len"
         if args.max_seq_len else None
     )  # fmt: skip
-    return PlanRequest(target, cost, budget_bytes_of(args, target, cost), args.strategy, search)
+    lm_search = lm_search_of(args, search)
+    budget_bytes = budget_bytes_of(args, target, cost)
+    return PlanRequest(target, cost, budget_bytes, args.strategy, search, lm_search=lm_search)
+
+
+def lm_search_of(args: argparse.Namespace, search: str | None) -> LMSearch:
+    """``--beyond-positions`` and ``--fit-depth``: options of ``--max-seq-len`` /
+    ``--max-batch``."""
+    options = LMSearch(
+        beyond_positions=getattr(args, "beyond_positions", False),
+        fit_depth=getattr(args, "fit_depth", False),
+    )
+    if options != LMSearch() and search not in ("seq_len", "batch"):
+        raise ConfigError("--beyond-positions and --fit-depth apply to --max-seq-len / --max-batch")
+    return options
 
 
 def target_of(args: argparse.Namespace) -> Target:
@@ -64,6 +82,8 @@ def target_of(args: argparse.Namespace) -> Target:
         return _lm_target(args, args.model[len(HF) :])
     if args.max_seq_len or args.seq_len is not None or args.autocast:
         raise ConfigError("--seq-len, --autocast and --max-seq-len apply to --model hf:... only")
+    if getattr(args, "lora", None) or getattr(args, "quantize", None):
+        raise ConfigError("--lora and --quantize apply to --model hf:... only")
     return ZooTarget(
         name=args.model,
         batch_size=16 if args.batch is None else args.batch,
@@ -90,8 +110,23 @@ def _lm_target(args: argparse.Namespace, name: str) -> LMTarget:
         optimizer_impl=args.optimizer_impl or default_optimizer_impl(target_device),
         keep_outputs=args.keep_outputs,
         target_device=target_device,
+        lora=lora_of(args),
+        quantize=quantize_of(args),
     )
     return LMTarget(name, config, source, step, below=args.below)
+
+
+def lora_of(args: argparse.Namespace) -> LoraSpec | None:
+    """``--lora``, parsed once (:func:`superneurons.memory.sizing.adapters.parse_lora`)."""
+    text = getattr(args, "lora", None)
+    return None if text is None else parse_lora(text)
+
+
+def quantize_of(args: argparse.Namespace) -> QuantSpec | None:
+    """``--quantize``, parsed once (:func:`superneurons.memory.sizing.adapters.
+    parse_quantize`)."""
+    text = getattr(args, "quantize", None)
+    return None if text is None else parse_quantize(text)
 
 
 def progress(message: str) -> None:

@@ -268,7 +268,11 @@ class Profile:
     # split over the sequence (a plan made from this profile carries them: memory.plan)
     head: HeadChunking | None = None
     seq_chunks: tuple[SeqChunking, ...] = ()
-    param_numel: int = 0  # elements of the parameters (the host optimizer's fp32 masters)
+    # elements of the parameters that train (the host optimizer's fp32 masters), and the bytes of
+    # those that take no gradient (frozen base weights of adapters, quantized weights and their
+    # quantization state): resident, never stepped nor copied
+    param_numel: int = 0
+    frozen_bytes: int = 0
     # the event at which each entry of ``grad_births`` became its parameter's ``.grad`` (its
     # post-accumulate hook); later than the birth when the storage was made earlier (a head
     # computing its gradient in the forward); () when not recorded: the birth

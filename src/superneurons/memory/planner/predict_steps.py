@@ -96,10 +96,12 @@ def host_optimizer_cost(profile: Profile, cost: CostModel) -> tuple[float, float
     parameters come back beside backward, and the host steps each bucket beside it too, so
     only the excess over backward is exposed; the host holds fp32 masters and fp32 state."""
     backward_s = 2 * sum(cost.compute_s(u, fake=profile.fake) for u in profile.units)
-    out_s, in_s = cost.copy_s(profile.grad_bytes), cost.fetch_s(profile.param_bytes)
+    # frozen parameters (adapters' base weights) are neither stepped nor copied back
+    trained_bytes = profile.param_bytes - profile.frozen_bytes
+    out_s, in_s = cost.copy_s(profile.grad_bytes), cost.fetch_s(trained_bytes)
     step_s = profile.param_numel * cost.host_step_s_per_param
     exposed_s = sum(max(0.0, t - backward_s) for t in (out_s, step_s, in_s))
-    itemsize = profile.param_bytes / max(profile.param_numel, 1)
+    itemsize = trained_bytes / max(profile.param_numel, 1)
     host_bytes = 4 * profile.param_numel + int(profile.optimizer_state_bytes * 4 / max(itemsize, 1))
     return out_s + in_s, exposed_s, host_bytes
 

@@ -37,9 +37,10 @@ def with_owners(
     opt_storages: set[int],
     grad_ready: Mapping[str, int],
     param_numel: int,
+    frozen_bytes: int = 0,
 ) -> Profile:
     """``profile`` (built from the recorder ``rec``) with ``grad_params`` (storage serial ->
-    parameter fqn in ``grad_names``), ``grad_ready`` (fqn -> hook event), ``param_numel``, and
+    parameter fqn in ``grad_names``), ``grad_ready`` (fqn -> hook event), ``param_numel``, ``frozen_bytes``, and
     ``StorageLife.pool_keeps`` of the saves ``rec`` marked ``pool_keeps``."""
     names = tuple(
         grad_names[sid]
@@ -56,6 +57,7 @@ def with_owners(
             for name, (birth, _) in zip(names, profile.grad_births, strict=True)
         ),
         param_numel=param_numel,
+        frozen_bytes=frozen_bytes,
         storages=tuple(
             replace(life, pool_keeps=True) if sid in keeps else life
             for sid, life in zip(order, profile.storages, strict=True)

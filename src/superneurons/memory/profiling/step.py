@@ -265,8 +265,19 @@ def _run(
         grad_names=grad_names,  # type: ignore[arg-type]
         opt_storages=opt_state,  # type: ignore[arg-type]
         grad_ready=ready,
-        param_numel=sum(p.numel() for p in model.parameters()),
+        param_numel=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        frozen_bytes=_frozen_bytes(model),
     )
+
+
+def _frozen_bytes(model: nn.Module) -> int:
+    """Storage bytes of the parameters that take no gradient (each storage once)."""
+    storages = {
+        p.untyped_storage()._cdata: p.untyped_storage().nbytes()
+        for p in model.parameters()
+        if not p.requires_grad
+    }
+    return sum(storages.values())
 
 
 def _watch(model: nn.Module, rec: Recorder, ready: dict[str, int]) -> list[Any]:

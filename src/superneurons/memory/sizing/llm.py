@@ -48,6 +48,8 @@ from torch.overrides import TorchFunctionMode
 from superneurons.errors import ConfigError
 from superneurons.memory.profile_types import Profile, default_units
 from superneurons.memory.profiling.step import output_loss, profile_step
+from superneurons.memory.sizing.adapted import adapt
+from superneurons.memory.sizing.adapters import LoraSpec, QuantSpec
 
 __all__ = [
     "DTYPES",
@@ -61,6 +63,7 @@ __all__ = [
     "max_positions",
     "profile_causal_lm",
     "profile_causal_lm_below",
+    "rotary_positions",
 ]
 
 logger = logging.getLogger("superneurons.memory")
@@ -85,6 +88,9 @@ class LMStep:
         optimizer_impl: ``"single"``, ``"foreach"`` or ``"fused"`` (:func:`default_optimizer_impl`).
         keep_outputs: the loop keeps ``outputs`` (the logits) alive through backward.
         target_device: ``"cuda"`` or ``"cpu"``: whose kernels and defaults are modelled.
+        lora: LoRA adapters train and the base is frozen (None: a full fine-tune); the
+            optimizer steps the adapters only (:mod:`.adapted`).
+        quantize: the frozen linear layers at bitsandbytes' storage (needs ``lora``).
     """
 
     seq_len: int
@@ -95,6 +101,8 @@ class LMStep:
     optimizer_impl: str = "foreach"
     keep_outputs: bool = True
     target_device: str = "cuda"
+    lora: LoraSpec | None = None
+    quantize: QuantSpec | None = None
 
     def __post_init__(self) -> None:
         if self.seq_len < 1 or self.batch_size < 1:
@@ -109,6 +117,10 @@ class LMStep:
         _one_of("optimizer", self.optimizer, LM_OPTIMIZERS)
         _one_of("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
         _one_of("target_device", self.target_device, TARGET_DEVICES)
+        if self.quantize is not None and self.lora is None:
+            raise ConfigError(
+                "--quantize needs --lora: quantized weights are frozen, only adapters train"
+            )
 
 
 def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -158,6 +170,15 @@ def max_positions(config: Any) -> int | None:
     return int(value) if isinstance(value, int) else None
 
 
+def rotary_positions(config: Any) -> bool:
+    """Whether the configuration computes its positions (rotary embeddings: Llama, Qwen,
+    Mistral, ...) rather than looking them up in a table of ``max_position_embeddings`` rows
+    (GPT-2's ``wpe``): only then can a longer sequence run at all (how well it is modelled
+    past the positions trained is the rotary scaling's matter, never memory's)."""
+    fields = ("rope_parameters", "rope_theta", "rope_scaling", "rotary_dim", "rotary_pct")
+    return any(getattr(config, name, None) is not None for name in fields)
+
+
 def profile_causal_lm(config: Any, step: LMStep, *, units: list[str] | None = None) -> Profile:
     """Profile one step of ``AutoModelForCausalLM.from_config(config)`` on fake tensors.
 
@@ -177,6 +198,7 @@ def profile_causal_lm_below(
     *,
     units: list[str] | None = None,
     variants: tuple[str, ...] = BELOW_FLOOR,
+    check_positions: bool = True,
 ) -> tuple[Profile, list[Profile]]:
     """The plain profile of :func:`profile_causal_lm` and the profiles of the same step below
     the largest layer (:func:`superneurons.memory.profiling.below.below_profiles`: the LM head +
@@ -184,36 +206,24 @@ def profile_causal_lm_below(
     chunks, each block's MLP over pieces of the sequence), one model built once. ``variants``:
     which of :data:`superneurons.memory.profiling.below.VARIANTS` (default the floor only, one
     profile); ``()``: none. Pass both to ``make_plan(profile, chunked=...)`` / ``strategy_floors``.
+    ``check_positions=False`` profiles a sequence beyond the configuration's positions (what
+    memory it would take; :func:`rotary_positions` says whether the model can run it).
 
     Raises:
         ConfigError: as :func:`profile_causal_lm`.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from superneurons.memory.profiling.below import below_profiles
 
     transformers = _transformers()
     limit = max_positions(config)
-    if limit is not None and step.seq_len > limit:
+    if check_positions and limit is not None and step.seq_len > limit:
         raise ConfigError(
             f"seq_len {step.seq_len} is beyond the {limit} positions of this configuration "
             "(max_position_embeddings): use --seq-len <= that"
         )
-    mode = FakeTensorMode()
-    with mode, _quiet(transformers):
-        try:
-            # ``dtype=`` since transformers 4.56 (``torch_dtype=`` before, still read by 5.x)
-            dtype_key = "dtype" if _major(transformers.__version__) >= 5 else "torch_dtype"
-            model = transformers.AutoModelForCausalLM.from_config(
-                config, attn_implementation="sdpa", **{dtype_key: DTYPES[step.dtype]}
-            )
-        except ValueError as exc:  # not a causal LM, or no sdpa support
-            first = str(exc).strip().splitlines()[0][:200]
-            raise ConfigError(f"cannot build a causal LM from this configuration: {first}") from exc
-        model.train()
-        if getattr(model.config, "use_cache", False):
-            model.config.use_cache = False  # training: no key/value cache, as a plan runs it
-        optimizer = _optimizer(step, list(model.parameters()))
+    model, mode = _build(transformers, config, step)
+    with mode:
+        optimizer = _optimizer(step, [p for p in model.parameters() if p.requires_grad])
         ids = torch.zeros(step.batch_size, step.seq_len, dtype=torch.long)  # (B, T)
     batch = {"input_ids": ids, "labels": ids}
     chosen = default_units(model) if units is None else units
@@ -266,6 +276,38 @@ def _fused_attention(
         query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale
     )
     return output  # (B, H, T, D)
+
+
+def _build(transformers: Any, config: Any, step: LMStep) -> tuple[torch.nn.Module, Any]:
+    """``AutoModelForCausalLM.from_config(config)`` on fake tensors in training mode, adapted
+    as ``step`` trains it (:func:`~superneurons.memory.sizing.adapted.adapt`), and its
+    ``FakeTensorMode``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    with mode, _quiet(transformers):
+        try:
+            # ``dtype=`` since transformers 4.56 (``torch_dtype=`` before, still read by 5.x)
+            dtype_key = "dtype" if _major(transformers.__version__) >= 5 else "torch_dtype"
+            model = transformers.AutoModelForCausalLM.from_config(
+                config, attn_implementation="sdpa", **{dtype_key: DTYPES[step.dtype]}
+            )
+        except ValueError as exc:  # not a causal LM, or no sdpa support
+            first = str(exc).strip().splitlines()[0][:200]
+            raise ConfigError(f"cannot build a causal LM from this configuration: {first}") from exc
+        model.train()
+        if getattr(model.config, "use_cache", False):
+            model.config.use_cache = False  # training: no key/value cache, as a plan runs it
+    if step.lora is not None:
+        with _quiet(transformers):
+            adapt(model, step.lora, step.quantize, mode=mode, compute=_compute_dtype(step),
+                  target_device=step.target_device)  # fmt: skip
+    return model, mode
+
+
+def _compute_dtype(step: LMStep) -> torch.dtype:
+    """The dtype the step's linear layers compute in: autocast's, else the parameters'."""
+    return DTYPES[step.autocast] if step.autocast else DTYPES[step.dtype]
 
 
 def attention_ops(profile: Profile) -> list[str]:

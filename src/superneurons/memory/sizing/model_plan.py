@@ -7,7 +7,7 @@ searches; :meth:`ModelPlan.to_dict` is ``plan --json``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from superneurons.memory.plan import InfeasibleBudgetError, Plan, StrategyFloor
@@ -18,7 +18,7 @@ from superneurons.memory.sizing.llm import attention_ops, profile_causal_lm_belo
 from superneurons.memory.sizing.simulate import profile_zoo
 from superneurons.memory.sizing.target import LMTarget, Target, ZooTarget
 
-__all__ = ["ModelPlan", "plan_model"]
+__all__ = ["ModelPlan", "parameter_fields", "plan_model"]
 
 PLAN_ACTIONS: tuple[str, ...] = ("keep", "offload", "recompute", "recompute+offload")
 
@@ -38,6 +38,8 @@ class ModelPlan:
         budget_bytes: the device budget.
         plan: the plan, or None where no plan of ``strategy`` fits (then ``infeasible``).
         infeasible: why no plan fits, naming the minimum budget.
+        parameters: what trains and what is frozen (:func:`parameter_fields`), for a causal
+            LM that trains adapters; empty otherwise (the record is as it was).
     """
 
     target: Target
@@ -50,6 +52,7 @@ class ModelPlan:
     budget_bytes: int
     plan: Plan | None
     infeasible: InfeasibleBudgetError | None = None
+    parameters: dict[str, int] = field(default_factory=dict)
 
     @property
     def floor_strategy(self) -> str:
@@ -62,6 +65,7 @@ class ModelPlan:
         """``plan --json``: the target, the floors (docs/CONTRACTS.md) and the plan."""
         record = self.target.record()
         if isinstance(self.target, LMTarget):
+            record.update(self.parameters)
             record.update(attention_ops=self.attention_ops, below=self.target.below)
         record.update(granularity=self.granularity, device_preset=self.device_preset)
         record.update(self._floor_fields())
@@ -132,7 +136,7 @@ def plan_model(
     Raises:
         ConfigError: the target cannot be profiled, or ``strategy`` cannot run on it.
     """
-    ops = None
+    ops, parameters = None, {}
     if isinstance(target, LMTarget):
         plain, chunked = profile_causal_lm_below(
             target.config, target.step, variants=target.variants
@@ -140,6 +144,7 @@ def plan_model(
         profile, granularity = plain, "block"
         floors = search_floors(plain, cost=cost, chunked=chunked)
         ops = attention_ops(plain)
+        parameters = parameter_fields(plain) if target.lora is not None else {}
     else:
         profile, granularity, floors = _zoo_profile(target, strategy, cost)
     described = describe_floors(floors)
@@ -159,7 +164,20 @@ def plan_model(
         budget_bytes=budget_bytes,
         plan=plan,
         infeasible=infeasible,
+        parameters=parameters,
     )
+
+
+def parameter_fields(profile: Profile) -> dict[str, int]:
+    """``plan --json``'s parameter fields of a step that trains adapters: ``trainable_params``
+    (elements stepped), ``trainable_bytes`` (their gradients' bytes, the parameters' dtype),
+    ``frozen_bytes`` (parameters without a gradient: the frozen or quantized base and its
+    quantization state), all from the profile."""
+    return {
+        "trainable_params": profile.param_numel,
+        "trainable_bytes": profile.grad_bytes,
+        "frozen_bytes": profile.frozen_bytes,
+    }
 
 
 def _zoo_profile(target: ZooTarget, strategy: str, cost: CostModel) -> tuple[Profile, str, Floors]:

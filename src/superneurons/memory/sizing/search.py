@@ -11,7 +11,10 @@ against a direct profile at the answer where they can afford it (``verify=True``
 :func:`largest_fitting` is ``superneurons plan --max-depth / --max-batch / --max-seq-len``:
 batches and sequence lengths are checked by direct profiles there; sequence lengths are searched
 in multiples of :data:`SEQ_QUANTUM` tokens (a quarter of the positions for configurations with
-fewer than 4 x that) and stop at the configuration's positions: nothing beyond them is profiled.
+fewer than 4 x that) and stop at the configuration's positions: nothing beyond them is profiled,
+unless :class:`LMSearch` ``beyond_positions`` asks what memory allows past them (rotary
+positions only: ``max_seq_len_memory`` beside ``max_seq_len``). ``fit_depth`` profiles shallow
+copies of a deep model and extrapolates in depth (:mod:`.depth_fit`).
 """
 
 from __future__ import annotations
@@ -27,11 +30,27 @@ from typing import Any
 from superneurons.errors import ConfigError
 from superneurons.memory.planner.cost import CostModel
 from superneurons.memory.planner.decide import min_peak_bytes
-from superneurons.memory.sizing.llm import LMStep, profile_causal_lm_below
+from superneurons.memory.sizing.depth_fit import (
+    CHECK_LAYERS,
+    PROBE_LAYERS,
+    depth_fit_residual,
+    extrapolated,
+    num_layers,
+    with_layers,
+)
+from superneurons.memory.sizing.llm import LMStep, profile_causal_lm_below, rotary_positions
 from superneurons.memory.sizing.simulate import profile_zoo
 from superneurons.memory.sizing.target import LMTarget, Target, ZooTarget
 
-__all__ = ["SEQ_QUANTUM", "FitResult", "largest_fitting", "lm_peaks", "max_fitting", "zoo_peaks"]
+__all__ = [
+    "SEQ_QUANTUM",
+    "FitResult",
+    "LMSearch",
+    "largest_fitting",
+    "lm_peaks",
+    "max_fitting",
+    "zoo_peaks",
+]
 
 DEPTH_SAMPLES = (24, 48, 72)  # stage-3 blocks n; the peak sits in stage 3 from n ~ 20 on
 BATCH_SAMPLES = (4, 8, 16)
@@ -191,24 +210,53 @@ def lm_peaks(
     cost: CostModel | None = None,
     quantum: int = 1,
     variants: tuple[str, ...] = (),
+    fit_depth: bool = False,
+    check_positions: bool = True,
 ) -> Callable[[int], dict[str, int]]:
     """``f(size)`` -> each strategy's smallest peak for a causal LM (:mod:`.llm`): ``axis``
     ``"seq_len"`` (``size * quantum`` tokens) or ``"batch"`` (``size`` sequences). With fused
     attention every activation is linear in ``B x T``, so the peak is affine in either (below
     the largest layer, ``variants`` of ``memory.profiling.below``, chunk sizes step in powers of
-    two: nearly affine, which the caller's direct profiles check)."""
+    two: nearly affine, which the caller's direct profiles check). ``fit_depth``: profile
+    shallow copies and extrapolate to the configuration's depth (:mod:`.depth_fit`);
+    ``check_positions=False``: sequences past the configuration's positions are profiled."""
     if axis not in ("seq_len", "batch"):
         raise ConfigError(f"axis must be 'seq_len' or 'batch', got {axis!r}")
 
-    def peaks(size: int) -> dict[str, int]:
+    def sized(size: int) -> LMStep:
         if axis == "seq_len":
-            sized = dataclasses.replace(step, seq_len=size * quantum)
-        else:
-            sized = dataclasses.replace(step, batch_size=size)
-        plain, chunked = profile_causal_lm_below(config, sized, variants=variants)
+            return dataclasses.replace(step, seq_len=size * quantum)
+        return dataclasses.replace(step, batch_size=size)
+
+    def at_depth(size: int, layers: int | None) -> dict[str, int]:
+        shaped = config if layers is None else with_layers(config, layers)
+        plain, chunked = profile_causal_lm_below(
+            shaped, sized(size), variants=variants, check_positions=check_positions
+        )
         return min_peak_bytes(plain, cost=cost, chunked=chunked)
 
+    def peaks(size: int) -> dict[str, int]:
+        if not fit_depth:
+            return at_depth(size, None)
+        return extrapolated(lambda layers: at_depth(size, layers), num_layers(config))
+
     return peaks
+
+
+@dataclass(frozen=True)
+class LMSearch:
+    """How ``plan --max-seq-len / --max-batch`` searches a causal LM.
+
+    Attributes:
+        beyond_positions: (``seq_len``, rotary positions only) search memory past the
+            configuration's positions too: ``max_seq_len_memory`` (``max_seq_len`` still stops
+            at the positions).
+        fit_depth: profile shallow copies and extrapolate to the depth (:mod:`.depth_fit`),
+            reporting the line's residual at :data:`~.depth_fit.CHECK_LAYERS` layers.
+    """
+
+    beyond_positions: bool = False
+    fit_depth: bool = False
 
 
 def largest_fitting(
@@ -219,16 +267,19 @@ def largest_fitting(
     strategies: tuple[str, ...],
     cost: CostModel,
     progress: Callable[[str], None] | None = None,
+    lm: LMSearch | None = None,
 ) -> list[dict[str, Any]]:
     """The largest ``axis`` (``"depth"``: the ``[6, 32, n, 6]`` ResNet; ``"batch"``;
     ``"seq_len"``: a causal LM's) whose smallest predicted peak fits ``budget_bytes``, per
-    strategy: the records ``plan --max-* --json`` prints."""
+    strategy: the records ``plan --max-* --json`` prints. ``lm``: a causal LM's options."""
     if axis not in ("depth", "batch", "seq_len"):
         raise ConfigError(f"axis must be 'depth', 'batch' or 'seq_len', got {axis!r}")
     if isinstance(target, LMTarget):
         if axis == "depth":
             raise ConfigError("--max-depth searches the [6, 32, n, 6] ResNet family")
-        return _lm_search(target, axis, strategies, budget_bytes, cost, progress)
+        return _lm_search(target, axis, strategies, budget_bytes, cost, progress, lm or LMSearch())
+    if lm is not None and lm != LMSearch():
+        raise ConfigError("--beyond-positions and --fit-depth apply to --model hf:... only")
     if axis == "seq_len":
         raise ConfigError("--max-seq-len applies to --model hf:... only")
     return _zoo_search(target, axis, strategies, budget_bytes, cost, progress)
@@ -241,16 +292,20 @@ def _lm_search(
     budget_bytes: int,
     cost: CostModel,
     progress: Callable[[str], None] | None,
+    lm: LMSearch,
 ) -> list[dict[str, Any]]:
     key = f"max_{axis}"
-    limit = target.max_positions if axis == "seq_len" else None
+    positions = target.max_positions if axis == "seq_len" else None
+    beyond = _beyond_positions(target, axis, lm)
+    limit = None if beyond else positions
     quantum = SEQ_QUANTUM if axis == "seq_len" else 1
-    if limit is not None and limit < 4 * SEQ_QUANTUM:  # a small configuration: 4 samples
-        quantum = max(limit // 4, 1)
+    if positions is not None and positions < 4 * SEQ_QUANTUM:  # a small configuration
+        quantum = max(positions // 4, 1)
     peaks = lm_peaks(
-        target.config, target.step, axis, cost=cost, quantum=quantum, variants=target.variants
-    )
-    top = (limit or 64 * SEQ_QUANTUM) // quantum if axis == "seq_len" else 8
+        target.config, target.step, axis, cost=cost, quantum=quantum, variants=target.variants,
+        fit_depth=lm.fit_depth, check_positions=not beyond,
+    )  # fmt: skip
+    top = (positions or 64 * SEQ_QUANTUM) // quantum if axis == "seq_len" else 8
     sizes = (max(top // 4, 1), max(top // 2, 2), max(top, 3))
     fits = max_fitting(
         peaks,
@@ -261,17 +316,61 @@ def _lm_search(
         verify=True,
         limit=limit // quantum if limit is not None else None,
     )
+    extra = {}
+    if lm.fit_depth:
+        extra = _depth_fields(target, axis, sizes[-1] * quantum, cost)
     records: list[dict[str, Any]] = []
     for strategy, fit in fits.items():
         size = fit.size * quantum
         found = {"strategy": strategy, **target.record(), key: size, "budget_bytes": budget_bytes}
         found["below"] = target.below
-        if limit is not None:  # the answer is the configuration's positions
-            found["limited_by_positions"] = size + quantum > limit
+        if positions is not None:  # the answer is the configuration's positions
+            found[key] = min(size, positions)
+            found["limited_by_positions"] = size + quantum > positions
+        if beyond:  # what memory allows, past the positions
+            found[f"{key}_memory"] = size
         found.update(fit_residual=fit.residual, slope_bytes=fit.slope_bytes)
-        found.update(intercept_bytes=fit.intercept_bytes, device_preset=cost.name)
+        found.update(intercept_bytes=fit.intercept_bytes, device_preset=cost.name, **extra)
         records.append(found)
     return records
+
+
+def _beyond_positions(target: LMTarget, axis: str, lm: LMSearch) -> bool:
+    """``--beyond-positions``, checked: sequences, a bounded configuration, rotary positions."""
+    if not lm.beyond_positions:
+        return False
+    if axis != "seq_len":
+        raise ConfigError("--beyond-positions applies to --max-seq-len only")
+    if not rotary_positions(target.config):
+        raise ConfigError(
+            "--beyond-positions: this configuration looks its positions up in a table of "
+            f"{target.max_positions} rows; a longer sequence cannot run at all"
+        )
+    return target.max_positions is not None
+
+
+def _depth_fields(target: LMTarget, axis: str, size: int, cost: CostModel) -> dict[str, Any]:
+    """``fit_depth`` (the layers profiled) and ``depth_fit_residual`` (the line's relative
+    error at :data:`CHECK_LAYERS` layers against a direct profile, at ``size``)."""
+    step = target.step
+    sized = (
+        dataclasses.replace(step, seq_len=size)
+        if axis == "seq_len"
+        else dataclasses.replace(step, batch_size=size)
+    )
+
+    def peaks_at(layers: int) -> dict[str, int]:
+        plain, chunked = profile_causal_lm_below(
+            with_layers(target.config, layers), sized, variants=target.variants,
+            check_positions=False,
+        )  # fmt: skip
+        return min_peak_bytes(plain, cost=cost, chunked=chunked)
+
+    return {
+        "fit_depth": [*PROBE_LAYERS, num_layers(target.config)],
+        "depth_fit_residual": depth_fit_residual(peaks_at),
+        "depth_fit_checked_at": {"layers": CHECK_LAYERS, axis: size},
+    }
 
 
 def _zoo_search(

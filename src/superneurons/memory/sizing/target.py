@@ -11,6 +11,7 @@ from typing import Any
 from superneurons.errors import ConfigError
 from superneurons.memory.profile_types import GRANULARITIES
 from superneurons.memory.profiling.below import VARIANTS
+from superneurons.memory.sizing.adapters import LoraSpec, QuantSpec
 from superneurons.memory.sizing.llm import BELOW_FLOOR, LMStep, max_positions
 from superneurons.memory.sizing.simulate import OPTIMIZERS
 
@@ -124,7 +125,26 @@ class LMTarget:
             "target_device": step.target_device,
             "keep_outputs": step.keep_outputs,
             "max_positions": self.max_positions,
+            **self.adapter_record(),
         }
+
+    @property
+    def lora(self) -> LoraSpec | None:
+        """The LoRA adapters the step trains (``--lora``; None: a full fine-tune)."""
+        return self.step.lora
+
+    @property
+    def quantize(self) -> QuantSpec | None:
+        """The frozen base's storage (``--quantize``; None: the parameters' dtype)."""
+        return self.step.quantize
+
+    def adapter_record(self) -> dict[str, Any]:
+        """``adapter`` and ``quantize`` (``plan --json``), only when adapters train: the
+        record of a full fine-tune is as it was."""
+        if self.lora is None:
+            return {}
+        quantize = None if self.quantize is None else self.quantize.record()
+        return {"adapter": self.lora.record(), "quantize": quantize}
 
 
 Target = ZooTarget | LMTarget
