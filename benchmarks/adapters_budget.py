@@ -2,9 +2,10 @@
 
 A tiny Hugging Face Llama whose vocabulary makes the head matter (hidden 256, 4 layers, 4/2
 heads, MLP 688, vocabulary 32000), batch 4 x 128, fp32, LoRA r=8 (alpha 16, dropout 0.1) on
-q,v and on all linear layers, AdamW on the adapters; QLoRA: the same weights loaded by
+q,v and on all linear layers, AdamW on the adapters; QLoRA (q,v): the same weights loaded by
 transformers' ``BitsAndBytesConfig`` in nf4 with double quantisation (fp32 compute) on the CPU.
-Every arm runs in a process of its own with one thread (``--arm``, started by this script);
+Every arm runs in a process of its own with one thread (``--arm``, started by this script;
+``--parallel`` of them at once);
 peaks are the c10 CPU allocator's (``superneurons.bench.memory.meter.allocator_peak_bytes``:
 every allocation the allocator serves, kernel scratch included) of a steady-state step on top
 of what is resident (parameters, buffers, quantization state, AdamW's moments, the batch).
@@ -23,12 +24,13 @@ Measured in one run:
    adapters.
 5. **What the installed bitsandbytes runs on this CPU** (forward and backward of its layers).
 
-    .venv/bin/python benchmarks/adapters_budget.py [--out benchmarks/results/adapters_budget]
+    .venv/bin/python benchmarks/adapters_budget.py [--parallel 3] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import socket
@@ -38,6 +40,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +56,8 @@ from superneurons.memory.profiling.weights import weight_state_tensors
 HIDDEN, LAYERS, HEADS, KV_HEADS, MLP, VOCAB = 256, 4, 4, 2, 688, 32000
 BATCH, SEQ, STEPS, LR = 4, 128, 8, 1e-3
 ADAPTERS = {"q,v": ["q_proj", "v_proj"], "all-linear": "all-linear"}
+# QLoRA on q,v only: the 4-bit base's all-linear case is tested (tests/test_adapters_qlora.py)
+ADAPTER_SETS = (("lora", "q,v"), ("lora", "all-linear"), ("qlora", "q,v"))
 MiB = 2**20
 IDS = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
 
@@ -396,11 +401,10 @@ class Arms:
     process each) and reads back what it saved."""
 
     def __init__(self, scratch: Path) -> None:
-        self.scratch, self.count = scratch, 0
+        self.scratch, self.count = scratch, itertools.count(1)
 
     def run(self, world: int = 1, **spec: Any) -> list[dict[str, Any]]:
-        self.count += 1
-        name = f"arm{self.count}"
+        name = f"arm{next(self.count)}"  # threads share it: next() on a count is atomic
         command = [sys.executable, __file__, "--arm", json.dumps(spec), "--scratch",
                    str(self.scratch), "--name", name]  # fmt: skip
         with socket.socket() as sock:
@@ -419,11 +423,20 @@ class Arms:
         for log in logs:
             log.close()
         if any(codes):
-            tail = self.scratch / f"{name}-rank{codes.index(next(c for c in codes if c))}.log"
-            raise RuntimeError(f"arm {spec} exited with {codes}:\n{tail.read_text()[-3000:]}")
+            log_text = self.scratch / f"{name}-rank{[bool(c) for c in codes].index(True)}.log"
+            raise ArmFailed(spec, codes, log_text.read_text())
         return [
             torch.load(self.scratch / f"{name}-rank{r}.pt", weights_only=True) for r in range(world)
         ]
+
+
+class ArmFailed(RuntimeError):
+    """An arm that exited with an error: what it printed last is the finding, recorded."""
+
+    def __init__(self, spec: dict[str, Any], codes: list[int], log: str) -> None:
+        lines = [line for line in log.splitlines() if line.strip()]
+        self.reason = f"exit codes {codes}: {lines[-1][:300] if lines else 'no output'}"
+        super().__init__(f"arm {spec}: {self.reason}")
 
 
 def wait_or_kill(proc: subprocess.Popen[bytes], procs: list[subprocess.Popen[bytes]]) -> int:
@@ -483,10 +496,15 @@ def adapter_records(arms: Arms, kind: str, name: str) -> list[dict[str, Any]]:
     records = [{**row, "budget": "eager (no plan)", **in_mib(twin)}]
     for budget in ("60% of eager", "the named floor"):
         planned = dict(spec, plan_keep=False, below=True, budget=budget)
-        (run,) = arms.run(arm="planned", **planned)
+        try:
+            (run,) = arms.run(arm="planned", **planned)
+        except ArmFailed as exc:
+            records.append({**row, "budget": budget, "error": exc.reason})
+            continue
         records.append({**row, "budget": budget, **planned_record(run, twin)})
     for record in records:
-        record["peak_over_hf_gc"] = record["peak_mib"] / record["hf_gc_peak_mib"]
+        if "peak_mib" in record:
+            record["peak_over_hf_gc"] = record["peak_mib"] / record["hf_gc_peak_mib"]
     return records
 
 
@@ -499,8 +517,12 @@ def no_trainer_records(arms: Arms) -> list[dict[str, Any]]:
     for plan_keep, below in ((True, True), (False, True)):
         for budget in ("60% of eager", "the named floor"):
             planned = dict(spec, plan_keep=plan_keep, below=below, budget=budget)
-            (run,) = arms.run(arm="planned", **planned)
             options = {"keep_outputs": plan_keep, "below": below, "budget": budget}
+            try:
+                (run,) = arms.run(arm="planned", **planned)
+            except ArmFailed as exc:
+                records.append({**options, "error": exc.reason})
+                continue
             records.append({**options, **planned_record(run, twin)})
     return records
 
@@ -515,8 +537,11 @@ def trl_compare(alone: dict[str, Any], planned: dict[str, Any]) -> dict[str, Any
 
 def trl_records(arms: Arms, world: int) -> dict[str, Any]:
     """TRL alone and with the callback at 0.6, each in its own process per rank."""
-    alone = arms.run(world=world, arm="trl", planned=False)
-    planned = arms.run(world=world, arm="trl", planned=True)
+    try:
+        alone = arms.run(world=world, arm="trl", planned=False)
+        planned = arms.run(world=world, arm="trl", planned=True)
+    except ArmFailed as exc:
+        return {"world": world, "ranks": [], "ranks_agree": None, "error": exc.reason}
     ranks = [
         {"TRL alone": in_mib(a), "TRL + callback at 0.6": in_mib(p), **trl_compare(a, p)}
         for a, p in zip(alone, planned, strict=True)
@@ -533,6 +558,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/adapters_budget"))
     parser.add_argument("--render", type=Path, help="only write the Markdown of a JSON")
+    parser.add_argument(
+        "--parallel", type=int, default=3, help="arms run at once (each its own process)"
+    )
     parser.add_argument("--arm", help=argparse.SUPPRESS)  # one arm, in a process of its own
     parser.add_argument("--scratch", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--name", help=argparse.SUPPRESS)
@@ -554,13 +582,15 @@ def main() -> None:
     arms = Arms(Path(tempfile.mkdtemp()))
     torch.manual_seed(0)
     LlamaForCausalLM(llama_config()).save_pretrained(arms.scratch / "llama")  # every arm's base
-    (bnb_cpu,) = arms.run(arm="bnb")
-    trl_runs = [trl_records(arms, world) for world in (1, 2)]
-    steps = []
-    for kind in ("lora", "qlora"):
-        for name in ADAPTERS:
-            steps += adapter_records(arms, kind, name)
-    no_trainer = no_trainer_records(arms)
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:  # each: its arms in sequence
+        bnb_job = pool.submit(arms.run, arm="bnb")
+        trl_jobs = [pool.submit(trl_records, arms, world) for world in (1, 2)]
+        step_jobs = [pool.submit(adapter_records, arms, *which) for which in ADAPTER_SETS]
+        no_trainer_job = pool.submit(no_trainer_records, arms)
+    (bnb_cpu,) = bnb_job.result()
+    trl_runs = [job.result() for job in trl_jobs]
+    steps = [record for job in step_jobs for record in job.result()]
+    no_trainer = no_trainer_job.result()
     config = {
         "model": "LlamaForCausalLM", "hidden": HIDDEN, "layers": LAYERS, "heads": HEADS,
         "kv_heads": KV_HEADS, "mlp": MLP, "vocab": VOCAB, "batch": BATCH, "seq_len": SEQ,
@@ -578,7 +608,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     path = write_json(
         args.out / "adapters_budget.json", records, config=config, versions=versions,
-        trl=trl_runs, bitsandbytes_cpu=bnb_cpu["layers"],
+        trl=trl_runs, bitsandbytes_cpu=bnb_cpu["layers"], parallel=args.parallel,
         load={"loadavg_before": load_before, "loadavg_after": os.getloadavg()},
     )  # fmt: skip
     write_report(json.loads(path.read_text()), args.out)
@@ -591,7 +621,8 @@ def write_report(run: dict[str, Any], out: Path) -> None:
     load = run["load"]
     floors = [r for r in steps if r["budget"] == "the named floor"]
     lines = [
-        f"Tiny Llama ({run['config']}); {run['versions']}; one process per arm, one thread each; "
+        f"Tiny Llama ({run['config']}); {run['versions']}; one process per arm, one thread each, "
+        f"up to {run['parallel']} arms at once; "
         f"load average {load['loadavg_before']} before, {load['loadavg_after']} after (other "
         "jobs shared the 2 cores: `step_cpu_s` is the arm's CPU time per step, median).",
         "",
@@ -600,7 +631,7 @@ def write_report(run: dict[str, Any], out: Path) -> None:
         markdown_table(steps, ADAPTER_COLUMNS),
         "",
         "Our floor over HF checkpointing + the same adapters: "
-        + ", ".join(f"{r['model']} {r['peak_over_hf_gc']:.3f}x" for r in floors)
+        + ", ".join(f"{r['model']} {r.get('peak_over_hf_gc', 'failed')}" for r in floors)
         + ". Adapters after 8 steps against the eager run's (its own process; the head's loss "
         "value is summed chunk by chunk: `loss_max_rel_err`).",
         "",
@@ -638,10 +669,10 @@ def write_report(run: dict[str, Any], out: Path) -> None:
 ADAPTER_COLUMNS = ["model", "budget", "hf_gc_peak_mib", "budget_mib", "predicted_mib", "peak_mib",
                    "measured_over_predicted", "within_budget", "peak_over_hf_gc", "head",
                    "recompute_units", "adapters_bitwise", "adapters_max_rel_err", "base_unchanged",
-                   "loss_max_rel_err", "step_cpu_s"]  # fmt: skip
+                   "loss_max_rel_err", "step_cpu_s", "error"]  # fmt: skip
 NO_TRAINER_COLUMNS = ["keep_outputs", "below", "budget", "budget_mib", "predicted_mib",
                       "peak_mib", "within_budget", "peak_over_budget", "head", "recompute_units",
-                      "adapters_bitwise", "base_unchanged"]  # fmt: skip
+                      "adapters_bitwise", "base_unchanged", "error"]  # fmt: skip
 TRL_COLUMNS = ["world", "rank", "run", "budget_mib", "predicted_mib", "steady_peak_mib", "head",
                "train_s"]  # fmt: skip
 
@@ -664,6 +695,8 @@ def trl_summary(run: dict[str, Any]) -> str:
         f"{x['planned_over_trl_alone']:.3f}x TRL alone's peak"
         for r, x in enumerate(run["ranks"])
     )
+    if "error" in run:
+        return f"- {run['world']} process(es): failed, {run['error']}"
     agree = f"; the ranks' adapters agree: {run['ranks_agree']}" if run["world"] > 1 else ""
     return f"- {run['world']} process(es): {ranks}{agree}."
 
@@ -671,11 +704,18 @@ def trl_summary(run: dict[str, Any]) -> str:
 def plot(steps: list[dict[str, Any]], path: Path) -> None:
     plt = pyplot()
     models = list(dict.fromkeys(r["model"] for r in steps))
+
+    def peak(model: str, budget: str) -> float:  # a failed arm: no bar
+        row = next(r for r in steps if r["model"] == model and r["budget"] == budget)
+        return float(row.get("peak_mib", 0.0))
+
     series = {
-        "HF gradient checkpointing": [next(r["hf_gc_peak_mib"] for r in steps if r["model"] == m) for m in models],
-        "plan at 60% of eager": [next(r["peak_mib"] for r in steps if r["model"] == m and r["budget"] == "60% of eager") for m in models],
-        "plan at our floor": [next(r["peak_mib"] for r in steps if r["model"] == m and r["budget"] == "the named floor") for m in models],
-    }  # fmt: skip
+        "HF gradient checkpointing": [
+            next(r["hf_gc_peak_mib"] for r in steps if r["model"] == m) for m in models
+        ],
+        "plan at 60% of eager": [peak(m, "60% of eager") for m in models],
+        "plan at our floor": [peak(m, "the named floor") for m in models],
+    }
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / len(series)
     for i, (label, values) in enumerate(series.items()):
