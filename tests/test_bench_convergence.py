@@ -24,6 +24,7 @@ from superneurons.schemes.adam import AdamAuto, AdamUpdate
 from superneurons.schemes.auto import Auto
 from superneurons.schemes.grammar import parse_spec
 from superneurons.schemes.theta import Diminishing, RunScheduled
+from train_support import STATED_COMPUTE
 
 FMNIST_ROOT = Path(ConvergenceConfig().fashion_mnist_root)
 SHAKESPEARE_ROOT = Path(__file__).resolve().parents[1] / "data" / "shakespeare"
@@ -165,9 +166,12 @@ def test_adam_auto_records_its_decision_and_trains_as_the_chosen_scheme() -> Non
         codecs=("dense", "auto:link=1000gbit", "auto:link=10kbit", one_bit),
         tasks=(replace(SHAKESPEARE, steps=3, batch_size=4, eval_points=1, eval_limit=8),),
         shakespeare_root=str(SHAKESPEARE_ROOT),
+        adam_compute=STATED_COMPUTE,  # the decision depends on its inputs, not on the load
     )
     dense, fast, slow, fixed = run_convergence_bench(config, progress=lambda _m: None)
     assert dense["decision"] is None and fixed["decision"] is None
+    for auto in (fast, slow):  # nothing measured entered
+        assert auto["decision"]["backward_s"] == STATED_COMPUTE.backward_s
     assert fast["decision"]["scheme"] == "dense" and slow["decision"]["scheme"] == one_bit
     assert "stated" in slow["decision"]["link"]
     assert fast["final_metric"] == dense["final_metric"] and fast["ratio_vs_dense"] == 1.0

@@ -55,3 +55,28 @@ def test_causal_lm_plan_json_equals_its_golden_file(
 ) -> None:
     pytest.importorskip("transformers")
     _check(name, LM_CASE[name], capsys)
+
+
+def test_max_grad_norm_adds_keys_and_states_what_clipping_costs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import json
+
+    name = "plan_gpt_batch8_adamw.json"
+    assert main(["plan", *CASES[name], "--max-grad-norm", "1.0", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    golden = json.loads((GOLDEN / name).read_text(encoding="utf-8"))
+    assert set(golden) <= set(record)  # keys added, none renamed or removed
+    assert record["max_grad_norm"] == 1.0 and record["plan"]["step"]["max_grad_norm"] == 1.0
+    for strategy, floor in golden["strategies"].items():  # each floor, and what it cost
+        cost = record["step_costs"][strategy]
+        clipped = record["strategies"][strategy]
+        assert clipped["min_budget_bytes"] - floor["min_budget_bytes"] == cost["device_bytes"]
+    host = record["step_costs"]["offload+host-optimizer"]
+    # the host optimizer: no device byte, a host copy of every gradient, its step exposed
+    resident = record["strategies"]["offload+host-optimizer"]["resident_bytes"]
+    assert host["device_bytes"] == 0 and host["host_bytes"] == resident
+    assert host["overhead_s"] > 0
+    for flags in (["--max-grad-norm", "-1"], ["--max-grad-norm", "1", "--max-batch"]):
+        assert main(["plan", "--model", "gpt", *flags]) == 2
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1

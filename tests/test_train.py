@@ -88,6 +88,22 @@ def test_cli_end_to_end_on_two_ranks(tmp_path: Path) -> None:
         (["--model", "mlp", "--data", "fashion-mnist", "--budget", "lots"], "size"),
         (["--model", "mlp", "--data", "fashion-mnist", "--nproc", "0"], "--nproc"),
         (["--model", "mlp", "--data", "fashion-mnist", "--resume"], "--resume"),
+        (["--model", "mlp", "--data", "fashion-mnist", "--max-grad-norm", "-1"], "--max-grad"),
+        (
+            [
+                "--model",
+                "mlp",
+                "--data",
+                "fashion-mnist",
+                "--optimizer",
+                "adamw",
+                "--compress",
+                "adam-momentum[warmup=20]:signsgd",
+                "--max-grad-norm",
+                "1",
+            ],
+            "local gradients",
+        ),  # fmt: skip
     ],
 )
 def test_bad_flags_are_one_line(
@@ -187,6 +203,12 @@ def test_checkpoint_rotation_keeps_the_last_complete_file(
     assert resume_step() == 5 and not Path(f"{newest}.tmp").exists()
 
 
+def _logged(out: Path, key: str) -> list[float]:
+    """``key`` of every step line of ``out``'s metrics.jsonl."""
+    lines = (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines())
+    return [row[key] for row in lines if row.get("kind") == "step"]
+
+
 def _host_floor_bytes(optimizer: str) -> tuple[int, dict[str, int]]:
     """The smallest budget ``superneurons train`` meets for the MLP at batch 16, and every
     strategy's floor (the optimizer's state counted)."""
@@ -214,7 +236,8 @@ def test_budget_only_the_host_optimizer_meets_trains_and_resumes_exactly(
     budget, floors = _host_floor_bytes("sgd")
     device_floors = [v for k, v in floors.items() if k in ("recompute", "offload", "checkpoint")]
     assert budget < min(device_floors)  # nothing that steps on the device fits
-    common = {"optimizer": "sgd", "compress": "torch-fp16"}
+    # clipped by the global norm: on the device, and on the host where the step waits for it
+    common = {"optimizer": "sgd", "compress": "torch-fp16", "max_grad_norm": 0.5}
     plain, straight, split = tmp_path / "plain", tmp_path / "straight", tmp_path / "split"
     ranks.run(run_rank, mlp_config(plain, epochs=2, **common), timeout_s=120)
     ranks.run(
@@ -230,3 +253,6 @@ def test_budget_only_the_host_optimizer_meets_trains_and_resumes_exactly(
             _assert_same(a[key], b[key], f"rank{rank}.{key}")
         for name, value in p["model"].items():  # the same SGD, stepped on the host per bucket
             torch.testing.assert_close(a["model"][name], value, rtol=1e-6, atol=1e-7)
+    norms = {d: _logged(d, "grad_norm") for d in (plain, straight)}
+    assert max(norms[plain]) > 0.5  # clipping acts
+    torch.testing.assert_close(norms[straight], norms[plain], rtol=1e-6, atol=0)

@@ -50,10 +50,30 @@ def texts(count: int = 400) -> list[str]:
     return out
 
 
+# the tiny Llama of benchmarks/below_largest_layer.py (hidden 256, 4 layers, 4/2 heads, MLP 688,
+# vocabulary 32000): what use_full_model() switches model() to
+FULL = {
+    "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 32000,
+}  # fmt: skip
+_full = False
+
+
+def use_full_model() -> None:
+    """From now on :func:`model` builds the :data:`FULL` Llama (benchmarks, check scripts)."""
+    global _full
+    _full = True
+
+
 def model(vocab_size: int) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
+    if _full:
+        config = LlamaConfig(
+            **FULL, max_position_embeddings=128, pad_token_id=0, eos_token_id=1, bos_token_id=2
+        )
+        return LlamaForCausalLM(config)
     # NOTE: narrow and deep-MLP on purpose. TRL's fused LM head computes log-probabilities in
     # tiles of (min(tokens, 4096), 32768) logits whatever the vocabulary
     # (trl/kernels/chunked_logprob.py, ``mm_buf``): 128 KiB per token in fp32, a peak no plan
@@ -142,6 +162,26 @@ def params_sha256(module: torch.nn.Module) -> str:
     return sha.hexdigest()
 
 
+def optimizer_state_sha256(trainer: Any, callback: Any) -> str:
+    """A digest of the optimizer's state (moments and step counters by parameter index): the
+    trainer's own, or the host optimizer's where the plan steps it on the host (whose indices
+    follow the trainer optimizer's parameter groups)."""
+    from superneurons.memory.offload.handover import inner_optimizer
+
+    host = callback.setup.host_optimizer if callback and callback.setup else None
+    if host is not None:
+        state = host.state_dict()["optimizer"]["state"]
+    else:
+        state = inner_optimizer(trainer.optimizer).state_dict()["state"]
+    sha = hashlib.sha256()
+    for index in sorted(state):
+        for key in sorted(state[index]):
+            value = state[index][key]
+            data = value.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            sha.update(f"{index}.{key}".encode() + data)
+    return sha.hexdigest()
+
+
 def run(
     out: Path,
     *,
@@ -157,9 +197,11 @@ def run(
     checks: list[Any] | None = None,
     peft: bool = False,
     examples: int = 400,
+    sft: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One SFTTrainer run of ``STEPS`` steps; with a budget and/or compression, the callback;
-    with ``peft``, LoRA adapters (``peft_config``) on :func:`adapter_model`."""
+    with ``peft``, LoRA adapters (``peft_config``) on :func:`adapter_model`. ``sft``: further
+    ``SFTConfig`` options (they override the ones set here)."""
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
@@ -168,7 +210,7 @@ def run(
 
     logging.getLogger("superneurons").setLevel(logging.INFO)
     tok = tokenizer()
-    args = SFTConfig(
+    options: dict[str, Any] = dict(
         output_dir=str(out),
         use_cpu=True,
         ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
@@ -185,7 +227,9 @@ def run(
         packing=packing,
         max_length=2 * SEQ_CHARS + 4 if packing else SEQ_CHARS + 4,
         dataset_num_proc=None,
-    )  # NOTE: TRL's default gradient_checkpointing=True stays: the callback takes it over
+    )
+    # NOTE: TRL's default gradient_checkpointing=True stays: the callback takes it over
+    args = SFTConfig(**{**options, **(sft or {})})
     net = adapter_model() if peft else model(len(tok))
     trainer = SFTTrainer(
         model=net,
@@ -220,6 +264,12 @@ def run(
         record["adapters"] = {
             n: p.detach().reshape(-1).tolist() for n, p in net.named_parameters() if "lora_" in n
         }
+    record["grad_norms"] = [
+        row["grad_norm"] for row in trainer.state.log_history if "grad_norm" in row
+    ]
+    record["optimizer_state"] = optimizer_state_sha256(trainer, callback)
+    runtime = [row["train_runtime"] for row in trainer.state.log_history if "train_runtime" in row]
+    record["train_runtime_s"] = runtime[-1] if runtime else None
     if callback is not None and callback.setup is not None and callback.setup.plan is not None:
         plan = callback.setup.plan
         record["plan"] = {u.fqn: u.action for u in plan.units}
@@ -227,6 +277,7 @@ def run(
         reserved = callback.setup.reserved_bytes  # DDP's buckets, outside the plan's budget
         record["budget_bytes"] = plan.budget_bytes + reserved
         record["predicted_peak_bytes"] = plan.predicted_peak_bytes + reserved
+        record["host_optimizer"] = plan.host_optimizer
     ddp = isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
     # DDP's buckets exist before any step, so the meter cannot see them: one copy of the
     # gradients, added to what it measures

@@ -16,6 +16,7 @@ __all__ = [
     "all_gather_into_tensor",
     "compiler_disabled",
     "custom_op_function",
+    "data_parallel_without_init_sync",
     "fake_cache_disabled",
     "fsdp_module_class",
     "memory_fraction",
@@ -160,3 +161,20 @@ def fsdp_module_class() -> type | None:
         except ImportError:  # builds without torch.distributed
             return None
     return FSDPModule  # type: ignore[no-any-return]
+
+
+def data_parallel_without_init_sync(module: Any, **options: Any) -> Any:
+    """``DistributedDataParallel(module, **options)`` without the collectives its constructor
+    runs (the parameter-shape check, rank 0's parameters and buffers broadcast), for a module
+    whose replicas already agree.
+
+    torch >= 2.6 takes ``init_sync=False`` (pytorch#142824); older torch has no such switch
+    and runs the collectives, so every rank must construct it at the same point.
+    """
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    if "init_sync" in inspect.signature(DistributedDataParallel).parameters:
+        options["init_sync"] = False
+    return DistributedDataParallel(module, **options)

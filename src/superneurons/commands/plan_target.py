@@ -8,11 +8,11 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from superneurons.bytesize import parse_bytes
 from superneurons.errors import ConfigError
-from superneurons.memory.planner.cost import CostModel, cost_model
+from superneurons.memory.planner.cost import CostModel, cost_model, with_host_link
 from superneurons.memory.sizing.adapters import LoraSpec, QuantSpec, parse_lora, parse_quantize
 from superneurons.memory.sizing.llm import (
     LMStep,
@@ -40,6 +40,8 @@ class PlanRequest:
         strategy: the planner's strategy (``auto``: its choice).
         search: ``"depth"``, ``"batch"`` or ``"seq_len"`` for ``--max-*``; None: one plan.
         lm_search: how a causal LM is searched (``--beyond-positions``, ``--fit-depth``).
+        host_budget_bytes: ``--host-budget``: the pinned host memory a plan may need (None:
+            unbounded).
     """
 
     target: Target
@@ -48,11 +50,12 @@ class PlanRequest:
     strategy: str
     search: str | None
     lm_search: LMSearch = LMSearch()
+    host_budget_bytes: int | None = None
 
 
 def request_of(args: argparse.Namespace) -> PlanRequest:
     """The target, the device, the budget and what to find, from the command line."""
-    target = target_of(args)
+    target = with_training_step(target_of(args), args)
     cost = device_cost(args)
     search = (
         "depth" if args.max_depth else "batch" if args.max_batch else "seq_len"
@@ -60,7 +63,16 @@ def request_of(args: argparse.Namespace) -> PlanRequest:
     )  # fmt: skip
     lm_search = lm_search_of(args, search)
     budget_bytes = budget_bytes_of(args, target, cost)
-    return PlanRequest(target, cost, budget_bytes, args.strategy, search, lm_search=lm_search)
+    host_budget = getattr(args, "host_budget", None)
+    return PlanRequest(
+        target,
+        cost,
+        budget_bytes,
+        args.strategy,
+        search,
+        lm_search=lm_search,
+        host_budget_bytes=parse_bytes(host_budget) if host_budget is not None else None,
+    )
 
 
 def lm_search_of(args: argparse.Namespace, search: str | None) -> LMSearch:
@@ -93,6 +105,19 @@ def target_of(args: argparse.Namespace) -> Target:
         depth=args.depth,
         preset=(args.preset or "gpt2") if args.model == "gpt" else None,
     )
+
+
+def with_training_step(target: Target, args: argparse.Namespace) -> Target:
+    """``target`` planned for the loop's training step (``--max-grad-norm``); a ``--max-*``
+    search plans the plain step only."""
+    max_grad_norm = getattr(args, "max_grad_norm", 0.0) or 0.0
+    if not max_grad_norm:
+        return target
+    if args.max_depth or args.max_batch or args.max_seq_len:
+        raise ConfigError("--max-grad-norm plans one step: leave out --max-depth/-batch/-seq-len")
+    if not max_grad_norm > 0:
+        raise ConfigError(f"--max-grad-norm must be >= 0, got {max_grad_norm}")
+    return replace(target, max_grad_norm=max_grad_norm)
 
 
 def _lm_target(args: argparse.Namespace, name: str) -> LMTarget:
@@ -134,7 +159,13 @@ def progress(message: str) -> None:
 
 
 def device_cost(args: argparse.Namespace) -> CostModel:
-    """``--device-preset``, its copy rates replaced by ``--bandwidth`` (both ways) if given."""
+    """``--device-preset``, its copy rates replaced by ``--host-link``'s or ``--bandwidth``
+    (both ways) if given."""
+    link = getattr(args, "host_link", None)
+    if link is not None:
+        if args.bandwidth is not None:
+            raise ConfigError("give --host-link or --bandwidth, not both")
+        return with_host_link(cost_model(args.device_preset), link)
     rates = {}
     if args.bandwidth is not None:
         rate = bandwidth_bytes_per_s(args.bandwidth)

@@ -88,6 +88,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="device memory budget (e.g. 2GiB): plan keep/offload/recompute",
     )
+    run_group.add_argument(
+        "--max-grad-norm",
+        type=float,
+        default=0.0,
+        help="clip the averaged gradients to this global norm before each step (0: no "
+        "clipping); with the optimizer on the host the step waits for the norm",
+    )
     comm = parser.add_argument_group("communication")
     comm.add_argument(
         "--compress",
@@ -170,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
         budget_bytes=parse_bytes(args.budget) if args.budget is not None else None,
         sync=args.sync,
         checkpoint_every=args.checkpoint_every,
+        max_grad_norm=args.max_grad_norm,
     )
     launch = Launch(
         nproc=args.nproc,

@@ -51,9 +51,15 @@ from superneurons.integrations.hf import (
     plan_for_batch,
     training_without_kv_cache,
 )
+from superneurons.integrations.host_step import (
+    HOST_OPTIMIZER,
+    host_reserved_bytes,
+    install_host_step,
+    training_step_of,
+)
 from superneurons.integrations.no_trace import no_trace
 from superneurons.memory import Plan, PlanHandle, apply_plan
-from superneurons.memory.offload.handover import factory_like, hand_over
+from superneurons.memory.offload.handover import factory_like
 from superneurons.memory.offload.host_optimizer import HostOptimizerView
 from superneurons.memory.profiling.isolate import unwrapped
 from superneurons.replicas import check_replicas
@@ -130,6 +136,8 @@ def prepare_superneurons(
     strategy: str = "auto",
     loss_of: LossOf = model_loss,
     keep_outputs: bool = True,
+    max_grad_norm: float = 0.0,
+    gradient_accumulation_steps: int | None = None,
     **compression_options: Any,
 ) -> SuperNeuronsSetup:
     """Apply a memory plan and gradient compression to a model ``accelerator.prepare`` returned.
@@ -148,15 +156,20 @@ def prepare_superneurons(
             Under DDP it includes DDP's gradient buckets (:func:`ddp_reserved_bytes`), which
             the plan leaves room for.
         optimizer: the (prepared) optimizer, so its state counts in the profiled peak; when
-            the plan steps the optimizer on the host (``offload+host-optimizer``, one process
-            only), the loop keeps stepping it and the host optimizer does the work
-            (:mod:`superneurons.memory.offload.handover`; its state: ``setup.state_dict()``).
+            the plan steps the optimizer on the host (``offload+host-optimizer``; under DDP
+            when asked for by name), the loop keeps stepping it and the host optimizer does the
+            work (:mod:`superneurons.integrations.host_step`; its state:
+            ``setup.state_dict()``).
         strategy: the planner's strategy (``auto`` by default).
         loss_of: how the training loop gets the loss, ``loss_of(model, batch)`` (default
             ``model(**batch)``), so the profile runs the forward training will call.
         keep_outputs: the loop may keep the whole output (the logits) through backward, as
             accelerate's ``no_trainer`` examples do (default: counted, so the budget holds);
             ``False`` for a loop that keeps only the loss (HF's ``Trainer``).
+        max_grad_norm: the loop clips gradients to this global norm
+            (``accelerator.clip_grad_norm_``); 0: it does not. The plan is made for it.
+        gradient_accumulation_steps: micro-batches per optimizer step (default: the
+            accelerator's; Trainer keeps its own and passes it). The plan counts the sums.
         compression_options: ``register_compression`` options (``seed``, ``process_group``);
             error feedback, warm-up and θ schedules are wrappers in ``compression`` itself
             (``"ef(warmup(steps=100,topk:ratio=0.01))"``).
@@ -181,6 +194,7 @@ def prepare_superneurons(
                 strategy=strategy,
                 loss_of=loss_of,
                 keep_outputs=keep_outputs,
+                step=training_step_of(accelerator, max_grad_norm, gradient_accumulation_steps),
             )
             _apply_memory_plan(
                 setup, accelerator, model, ddp, sample_batch or {}, optimizer, budget
@@ -216,16 +230,18 @@ def _apply_memory_plan(
             type(inner).__name__,
             turned_off,
         )
-    setup.reserved_bytes = ddp_reserved_bytes(ddp) if ddp is not None else 0
+    host = budget["strategy"] == HOST_OPTIMIZER  # under DDP, the host optimizer by name only
+    if ddp is not None:  # DDP's buckets, or those of its one parameter once rebuilt
+        setup.reserved_bytes = host_reserved_bytes(ddp) if host else ddp_reserved_bytes(ddp)
     setup.plan = _planned_on_rank_zero(
         lambda: plan_for_batch(
             inner,
             batch,
             optimizer=optimizer,
             reserved_bytes=setup.reserved_bytes,
-            # NOTE: DDP already holds its gradient buckets: the host optimizer needs the
-            # plan applied before the model is wrapped (superneurons train does so)
-            allow_host_optimizer=ddp is None,
+            # NOTE: DDP holds its gradient buckets until the host optimizer's plan rebuilds it
+            # (host_step): ``auto`` plans for DDP as it is
+            allow_host_optimizer=ddp is None or host,
             **budget,
         )
     )
@@ -237,21 +253,16 @@ def _apply_memory_plan(
                 "the plan steps the optimizer on the host (offload+host-optimizer): pass "
                 "optimizer=, the optimizer the loop steps"
             )
-        if getattr(accelerator, "gradient_accumulation_steps", 1) > 1:
-            raise ConfigError(
-                "the plan steps the optimizer on the host after every backward, which "
-                "gradient accumulation cannot follow: set gradient_accumulation_steps=1 "
-                "(a larger batch per step), or a budget that fits without the host optimizer"
-            )
         factory = factory_like(optimizer, inner)
     setup.plan_handle = setup._undo.enter_context(
         apply_plan(inner, setup.plan, optimizer_factory=factory)
     )
     if setup.plan.host_optimizer:
-        setup._undo.callback(hand_over(optimizer, setup.plan_handle).remove)
+        install_host_step(setup._undo, accelerator, ddp, setup.plan_handle, optimizer)
         logger.info(
-            "the optimizer steps on the host, bucket by bucket in backward: the loop's "
-            "optimizer.step() waits for it; its state is setup.state_dict()['host_optimizer']"
+            "the optimizer steps on the host, bucket by bucket (in backward, or at the loop's "
+            "optimizer.step() where it clips or accumulates); its state is "
+            "setup.state_dict()['host_optimizer']"
         )
 
 

@@ -63,6 +63,13 @@ __all__ = [
 logger = logging.getLogger("superneurons.integrations")
 
 
+def _data_parallel() -> bool:
+    """A process group of several ranks is running (the plan must suit DDP)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def plan_for_batch(
     model: nn.Module,
     batch: Mapping[str, Any],
@@ -139,6 +146,8 @@ def plan_for_batch(
     eager_bytes = profile.predicted_peak_bytes() + reserved_bytes
     budget_bytes = _step_budget(eager_bytes, budget_bytes, budget_fraction, reserved_bytes)
     plan_options.setdefault("allow_optimizer_in_backward", False)
+    # streamed weights are one device's: under data parallelism FSDP2 shards them instead
+    plan_options.setdefault("allow_weight_streaming", not _data_parallel())
     plan = _agreed_plan(
         model,
         profile,

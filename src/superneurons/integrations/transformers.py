@@ -32,6 +32,14 @@ without the callback. HF's own activation checkpointing (``activation_checkpoint
 formerly ``gradient_checkpointing=True``, on by default in TRL's ``SFTConfig``) recomputes
 every block; with a budget the plan takes recomputation over, per block: HF's is off while
 the plan runs (one log line), and restored at ``on_train_end``.
+
+The plan is made for the trainer's step: ``max_grad_norm`` and ``gradient_accumulation_steps``
+are passed on. Where it steps the optimizer on the host (``strategy="offload+host-optimizer"``,
+or ``auto`` on one process when nothing else fits), Trainer's own optimizer, LR scheduler and
+weight-decay groups drive it, Trainer's clipping clips on the host and the ``grad_norm`` it logs
+is the true global norm, micro-batches sum on the host (``no_sync`` under DDP, whose wrapper is
+rebuilt in place), and a run stopped and resumed continues bitwise
+(:mod:`superneurons.integrations.host_step`).
 """
 
 from __future__ import annotations
@@ -162,14 +170,9 @@ class SuperNeuronsCallback(TrainerCallback):  # type: ignore[misc]
                 strategy=self.strategy,
                 loss_of=_loss_of(trainer),
                 keep_outputs=False,  # Trainer.training_step keeps only the loss
+                max_grad_norm=float(args.max_grad_norm or 0.0),  # what Trainer clips to
+                gradient_accumulation_steps=args.gradient_accumulation_steps,
                 **self.compression_options,
-            )
-        if self.setup.host_optimizer is not None and float(args.max_grad_norm or 0) > 0:
-            self.setup.remove()
-            raise ConfigError(
-                "the plan steps the optimizer on the host, bucket by bucket during backward, "
-                "before a global gradient norm exists: set max_grad_norm=0 in TrainingArguments, "
-                "or give a budget that fits without the host optimizer"
             )
         if hooked:  # its compression state goes on; a host optimizer is a new one
             assert previous is not None

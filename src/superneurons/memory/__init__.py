@@ -20,6 +20,7 @@ from superneurons.memory.plan import (
     Plan,
     SeqChunking,
     TensorDecision,
+    TrainingStep,
     UnitDecision,
 )
 from superneurons.memory.planner.bounds import largest_unit_bytes, resident_bytes, working_sets
@@ -62,6 +63,7 @@ __all__ = [
     "InfeasibleBudgetError",
     "Plan",
     "TensorDecision",
+    "TrainingStep",
     "UnitDecision",
     "make_plan",
     "min_peak_bytes",

@@ -44,7 +44,9 @@ __all__ = [
     "SeqChunking",
     "StrategyFloor",
     "TensorDecision",
+    "TrainingStep",
     "UnitDecision",
+    "WEIGHTS",
 ]
 
 # How the LM head + loss runs in chunks (``memory.chunked.headloss`` executes them): recompute
@@ -54,9 +56,12 @@ HEAD_MODES: tuple[str, ...] = ("recompute", "grad-in-forward")
 IMPLEMENTATIONS: tuple[str, ...] = ("native", "pure", "exact")
 
 # 2: the ``recompute+offload`` action, resident/largest-unit bounds; 3: head and sequence
-# chunking, the host optimizer
-PLAN_VERSION = 3
-_READABLE_VERSIONS = (1, 2, 3)
+# chunking, the host optimizer; 4: per-unit weights on the device or streamed from the host
+PLAN_VERSION = 4
+_READABLE_VERSIONS = (1, 2, 3, 4)
+# Where a unit's parameters live between its uses: resident on the device, or in the host pool
+# with a device copy only around the unit's forward and its backward (``memory.offload.weights``)
+WEIGHTS: tuple[str, ...] = ("device", "host")
 ACTIONS: tuple[str, ...] = ("keep", "offload", "recompute", "recompute+offload")
 RECOMPUTING: frozenset[str] = frozenset({"recompute", "recompute+offload"})
 OFFLOADING: frozenset[str] = frozenset({"offload", "recompute+offload"})
@@ -68,6 +73,7 @@ STRATEGIES: tuple[str, ...] = (
     "offload+opt-in-backward",
     "offload+opt-on-host",
     "offload+host-optimizer",
+    "stream-weights",
     "auto",
 )
 # Every concrete strategy: what ``plan`` reports, ``plan --max-*`` and ``bench deeper`` search.
@@ -108,12 +114,17 @@ class UnitDecision:
             and backward (memory-centric recomputation, SuperNeurons §3.3; Chen et al. 2016's
             sqrt(n) segments). Optional: a runtime that ignores it is correct, just uses more
             memory than predicted.
+        weights: ``"device"`` (its parameters stay resident) or ``"host"``: they live in the
+            host pool and are copied to the device ahead of the unit's forward and again ahead
+            of its backward, one unit ahead on a side stream, and released after each
+            (:mod:`superneurons.memory.offload.weights`; version 4).
     """
 
     fqn: str
     action: str
     saved_bytes: int = 0
     segment: int = -1
+    weights: str = "device"
 
     def __post_init__(self) -> None:
         _check_action(self.action, f"unit {self.fqn!r}")
@@ -121,6 +132,10 @@ class UnitDecision:
             raise ConfigError(f"unit {self.fqn!r}: saved_bytes must be >= 0")
         if self.segment >= 0 and self.action != "recompute":
             raise ConfigError(f"unit {self.fqn!r}: only recompute units can be in a segment")
+        if self.weights not in WEIGHTS:
+            raise ConfigError(
+                f"unit {self.fqn!r}: weights {self.weights!r} is not one of {', '.join(WEIGHTS)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -187,6 +202,58 @@ class TensorDecision:
         _check_action(self.action, f"tensor {self.key!r}")
 
 
+# what a version 3 record lacks (Plan.to_dict leaves them out of one)
+_VERSION_4_KEYS = (
+    "weights_host_bytes",
+    "streamed_bytes",
+    "weights_exposed_s",
+    "exposed_transfer_s",
+)
+
+
+@dataclass(frozen=True)
+class TrainingStep:
+    """What the training loop does around the optimizer step: where a plan may step it, and
+    what the step holds (the planner counts it; the runtime follows it).
+
+    Attributes:
+        max_grad_norm: the loop clips the gradients to this global norm before each step
+            (``torch.nn.utils.clip_grad_norm_``, HF's ``max_grad_norm``); 0: no clipping. An
+            optimizer off the device cannot step a parameter before every gradient of the step
+            exists: its step waits for the global norm (after backward, not beside it).
+        norm_type: the p of that norm (2.0; ``inf`` allowed).
+        accumulation_steps: micro-batches whose gradients are summed before one optimizer step
+            (HF's ``gradient_accumulation_steps``): the sum lives through the micro-batches, on
+            the device (eager, recompute, offload, optimizer-in-backward) or in host buffers
+            (the host optimizer).
+    """
+
+    max_grad_norm: float = 0.0
+    norm_type: float = 2.0
+    accumulation_steps: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.max_grad_norm >= 0:  # NaN fails too
+            raise ConfigError(
+                f"max_grad_norm must be >= 0 (0: no clipping), got {self.max_grad_norm}"
+            )
+        if not self.norm_type > 0:
+            raise ConfigError(f"norm_type must be > 0, got {self.norm_type}")
+        steps = self.accumulation_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ConfigError(f"accumulation_steps must be an int >= 1, got {steps!r}")
+
+    @property
+    def clips(self) -> bool:
+        return self.max_grad_norm > 0
+
+    @property
+    def waits(self) -> bool:
+        """An optimizer stepped as gradients arrive must wait instead: for the global norm, or
+        for the last micro-batch."""
+        return self.clips or self.accumulation_steps > 1
+
+
 @dataclass(frozen=True)
 class Plan:
     """Per-unit decisions plus predictions. Build with ``make_plan``; execute with ``apply_plan``.
@@ -226,7 +293,19 @@ class Plan:
             stays on the device between buckets.
         grad_buckets: with ``host_optimizer``, the parameter fqns of each gradient bucket in the
             order they are launched (the same on every rank).
-        version: format version of this record.
+        step: the training step the plan was made for (clipping, accumulation); None: one
+            backward per step, no clipping. ``to_dict`` leaves the key out when None.
+        weights_host_bytes: pinned host bytes of the streamed units' parameters (their host
+            copies; the host optimizer's fp32 masters are ``optimizer_host_bytes``).
+        streamed_bytes: weight bytes copied host -> device per step (each streamed parameter
+            twice: ahead of its unit's forward and of its backward).
+        weights_exposed_s: predicted time per step the weight copies add beyond the compute
+            they overlap (the device preset's host link).
+        exposed_transfer_s: predicted time per step all the plan's copies (activations,
+            optimizer, weights) add beyond the compute they overlap; a prediction, not part of
+            the plan's identity (not compared, and absent from a version 3 record).
+        version: format version of this record: the oldest that holds it (a plan that streams
+            no weights is written as version 3, which older builds read).
     """
 
     units: tuple[UnitDecision, ...]
@@ -251,6 +330,11 @@ class Plan:
     grad_buckets: tuple[tuple[str, ...], ...] = ()
     peak_at: dict[str, Any] = field(default_factory=dict)
     breakdown: dict[str, int] = field(default_factory=dict)
+    weights_host_bytes: int = 0
+    streamed_bytes: int = 0
+    weights_exposed_s: float = 0.0
+    exposed_transfer_s: float = field(default=0.0, compare=False)
+    step: TrainingStep | None = None
     version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:
@@ -278,6 +362,22 @@ class Plan:
         fqns = [u.fqn for u in self.units]
         if len(set(fqns)) != len(fqns):
             raise ConfigError("a plan lists each unit once; duplicate unit fqns found")
+        if self.streams_weights and self.version < 4:
+            raise ConfigError("units with weights='host' need a version 4 plan")
+        if self.streams_weights and self.optimizer_in_backward:
+            raise ConfigError(
+                "streamed weights take the host optimizer (host_optimizer=True), not "
+                "optimizer_in_backward: the host step updates the host copy the next fetch carries"
+            )
+
+    @property
+    def streams_weights(self) -> bool:
+        """Some unit's parameters live in the host pool (``weights="host"``)."""
+        return any(u.weights == "host" for u in self.units)
+
+    def streamed_units(self) -> list[str]:
+        """The fqns of the units whose weights stream, in plan (forward) order."""
+        return [u.fqn for u in self.units if u.weights == "host"]
 
     def action_of(self, fqn: str) -> str:
         """The action for unit ``fqn`` (``"keep"`` for modules that are not units)."""
@@ -291,7 +391,20 @@ class Plan:
         return sum(1 for u in self.units if u.action == action)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        body = asdict(self)
+        if self.step is None:  # a plan made for the plain step reads as it always has
+            del body["step"]
+        if self.version < 4:  # the version 3 record, key for key
+            for unit in body["units"]:
+                del unit["weights"]
+            for key in _VERSION_4_KEYS:
+                del body[key]
+        return body
+
+    @property
+    def training_step(self) -> TrainingStep:
+        """:attr:`step`, or the plain step (no clipping, no accumulation)."""
+        return self.step if self.step is not None else TrainingStep()
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
@@ -306,6 +419,8 @@ class Plan:
                 data["head"] = HeadChunking(**data["head"])
             data["seq_chunks"] = tuple(SeqChunking(**c) for c in data.get("seq_chunks", ()))
             data["grad_buckets"] = tuple(tuple(b) for b in data.get("grad_buckets", ()))
+            if data.get("step") is not None:
+                data["step"] = TrainingStep(**data["step"])
             return cls(**data)
         except (KeyError, TypeError) as exc:
             raise ConfigError(
@@ -350,6 +465,14 @@ class StrategyFloor:
     head_loss_working_set_bytes: int = 0
     head_chunk_tokens: int | None = None
     mlp_pieces: int = 1
+    # streamed weights (``stream-weights``): bytes copied host -> device per step, the pinned
+    # host bytes of those weights; for every strategy the copies' time no compute hides
+    # (activations, optimizer, weights; the cost model's host link) and all the pinned host
+    # memory the plan needs (activations + optimizer state and masters + weights)
+    streamed_bytes: int = 0
+    weights_host_bytes: int = 0
+    exposed_transfer_s: float = 0.0
+    pinned_host_bytes: int = 0
 
     @property
     def floor_over_largest_layer(self) -> float:

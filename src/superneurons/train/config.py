@@ -66,6 +66,7 @@ class TrainConfig:
     budget_bytes: int | None = None
     sync: str = "every-step"  # or diloco[...]: when ranks synchronise (parsed: sync_scheme)
     checkpoint_every: int | None = None  # also checkpoint every N steps inside an epoch
+    max_grad_norm: float = 0.0  # clip the averaged gradients to this global norm (0: no)
     version: int = CONFIG_VERSION
 
     def __post_init__(self) -> None:
@@ -81,6 +82,7 @@ class TrainConfig:
             _positive("budget", self.budget_bytes)
         if self.checkpoint_every is not None:
             _positive("checkpoint_every", self.checkpoint_every)
+        _positive("max_grad_norm", self.max_grad_norm, allow_zero=True)
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(
                 f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
@@ -93,6 +95,12 @@ class TrainConfig:
             raise ConfigError(f"config version {self.version} is not supported ({CONFIG_VERSION})")
         self.scheme  # noqa: B018  (parses --compress now: bad input fails before any rank starts)
         self.sync_scheme  # noqa: B018  (and --sync)
+        if self.max_grad_norm and isinstance(self.scheme, AdamAuto | AdamMomentum | AdamUpdate):
+            raise ConfigError(
+                f"--max-grad-norm with --compress {self.compress!r}: that optimizer averages "
+                "the gradients inside its own step, so only each rank's local gradients exist "
+                "to clip; drop --max-grad-norm or use a gradient codec"
+            )
 
     @cached_property
     def scheme(self) -> Scheme:

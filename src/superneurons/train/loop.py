@@ -94,6 +94,7 @@ class _Run:
     ddp: DistributedDataParallel
     optimizer: torch.optim.Optimizer
     compression: Synchronisation
+    grad_norm: float | None = None  # the last step's global gradient norm (--max-grad-norm)
 
 
 def run_training(config: TrainConfig, device: Placement | torch.device) -> dict[str, Any]:
@@ -199,7 +200,12 @@ def _plan(
     if not communicating_optimizer(config):  # the host optimizer can stand in for it
         factory = functools.partial(build_optimizer, config)
     return _apply_budget(
-        model, batch, config.budget_bytes, loss_fn=task.loss_fn, optimizer_factory=factory
+        model,
+        batch,
+        config.budget_bytes,
+        loss_fn=task.loss_fn,
+        optimizer_factory=factory,
+        max_grad_norm=config.max_grad_norm,
     )
 
 
@@ -248,8 +254,9 @@ def _train_epoch(run: _Run, log: MetricsLog, *, epoch: int, step: int, done_in_e
         )
         if step % config.log_every == 0 or last:
             accuracy = batch_accuracy(output, targets)
+            norm = {} if run.grad_norm is None else {"grad_norm": run.grad_norm}
             log.write("step", step=step, epoch=epoch, loss=loss_value, accuracy=accuracy,
-                      bytes_sent=sent, step_s=step_s)  # fmt: skip
+                      bytes_sent=sent, step_s=step_s, **norm)  # fmt: skip
         if progress is not None:
             progress.update(1)
             progress.set_postfix(loss=f"{loss_value:.3f}")
@@ -271,10 +278,23 @@ def _train_step(
     output = run.ddp(inputs)
     loss = run.task.loss_fn(output, targets)
     loss.backward()
+    if run.config.max_grad_norm:
+        run.grad_norm = float(_clip(run))
     run.optimizer.step()
     run.compression.after_step(end_of_epoch=last)  # DiLoCo
     step_s = time.perf_counter() - start_s
     return output, targets, float(loss.detach()), step_s
+
+
+def _clip(run: _Run) -> torch.Tensor:
+    """``--max-grad-norm``: clip the averaged gradients by their global norm (on the host
+    where the optimizer is there: its ``clip_grad_norm_``); returns the norm before."""
+    from superneurons.memory.offload.host_grads import clip_grad_norm_
+
+    host_clip = getattr(run.optimizer, "clip_grad_norm_", None)  # HostOptimizerView
+    if host_clip is not None:
+        return host_clip(run.config.max_grad_norm)
+    return clip_grad_norm_(run.model.parameters(), run.config.max_grad_norm)
 
 
 def _save(run: _Run, log: MetricsLog, *, epoch: int, step: int, epoch_step: int = 0) -> None:
@@ -369,18 +389,22 @@ def _apply_budget(
     *,
     loss_fn: Any,
     optimizer_factory: Callable[[list[Any]], torch.optim.Optimizer] | None = None,
+    max_grad_norm: float = 0.0,
 ) -> Any:
     """Fit training under ``budget_bytes`` of device memory (SuperNeurons, Wang et al.
     PPoPP'18): profile one step, plan keep/offload/recompute, apply the plan to ``model``.
 
     With ``optimizer_factory`` (the loop's optimizer) its state counts in the profile, and the
     planner may put the optimizer on the host (``offload+host-optimizer``, applied here before
-    DDP wraps the model; the handle's ``optimizer`` is then the loop's).
+    DDP wraps the model; the handle's ``optimizer`` is then the loop's); with
+    ``max_grad_norm`` the plan is made for a step that clips (the host optimizer's waits for
+    the global norm).
 
     The seam to the memory runtime: the only place the trainer touches it. Returns the plan
     handle (kept alive for the whole run).
     """
     try:
+        from superneurons.memory.plan import TrainingStep
         from superneurons.memory.planner.decide import make_plan
         from superneurons.memory.profiling.step import profile_step
         from superneurons.memory.runtime.apply import apply_plan
@@ -395,6 +419,9 @@ def _apply_budget(
         budget_bytes=budget_bytes,
         allow_optimizer_in_backward=False,
         allow_host_optimizer=optimizer_factory is not None,
+        # streamed weights are one device's: under data parallelism FSDP2 shards them instead
+        allow_weight_streaming=not (dist.is_initialized() and dist.get_world_size() > 1),
+        step=TrainingStep(max_grad_norm=max_grad_norm) if max_grad_norm else None,
     )
     logger.info("memory plan for a budget of %d bytes: %s", budget_bytes, plan)
     return apply_plan(model, plan, optimizer_factory=optimizer_factory)

@@ -23,6 +23,7 @@ from typing import Any
 
 from superneurons.bench.convergence.labels import Label, read_label
 from superneurons.errors import ConfigError
+from superneurons.optim.stepcost import ComputeTimes
 
 __all__ = [
     "CONVERGENCE_CODECS",
@@ -96,6 +97,9 @@ class ConvergenceConfig:
     shakespeare_root: str = "data/shakespeare"
     timeout_s: float = 1800.0
     bandwidth_bit_s: int | None = None  # None: loopback; else a link shaped to this rate
+    # ``auto`` with Adam: the compute its decision takes (backward and optimizer step times);
+    # None: measured on rank 0 (then the decision depends on how busy the machine is)
+    adam_compute: ComputeTimes | None = None
 
     def __post_init__(self) -> None:
         if "dense" not in self.codecs:

@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from superneurons.bench.convergence.config import ConvergenceConfig, TaskConfig
 from superneurons.bench.convergence.labels import Label
 from superneurons.localsgd.diloco import LocalSGD, attach_local_sgd
+from superneurons.optim.stepcost import ComputeTimes
 from superneurons.schemes.adam import AdamAuto, AdamMomentum, AdamUpdate
 from superneurons.schemes.anchors import TorchDense
 from superneurons.schemes.diloco import DiLoCo
@@ -86,9 +87,16 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, task: str) -> f
 
 
 def _train_one(
-    task: TaskConfig, label: Label, data: tuple[Any, Any], rank: int, world: int, seed: int
+    task: TaskConfig,
+    label: Label,
+    data: tuple[Any, Any],
+    rank: int,
+    world: int,
+    seed: int,
+    adam_compute: ComputeTimes | None = None,
 ) -> dict[str, Any]:
-    """Train ``task`` under ``label`` on this rank's shard; returns the curve (rank 0 only)."""
+    """Train ``task`` under ``label`` on this rank's shard; returns the curve (rank 0 only).
+    ``adam_compute``: what ``auto`` with Adam decides from (None: measured)."""
     from superneurons.models import build_model, default_loss
 
     (x_train, y_train), (x_test, y_test) = data
@@ -114,6 +122,7 @@ def _train_one(
             config=scheme,
             total_steps=total,
             bucket_cap_bytes=25 * 2**20,  # DDP's default, as below
+            compute=adam_compute,
         )
         scheme = decision.scheme
     ddp = DistributedDataParallel(model)
@@ -221,7 +230,9 @@ def rank_main(
         for task in config.tasks:
             data = datasets(task, config)
             for label in (lb for lb in config.labels if lb.on(task.optimizer) is not None):
-                record = _train_one(task, label, data, rank, config.nproc, config.seed)
+                record = _train_one(
+                    task, label, data, rank, config.nproc, config.seed, config.adam_compute
+                )
                 if rank == 0:
                     with open(out, "a", encoding="utf-8") as handle:
                         handle.write(json.dumps(record) + "\n")

@@ -10,8 +10,10 @@ device when backward ends. Where the loop already holds an optimizer (a
 * :func:`hand_over` makes the host optimizer take the loop optimizer's hyperparameters before
   every bucket's step (so the loop's learning-rate scheduler acts on it), moves state the loop
   optimizer already holds (a resumed checkpoint) to the host, and after the loop's
-  ``optimizer.step()`` (which finds no gradient, so changes nothing) waits for the copies back
-  to the device (CUDA), through PyTorch's ``Optimizer.register_step_post_hook``.
+  ``optimizer.step()`` (which finds no gradient, so changes nothing) runs the host's step where
+  the loop clips or accumulates (the gradients waiting on the host) and waits for the copies
+  back to the device (CUDA), through PyTorch's ``Optimizer.register_step_post_hook``; the
+  loop's ``optimizer.zero_grad()`` also drops the gradients waiting on the host.
 
 The loop optimizer's ``state_dict()`` then holds its hyperparameters and no state; the host
 optimizer's state (fp32 masters, moments) is ``PlanHandle.state_dict()["host_optimizer"]``,
@@ -86,9 +88,10 @@ def factory_like(optimizer: Any, model: nn.Module) -> OptimizerFactory:
 class Handover:
     """The loop's optimizer handed over (:func:`hand_over`); :meth:`remove` ends it."""
 
-    def __init__(self, host: Any, hook: Any) -> None:
+    def __init__(self, host: Any, hook: Any, loop: torch.optim.Optimizer) -> None:
         self._host = host
         self._hook = hook
+        self._loop = loop
 
     def remove(self) -> None:
         """The loop's optimizer is its own again (the host optimizer's state is not moved
@@ -97,6 +100,7 @@ class Handover:
             self._hook.remove()
             self._host._followed = None
             self._hook = None
+            self._loop.__dict__.pop("zero_grad", None)
 
 
 def hand_over(optimizer: Any, handle: Any) -> Handover:
@@ -120,7 +124,14 @@ def hand_over(optimizer: Any, handle: Any) -> Handover:
     if loop.state:
         _move_state(loop, view.host)
     hook = loop.register_step_post_hook(lambda _opt, _args, _kwargs: view.step())
-    return Handover(view.host, hook)
+    zero_grad = loop.zero_grad
+
+    def zero_grad_here_and_on_the_host(*args: Any, **kwargs: Any) -> None:
+        zero_grad(*args, **kwargs)
+        view.zero_grad()
+
+    loop.zero_grad = zero_grad_here_and_on_the_host  # type: ignore[method-assign]
+    return Handover(view.host, hook, loop)
 
 
 def _move_state(loop: torch.optim.Optimizer, host: Any) -> None:

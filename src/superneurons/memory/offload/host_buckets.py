@@ -32,12 +32,26 @@ and one host thread steps the buckets in launch order beside backward; the copy 
 host optimizer's stream, which the next forward's stream waits for. On CPU every step runs in
 order where the bucket drains, so results are bitwise reproducible.
 
-Gradient accumulation over several backward passes is not supported (each backward steps).
+**Clipping and accumulation** (a :class:`~superneurons.memory.plan.TrainingStep` that
+``waits``): the buckets still leave the device as they are launched, but land in host buffers
+(:class:`~superneurons.memory.offload.host_grads.HostGradients`) instead of being stepped; the
+loop's ``optimizer.step()`` steps them, bucket by bucket, after its ``clip_grad_norm_``
+(:meth:`GradientBuckets.clip_grad_norm_`, the global norm of the norms computed on the device
+as each final sum landed). A backward that is not the last of its micro-batches (DDP's
+``no_sync``: ``require_backward_grad_sync`` is false; without DDP, :attr:`GradientBuckets.sync`
+says) neither all-reduces nor keeps anything on the device: its gradients are added into the
+host buffers. The last one brings each bucket's sum back for the moment it is added into the
+bucket (so the all-reduce and the norm see the whole sum, as DDP's reducer does after
+``no_sync``) and lands the reduced sums. Without clipping or accumulation each backward's
+norms are still recorded, so ``clip_grad_norm_(max_norm=inf)`` (what Trainer logs) is the
+true norm; a backward that is not the last of its micro-batches is then refused.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -47,7 +61,10 @@ import torch.distributed as dist
 from torch import nn
 
 from superneurons.errors import ConfigError
+from superneurons.memory.offload.host_grads import HostGradients, clip_coefficient
 from superneurons.memory.offload.host_optimizer import HostOptimizer, OptimizerFactory
+from superneurons.memory.offload.rewrap import rebuild_in_place
+from superneurons.memory.plan import TrainingStep
 from superneurons.memory.tracker import untracked
 
 __all__ = ["GradientBuckets", "ddp_ignore_names", "install_host_optimizer"]
@@ -74,13 +91,15 @@ def install_host_optimizer(
     factory: OptimizerFactory,
     *,
     host_device: str = "cpu",
+    step: TrainingStep | None = None,
 ) -> GradientBuckets:
     """A :class:`HostOptimizer` over ``model``'s trainable parameters, fed by
-    :class:`GradientBuckets`; DDP constructed from now on manages one parameter only
-    (:func:`ddp_ignore_names`). ``remove()`` on the result undoes both."""
+    :class:`GradientBuckets` (for a loop that clips or accumulates as ``step`` says); DDP
+    constructed from now on manages one parameter only (:func:`ddp_ignore_names`).
+    ``remove()`` on the result undoes both."""
     named = [(fqn, p) for fqn, p in model.named_parameters() if p.requires_grad]
     optimizer = HostOptimizer(named, factory, host_device=host_device)
-    grads = GradientBuckets(model, buckets, optimizer, host_device=host_device)
+    grads = GradientBuckets(model, buckets, optimizer, host_device=host_device, step=step)
     grads._previous_ignored = getattr(model, "_ddp_params_and_buffers_to_ignore", None)
     nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
         model, ddp_ignore_names(model)
@@ -126,6 +145,14 @@ class GradientBuckets:
             them form one more bucket, launched when backward ends.
         optimizer: the host optimizer that steps them.
         host_device: ``"cpu"`` (pinned on CUDA) or ``"meta"`` (simulation).
+        step: the loop's clipping and accumulation (None: neither): with either, the buckets
+            land in host buffers and the loop's ``optimizer.step()`` steps them.
+
+    Attributes:
+        sync: without DDP, says whether the backward running is the last of its
+            micro-batches (e.g. ``lambda: accelerator.sync_gradients``); None: every one is.
+            Under DDP, DDP's own ``require_backward_grad_sync`` says (``no_sync``).
+        landed: the gradients waiting for the step, and the norms of the last final ones.
     """
 
     def __init__(
@@ -135,10 +162,17 @@ class GradientBuckets:
         optimizer: HostOptimizer,
         *,
         host_device: str = "cpu",
+        step: TrainingStep | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.host_device = host_device
+        self.training_step = step or TrainingStep()
+        self.waits = self.training_step.waits
+        self.landed = HostGradients()
+        self.sync: Callable[[], bool] | None = None
+        self._final = True  # this backward is the last of its micro-batches
+        self._ddp: Any = None
         params = {fqn: p for fqn, p in model.named_parameters() if p.requires_grad}
         unknown = [f for b in buckets for f in b if f not in params]
         if unknown:
@@ -171,15 +205,23 @@ class GradientBuckets:
             for fqn, p in params.items()
         ]
         self.launched_bytes = 0  # gradient bytes sent to the host (counters for stats)
+        self._rebuild_ddp: Callable[[], None] | None = None  # undoes attach(rebuild=True)
         self._previous_ignored: Any = None  # DDP's ignore list before install_host_optimizer
 
     # --- data parallel ---------------------------------------------------------------------
-    def attach(self, ddp: nn.parallel.DistributedDataParallel) -> None:
-        """Reduce over ``ddp``'s process group with its communication hook (see module doc)."""
+    def attach(self, ddp: nn.parallel.DistributedDataParallel, *, rebuild: bool = False) -> None:
+        """Reduce over ``ddp``'s process group with its communication hook (see module doc).
+        ``rebuild``: ``ddp`` was constructed before the plan (a Trainer's, an Accelerator's):
+        it is rebuilt in place to hold no gradient buckets (:mod:`.rewrap`), and rebuilt as it
+        was by :meth:`remove` (every rank calls both)."""
         if ddp.module is not self.model:
             raise ConfigError("attach the DDP model that wraps the planned model itself")
         ignored = set(getattr(ddp, "parameters_to_ignore", ()))
         managed = [f for f in self._params if f not in ignored]
+        if len(managed) > 1 and rebuild:
+            self._rebuild_ddp = rebuild_in_place(ddp)
+            ignored = set(getattr(ddp, "parameters_to_ignore", ()))
+            managed = [f for f in self._params if f not in ignored]
         if len(managed) > 1:
             raise ConfigError(
                 "DistributedDataParallel was constructed before the plan was applied: it holds "
@@ -189,6 +231,7 @@ class GradientBuckets:
             )
         self.group = ddp.process_group
         self.world_size = dist.get_world_size(self.group)
+        self._ddp = ddp
         self._ddp_managed = [self._params[f] for f in managed]
         hooks = getattr(ddp, "_comm_hooks", [])
         if hooks:  # registered before attach: DDP also runs it on its one parameter (zeros)
@@ -209,6 +252,7 @@ class GradientBuckets:
     # --- backward ---------------------------------------------------------------------------
     def _on_grad(self, fqn: str) -> None:
         if not self._callback_queued:
+            self._final = self._last_micro_batch()
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._callback_queued = True
         self._ready[self._bucket_of[fqn]].add(fqn)
@@ -217,57 +261,108 @@ class GradientBuckets:
         ):
             self._launch(self._next)
 
+    def _last_micro_batch(self) -> bool:
+        """Whether the backward starting is the last of its micro-batches (module docstring);
+        refused where the plan steps in backward."""
+        if self._ddp is not None:
+            final = bool(self._ddp.require_backward_grad_sync)
+        else:
+            final = True if self.sync is None else bool(self.sync())
+        if not final and not self.waits:
+            raise ConfigError(
+                "the loop accumulates gradients over micro-batches (no_sync, or sync_gradients "
+                "is false), but the plan steps the optimizer on the host after every backward: "
+                "plan with TrainingStep(accumulation_steps=...) (prepare_superneurons and the "
+                "HF callback pass the loop's gradient_accumulation_steps)"
+            )
+        if not self.landed.buffers:
+            self.landed.norms.clear()  # of the previous step
+        return final
+
     def _launch(self, index: int) -> None:
-        """Flatten bucket ``index``'s gradients, drop them, start its reduction; then drain the
-        bucket launched before it."""
+        """Flatten bucket ``index``'s gradients (with the sums of earlier micro-batches, on the
+        last one), drop them, start its reduction; then drain the bucket launched before it."""
         names = self.buckets[index]
         params = [self._params[f] for f in names]
         grads = [p.grad for p in params]
-        present = [f for f, g in zip(names, grads, strict=True) if g is not None]
+        sums = self.landed.pending(names) if self.waits and self._final else {}
+        landing = [f for f, g in zip(names, grads, strict=True) if g is not None or f in sums]
         self._next = index + 1
-        if not present and self.world_size == 1:
+        reduce = self.world_size > 1 and self._final
+        if not landing and not reduce:
             self._drain()
             return
-        if len(params) == 1 and grads[0] is not None and grads[0].is_contiguous():
-            flat = grads[0].view(-1)  # a lone gradient goes as it is
-        else:
-            like = next((g for g in grads if g is not None), None)
-            dtype = like.dtype if like is not None else params[0].dtype
-            flat = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
-            offset = 0
-            for p, g in zip(params, grads, strict=True):
-                piece = flat[offset : offset + p.numel()]
-                if g is None:
-                    piece.zero_()
-                else:
-                    piece.copy_(g.reshape(-1))
-                offset += p.numel()
+        flat = self._flatten(params, grads)
+        if sums:
+            self._add_sums(flat, names, sums)
         for p in params:
             p.grad = None
         del grads
-        if self.world_size > 1:
+        if reduce:
             bucket = _Bucket(index, index == len(self.buckets) - 1, flat, params)
             hook = self.hook or _default_hook
             future = hook(self.hook_state if self.hook else self.group, bucket)
-            names_stepped = list(names)  # under data parallelism every parameter is reduced
-        else:
+            landing = list(names)  # under data parallelism every parameter is reduced
+        else:  # one process, or a micro-batch under no_sync: nothing to reduce
             future = torch.futures.Future()
             future.set_result(flat)
-            names_stepped = present
         del flat
         self._drain()
-        self._inflight = (index, future, names_stepped)
+        self._inflight = (index, future, landing)
+
+    def _flatten(self, params: list[nn.Parameter], grads: list[Any]) -> torch.Tensor:
+        """The bucket's gradients in one flat buffer, zeros where a parameter has none (a lone
+        contiguous gradient is sent as it is)."""
+        if len(params) == 1 and grads[0] is not None and grads[0].is_contiguous():
+            return grads[0].view(-1)
+        like = next((g for g in grads if g is not None), None)
+        dtype = like.dtype if like is not None else params[0].dtype
+        flat = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
+        offset = 0
+        for p, g in zip(params, grads, strict=True):
+            piece = flat[offset : offset + p.numel()]
+            if g is None:
+                piece.zero_()
+            else:
+                piece.copy_(g.reshape(-1))
+            offset += p.numel()
+        return flat
+
+    def _add_sums(self, flat: torch.Tensor, names: list[str], sums: dict[str, Any]) -> None:
+        """Add the host sums of the earlier micro-batches into ``flat`` on the device
+        (``flat + sums`` is ``sums + flat`` bit for bit: autograd's ``grad += new``)."""
+        with untracked():
+            host = torch.zeros(flat.shape, dtype=flat.dtype, pin_memory=self._cuda)
+            offset = 0
+            for fqn in names:
+                numel = self._params[fqn].numel()
+                if fqn in sums:
+                    host[offset : offset + numel].copy_(sums[fqn].reshape(-1))
+                offset += numel
+        staged = torch.empty_like(flat)  # the planner's staged bucket (buckets.bucket_timeline)
+        staged.copy_(host, non_blocking=self._cuda)
+        flat.add_(staged)
+        del staged
 
     def _drain(self) -> None:
-        """Wait for the bucket in flight, copy its reduced gradients to the host, step them."""
+        """Wait for the bucket in flight, copy its reduced gradients to the host, and step them
+        (or land them in the host buffers, where the step waits)."""
         if self._inflight is None:
             return
         index, future, names = self._inflight
         self._inflight = None
         reduced = future.wait()
         reduced = reduced[0] if isinstance(reduced, list) else reduced  # (numel,)
+        views, offset = {}, 0
+        for fqn in self.buckets[index]:
+            numel = self._params[fqn].numel()
+            if fqn in names:
+                views[fqn] = reduced[offset : offset + numel].view_as(self._params[fqn])
+            offset += numel
+        if self._final:  # the gradients are whole: their norms, on the device
+            self._record_norms(views, reduced.dtype)
         host, copied = self._to_host(reduced)
-        del reduced, future
+        del reduced, future, views
         grads, offset = {}, 0
         for fqn in self.buckets[index]:
             numel = self._params[fqn].numel()
@@ -275,15 +370,29 @@ class GradientBuckets:
                 grads[fqn] = host[offset : offset + numel].view_as(self._params[fqn])
             offset += numel
         self.launched_bytes += host.numel() * host.element_size()
+        if self.waits:
+            work = functools.partial(self.landed.land, grads, final=self._final)
+        else:
+            work = functools.partial(self.optimizer.step, grads)
         if self._worker is None:
-            self.optimizer.step(grads)  # CPU: here, in order (bitwise reproducible)
-        else:  # CUDA: the host steps beside backward once the copy has landed
-            self._steps.append(self._worker.submit(self._step_when_copied, copied, grads))
+            work()  # CPU: here, in order (bitwise reproducible)
+        else:  # CUDA: the host works beside backward once the copy has landed
+            self._steps.append(self._worker.submit(self._when_copied, copied, work))
 
-    def _step_when_copied(self, copied: Any, grads: dict[str, torch.Tensor]) -> None:
+    def _record_norms(self, views: dict[str, torch.Tensor], dtype: Any) -> None:
+        """Each final gradient's norm, as ``clip_grad_norm_`` computes it (a 0-dim tensor per
+        parameter on the device: not counted)."""
+        if not views or self.host_device == "meta":
+            return
+        norm_type = self.training_step.norm_type
+        with untracked(), torch.no_grad():
+            norms = torch._foreach_norm(list(views.values()), norm_type)
+        self.landed.record_norms(dict(zip(views, norms, strict=True)), dtype, norm_type)
+
+    def _when_copied(self, copied: Any, work: Callable[[], None]) -> None:
         with torch.cuda.device(self._device):
             copied.synchronize()  # this worker thread waits, not backward's
-            self.optimizer.step(grads)
+            work()
 
     def _to_host(self, reduced: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """The reduced gradients in host memory, and the CUDA event of their copy (None
@@ -324,6 +433,44 @@ class GradientBuckets:
         for param in self._ddp_managed:
             param.grad = None
 
+    # --- the loop's step (where the step waits) -----------------------------------------------
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, order: Sequence[str] | None = None
+    ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` of the gradients waiting on the host (the total
+        norm of their norms in ``order``, parameter fqns; default: the model's order), which
+        it scales in place; returns the total norm. Where the plan steps in backward the
+        gradients were stepped already: the norm of the last backward is returned for
+        ``max_norm=inf`` (what Trainer logs) and a finite ``max_norm`` is refused."""
+        order = list(order) if order is not None else list(self._params)
+        total = self.landed.norm(order, float(norm_type))
+        if not self.waits:
+            if math.isfinite(max_norm):
+                raise ConfigError(
+                    "the plan steps the optimizer on the host during backward, before a global "
+                    "gradient norm exists: plan with TrainingStep(max_grad_norm=...) "
+                    "(prepare_superneurons(max_grad_norm=...); the HF callback passes "
+                    "max_grad_norm itself)"
+                )
+            return total
+        if self.landed:
+            self.landed.scale_(clip_coefficient(total, max_norm))
+        return total
+
+    def step_landed(self) -> None:
+        """Step the gradients waiting on the host, bucket by bucket in launch order, and copy
+        the parameters back (the loop's ``optimizer.step()`` where the step waits)."""
+        for names in self.buckets:
+            grads = self.landed.take(names)
+            if grads:
+                self.optimizer.step(grads)
+        self.landed.clear()
+        self.optimizer.wait()
+
+    def discard(self) -> None:
+        """Drop the gradients waiting on the host (the loop's ``zero_grad()``)."""
+        self.landed.clear()
+
     def remove(self) -> None:
         """Drop the hooks; give DDP back the parameters it was told to ignore (for a DDP
         constructed afterwards)."""
@@ -340,6 +487,9 @@ class GradientBuckets:
                 self.model, self._previous_ignored
             )
             self._previous_ignored = None
+        if self._rebuild_ddp is not None:  # DDP as it was: reducing every parameter again
+            rebuild, self._rebuild_ddp = self._rebuild_ddp, None
+            rebuild()
 
 
 def _noop_hook(_state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:

@@ -3,7 +3,8 @@
 
 * ``plan.optimizer_in_backward``: one optimizer per parameter, stepped in its gradient's hook
   on the device (:mod:`.optim_backward`), its state in the host pool between steps with
-  ``plan.optimizer_on_host`` (:mod:`.optim_host`);
+  ``plan.optimizer_on_host`` (:mod:`.optim_host`); where ``plan.step`` clips or accumulates,
+  the steps wait for the end of the last micro-batch (:class:`.optim_backward.WaitingSteps`);
 * ``plan.host_optimizer``: the optimizer on the host, stepped per gradient bucket
   (:mod:`.host_buckets`, :mod:`.host_optimizer`).
 """
@@ -19,7 +20,7 @@ from torch import nn
 from superneurons.errors import ConfigError
 from superneurons.memory.offload.host_buckets import install_host_optimizer
 from superneurons.memory.offload.host_optimizer import HostOptimizerView
-from superneurons.memory.offload.optim_backward import register_optimizer_in_backward
+from superneurons.memory.offload.optim_backward import WaitingSteps, register_optimizer_in_backward
 from superneurons.memory.offload.optim_host import HostOptimizerState
 
 __all__ = ["attach_optimizer"]
@@ -52,9 +53,13 @@ def _in_backward(handle: Any, model: nn.Module, factory: OptimizerFactory | None
             capacity_bytes=handle.plan.optimizer_host_bytes,
             streams=handle.pool.copy_streams,
         )
-    optimizers, hooks = register_optimizer_in_backward(model, factory, host_state=handle.host_state)
+    optimizers, hooks = register_optimizer_in_backward(
+        model, factory, host_state=handle.host_state, step=handle.plan.step
+    )
     handle.optimizers.update(optimizers)
     handle._hooks += hooks
+    if hooks and isinstance(hooks[-1], WaitingSteps):  # clipping or accumulation
+        handle.waiting_steps = hooks[-1]
 
 
 def _on_host(handle: Any, model: nn.Module, factory: OptimizerFactory | None) -> None:
@@ -66,7 +71,7 @@ def _on_host(handle: Any, model: nn.Module, factory: OptimizerFactory | None) ->
         )
     host_device = handle.pool.config.host_device
     handle.buckets = install_host_optimizer(
-        model, handle.plan.grad_buckets, factory, host_device=host_device
+        model, handle.plan.grad_buckets, factory, host_device=host_device, step=handle.plan.step
     )
-    handle.optimizer = HostOptimizerView(handle.buckets.optimizer)
+    handle.optimizer = HostOptimizerView(handle.buckets.optimizer, handle.buckets)
     handle._hooks.append(handle.buckets)

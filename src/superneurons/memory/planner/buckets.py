@@ -83,6 +83,7 @@ def bucket_timeline(
     *,
     num_events: int,
     backward_end: int,
+    staged: bool = False,
 ) -> np.ndarray:
     """Device bytes of gradients per event under the host optimizer.
 
@@ -91,7 +92,9 @@ def bucket_timeline(
     several gradients into one flat buffer, which is live at that event beside them; a bucket of
     one gradient is sent as it is); the flat buffer (or the lone gradient) lives until the next
     bucket's launch drains it, the last one until backward ends. Gradients in no bucket live
-    until backward ends.
+    until backward ends. ``staged`` (gradient accumulation, the last micro-batch): at its launch
+    each bucket's sum of the earlier micro-batches is copied back from the host beside it and
+    added into it (one more bucket of bytes at that event).
     """
     last = num_events - 1
     where = {name: i for i, name in enumerate(grad_params) if name}
@@ -125,6 +128,9 @@ def bucket_timeline(
         for i in indices:
             live(gradients[i][0], launch, gradients[i][2])
         live(launch, drained, sum(gradients[i][2] for i in indices))
+    if staged:
+        for launch, indices in zip(launches, members, strict=True):
+            live(launch, launch, sum(gradients[i][2] for i in indices))
     for i, (birth, _ready, nbytes) in enumerate(gradients):
         if i not in bucketed:
             live(birth, end_of_backward, nbytes)

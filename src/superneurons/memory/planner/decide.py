@@ -45,6 +45,7 @@ from dataclasses import dataclass, replace
 from superneurons.bytesize import format_bytes
 from superneurons.errors import ConfigError
 from superneurons.memory.plan import (
+    PLAN_VERSION,
     SEARCH_STRATEGIES,
     SINGLE_DEVICE_STRATEGIES,
     STRATEGIES,
@@ -52,6 +53,7 @@ from superneurons.memory.plan import (
     Plan,
     StrategyFloor,
     TensorDecision,
+    TrainingStep,
     UnitDecision,
 )
 from superneurons.memory.planner.bounds import head_loss_bytes, largest_unit_bytes, resident_bytes
@@ -60,6 +62,7 @@ from superneurons.memory.planner.predict import evaluate
 from superneurons.memory.planner.strategy_search import (
     HOST_OPTIMIZER,
     IN_BACKWARD,
+    STREAM_WEIGHTS,
     Choice,
     search_all,
     usable,
@@ -74,6 +77,7 @@ __all__ = [
     "make_plan",
     "min_peak_bytes",
     "search_floors",
+    "step_costs",
     "strategy_floors",
 ]
 
@@ -92,6 +96,8 @@ def make_plan(
     cost: CostModel | None = None,
     chunked: Sequence[Profile] = (),
     floors: Floors | None = None,
+    allow_weight_streaming: bool = True,
+    step: TrainingStep | None = None,
 ) -> Plan:
     """Plan keep / offload / recompute per unit so the predicted peak fits ``budget_bytes``.
 
@@ -115,6 +121,11 @@ def make_plan(
     strategy when the plain profile does not fit; the plan carries the chunking it used.
     ``floors``: :func:`search_floors` of the same
     profiles and cost, when the caller has searched them already (``plan`` reports them).
+    ``stream-weights``: the host optimizer's plan, then units' weights in the host pool, copied
+    to the device around their forward and backward (the cheapest copies first, only while the
+    budget needs them: :mod:`superneurons.memory.planner.weights`); ``auto`` takes it after
+    everything else. ``allow_weight_streaming=False`` rules it out (data parallelism: a
+    streamed unit's weights are one device's; FSDP2 shards them across devices instead).
 
     Raises:
         InfeasibleBudgetError: no plan of ``strategy`` fits; the message names the minimum budget
@@ -127,8 +138,16 @@ def make_plan(
         raise ConfigError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
     if floors is None:
         cost = _cost_of(profile, cost, bandwidth_bytes_per_s)
-        floors = search_floors(profile, cost=cost, chunked=chunked)
-    allowed = _Allowed(optimizer_in_backward, allow_optimizer_in_backward, allow_host_optimizer)
+        floors = search_floors(profile, cost=cost, chunked=chunked, step=step)
+    elif step is not None and floors.step != _plain(step):
+        raise ConfigError("floors= were searched for another training step than step=")
+    step = floors.step
+    allowed = _Allowed(
+        optimizer_in_backward,
+        allow_optimizer_in_backward,
+        allow_host_optimizer,
+        allow_weight_streaming,
+    )
     minima = allowed.minima(floors, strategy)
     order = [strategy]
     if strategy == "auto":
@@ -136,7 +155,7 @@ def make_plan(
         chosen = _least_exposed(floors, order, budget_bytes)
         minima["auto"] = min(minima[s] for s in order)
     else:
-        chosen = search_all(floors.profiles, strategy, budget_bytes, floors.cost)
+        chosen = search_all(floors.profiles, strategy, budget_bytes, floors.cost, step)
         if optimizer_in_backward and not chosen.optimizer_in_backward:
             chosen.optimizer_in_backward = True
             chosen.outcome = evaluate(
@@ -145,6 +164,7 @@ def make_plan(
                 optimizer_in_backward=True,
                 cost=floors.cost,
                 segments=chosen.segments,
+                step=step,
             )
     # NOTE: the minimum named (error and Plan) is the one this call reaches with the same
     # arguments: the floor of the strategy asked for (``auto``: of the strategies it may take),
@@ -158,7 +178,8 @@ def make_plan(
             min_budget_bytes=reachable,
             strategy=next((s for s in order if minima.get(s) == reachable), strategy),
         )
-    return _plan_of(chosen, chosen.profile or profile, budget_bytes, reachable)
+    plan = _plan_of(chosen, chosen.profile or profile, budget_bytes, reachable)
+    return plan if step is None else replace(plan, step=step)
 
 
 def _lower_elsewhere(minima: dict[str, int], strategy: str, floor: int) -> str:
@@ -182,11 +203,13 @@ class Floors:
         cost: the device cost model the searches used.
         choices: strategy -> its least-peak search, for every search strategy the profiles can
             run (:data:`~superneurons.memory.plan.SEARCH_STRATEGIES`).
+        step: the training step the searches were for (clipping, accumulation; None: plain).
     """
 
     profiles: tuple[Profile, ...]
     cost: CostModel
     choices: dict[str, Choice]
+    step: TrainingStep | None = None  # the training step searched for (None: the plain one)
 
     def peak_bytes(self) -> dict[str, int]:
         """Strategy -> its smallest predicted peak."""
@@ -194,16 +217,48 @@ class Floors:
 
 
 def search_floors(
-    profile: Profile, *, cost: CostModel | None = None, chunked: Sequence[Profile] = ()
+    profile: Profile,
+    *,
+    cost: CostModel | None = None,
+    chunked: Sequence[Profile] = (),
+    step: TrainingStep | None = None,
 ) -> Floors:
     """Each search strategy's least-peak plan over ``profile`` and the ``chunked`` profiles of
-    the same step."""
+    the same step, for a loop that clips or accumulates as ``step`` says (None: neither)."""
     cost = cost or CostModel()
     profiles = (profile, *chunked)
+    step = _plain(step)
     choices = {
-        s: search_all(profiles, s, None, cost) for s in SEARCH_STRATEGIES if usable(profiles, s)
+        s: search_all(profiles, s, None, cost, step)
+        for s in SEARCH_STRATEGIES
+        if usable(profiles, s)
     }
-    return Floors(profiles, cost, choices)
+    return Floors(profiles, cost, choices, step)
+
+
+def step_costs(floors: Floors, plain: Floors) -> dict[str, dict[str, float]]:
+    """What the training step ``floors`` were searched for (clipping, accumulation) costs each
+    strategy: its floor there against its floor in ``plain`` (the same profiles searched for
+    the plain step), as differences of the peak (``device_bytes``), of the host bytes
+    (``host_bytes``: activations and the optimizer's host side) and of the predicted overhead
+    per micro-batch (``overhead_s``)."""
+    costs = {}
+    for strategy in (s for s in floors.choices if s in plain.choices):
+        stepped, base = floors.choices[strategy].outcome, plain.choices[strategy].outcome
+        costs[strategy] = {
+            "device_bytes": stepped.peak_bytes - base.peak_bytes,
+            "host_bytes": (stepped.host_bytes + stepped.optimizer_host_bytes)
+            - (base.host_bytes + base.optimizer_host_bytes),
+            "overhead_s": (stepped.extra_compute_s + stepped.exposed_s)
+            - (base.extra_compute_s + base.exposed_s),
+        }
+    return costs
+
+
+def _plain(step: TrainingStep | None) -> TrainingStep | None:
+    """None for the plain step (no clipping, no accumulation): plans made for it read as they
+    always have."""
+    return None if step is None or step == TrainingStep() else step
 
 
 def min_peak_bytes(
@@ -241,7 +296,7 @@ def describe_floors(
         if id(used) not in sets:
             sets[id(used)] = (largest_unit_bytes(used), head_loss_bytes(used))
         largest, head_loss = sets[id(used)]
-        resident = used.param_bytes
+        resident = used.param_bytes - outcome.weights.host_bytes
         if not best.host_optimizer:
             resident += 0 if best.optimizer_in_backward else used.grad_bytes
             resident += 0 if best.optimizer_on_host else used.optimizer_state_bytes
@@ -261,6 +316,12 @@ def describe_floors(
             head_loss_working_set_bytes=head_loss,
             head_chunk_tokens=used.head.chunk_tokens if used.head else None,
             mlp_pieces=max((c.chunks for c in used.seq_chunks), default=1),
+            streamed_bytes=outcome.weights.streamed_bytes,
+            weights_host_bytes=outcome.weights.host_bytes,
+            exposed_transfer_s=outcome.exposed_s,
+            pinned_host_bytes=(
+                outcome.host_bytes + outcome.optimizer_host_bytes + outcome.weights.host_bytes
+            ),
         )
     return described
 
@@ -284,6 +345,7 @@ class _Allowed:
     in_backward: bool
     allow_in_backward: bool
     allow_host: bool
+    allow_streaming: bool = True
 
     def minima(self, floors: Floors, strategy: str) -> dict[str, int]:
         """Each allowed strategy's floor; a ``strategy`` the rules forbid is refused."""
@@ -296,20 +358,30 @@ class _Allowed:
             for name in IN_BACKWARD:
                 minima.pop(name, None)
         if not self.allow_host:
-            if strategy == HOST_OPTIMIZER:
-                raise ConfigError(f"{HOST_OPTIMIZER!r} contradicts allow_host_optimizer=False")
+            if strategy in (HOST_OPTIMIZER, STREAM_WEIGHTS):
+                raise ConfigError(f"{strategy!r} contradicts allow_host_optimizer=False")
             minima.pop(HOST_OPTIMIZER, None)
+            minima.pop(STREAM_WEIGHTS, None)
+        if not self.allow_streaming:
+            if strategy == STREAM_WEIGHTS:
+                raise ConfigError(
+                    f"{STREAM_WEIGHTS!r} runs on one device: under data parallelism shard the "
+                    "weights with FSDP2 (torch.distributed.fsdp.fully_shard) instead"
+                )
+            minima.pop(STREAM_WEIGHTS, None)
         return minima
 
     def auto_order(self) -> list[str]:
         """The strategies ``auto`` tries, the cheapest kinds first."""
         if self.in_backward:
             return list(IN_BACKWARD)
-        order = ["eager", "recompute", "offload", *IN_BACKWARD, HOST_OPTIMIZER]
+        order = ["eager", "recompute", "offload", *IN_BACKWARD, HOST_OPTIMIZER, STREAM_WEIGHTS]
         if not self.allow_in_backward:
             order = [s for s in order if s not in IN_BACKWARD]
         if not self.allow_host:
-            order.remove(HOST_OPTIMIZER)
+            order = [s for s in order if s not in (HOST_OPTIMIZER, STREAM_WEIGHTS)]
+        if not self.allow_streaming:
+            order = [s for s in order if s != STREAM_WEIGHTS]
         return order
 
 
@@ -317,13 +389,14 @@ def _least_exposed(floors: Floors, order: list[str], budget_bytes: int) -> Choic
     """``auto``: of the strategies in ``order`` that fit, the one with the least exposed time,
     stepping in backward, state on the host or the host optimizer only where nothing else
     fits; none fits: the least peak."""
-    tried = [search_all(floors.profiles, s, budget_bytes, floors.cost) for s in order]
+    tried = [search_all(floors.profiles, s, budget_bytes, floors.cost, floors.step) for s in order]
     fits = [c for c in tried if c.outcome.peak_bytes <= budget_bytes]
     if not fits:
         return min(tried, key=lambda c: c.outcome.peak_bytes)
     return min(
         fits,
         key=lambda c: (
+            bool(c.weights),
             c.host_optimizer,
             c.optimizer_in_backward,
             c.optimizer_on_host,
@@ -340,9 +413,16 @@ def _plan_of(chosen: Choice, used: Profile, budget_bytes: int, min_budget_bytes:
         TensorDecision(s.key, s.unit, actions.get(s.unit, "keep") if s.unit else "keep", s.nbytes)
         for s in used.saved
     )
+    streams = outcome.weights
     return Plan(
         units=tuple(
-            UnitDecision(f, a, unit_bytes[f], segment=chosen.segments.get(f, -1))
+            UnitDecision(
+                f,
+                a,
+                unit_bytes[f],
+                segment=chosen.segments.get(f, -1),
+                weights="host" if f in chosen.weights else "device",
+            )
             for f, a in actions.items()
         ),
         strategy=chosen.strategy,
@@ -355,7 +435,8 @@ def _plan_of(chosen: Choice, used: Profile, budget_bytes: int, min_budget_bytes:
         transfer_s=outcome.transfer_s,
         feasible=True,
         tensors=tensors,
-        resident_bytes=resident_bytes(used, host_optimizer=chosen.host_optimizer),
+        resident_bytes=resident_bytes(used, host_optimizer=chosen.host_optimizer)
+        - streams.host_bytes,
         largest_unit_bytes=largest_unit_bytes(used),
         optimizer_on_host=chosen.optimizer_on_host,
         optimizer_host_bytes=outcome.optimizer_host_bytes,
@@ -366,4 +447,10 @@ def _plan_of(chosen: Choice, used: Profile, budget_bytes: int, min_budget_bytes:
         grad_buckets=chosen.buckets,
         peak_at=outcome.peak_at,
         breakdown=outcome.breakdown,
+        weights_host_bytes=streams.host_bytes,
+        streamed_bytes=streams.streamed_bytes,
+        weights_exposed_s=streams.exposed_s,
+        exposed_transfer_s=outcome.exposed_s,
+        # the oldest format that holds the plan: without streamed weights, version 3
+        version=PLAN_VERSION if chosen.weights else 3,
     )

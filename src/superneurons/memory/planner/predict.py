@@ -23,15 +23,17 @@ from typing import Any
 
 import numpy as np
 
-from superneurons.memory.plan import OFFLOADING, RECOMPUTING
+from superneurons.memory.plan import OFFLOADING, RECOMPUTING, TrainingStep
 from superneurons.memory.planner.cost import MIN_OFFLOAD_BYTES, CostModel
 from superneurons.memory.planner.predict_steps import (
     HostStateModel,
+    accumulated_gradients,
     host_optimizer_cost,
     host_state_timeline,
     step_in_backward,
     step_on_host,
 )
+from superneurons.memory.planner.weights import WeightStreams, stream_cost, weight_windows
 from superneurons.memory.planner.where import locate
 from superneurons.memory.profile_types import CATEGORIES, Profile, StorageLife
 
@@ -68,6 +70,7 @@ class Outcome:
     optimizer_copy_s: float = 0.0  # its copy time per step, both directions
     breakdown: dict[str, int] = field(default_factory=dict)
     peak_at: dict[str, Any] = field(default_factory=dict)
+    weights: WeightStreams = field(default_factory=WeightStreams)  # streamed units' weights
 
 
 def evaluate(
@@ -81,6 +84,8 @@ def evaluate(
     optimizer_on_host: bool = False,
     host_optimizer: bool = False,
     buckets: tuple[tuple[str, ...], ...] | None = None,
+    streamed: frozenset[str] = frozenset(),
+    step: TrainingStep | None = None,
 ) -> Outcome:
     """Predict peak bytes, host bytes and time overheads of per-unit ``actions`` (fqn -> action).
 
@@ -95,6 +100,13 @@ def evaluate(
     ``host_optimizer``: the optimizer runs on the host; gradients live on the device as
     ``buckets`` (default: :func:`~superneurons.memory.planner.buckets.assign_buckets`) are
     launched and drained; after backward only the parameters remain.
+    ``streamed``: the units whose weights stream from the host (with ``host_optimizer``): their
+    parameters are on the device only in the windows of
+    :func:`~superneurons.memory.planner.weights.weight_windows`.
+    ``step``: the loop clips or accumulates (:class:`~superneurons.memory.plan.TrainingStep`;
+    None: neither), which changes where gradients live and when an optimizer off the device
+    may step (:mod:`superneurons.memory.planner.predict_steps`); times are then per
+    micro-batch.
 
     The passes, over one timeline of the step: where the optimizer steps (the resident rows),
     the saved storages the plan releases and brings back, the checkpoint inputs it keeps, the
@@ -102,9 +114,13 @@ def evaluate(
     """
     cost = cost or CostModel()
     plan = _Plan(profile, actions, segments or {}, min_offload_bytes)
+    step = step or TrainingStep()
     timeline, host_state = _optimizer_rows(
-        profile, optimizer_in_backward, optimizer_on_host, host_optimizer, buckets
+        profile, optimizer_in_backward, optimizer_on_host, host_optimizer, buckets, step
     )
+    weights = stream_cost(profile, streamed, cost)
+    if streamed:
+        weight_windows(profile, streamed, timeline.table)
     host_bytes = _move_saved(plan, timeline) + _keep_checkpoint_inputs(plan, timeline)
     if profile.rng_state_bytes:
         _stash_rng_states(profile, actions, plan.segments, plan.members, timeline.change)
@@ -119,10 +135,13 @@ def evaluate(
         out_s, in_s = cost.copy_s(host_state.copied_bytes), cost.fetch_s(host_state.copied_bytes)
         optimizer_copy_s = out_s + in_s
         transfer_s += optimizer_copy_s
-        exposed_s += max(0.0, out_s - backward_s) + max(0.0, in_s - backward_s)
+        if step.waits:  # after backward, each state's fetch beside the previous one's return
+            exposed_s += max(out_s, in_s) / step.accumulation_steps
+        else:
+            exposed_s += max(0.0, out_s - backward_s) + max(0.0, in_s - backward_s)
         optimizer_host_bytes = host_state.host_bytes
     if host_optimizer:
-        optimizer_copy_s, exposed, host_optimizer_bytes = host_optimizer_cost(profile, cost)
+        optimizer_copy_s, exposed, host_optimizer_bytes = host_optimizer_cost(profile, cost, step)
         transfer_s += optimizer_copy_s
         exposed_s += exposed
         if host_state is None:
@@ -133,13 +152,14 @@ def evaluate(
         int(total.max(initial=0)),
         host_bytes,
         extra_s,
-        transfer_s,
-        exposed_s,
+        transfer_s + weights.transfer_s,
+        exposed_s + weights.exposed_s,
         peak_event,
         optimizer_host_bytes,
         optimizer_copy_s,
         breakdown=timeline.breakdown(peak_event),
         peak_at=locate(profile, peak_event),
+        weights=weights,
     )
 
 
@@ -193,22 +213,30 @@ def _optimizer_rows(
     on_host: bool,
     host_optimizer: bool,
     buckets: tuple[tuple[str, ...], ...] | None,
+    step: TrainingStep,
 ) -> tuple[_Timeline, HostStateModel | None]:
     """The step's eager rows with the optimizer where the plan steps it: in backward (each
-    gradient freed once applied), its state in the host pool, or on the host."""
+    gradient freed once applied), its state in the host pool, or on the host; gradients
+    accumulated on the device where the step accumulates and the optimizer is not the host's
+    (which keeps the sums in host buffers)."""
     table = profile.timeline_array(steady_state=True)
     head = profile.head_rows()  # (saved, temporaries) of the LM head + loss, inside table
+    if step.accumulation_steps > 1 and not host_optimizer:
+        accumulated_gradients(table, profile)
     if in_backward:
-        step_in_backward(table, head, profile)
+        step_in_backward(table, head, profile, step)
     if host_optimizer:
-        step_on_host(table, head, profile, buckets)
+        step_on_host(table, head, profile, buckets, step)
     host_state = None
     if in_backward and on_host:
         # NOTE: timed by the gradients' births, not their hooks: measured here, the fetched state
         # of the first large parameter of backward is live from its gradient's birth (the
         # executed peak equals this model's on the zoo GPT's plans, test_memory_optim_host)
         host_state = host_state_timeline(
-            profile.grad_births, profile.optimizer_state_bytes, profile.num_events
+            profile.grad_births,
+            profile.optimizer_state_bytes,
+            profile.num_events,
+            after_event=profile.backward_end_event if step.waits else None,
         )
         table[CATEGORIES.index("optimizer")] = host_state.device_row
     events = profile.num_events

@@ -14,14 +14,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from superneurons.errors import ConfigError
+from superneurons.memory.plan import TrainingStep
 from superneurons.memory.planner.buckets import BUCKET_CAPS, assign_buckets
 from superneurons.memory.planner.cost import CostModel
 from superneurons.memory.planner.predict import Outcome, evaluate
+from superneurons.memory.planner.weights import stream_order
 from superneurons.memory.profile_types import Profile, UnitProfile
 
 __all__ = [
     "HOST_OPTIMIZER",
     "IN_BACKWARD",
+    "STREAM_WEIGHTS",
     "Choice",
     "search_all",
     "segment_runs",
@@ -74,13 +77,18 @@ _ALLOWED: dict[str, tuple[str, ...]] = {
     "offload+opt-in-backward": ("recompute", "offload"),
     "offload+opt-on-host": ("recompute", "offload"),
     "offload+host-optimizer": ("recompute", "offload"),
+    "stream-weights": ("recompute", "offload"),
 }
 IN_BACKWARD = ("offload+opt-in-backward", "offload+opt-on-host")
 HOST_OPTIMIZER = "offload+host-optimizer"
+# the host optimizer's search, then units' weights to the host pool, the cheapest copies first,
+# only while the budget needs them (memory.planner.weights)
+STREAM_WEIGHTS = "stream-weights"
 
 
 _SEGMENT: tuple[str, str] = ("", "segment")  # the step that turns on memory-centric segments
 _HOST_STATE: tuple[str, str] = ("", "optimizer-on-host")  # optimizer state to the host pool
+_WEIGHTS = "weights"  # (fqn, _WEIGHTS): the unit's weights to the host pool
 
 
 @dataclass
@@ -96,16 +104,22 @@ class Choice:
     optimizer_on_host: bool = False
     profile: Profile | None = None
     buckets: tuple[tuple[str, ...], ...] = ()
+    weights: tuple[str, ...] = ()  # the units whose weights stream from the host
 
     @property
     def host_optimizer(self) -> bool:
-        return bool(self.buckets) or self.strategy == HOST_OPTIMIZER
+        return bool(self.buckets) or self.strategy in (HOST_OPTIMIZER, STREAM_WEIGHTS)
 
 
 def search_all(
-    profiles: Sequence[Profile], strategy: str, budget_bytes: int | None, cost: CostModel
+    profiles: Sequence[Profile],
+    strategy: str,
+    budget_bytes: int | None,
+    cost: CostModel,
+    step: TrainingStep | None = None,
 ) -> Choice:
-    """The first profile whose search fits ``budget_bytes`` (None: the least peak over all)."""
+    """The first profile whose search fits ``budget_bytes`` (None: the least peak over all),
+    for a loop that clips or accumulates as ``step`` says (None: neither)."""
     tried = []
     runnable = usable(profiles, strategy)
     if not runnable:
@@ -114,9 +128,9 @@ def search_all(
             "gradient in the forward cannot follow: plan it with a recompute head as well"
         )
     for profile in runnable:
-        choice = _search(profile, strategy, budget_bytes, cost)
+        choice = _search(profile, strategy, budget_bytes, cost, step)
         if choice.host_optimizer:
-            choice = _widest_buckets(choice, budget_bytes, cost)
+            choice = _widest_buckets(choice, budget_bytes, cost, step)
         if budget_bytes is not None and choice.outcome.peak_bytes <= budget_bytes:
             return choice
         tried.append(choice)
@@ -132,10 +146,16 @@ def usable(profiles: Sequence[Profile], strategy: str) -> list[Profile]:
     return [p for p in profiles if not (in_backward and p.head and p.head.mode != "recompute")]
 
 
-def _search(profile: Profile, strategy: str, budget_bytes: int | None, cost: CostModel) -> Choice:
+def _search(
+    profile: Profile,
+    strategy: str,
+    budget_bytes: int | None,
+    cost: CostModel,
+    step: TrainingStep | None = None,
+) -> Choice:
     """Shortest candidate prefix that fits ``budget_bytes`` (None: the prefix with least peak)."""
     opt_in = strategy in IN_BACKWARD
-    host_opt = strategy == HOST_OPTIMIZER
+    host_opt = strategy in (HOST_OPTIMIZER, STREAM_WEIGHTS)
     buckets: tuple[tuple[str, ...], ...] = ()
     if host_opt:  # the search runs with the smallest buckets; _widest_buckets widens them
         events = profile.gradients
@@ -144,19 +164,25 @@ def _search(profile: Profile, strategy: str, budget_bytes: int | None, cost: Cos
         actions = {
             u.fqn: "recompute" if _recomputable(profile, u) else "keep" for u in profile.units
         }
-        return Choice(
-            strategy, actions, {}, False, evaluate(profile, actions, cost=cost), profile=profile
-        )
+        outcome = evaluate(profile, actions, cost=cost, step=step)
+        return Choice(strategy, actions, {}, False, outcome, profile=profile)
     actions = {u.fqn: "keep" for u in profile.units}
     first, upgrades = _candidates(profile, _ALLOWED[strategy], cost)
     segment: list[tuple[str, str]] = [_SEGMENT] if "recompute" in _ALLOWED[strategy] else []
+    weights: list[tuple[str, str]] = []
+    if strategy == STREAM_WEIGHTS:
+        # NOTE: a segment's first unit runs its members' forwards itself, past the hooks that
+        # fetch their weights: no segments here; weights stream last, when nothing else fits
+        segment = []
+        weights = [(fqn, _WEIGHTS) for fqn in stream_order(profile, cost)]
     # NOTE: with a host pool, checkpoints go to the host (hidden behind recompute) before
     # memory-centric segments, which recompute twice and still hold the segment inputs
     # NOTE: optimizer state to the host first: its copies run on the pool's streams beside the
     # whole backward (exposed only beyond it), the cheapest bytes per second there are
     host = [_HOST_STATE] if strategy == "offload+opt-on-host" else []
-    steps = host + first + upgrades + segment
+    steps = host + first + upgrades + segment + weights
     segmented = on_host = False
+    streamed: list[str] = []
 
     def outcome_of() -> Outcome:
         segments = segment_runs(profile, actions) if segmented else {}
@@ -169,11 +195,16 @@ def _search(profile: Profile, strategy: str, budget_bytes: int | None, cost: Cos
             optimizer_on_host=on_host,
             host_optimizer=host_opt,
             buckets=buckets if host_opt else None,
+            streamed=frozenset(streamed),
+            step=step,
         )
 
     def choice(outcome: Outcome) -> Choice:
         segments = segment_runs(profile, actions) if segmented else {}
-        return Choice(strategy, dict(actions), segments, opt_in, outcome, on_host, profile, buckets)
+        return Choice(
+            strategy, dict(actions), segments, opt_in, outcome, on_host, profile, buckets,
+            tuple(streamed),
+        )  # fmt: skip
 
     outcome = outcome_of()
     best = choice(outcome)
@@ -185,6 +216,8 @@ def _search(profile: Profile, strategy: str, budget_bytes: int | None, cost: Cos
             segmented = True
         elif (fqn, action) == _HOST_STATE:
             on_host = True
+        elif action == _WEIGHTS:
+            streamed.append(fqn)
         else:
             if actions[fqn] == "keep":
                 taken.append(fqn)
@@ -242,7 +275,9 @@ def segment_runs(profile: Profile, actions: dict[str, str]) -> dict[str, int]:
     return segments
 
 
-def _widest_buckets(choice: Choice, budget_bytes: int | None, cost: CostModel) -> Choice:
+def _widest_buckets(
+    choice: Choice, budget_bytes: int | None, cost: CostModel, step: TrainingStep | None = None
+) -> Choice:
     """The host optimizer's buckets as wide as the budget allows (fewer, larger collectives):
     the largest of :data:`BUCKET_CAPS` whose peak fits ``budget_bytes`` (None: whose peak is
     the least), the actions kept."""
@@ -259,6 +294,8 @@ def _widest_buckets(choice: Choice, budget_bytes: int | None, cost: CostModel) -
             segments=choice.segments,
             host_optimizer=True,
             buckets=buckets,
+            streamed=frozenset(choice.weights),
+            step=step,
         )
         limit = best.outcome.peak_bytes if budget_bytes is None else budget_bytes
         if outcome.peak_bytes <= limit:

@@ -26,6 +26,7 @@ import inspect
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ from superneurons.memory.profile_types import (
     UnitProfile,
     default_units,
     head_unit,
+    unit_params,
 )
 from superneurons.memory.profiling.from_recording import build_profile
 from superneurons.memory.profiling.isolate import IsolationError, isolated, unwrapped
@@ -259,7 +261,7 @@ def _run(
         rng_state_bytes=int(torch.get_rng_state().numel()) if on_cpu else 0,
         margin_bytes=ALLOCATOR_MARGIN_BYTES if on_cpu else 0,
     )
-    return with_owners(
+    owned = with_owners(
         profile,
         rec,
         grad_names=grad_names,  # type: ignore[arg-type]
@@ -268,6 +270,7 @@ def _run(
         param_numel=sum(p.numel() for p in model.parameters() if p.requires_grad),
         frozen_bytes=_frozen_bytes(model),
     )
+    return replace(owned, unit_params=unit_params(model, unit_fqns))
 
 
 def _frozen_bytes(model: nn.Module) -> int:

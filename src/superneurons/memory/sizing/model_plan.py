@@ -12,13 +12,19 @@ from typing import Any
 
 from superneurons.memory.plan import InfeasibleBudgetError, Plan, StrategyFloor
 from superneurons.memory.planner.cost import CostModel
-from superneurons.memory.planner.decide import Floors, describe_floors, make_plan, search_floors
+from superneurons.memory.planner.decide import (
+    Floors,
+    describe_floors,
+    make_plan,
+    search_floors,
+    step_costs,
+)
 from superneurons.memory.profile_types import Profile
 from superneurons.memory.sizing.llm import attention_ops, profile_causal_lm_below
 from superneurons.memory.sizing.simulate import profile_zoo
-from superneurons.memory.sizing.target import LMTarget, Target, ZooTarget
+from superneurons.memory.sizing.target import LMTarget, Target, ZooTarget, training_step
 
-__all__ = ["ModelPlan", "parameter_fields", "plan_model"]
+__all__ = ["ModelPlan", "parameter_fields", "pinned_host_bytes", "plan_model"]
 
 PLAN_ACTIONS: tuple[str, ...] = ("keep", "offload", "recompute", "recompute+offload")
 
@@ -40,6 +46,8 @@ class ModelPlan:
         infeasible: why no plan fits, naming the minimum budget.
         parameters: what trains and what is frozen (:func:`parameter_fields`), for a causal
             LM that trains adapters; empty otherwise (the record is as it was).
+        step_costs: what the target's training step (clipping) costs each strategy's floor
+            (:func:`~superneurons.memory.planner.decide.step_costs`); {}: the plain step.
     """
 
     target: Target
@@ -53,6 +61,8 @@ class ModelPlan:
     plan: Plan | None
     infeasible: InfeasibleBudgetError | None = None
     parameters: dict[str, int] = field(default_factory=dict)
+    step_compute_s: float = 0.0  # forward + backward (3x the units' forward), cost model
+    step_costs: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def floor_strategy(self) -> str:
@@ -69,6 +79,8 @@ class ModelPlan:
             record.update(attention_ops=self.attention_ops, below=self.target.below)
         record.update(granularity=self.granularity, device_preset=self.device_preset)
         record.update(self._floor_fields())
+        if self.step_costs:  # what clipping costs (the floors above include it)
+            record["step_costs"] = self.step_costs
         if self.plan is None:
             assert self.infeasible is not None
             record.update(
@@ -91,6 +103,7 @@ class ModelPlan:
         floor = self.floors[self.floor_strategy]
         return {
             "eager_peak_bytes": self.eager_peak_bytes,
+            "step_compute_s": self.step_compute_s,
             "floor_strategy": self.floor_strategy,
             "resident_bytes": floor.resident_bytes,
             "largest_unit_bytes": floor.largest_unit_bytes,
@@ -121,6 +134,12 @@ class ModelPlan:
             "head_chunk_tokens": plan.head.chunk_tokens if plan.head else None,
             "head_mode": plan.head.mode if plan.head else None,
             "mlp_pieces": max((c.chunks for c in plan.seq_chunks), default=1),
+            # the host link: weights streamed, copies no compute hides, pinned host memory
+            "units_streamed": len(plan.streamed_units()),
+            "streamed_bytes_per_step": plan.streamed_bytes,
+            "exposed_transfer_s": plan.exposed_transfer_s,
+            "weights_host_bytes": plan.weights_host_bytes,
+            "pinned_host_bytes": pinned_host_bytes(plan),
         }
 
 
@@ -137,12 +156,13 @@ def plan_model(
         ConfigError: the target cannot be profiled, or ``strategy`` cannot run on it.
     """
     ops, parameters = None, {}
+    step = training_step(target)
     if isinstance(target, LMTarget):
         plain, chunked = profile_causal_lm_below(
             target.config, target.step, variants=target.variants
         )
         profile, granularity = plain, "block"
-        floors = search_floors(plain, cost=cost, chunked=chunked)
+        floors = search_floors(plain, cost=cost, chunked=chunked, step=step)
         ops = attention_ops(plain)
         parameters = parameter_fields(plain) if target.lora is not None else {}
     else:
@@ -165,7 +185,16 @@ def plan_model(
         plan=plan,
         infeasible=infeasible,
         parameters=parameters,
+        # NOTE: backward ~ 2x forward (two GEMMs per forward GEMM): the step ~ 3x the forward
+        step_compute_s=3 * sum(cost.unit_seconds(profile).values()),
+        step_costs=_step_costs(floors),
     )
+
+
+def pinned_host_bytes(plan: Plan) -> int:
+    """The pinned host memory ``plan`` needs: offloaded activations, the optimizer's state and
+    fp32 masters off the device, and the streamed weights' host copies."""
+    return plan.host_bytes + plan.optimizer_host_bytes + plan.weights_host_bytes
 
 
 def parameter_fields(profile: Profile) -> dict[str, int]:
@@ -180,6 +209,15 @@ def parameter_fields(profile: Profile) -> dict[str, int]:
     }
 
 
+def _step_costs(floors: Floors) -> dict[str, dict[str, float]]:
+    """What the target's training step costs each strategy: its floors against those of the
+    same profiles searched again for the plain step ({} for the plain step itself)."""
+    if floors.step is None:
+        return {}
+    plain, *chunked = floors.profiles
+    return step_costs(floors, search_floors(plain, cost=floors.cost, chunked=chunked))
+
+
 def _zoo_profile(target: ZooTarget, strategy: str, cost: CostModel) -> tuple[Profile, str, Floors]:
     """The zoo profile at the target's granularity; ``auto``: blocks or the largest blocks
     split, whichever gives ``strategy`` (``auto``: any strategy) the lower floor (blocks suit
@@ -192,7 +230,7 @@ def _zoo_profile(target: ZooTarget, strategy: str, cost: CostModel) -> tuple[Pro
         ("block", "split") if target.granularity == "auto" else (target.granularity,)
     ):
         profile = profile_zoo(target.name, granularity=granularity, **options)
-        floors = search_floors(profile, cost=cost)
+        floors = search_floors(profile, cost=cost, step=training_step(target))
         minima = floors.peak_bytes()
         floor = minima[strategy] if strategy in minima else min(minima.values())
         tried.append((floor, granularity, profile, floors))

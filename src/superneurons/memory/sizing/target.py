@@ -9,13 +9,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from superneurons.errors import ConfigError
+from superneurons.memory.plan import TrainingStep
 from superneurons.memory.profile_types import GRANULARITIES
 from superneurons.memory.profiling.below import VARIANTS
 from superneurons.memory.sizing.adapters import LoraSpec, QuantSpec
 from superneurons.memory.sizing.llm import BELOW_FLOOR, LMStep, max_positions
 from superneurons.memory.sizing.simulate import OPTIMIZERS
 
-__all__ = ["BELOW", "HF", "LMTarget", "Target", "ZooTarget"]
+__all__ = ["BELOW", "HF", "LMTarget", "Target", "ZooTarget", "training_step"]
 
 HF = "hf:"  # the prefix of a causal LM's spec: hf:NAME_OR_PATH
 # ``--below``: which ``profiling.below.VARIANTS`` a causal LM's plan profiles besides its step
@@ -38,6 +39,7 @@ class ZooTarget:
             ``"auto"``: blocks or the largest blocks split, whichever floor is lower.
         image_size / depth / preset: the model's own options (``depth``: ``resnet`` only;
             ``preset``: ``gpt`` only), None where left to the model.
+        max_grad_norm: the loop clips gradients to this global norm (0: it does not).
     """
 
     name: str
@@ -47,6 +49,7 @@ class ZooTarget:
     image_size: int | None = None
     depth: int | None = None
     preset: str | None = None
+    max_grad_norm: float = 0.0
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -72,7 +75,8 @@ class ZooTarget:
 
     def record(self) -> dict[str, Any]:
         """Its ``plan --json`` fields."""
-        return {"model": self.name, **self.model_kwargs(), "batch": self.batch_size}
+        record = {"model": self.name, **self.model_kwargs(), "batch": self.batch_size}
+        return {**record, **_step_fields(self)}
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,7 @@ class LMTarget:
         config_source: where the configuration comes from (a URL or a resolved path).
         step: the training step (:class:`~superneurons.memory.sizing.llm.LMStep`).
         below: a key of :data:`BELOW`: the profiles below the largest layer a plan searches.
+        max_grad_norm: the loop clips gradients to this global norm (0: it does not).
     """
 
     name: str
@@ -93,6 +98,7 @@ class LMTarget:
     config_source: str
     step: LMStep
     below: str = "floor"
+    max_grad_norm: float = 0.0
 
     def __post_init__(self) -> None:
         if self.below not in BELOW:
@@ -126,6 +132,7 @@ class LMTarget:
             "keep_outputs": step.keep_outputs,
             "max_positions": self.max_positions,
             **self.adapter_record(),
+            **_step_fields(self),
         }
 
     @property
@@ -148,3 +155,17 @@ class LMTarget:
 
 
 Target = ZooTarget | LMTarget
+
+
+def training_step(target: Target) -> TrainingStep | None:
+    """The training step ``target`` is planned for: clipping by the global norm where its
+    ``max_grad_norm`` says so, else None (the plain step)."""
+    if not target.max_grad_norm:
+        return None
+    return TrainingStep(max_grad_norm=target.max_grad_norm)
+
+
+def _step_fields(target: Target) -> dict[str, Any]:
+    """``plan --json``'s key for clipping, where the target clips (absent otherwise: the
+    records of targets without it read as they always have)."""
+    return {"max_grad_norm": target.max_grad_norm} if target.max_grad_norm else {}
