@@ -157,6 +157,13 @@ def plan_for_batch(
         reserved_bytes,
         below=step.below if below else None,
     )
+    _log_plan(model, plan, eager_bytes, reserved_bytes, budget_bytes)
+    return _relative(plan)
+
+
+def _log_plan(
+    model: nn.Module, plan: Plan, eager_bytes: int, reserved_bytes: int, budget_bytes: int
+) -> None:
     logger.info(
         "plan for %s: eager peak %d B (%d B of it reserved), budget %d B -> predicted %d B "
         "(%s: %d recompute, %d offload units, head %s)",
@@ -170,7 +177,6 @@ def plan_for_batch(
         plan.count("offload"),
         "in chunks" if plan.head is not None else "as shipped",
     )
-    return _relative(plan)
 
 
 def _step_budget(
