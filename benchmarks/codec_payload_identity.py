@@ -11,8 +11,11 @@ against a reference source tree and the current one and compare::
     python benchmarks/codec_payload_identity.py --reference-src /tmp/base/src
 
 (``--reference-src`` runs the digests twice, in two subprocesses with different
-``PYTHONPATH``, and exits non-zero on any difference); ``--digests`` prints this tree's
-digests as JSON. One thread, CPU.
+``PYTHONPATH``, and exits non-zero on any difference not in :data:`STATED_CHANGES`);
+``--digests`` prints this tree's digests as JSON. One thread, CPU.
+
+:data:`STATED_CHANGES` lists the cases a deliberate change of an algorithm moved, each with
+why (``tests/test_codec_identity.py`` holds this tree to the same list).
 """
 
 from __future__ import annotations
@@ -71,6 +74,24 @@ SPECS: tuple[str, ...] = (
     "terngrad:clip=1.0",
     "signsgd",
 )
+
+
+# (spec, vector) -> why its payload and decodes may differ from the tree before the change.
+STATED_CHANGES: dict[tuple[str, str], str] = {
+    ("fft:chunk=300", "spikes"): (
+        "fft's sampled selection places its bracket from whole sampled rows in one pass "
+        "(codecs/sparse/blocks.py) instead of a strided sample of the full spectrum; both keep "
+        "the k bins of largest weighted power, and here two bins tie exactly at the k-th "
+        "largest (a 300-value chunk holding one spike has a flat spectrum): each path keeps "
+        "a different one of the two. The multiset of kept scores is the same."
+    ),
+}
+
+
+def stated(key: str) -> bool:
+    """Whether a digest key (``spec|vector|part``) is one :data:`STATED_CHANGES` may move."""
+    spec, vector, _ = key.split("|")
+    return (spec, vector) in STATED_CHANGES
 
 
 def _vectors() -> dict[str, object]:
@@ -149,9 +170,13 @@ def main() -> int:
     reference, current = _run(args.reference_src), _run(here)
     differ = sorted(key for key in reference if reference[key] != current.get(key))
     for key in differ:
-        print(f"DIFFERS {key}")
-    print(f"{len(reference) - len(differ)}/{len(reference)} digests identical")
-    return 1 if differ else 0
+        print(f"DIFFERS {key}" + (" (a stated change)" if stated(key) else ""))
+    unexpected = [key for key in differ if not stated(key)]
+    print(
+        f"{len(reference) - len(differ)}/{len(reference)} digests identical; "
+        f"{len(differ) - len(unexpected)} differ as stated, {len(unexpected)} unexpectedly"
+    )
+    return 1 if unexpected else 0
 
 
 if __name__ == "__main__":

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from superneurons.bench.artifacts import markdown_table, pyplot, write_json, write_markdown
-from superneurons.codecs.fft import FFTCodec
 from superneurons.codecs.rangefloat import RangeFloatCodec
+from superneurons.codecs.sparse.fft import FFTCodec
 
 TARGET_GBPS = 0.5
 RESULTS = Path(__file__).parent / "results" / "fft_throughput"

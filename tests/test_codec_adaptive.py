@@ -20,9 +20,9 @@ from superneurons.codecs.adaptive.bases import (
 from superneurons.codecs.adaptive.codec import AdaptiveCodec, adaptive_layout
 from superneurons.codecs.codec import Payload, sum_of_decodes
 from superneurons.codecs.coding.sparsecode import KeptLayout
-from superneurons.codecs.compacttopk import CompactTopKCodec
 from superneurons.codecs.feedback import feedback_step
-from superneurons.codecs.fft import FFTCodec
+from superneurons.codecs.sparse.compacttopk import CompactTopKCodec
+from superneurons.codecs.sparse.fft import FFTCodec
 from superneurons.errors import ConfigError
 
 

@@ -212,7 +212,7 @@ def test_qsgd_codes_use_the_bitpack_layout(levels: int) -> None:
 def test_topk_sampled_falls_back_to_exact_when_the_threshold_is_too_high(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from superneurons.codecs import topk as topk_module
+    from superneurons.codecs.sparse import topk as topk_module
 
     monkeypatch.setattr(topk_module, "_OVERSAMPLE", 0.1)  # threshold leaves ~k/10 survivors
     grad = torch.randn(100_000)

@@ -17,7 +17,7 @@ from superneurons.codecs.coding.indexcode import (
     encode_gap,
     gap_bytes,
 )
-from superneurons.codecs.fft import FFTCodec, kept_count, select_bins, spectrum_layout
+from superneurons.codecs.sparse.fft import FFTCodec, kept_count, select_bins, spectrum_layout
 from superneurons.errors import ConfigError
 
 SIZES = (1, 2, 3, 7, 97, 1000, 4097, 2**20)

@@ -24,9 +24,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distributed import Ranks, shared_ranks
 from superneurons.cli import main
-from superneurons.codecs.compacttopk import CompactTopKCodec
 from superneurons.codecs.feedback import ErrorFeedback
 from superneurons.codecs.qsgd import QSGDCodec
+from superneurons.codecs.sparse.compacttopk import CompactTopKCodec
 from superneurons.codecs.twophase import TwoPhase
 from superneurons.errors import ConfigError
 from superneurons.localsgd import attach_local_sgd

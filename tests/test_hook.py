@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from distributed import Ranks, shared_ranks
 from superneurons.codecs.cast import Fp16Codec, IdentityCodec
 from superneurons.codecs.qsgd import QSGDCodec
-from superneurons.codecs.topk import TopKCodec
+from superneurons.codecs.sparse.topk import TopKCodec
 
 pytestmark = pytest.mark.dist
 
@@ -88,6 +88,31 @@ def test_identity_and_dense_warmup_equal_plain_ddp_bitwise(ranks: Ranks) -> None
     for plain, hooked in ranks.run(_identity_vs_plain):
         for a, b in zip(plain, hooked, strict=True):
             assert torch.equal(a, b)
+
+
+def _sparsifiers_keeping_everything_vs_plain(
+    rank: int, world_size: int
+) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    from superneurons.ddp.hook import register_compression
+
+    plain = _ddp(_TINY_BUCKET_MB)
+    _train(plain, rank, 3)
+    out = []
+    # every value kept at fp32: the gathered route, its sparse decode into the bucket and its
+    # sparse error feedback must then average exactly as DDP (two ranks: x / 2 is exact)
+    for spec in ("ctopk:theta=0.0,bits=32", "topk:ratio=1.0"):
+        hooked = _ddp(_TINY_BUCKET_MB)
+        register_compression(hooked, spec)
+        _train(hooked, rank, 3)
+        out.append((_params(plain), _params(hooked)))
+    return out
+
+
+def test_lossless_sparsifiers_equal_plain_ddp_bitwise(ranks: Ranks) -> None:
+    for pairs in ranks.run(_sparsifiers_keeping_everything_vs_plain):
+        for plain, hooked in pairs:
+            for a, b in zip(plain, hooked, strict=True):
+                assert torch.equal(a, b)
 
 
 _LOSSY: list[Any] = [

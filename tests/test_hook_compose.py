@@ -22,7 +22,7 @@ from distributed import Ranks, shared_ranks
 pytestmark = pytest.mark.dist
 
 _STEPS, _WARMUP = 5, 2
-_SPECS = ["topk:ratio=0.1", "fft:theta=0.9,bits=8", "fp16"]
+_SPECS = ["topk:ratio=0.1", "ctopk", "fft:theta=0.9,bits=8", "fp16"]
 
 
 @pytest.fixture(scope="module")

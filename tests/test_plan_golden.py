@@ -74,7 +74,8 @@ def test_max_grad_norm_adds_keys_and_states_what_clipping_costs(
         assert clipped["min_budget_bytes"] - floor["min_budget_bytes"] == cost["device_bytes"]
     host = record["step_costs"]["offload+host-optimizer"]
     # the host optimizer: no device byte, a host copy of every gradient, its step exposed
-    assert host["device_bytes"] == 0 and host["host_bytes"] == record["resident_bytes"]
+    resident = record["strategies"]["offload+host-optimizer"]["resident_bytes"]
+    assert host["device_bytes"] == 0 and host["host_bytes"] == resident
     assert host["overhead_s"] > 0
     for flags in (["--max-grad-norm", "-1"], ["--max-grad-norm", "1", "--max-batch"]):
         assert main(["plan", "--model", "gpt", *flags]) == 2

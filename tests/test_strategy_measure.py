@@ -8,7 +8,7 @@ import torch
 from distributed import shared_ranks
 from superneurons.codecs.cast import Fp16Codec
 from superneurons.codecs.powersgd import PowerSGD
-from superneurons.codecs.topk import TopKCodec
+from superneurons.codecs.sparse.topk import TopKCodec
 from superneurons.strategy import (
     DEFAULT_CANDIDATES,
     DENSE,

@@ -8,7 +8,7 @@ import torch
 from superneurons.codecs.cast import Fp16Codec
 from superneurons.codecs.powersgd import PowerSGD
 from superneurons.codecs.sign import SignSGDCodec
-from superneurons.codecs.topk import TopKCodec
+from superneurons.codecs.sparse.topk import TopKCodec
 from superneurons.errors import ConfigError
 from superneurons.strategy import (
     DENSE,

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from superneurons.codecs.cast import Bf16Codec
-from superneurons.codecs.compacttopk import CompactTopKCodec
+from superneurons.codecs.sparse.compacttopk import CompactTopKCodec
 from superneurons.codecs.twophase import TwoPhase
 from superneurons.errors import ConfigError
 from superneurons.strategy import (

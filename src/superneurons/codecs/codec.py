@@ -11,6 +11,13 @@ object. The wire contract that makes codecs usable inside a DDP comm hook:
   ``payload_bytes(numel) == payload.nbytes`` is the honest wire cost;
 * ``summable`` codecs (identity, fp16, bf16) produce payloads that may be summed element-wise
   across ranks (all-reduce); all others are gathered and decoded with ``decode_sum``.
+
+Two optional methods let a codec skip the full-size temporaries of a DDP step (the hook calls
+them through :func:`decode_mean_into` and :func:`subtract_decode`, which fall back to the
+Protocol's methods): ``decode_sum_into(payloads, out, *, divisor)`` writes ``decode_sum /
+divisor`` into the caller's float32 ``out`` and ``subtract_decode_(payload, target)`` subtracts
+``decode(payload)`` from ``target`` in place (error feedback's residual). Each must give the
+bits of the plain composition: a sparsifier touches only its kept positions.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ __all__ = [
     "Specced",
     "check_gradient",
     "check_payload",
+    "decode_mean_into",
+    "subtract_decode",
     "sum_of_decodes",
 ]
 
@@ -100,6 +109,31 @@ def sum_of_decodes(codec: Codec, payloads: Sequence[Payload]) -> torch.Tensor:
     for payload in payloads[1:]:
         total += codec.decode(payload)
     return total
+
+
+def decode_mean_into(
+    codec: Codec, payloads: Sequence[Payload], out: torch.Tensor, divisor: int
+) -> torch.Tensor:
+    """``out = codec.decode_sum(payloads) / divisor`` (``out``: ``numel`` elements), bitwise as
+    that; through the codec's ``decode_sum_into`` when it has one and ``out`` is contiguous
+    float32 (no decode-sized temporary: a sparsifier writes zeros and its kept positions)."""
+    into = getattr(codec, "decode_sum_into", None)
+    if into is not None and out.dtype == torch.float32 and out.is_contiguous():
+        return into(payloads, out, divisor=divisor)  # type: ignore[no-any-return]
+    total = codec.decode_sum(payloads)
+    if out.dtype == total.dtype:
+        return torch.div(total, divisor, out=out)
+    return out.copy_(total / divisor)
+
+
+def subtract_decode(codec: Codec, payload: Payload, target: torch.Tensor) -> torch.Tensor:
+    """``target -= codec.decode(payload)`` in place (contiguous float32 ``target``), bitwise as
+    ``torch.sub(target, codec.decode(payload))``; a sparsifier's ``subtract_decode_`` touches
+    only the kept positions."""
+    own = getattr(codec, "subtract_decode_", None)
+    if own is not None:
+        return own(payload, target)  # type: ignore[no-any-return]
+    return torch.sub(target, codec.decode(payload), out=target)
 
 
 def common_numel(payloads: Sequence[Payload], *, codec_name: str) -> int:

@@ -39,8 +39,8 @@ import torch
 
 from superneurons.codecs.canonical import Canonical
 from superneurons.codecs.codec import Codec, Specced, check_gradient
-from superneurons.codecs.fft import FFTCodec, kept_count, spectrum_layout
-from superneurons.codecs.topk import TopKCodec
+from superneurons.codecs.sparse.fft import FFTCodec, kept_count, spectrum_layout
+from superneurons.codecs.sparse.topk import TopKCodec
 from superneurons.errors import ConfigError
 
 __all__ = [

@@ -29,8 +29,9 @@ from typing import Any
 from superneurons.bytesize import format_bytes
 from superneurons.commands.plan_search import SEQ_QUANTUM, run_search
 from superneurons.commands.plan_target import BELOW, ZOO_BUDGET, progress, request_of
+from superneurons.errors import ConfigError
 from superneurons.memory.plan import STRATEGIES, Plan
-from superneurons.memory.planner.cost import DEVICE_PRESETS
+from superneurons.memory.planner.cost import DEVICE_PRESETS, HOST_LINKS
 from superneurons.memory.profile_types import GRANULARITIES
 from superneurons.memory.sizing.llm import DTYPES, OPTIMIZER_IMPLS
 from superneurons.memory.sizing.model_plan import plan_model
@@ -76,6 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="host<->device rate: 16GB/s, 128gbit, or a byte size per second (default: the "
         "preset's)",
     )
+    add_link_arguments(parser)
     parser.add_argument(
         "--granularity",
         default=None,
@@ -129,6 +131,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"hf: longest sequence (x{SEQ_QUANTUM}) that fits",
     )
     add_search_arguments(parser)
+
+
+def add_link_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--host-link`` and ``--host-budget``: the host link's rate and the pinned host memory a
+    plan may need."""
+    parser.add_argument(
+        "--host-link",
+        default=None,
+        choices=tuple(HOST_LINKS),
+        help="the host<->device link whose effective rate the copies take (memory.planner.cost."
+        "HOST_LINKS: PCIe 4.0 x16 25 GB/s, PCIe 5.0 x16 50 GB/s, GH200 NVLink-C2C 360 GB/s; "
+        "default: the device preset's rates)",
+    )
+    parser.add_argument(
+        "--host-budget",
+        default=None,
+        help="pinned host memory the plan may need (offloaded activations, the optimizer's "
+        "state and masters, streamed weights), e.g. 256GiB: a plan needing more is refused",
+    )
 
 
 def add_search_arguments(parser: argparse.ArgumentParser) -> None:
@@ -206,7 +227,22 @@ def run(args: argparse.Namespace) -> int:
         raise found.infeasible
     if not args.json:
         _print_plan(record, found.plan)
+    _check_host_budget(record, request.host_budget_bytes)
     return 0
+
+
+def _check_host_budget(record: dict[str, Any], host_budget_bytes: int | None) -> None:
+    """``--host-budget``: refuse a plan that needs more pinned host memory, with the figure."""
+    needed = record.get("pinned_host_bytes", 0)
+    if host_budget_bytes is None or needed <= host_budget_bytes:
+        return
+    raise ConfigError(
+        f"the plan needs {format_bytes(needed)} of pinned host memory, above --host-budget "
+        f"{format_bytes(host_budget_bytes)} (activations {format_bytes(record['host_bytes'])}, "
+        f"optimizer {format_bytes(record['optimizer_host_bytes'])}, weights "
+        f"{format_bytes(record['weights_host_bytes'])}): raise --host-budget or the device "
+        "--budget"
+    )
 
 
 def _where(peak_at: dict[str, Any]) -> str:
@@ -220,12 +256,16 @@ def _print_floors(record: dict[str, Any]) -> None:
         what += f" (autocast {record['autocast']})" if record["autocast"] else ""
         what += f", {record['optimizer']} ({record['optimizer_impl']}), {record['target_device']}"
     print(f"{what}: eager peak {format_bytes(record['eager_peak_bytes'])}")
-    print(f"  {'strategy':<26}{'floor':>12}  {'peak at':<30}{'host':>12}{'overhead':>12}")
+    print(
+        f"  {'strategy':<26}{'floor':>12}  {'peak at':<30}{'host':>12}{'overhead':>12}"
+        f"{'streamed':>12}"
+    )
     for name, f in record["strategies"].items():
-        host = f["host_bytes"] + f["optimizer_host_bytes"]
+        host = f["pinned_host_bytes"]
         print(
             f"  {name:<26}{format_bytes(f['min_budget_bytes']):>12}  {_where(f['peak_at']):<30}"
             f"{format_bytes(host):>12}{f['predicted_overhead_s'] * 1e3:>9.2f} ms"
+            f"{format_bytes(f['streamed_bytes']):>12}"
         )
     if record.get("feasible") is False:
         print(f"  budget {format_bytes(record['budget_bytes'])}: {record['message']}")
@@ -263,6 +303,15 @@ def _print_plan(record: dict[str, Any], plan: Plan) -> None:
             f"({plan.head.mode}), block MLPs in {record['mlp_pieces']} sequence pieces"
         )
     print(f"  host bytes        {format_bytes(plan.host_bytes)}")
+    print(f"  pinned host       {format_bytes(record['pinned_host_bytes'])} in all")
+    if plan.streams_weights:
+        print(
+            f"  streamed weights  {len(plan.streamed_units())} units, "
+            f"{format_bytes(plan.weights_host_bytes)} on the host, "
+            f"{format_bytes(plan.streamed_bytes)}/step over the link, "
+            f"{plan.weights_exposed_s * 1e3:.2f} ms/step exposed"
+        )
+    print(f"  exposed copies    {plan.exposed_transfer_s * 1e3:.2f} ms/step (cost model)")
     print(f"  extra compute     {plan.extra_compute_s * 1e3:.2f} ms/step (cost model)")
     print(f"  transfers         {plan.transfer_s * 1e3:.2f} ms/step")
     print(

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from superneurons.bytesize import parse_bytes
 from superneurons.errors import ConfigError
-from superneurons.memory.planner.cost import CostModel, cost_model
+from superneurons.memory.planner.cost import CostModel, cost_model, with_host_link
 from superneurons.memory.sizing.adapters import LoraSpec, QuantSpec, parse_lora, parse_quantize
 from superneurons.memory.sizing.llm import (
     LMStep,
@@ -40,6 +40,8 @@ class PlanRequest:
         strategy: the planner's strategy (``auto``: its choice).
         search: ``"depth"``, ``"batch"`` or ``"seq_len"`` for ``--max-*``; None: one plan.
         lm_search: how a causal LM is searched (``--beyond-positions``, ``--fit-depth``).
+        host_budget_bytes: ``--host-budget``: the pinned host memory a plan may need (None:
+            unbounded).
     """
 
     target: Target
@@ -48,6 +50,7 @@ class PlanRequest:
     strategy: str
     search: str | None
     lm_search: LMSearch = LMSearch()
+    host_budget_bytes: int | None = None
 
 
 def request_of(args: argparse.Namespace) -> PlanRequest:
@@ -60,7 +63,16 @@ def request_of(args: argparse.Namespace) -> PlanRequest:
     )  # fmt: skip
     lm_search = lm_search_of(args, search)
     budget_bytes = budget_bytes_of(args, target, cost)
-    return PlanRequest(target, cost, budget_bytes, args.strategy, search, lm_search=lm_search)
+    host_budget = getattr(args, "host_budget", None)
+    return PlanRequest(
+        target,
+        cost,
+        budget_bytes,
+        args.strategy,
+        search,
+        lm_search=lm_search,
+        host_budget_bytes=parse_bytes(host_budget) if host_budget is not None else None,
+    )
 
 
 def lm_search_of(args: argparse.Namespace, search: str | None) -> LMSearch:
@@ -147,7 +159,13 @@ def progress(message: str) -> None:
 
 
 def device_cost(args: argparse.Namespace) -> CostModel:
-    """``--device-preset``, its copy rates replaced by ``--bandwidth`` (both ways) if given."""
+    """``--device-preset``, its copy rates replaced by ``--host-link``'s or ``--bandwidth``
+    (both ways) if given."""
+    link = getattr(args, "host_link", None)
+    if link is not None:
+        if args.bandwidth is not None:
+            raise ConfigError("give --host-link or --bandwidth, not both")
+        return with_host_link(cost_model(args.device_preset), link)
     rates = {}
     if args.bandwidth is not None:
         rate = bandwidth_bytes_per_s(args.bandwidth)

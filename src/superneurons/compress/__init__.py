@@ -16,7 +16,6 @@ from __future__ import annotations
 from superneurons.codecs.adaptive import AdaptiveCodec
 from superneurons.codecs.cast import Bf16Codec, Fp16Codec, IdentityCodec
 from superneurons.codecs.codec import Codec, Payload, check_gradient, sum_of_decodes
-from superneurons.codecs.compacttopk import CompactTopKCodec
 from superneurons.codecs.feedback import (
     ErrorFeedback,
     Residuals,
@@ -24,7 +23,6 @@ from superneurons.codecs.feedback import (
     join_flat,
     split_flat,
 )
-from superneurons.codecs.fft import FFTCodec
 from superneurons.codecs.powersgd import PowerSGD
 from superneurons.codecs.qsgd import QSGDCodec
 from superneurons.codecs.rangefloat import RangeFloatCodec
@@ -40,8 +38,10 @@ from superneurons.codecs.schedule import (
     with_theta,
 )
 from superneurons.codecs.sign import SignSGDCodec
+from superneurons.codecs.sparse.compacttopk import CompactTopKCodec
+from superneurons.codecs.sparse.fft import FFTCodec
+from superneurons.codecs.sparse.topk import TopKCodec
 from superneurons.codecs.terngrad import TernGradCodec
-from superneurons.codecs.topk import TopKCodec
 from superneurons.codecs.twophase import TwoPhase
 from superneurons.ddp.deferred import DeferredCompression, deferred_compression_hook
 from superneurons.ddp.hook import CompressionState, register_compression

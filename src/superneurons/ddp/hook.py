@@ -16,6 +16,8 @@ error feedback by default, see :func:`~superneurons.schemes.compose.with_default
 * PowerSGD (``powersgd:rank=4``) runs its two all-reduces (see :mod:`.powersgd`);
 * the two-phase quantised all-reduce (``twophase:bits=4``) runs an all-to-all and an
   all-gather whose bytes per rank do not grow with the world size (see :mod:`.twophase`);
+  but for the last bucket, the all-gather is issued at the start of the next bucket's hook,
+  so the all-to-all travels while autograd computes that bucket;
 * PyTorch's own hooks (``dense``, ``torch-fp16``, ``torch-powersgd``) are anchors
   (see :mod:`.torch_hooks`);
 * ``auto`` chooses per bucket (see :mod:`.auto`, :mod:`.autorun`); every bucket, whatever its
@@ -59,6 +61,7 @@ from superneurons.ddp.powersgd import PowerSGDState
 from superneurons.ddp.reduce import reduce_bucket
 from superneurons.ddp.state import CompressionState
 from superneurons.ddp.torch_hooks import as_comm_hook, register_anchor
+from superneurons.ddp.twophase_route import flush_twophase
 from superneurons.errors import ConfigError
 from superneurons.schemes.anchors import TorchDense, TorchFp16, TorchPowerSGD
 from superneurons.schemes.auto import Auto
@@ -211,6 +214,7 @@ def compression_hook(
     state: CompressionState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """The DDP comm hook: one bucket in, the averaged bucket out (see the module docs)."""
+    flush_twophase(state)  # the previous bucket's second phase first: a fixed order
     if bucket.index() == 0:
         state.begin_step()
     pipeline = state.pipeline

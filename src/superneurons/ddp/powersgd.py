@@ -22,6 +22,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -78,6 +79,9 @@ def _orthogonal_rows(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[t
     return views
 
 
+_Matrix = tuple[str, torch.Tensor, torch.Tensor, int]  # name, M (n, m), warm-start Q, index
+
+
 def powersgd_reduce(
     config: PowerSGD,
     state: PowerSGDState,
@@ -99,45 +103,9 @@ def powersgd_reduce(
     offsets = [0]
     for _, grad in pieces:
         offsets.append(offsets[-1] + grad.numel())
-    mats: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []  # name, M (n, m), Q, index
-    dense: list[int] = []
-    compensated: list[torch.Tensor] = []
-    for index, (name, grad) in enumerate(pieces):
-        # NOTE: in place in the gradient (the DDP bucket, overwritten with the average), so a
-        # step allocates nothing gradient-sized: bitwise the same as ``grad + residual``.
-        value = grad if grad.dtype == torch.float32 and grad.is_contiguous() else grad.float()
-        if residuals is not None and name in residuals:
-            value.add_(residuals[name].view_as(value))
-        compensated.append(value)
-        matrix = config.matrix_shape(grad.shape)
-        if matrix is None:
-            dense.append(index)
-        else:
-            n, m = matrix
-            r = min(config.rank, n, m)
-            mats.append((name, value.view(n, m), state.q_for(name, m, r, grad.device), index))
-
-    # First all-reduce: every Pᵀ (r, n) and the uncompressed tensors, in one flat message;
-    # Pᵀs of equal shape side by side, so after the sum each group is one (g, r, n) view of
-    # the message and is orthogonalised in one batched pass (no copy back, no per-matrix
-    # Python: 21 matrices in 5 groups on the ResNet). The order depends on shapes only: the
-    # same on every rank.
-    # NOTE on layouts (one core, fc-heavy's 2048 x 12544 M): ``Qᵀ Mᵀ`` with Qᵀ stored as
-    # (r, m) rows takes 15 ms against 34 ms for ``M @ Q``, so Q travels and is kept as Qᵀ rows
-    # (``q_by_name`` holds the (m, r) transposed view). ``M @ Qᵀ.t()`` is faster still but
-    # MKL's result then depends on M's address modulo 16 bytes, i.e. on DDP's bucket layout,
-    # which would break bitwise resume; these products were checked not to.
-    order = sorted(range(len(mats)), key=lambda k: (mats[k][2].shape[1], mats[k][1].shape[0], k))
-    mats = [mats[k] for k in order]
-    pts = [torch.mm(q.t().contiguous(), mat.t()) for _, mat, q, _ in mats]
-    first = torch.cat([pt.reshape(-1) for pt in pts] + [compensated[i].reshape(-1) for i in dense])
-    p_numel = sum(pt.numel() for pt in pts)
-    # Checked before the sum, on this rank's P only (small): M holds NaN/Inf exactly when its
-    # P = M Q does, so a residual is updated from finite values only (as before).
-    locally_finite = all_finite(first[:p_numel])
-    if first.numel():
-        dist.all_reduce(first, group=group)
-    cursor = p_numel
+    mats, dense, compensated = _matrices(config, state, pieces, residuals)
+    first, pts, locally_finite = _first_reduce(mats, dense, compensated, group)
+    cursor = sum(pt.numel() for pt in pts)
     for i in dense:
         size = compensated[i].numel()
         out[offsets[i] : offsets[i + 1]].copy_(first[cursor : cursor + size] / world_size)
@@ -145,23 +113,11 @@ def powersgd_reduce(
         if residuals is not None:
             residuals.pop(pieces[i][0], None)  # sent exactly: no residual
     finite = all_finite(first)
-
-    # Second all-reduce: Qᵀ = P̂ᵀ M (r, m), issued here (not from a callback).
-    # NOTE: ``M.t() @ P̂`` was 18x slower on one core for fc-heavy's M (0.37 vs 0.02 s).
-    p_hats = [pt.t() for pt in _orthogonal_rows(first, [pt.shape for pt in pts])]  # (n, r)
-    qts = [torch.mm(p_hat.t(), mat) for (_, mat, _, _), p_hat in zip(mats, p_hats, strict=True)]
-    second = torch.cat([qt.reshape(-1) for qt in qts]) if qts else out.new_empty(0)
-    locally_finite = locally_finite and all_finite(second)  # before the sum overwrites it
-    work = dist.all_reduce(second, group=group, async_op=True) if qts else None
+    p_hats, qts, second, work, locally_finite = _second_reduce(
+        mats, pts, first, out, group, locally_finite
+    )
     if residuals is not None and locally_finite:
-        # error = M − P̂ Q_localᵀ (the paper's local decompression), written into the old
-        # residual's storage (M already holds it) or a new tensor: one pass, no temporary.
-        for (name, mat, _, _), p_hat, qt in zip(mats, p_hats, qts, strict=True):
-            old = residuals.get(name)
-            if old is not None and old.numel() == mat.numel() and old.is_contiguous():
-                torch.addmm(mat, p_hat, qt, alpha=-1, out=old.view_as(mat))
-            else:
-                residuals[name] = torch.addmm(mat, p_hat, qt, alpha=-1).reshape(-1)
+        _keep_errors(mats, p_hats, qts, residuals)
 
     def finish(_: object = None) -> torch.Tensor:
         start = 0
@@ -179,3 +135,97 @@ def powersgd_reduce(
         fut.set_result(finish())
         return fut, bytes_sent
     return then_same_threads(work.get_future(), finish), bytes_sent
+
+
+def _matrices(
+    config: PowerSGD,
+    state: PowerSGDState,
+    pieces: Sequence[tuple[str, torch.Tensor]],
+    residuals: dict[str, torch.Tensor] | None,
+) -> tuple[list[_Matrix], list[int], list[torch.Tensor]]:
+    """Every piece compensated (``+ residual``), and the matrices among them with their
+    warm-start ``Q``, in the shape order the first all-reduce lays them out; the indices of
+    the pieces that travel uncompressed."""
+    mats: list[_Matrix] = []
+    dense: list[int] = []
+    compensated: list[torch.Tensor] = []
+    for index, (name, grad) in enumerate(pieces):
+        # NOTE: in place in the gradient (the DDP bucket, overwritten with the average), so a
+        # step allocates nothing gradient-sized: bitwise the same as ``grad + residual``.
+        value = grad if grad.dtype == torch.float32 and grad.is_contiguous() else grad.float()
+        if residuals is not None and name in residuals:
+            value.add_(residuals[name].view_as(value))
+        compensated.append(value)
+        matrix = config.matrix_shape(grad.shape)
+        if matrix is None:
+            dense.append(index)
+        else:
+            n, m = matrix
+            r = min(config.rank, n, m)
+            mats.append((name, value.view(n, m), state.q_for(name, m, r, grad.device), index))
+    # Pᵀs of equal shape side by side, so after the sum each group is one (g, r, n) view of
+    # the message and is orthogonalised in one batched pass (no copy back, no per-matrix
+    # Python: 21 matrices in 5 groups on the ResNet). The order depends on shapes only: the
+    # same on every rank.
+    order = sorted(range(len(mats)), key=lambda k: (mats[k][2].shape[1], mats[k][1].shape[0], k))
+    return [mats[k] for k in order], dense, compensated
+
+
+def _first_reduce(
+    mats: list[_Matrix],
+    dense: list[int],
+    compensated: list[torch.Tensor],
+    group: dist.ProcessGroup | None,
+) -> tuple[torch.Tensor, list[torch.Tensor], bool]:
+    """First all-reduce: every Pᵀ (r, n) and the uncompressed tensors, in one flat message.
+    Returns it (summed), the local Pᵀs and whether this rank's P was finite."""
+    # NOTE on layouts (one core, fc-heavy's 2048 x 12544 M): ``Qᵀ Mᵀ`` with Qᵀ stored as
+    # (r, m) rows takes 15 ms against 34 ms for ``M @ Q``, so Q travels and is kept as Qᵀ rows
+    # (``q_by_name`` holds the (m, r) transposed view). ``M @ Qᵀ.t()`` is faster still but
+    # MKL's result then depends on M's address modulo 16 bytes, i.e. on DDP's bucket layout,
+    # which would break bitwise resume; these products were checked not to.
+    pts = [torch.mm(q.t().contiguous(), mat.t()) for _, mat, q, _ in mats]
+    first = torch.cat([pt.reshape(-1) for pt in pts] + [compensated[i].reshape(-1) for i in dense])
+    p_numel = sum(pt.numel() for pt in pts)
+    # Checked before the sum, on this rank's P only (small): M holds NaN/Inf exactly when its
+    # P = M Q does, so a residual is updated from finite values only (as before).
+    locally_finite = all_finite(first[:p_numel])
+    if first.numel():
+        dist.all_reduce(first, group=group)
+    return first, pts, locally_finite
+
+
+def _second_reduce(
+    mats: list[_Matrix],
+    pts: list[torch.Tensor],
+    first: torch.Tensor,
+    out: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    locally_finite: bool,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, Any, bool]:
+    """Second all-reduce: ``Qᵀ = P̂ᵀ M`` (r, m) of every matrix, issued here (not from a
+    callback), asynchronous. Returns ``(P̂s, local Qᵀs, the message, its Work or None,
+    whether this rank's factors were finite)``."""
+    # NOTE: ``M.t() @ P̂`` was 18x slower on one core for fc-heavy's M (0.37 vs 0.02 s).
+    p_hats = [pt.t() for pt in _orthogonal_rows(first, [pt.shape for pt in pts])]  # (n, r)
+    qts = [torch.mm(p_hat.t(), mat) for (_, mat, _, _), p_hat in zip(mats, p_hats, strict=True)]
+    second = torch.cat([qt.reshape(-1) for qt in qts]) if qts else out.new_empty(0)
+    locally_finite = locally_finite and all_finite(second)  # before the sum overwrites it
+    work = dist.all_reduce(second, group=group, async_op=True) if qts else None
+    return p_hats, qts, second, work, locally_finite
+
+
+def _keep_errors(
+    mats: list[_Matrix],
+    p_hats: list[torch.Tensor],
+    qts: list[torch.Tensor],
+    residuals: dict[str, torch.Tensor],
+) -> None:
+    """error = M − P̂ Q_localᵀ (the paper's local decompression), written into the old
+    residual's storage (M already holds it) or a new tensor: one pass, no temporary."""
+    for (name, mat, _, _), p_hat, qt in zip(mats, p_hats, qts, strict=True):
+        old = residuals.get(name)
+        if old is not None and old.numel() == mat.numel() and old.is_contiguous():
+            torch.addmm(mat, p_hat, qt, alpha=-1, out=old.view_as(mat))
+        else:
+            residuals[name] = torch.addmm(mat, p_hat, qt, alpha=-1).reshape(-1)

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from superneurons.codecs.codec import Codec, Payload
+from superneurons.codecs.codec import Codec, Payload, decode_mean_into, subtract_decode
 from superneurons.codecs.coding.finite import all_finite
 from superneurons.codecs.powersgd import PowerSGD
 from superneurons.codecs.twophase import TwoPhase
@@ -43,7 +43,7 @@ from superneurons.ddp.callbacks import then_same_threads
 from superneurons.ddp.powersgd import PowerSGDState, powersgd_reduce
 from superneurons.ddp.rowblocks import RowBlock, decide_rows, gather_row_counts
 from superneurons.ddp.state import CompressionState, WireBuffers
-from superneurons.ddp.twophase import release_twophase, twophase_reduce
+from superneurons.ddp.twophase_route import release_twophase, twophase_reduce
 
 __all__ = ["reduce_bucket"]
 
@@ -147,7 +147,8 @@ def reduce_bucket(
     # 4. the two-phase routes: ONE all-to-all (waited for), ONE all-gather
     two = [i for i, k in enumerate(kinds) if k == "twophase"]
     if two:
-        futures.append(twophase_reduce(state, pieces, routes, two, finishers))
+        defer = not bucket.is_last()  # its all-gather waits for the next bucket's hook
+        futures.append(twophase_reduce(state, pieces, routes, two, finishers, defer=defer))
 
     # 5. one all-gather: every gathered payload and row block
     gathered = [i for i, k in enumerate(kinds) if k == "gathered"]
@@ -218,17 +219,17 @@ def _cast_reduce(
         wire_dtype = codec.encode(compensated[:1]).data.dtype
     key = (codec.spec, *(piece.name for piece in pieces))
     numel, device = compensated.numel(), buffer.device
-    wire = _kept(state, ("wire", *key), numel, wire_dtype, device)
+    wire = state.kept(("wire", *key), numel, wire_dtype, device)
     # Divide before encoding, as DDP does, so fp16 sums cannot overflow. NOTE: two passes
     # through a float32 scratch; ``torch.div(..., out=fp16)`` takes a slow casting loop
     # (25.7M elements, one core: 79 ms against 18 ms).
-    scaled = _kept(state, ("scaled", *key), numel, torch.float32, device)
+    scaled = state.kept(("scaled", *key), numel, torch.float32, device)
     wire.copy_(torch.div(compensated, world_size, out=scaled))
     # NOTE: under auto, cast routes go without error feedback: their rounding error (<= 2**-8
     # relative) is not worth three passes per step, and the cost model that chose them
     # (strategy.measure_codecs) timed the cast alone.
     if state.pipeline.error_feedback and state.auto is None:
-        error = _free_slab(state, key, pieces, compensated.numel(), buffer.device)
+        error = state.spare_slab(key, pieces, compensated.numel(), buffer.device)
         error.copy_(wire)  # decode: exact widening to float32
         # c - decode · P (one rounding; the same as mul then sub when P is a power of two)
         torch.sub(compensated, error, alpha=world_size, out=error)
@@ -252,38 +253,6 @@ def _cast_reduce(
 
     finishers.append(decode)
     return work.get_future()  # type: ignore[no-any-return]
-
-
-def _kept(
-    state: CompressionState,
-    key: tuple[str, ...],
-    numel: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> torch.Tensor:
-    """A flat buffer kept in ``state.scratch`` under ``key`` (re-made when its size changes)."""
-    kept = state.scratch.get(key)
-    if kept is None or kept.numel() != numel or kept.dtype != dtype or kept.device != device:
-        kept = state.scratch[key] = torch.empty(numel, dtype=dtype, device=device)
-    return kept
-
-
-def _free_slab(
-    state: CompressionState,
-    key: tuple[str, ...],
-    pieces: list[Piece],
-    numel: int,
-    device: torch.device,
-) -> torch.Tensor:
-    """Of two float32 residual slabs kept for ``key``, the one the current residuals do not
-    live in (they are views of the other one, or of neither after a resume)."""
-    current = state.residuals.get(pieces[0].name)
-    held = current.untyped_storage().data_ptr() if current is not None else None
-    for slot in ("ef0", "ef1"):
-        slab = _kept(state, (slot, *key), numel, torch.float32, device)
-        if slab.untyped_storage().data_ptr() != held:
-            return slab
-    raise AssertionError("two distinct slabs cannot both hold the residual")
 
 
 def _powersgd(
@@ -323,6 +292,27 @@ def _powersgd(
     return fut.then(scatter)
 
 
+def _corrected(state: CompressionState, piece: Piece, spec: str) -> torch.Tensor:
+    """``grad + residual`` as flat contiguous fp32 for a gathered route. Under error feedback it
+    is written into the one of two kept slabs that does not hold the residual (one pass, and
+    the old residual survives a non-finite step); the codec then subtracts its decode from it
+    in place, so the slab becomes the new residual with no decode-sized temporary. Without
+    error feedback it is the bucket's own slice (fp32) or a float copy."""
+    flat = piece.flat
+    if not state.pipeline.error_feedback:
+        return flat if flat.dtype == torch.float32 else flat.float()
+    slab = state.spare_slab(("gathered", spec, piece.name), [piece], flat.numel(), flat.device)
+    residual = state.residuals.get(piece.name)
+    if residual is not None and residual.numel() == flat.numel():
+        if flat.dtype == torch.float32:
+            torch.add(flat, residual, out=slab)  # g + r: the bits of the in-place sum
+        else:
+            slab.copy_(flat).add_(residual)
+    else:
+        slab.copy_(flat)
+    return slab
+
+
 def _gathered_reduce(
     state: CompressionState,
     buffer: torch.Tensor,
@@ -334,12 +324,13 @@ def _gathered_reduce(
 ) -> Future:
     """Encode each gathered parameter; ONE fixed-size all-gather with the row blocks."""
     world_size = state.world_size
-    compensated = {i: _compensate(state, pieces[i]) for i in gathered}
+    codecs = {i: typing.cast(Codec, routes[i]) for i in gathered}
+    compensated = {i: _corrected(state, pieces[i], codecs[i].spec) for i in gathered}
     finite = all(all_finite(flat) for flat in compensated.values())
     payloads: dict[int, Payload] = {}
     for i in gathered:
-        codec = typing.cast(Codec, routes[i])
-        payloads[i] = codec.encode(compensated[i], generator=state.generator_for(pieces[i].name))
+        generator = state.generator_for(pieces[i].name)
+        payloads[i] = codecs[i].encode(compensated[i], generator=generator)
     blocks = [block.encode(pieces[block.index], state) for block in rows]
     widths = [payloads[i].nbytes for i in gathered] + [b.numel() for b in blocks]
     offsets = [0]
@@ -365,14 +356,10 @@ def _gathered_reduce(
     work = all_gather_into_tensor(received, send, group=state.process_group, async_op=True)
     state.count(sent_bytes=offsets[-1] + 1, dense_bytes=0)
     if state.pipeline.error_feedback and finite:  # computed while the all-gather is in flight
-        for i in gathered:
-            codec = typing.cast(Codec, routes[i])
-            decoded = codec.decode(payloads[i])
-            old = state.residuals.get(pieces[i].name)
-            if old is not None and old.numel() == decoded.numel() and old.is_contiguous():
-                torch.sub(compensated[i], decoded, out=old)
-            else:
-                state.residuals[pieces[i].name] = compensated[i] - decoded
+        for i in gathered:  # the slab holds g + r: minus the decode, it is the new residual
+            state.residuals[pieces[i].name] = subtract_decode(
+                codecs[i], payloads[i], compensated[i]
+            )
 
     def decode() -> None:
         table = received.view(world_size, message_bytes)
@@ -380,18 +367,12 @@ def _gathered_reduce(
             buffer.fill_(float("nan"))
             return
         for slot, i in enumerate(gathered):
-            codec = typing.cast(Codec, routes[i])
             start, width, numel = offsets[slot], widths[slot], payloads[i].numel
             dtype = payloads[i].data.dtype  # aligned slices: viewing as a wider type is legal
             received_payloads = [
                 Payload(row[start : start + width].view(dtype), numel) for row in table
             ]
-            target = pieces[i].flat
-            total = codec.decode_sum(received_payloads)
-            if target.dtype == total.dtype:
-                torch.div(total, world_size, out=target)
-            else:
-                target.copy_(total / world_size)
+            decode_mean_into(codecs[i], received_payloads, pieces[i].flat, world_size)
         for slot, block in enumerate(rows, start=len(gathered)):
             start, width = offsets[slot], widths[slot]
             block.decode_sum([row[start : start + width] for row in table], pieces[block.index])

@@ -23,11 +23,14 @@ from superneurons.errors import ConfigError
 from superneurons.schemes.compose import Base, Compression, Pipeline
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
         PowerSGDState as TorchPowerSGDState,
     )
 
     from superneurons.ddp.autorun import AutoController
+    from superneurons.ddp.bucket import Piece
 
 __all__ = ["CompressionState", "WireBuffers"]
 
@@ -74,6 +77,8 @@ class CompressionState:
     wires: dict[tuple[str, ...], WireBuffers] = field(default_factory=dict)
     # cast routes' kept buffers (x / P, the wire, two residual slabs), by bucket signature
     scratch: dict[tuple[str, ...], torch.Tensor] = field(default_factory=dict)
+    # two-phase exchanges whose second phase waits for the next bucket's hook (not state)
+    deferred: list[Any] = field(default_factory=list)
     _bytes_current: int = 0
     _dense_current: int = 0
 
@@ -114,6 +119,31 @@ class CompressionState:
         return torch.Generator().manual_seed(
             (mixed * 2_654_435_761 + zlib.crc32(name.encode())) % 2**63
         )
+
+    def kept(
+        self, key: tuple[str, ...], numel: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """A flat buffer kept in :attr:`scratch` under ``key`` (re-made when its size changes):
+        the routes' per-step buffers, so a step allocates nothing gradient-sized."""
+        kept = self.scratch.get(key)
+        if kept is None or kept.numel() != numel or kept.dtype != dtype or kept.device != device:
+            kept = self.scratch[key] = torch.empty(numel, dtype=dtype, device=device)
+        return kept
+
+    def spare_slab(
+        self, key: tuple[str, ...], pieces: Sequence[Piece], numel: int, device: torch.device
+    ) -> torch.Tensor:
+        """Of two float32 residual slabs kept for ``key``, the one the current residuals of
+        ``pieces`` do not live in (they are views of the other one, or of neither after a
+        resume): a step writes its new residuals there and keeps the old ones when it is not
+        finite."""
+        current = self.residuals.get(pieces[0].name)
+        held = current.untyped_storage().data_ptr() if current is not None else None
+        for slot in ("ef0", "ef1"):
+            slab = self.kept((slot, *key), numel, torch.float32, device)
+            if slab.untyped_storage().data_ptr() != held:
+                return slab
+        raise AssertionError("two distinct slabs cannot both hold the residual")
 
     def summary(self) -> dict[str, Any]:
         """For ``summary.json``: the composed spec and ``auto``'s decision (None otherwise)."""

@@ -11,8 +11,10 @@ every rank; each tensor's residuals are keyed by its name, so they do not depend
 bucket layout (rebuilt after the first step and on resume).
 
 Collectives, issued from the caller's thread in this order on every rank: ONE
-``all_to_all_single`` (waited for: the owners need it), then ONE ``all_gather``
-(asynchronous; the decode runs when it completes). gloo and NCCL both implement
+``all_to_all_single`` (:func:`start`), waited for by :func:`complete` (the owners need it),
+which then issues ONE ``all_gather`` (asynchronous; the decode runs when it completes). The
+DDP hook runs :func:`complete` at the start of the next bucket's hook, so the all-to-all
+overlaps that bucket's backward (:func:`twophase_reduce`). gloo and NCCL both implement
 ``all_to_all_single`` (gloo's was checked on torch 2.13: ``alltoall_base``); both buffers
 are fixed-size, so no sizes are exchanged.
 
@@ -25,37 +27,34 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from superneurons.codecs.coding.chunkquant import (
-    dequantize_rows,
-    quantize_rows,
-    read_rows,
-    write_rows_,
-)
 from superneurons.codecs.coding.orthogonal import forward_, inverse_
 from superneurons.codecs.twophase import SliceLayout, TwoPhase
+from superneurons.codecs.twophase_stages import (
+    StageScratch,
+    decode_slices,
+    owner_reduce,
+    worker_encode,
+)
 from superneurons.compat import all_gather_into_tensor
 from superneurons.ddp.callbacks import then_same_threads
 from superneurons.ddp.twophase_state import TwoPhaseState
 from superneurons.errors import ConfigError
 
-if TYPE_CHECKING:
-    from superneurons.ddp.bucket import Piece, Route
-    from superneurons.ddp.state import CompressionState
-
 Future = torch.futures.Future[Any]
 
 __all__ = [
     "Exchange",
+    "Started",
     "TwoPhaseState",
     "average_",
+    "complete",
     "exchange",
-    "release_twophase",
-    "twophase_reduce",
+    "start",
 ]
 
 Generators = Callable[[str], torch.Generator]
@@ -80,6 +79,24 @@ class _Item:
     offset: int  # byte offset of this tensor's slice in a segment
 
 
+@dataclass(frozen=True)
+class Started:
+    """An exchange whose all-to-all is in flight: :func:`complete` runs the owners' stage and
+    issues the all-gather (the second phase; on every rank in the same place in the order of
+    collectives)."""
+
+    items: list[_Item]
+    key: tuple[Any, ...]
+    segment: int
+    received: torch.Tensor
+    work: Any  # the all-to-all's Work
+    state: TwoPhaseState
+    group: dist.ProcessGroup | None
+    error_feedback: bool
+    generators: Generators | None
+    bytes_sent: int
+
+
 def exchange(
     tensors: Sequence[tuple[str, torch.Tensor, TwoPhase]],
     state: TwoPhaseState,
@@ -90,11 +107,28 @@ def exchange(
 ) -> Exchange:
     """Start averaging ``(name, flat float32 tensor, config)`` across ``group`` in place.
 
-    Collective (see the module docs). ``tensors`` may be overwritten as scratch before the
-    result arrives. ``generators(key)`` draws the stochastic rounding of ``key`` (a tensor's
-    name, ``name + "/owner"`` for the owner's stage): derive it from (seed, rank, step, key)
-    for reproducible runs; None uses torch's default generator.
+    Collective (see the module docs): :func:`start` then :func:`complete`. ``tensors`` may be
+    overwritten as scratch before the result arrives. ``generators(key)`` draws the
+    stochastic rounding of ``key`` (a tensor's name, ``name + "/owner"`` for the owner's
+    stage): derive it from (seed, rank, step, key) for reproducible runs; None uses torch's
+    default generator.
     """
+    started = start(
+        tensors, state, group=group, error_feedback=error_feedback, generators=generators
+    )
+    return complete(started)
+
+
+def start(
+    tensors: Sequence[tuple[str, torch.Tensor, TwoPhase]],
+    state: TwoPhaseState,
+    *,
+    group: dist.ProcessGroup | None,
+    error_feedback: bool,
+    generators: Generators | None = None,
+) -> Started:
+    """The first phase: every tensor's slices quantised, the all-to-all issued (not waited
+    for). Collective: call :func:`complete` before any later collective of this group."""
     world_size = dist.get_world_size(group)
     if state.world_size is None:
         state.world_size = world_size
@@ -122,21 +156,33 @@ def exchange(
     received = state.buffer(("received", *key), world_size * segment, torch.uint8, device)
     for item in items:
         _encode(item, state, send.view(world_size, segment), error_feedback, generators)
-    dist.all_to_all_single(received, send, group=group)
+    work = dist.all_to_all_single(received, send, group=group, async_op=True)
+    return Started(
+        items, key, segment, received, work, state, group, error_feedback, generators,
+        send.numel() + segment,
+    )  # fmt: skip
+
+
+def complete(started: Started) -> Exchange:
+    """The second phase of :func:`start`'s exchange: wait for the all-to-all, average and
+    re-quantise the owned slices, issue the all-gather (asynchronous)."""
+    state, segment, key = started.state, started.segment, started.key
+    world_size = dist.get_world_size(started.group)
+    started.work.wait()
+    device = started.received.device
     owned = state.buffer(("owned", *key), segment, torch.uint8, device)
-    for item in items:
-        _reduce_owned(
-            item, state, received.view(world_size, segment), owned, error_feedback, generators
-        )
+    for item in started.items:
+        received = started.received.view(world_size, segment)
+        _reduce_owned(item, state, received, owned, started.error_feedback, started.generators)
     gathered = state.buffer(("gathered", *key), world_size * segment, torch.uint8, device)
-    work = all_gather_into_tensor(gathered, owned, group=group, async_op=True)
+    work = all_gather_into_tensor(gathered, owned, group=started.group, async_op=True)
 
     def finish() -> None:
         table = gathered.view(world_size, segment)
-        for item in items:
+        for item in started.items:
             _decode(item, state, table, key)
 
-    return Exchange(work.get_future(), finish, send.numel() + owned.numel())
+    return Exchange(work.get_future(), finish, started.bytes_sent)
 
 
 def average_(
@@ -165,44 +211,17 @@ def _generator(generators: Generators | None, key: str) -> torch.Generator | Non
     return generators(key) if generators is not None else None
 
 
-def _quantize(
-    rows: torch.Tensor, item: _Item, state: TwoPhaseState, *, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """Codes and scales of ``rows`` in the shared scratch, and whether ``rows`` was finite.
+def _scratch(
+    state: TwoPhaseState, layout: SliceLayout, tag: str, device: torch.device
+) -> StageScratch:
+    """A stage's kept buffers: one set for the encode and owner stages (they run one after
+    another on the caller's thread), one per exchange for its decode (which may run on the
+    backend's thread while the next bucket encodes)."""
 
-    NOTE: the per-chunk scales are maxima (or L1 norms) that NaN and ±inf propagate into, so
-    they say whether every value was finite without another pass. When one was not, every
-    scale is NaN (the tensor decodes to NaN on every rank) and the codes are zeros.
-    """
-    numel, device = rows.numel(), rows.device
-    codes, scales = quantize_rows(
-        rows,
-        bits=item.config.bits,
-        rounding=item.config.rounding,
-        generator=generator,
-        codes=state.buffer(("codes",), numel, torch.uint8, device),
-        work=state.buffer(("work",), numel, torch.float32, device),
-    )
-    finite = bool(torch.isfinite(scales).all())
-    if not finite:
-        scales.fill_(float("nan"))
-        codes.zero_()
-    return codes, scales, finite
+    def take(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return state.buffer((tag, name), numel, dtype, device)
 
-
-def _keep_error(
-    store: dict[str, torch.Tensor],
-    item: _Item,
-    rows: torch.Tensor,
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-) -> None:
-    """``store[name] = rows - decode(codes, scales)``, in the old residual's storage."""
-    residual = store.get(item.name)
-    if residual is None or residual.numel() != rows.numel():
-        residual = store[item.name] = torch.empty(rows.numel(), device=rows.device)
-    error = dequantize_rows(codes, scales, bits=item.config.bits, out=residual.view_as(rows))
-    torch.sub(rows, error, out=error)
+    return StageScratch.make(layout, take, device)
 
 
 def _encode(
@@ -227,22 +246,25 @@ def _encode(
     if config.transform != "none":
         rows = forward_(rows, config.transform, state.signs(name, layout.cols, x.device))
     residual = state.worker.get(name) if error_feedback else None
-    if residual is not None:
-        rows.add_(residual.view_as(rows))
     part = _part(send, item)
-    world_size = layout.world_size
     if config.bits == 32:  # NaN and ±inf travel as they are
-        part.view(torch.float32).copy_(rows.view(world_size, layout.slice_numel))
+        if residual is not None:
+            rows.add_(residual.view_as(rows))
+        part.view(torch.float32).copy_(rows.view(layout.world_size, layout.slice_numel))
         return
-    codes, scales, finite = _quantize(rows, item, state, generator=_generator(generators, name))
-    if error_feedback and finite:
-        _keep_error(state.worker, item, rows, codes, scales)
-    write_rows_(
-        codes.view(world_size, layout.rows, layout.cols),
-        scales.view(world_size, layout.rows),
-        bits=config.bits,
-        out=part,
+    error = state.spare("worker", name, layout.padded_numel, x.device) if error_feedback else None
+    finite = worker_encode(
+        rows,
+        part,
+        layout,
+        config,
+        _scratch(state, layout, "stage", x.device),
+        residual=residual.view_as(rows) if residual is not None else None,
+        error=error.view_as(rows) if error is not None else None,
+        generator=_generator(generators, name),
     )
+    if error is not None and finite:
+        state.worker[name] = error
 
 
 def _reduce_owned(
@@ -256,37 +278,33 @@ def _reduce_owned(
     """Owner side: average the P copies of this rank's slice, compensate, re-quantise."""
     layout, config, name = item.layout, item.config, item.name
     world_size, device = layout.world_size, received.device
-    copies = state.buffer(("copies",), layout.padded_numel, torch.float32, device)
     parts = _part(received, item)
-    if config.bits == 32:
-        copies.view(world_size, -1).copy_(parts.view(torch.float32))
-    else:
-        codes = state.buffer(("codes",), layout.padded_numel, torch.uint8, device)
-        read_rows(
-            parts,
-            layout.rows,
-            layout.cols,
-            bits=config.bits,
-            out=copies.view(-1, layout.cols),
-            codes=codes,
-        )
-    average = state.buffer(("average",), layout.slice_numel, torch.float32, device)
-    torch.sum(copies.view(world_size, layout.slice_numel), dim=0, out=average).div_(world_size)
     residual = state.owner.get(name) if error_feedback else None
-    if residual is not None:
-        average.add_(residual)
     out = owned[item.offset : item.offset + layout.slice_bytes].view(1, -1)
     if config.bits == 32:
+        copies = state.buffer(("copies",), layout.padded_numel, torch.float32, device)
+        copies.view(world_size, -1).copy_(parts.view(torch.float32))
+        average = state.buffer(("average",), layout.slice_numel, torch.float32, device)
+        torch.sum(copies.view(world_size, layout.slice_numel), dim=0, out=average)
+        average.div_(world_size)
+        if residual is not None:
+            average.add_(residual)
         out.view(torch.float32).copy_(average.view(1, -1))
         return
-    rows = average.view(layout.rows, layout.cols)
-    generator = _generator(generators, name + "/owner")
-    codes, scales, finite = _quantize(rows, item, state, generator=generator)
-    if error_feedback and finite:
-        _keep_error(state.owner, item, rows, codes, scales)
-    write_rows_(
-        codes.view(1, layout.rows, layout.cols), scales.view(1, -1), bits=config.bits, out=out
+    error = state.spare("owner", name, layout.slice_numel, device) if error_feedback else None
+    shape = (layout.rows, layout.cols)
+    finite = owner_reduce(
+        parts,
+        out,
+        layout,
+        config,
+        _scratch(state, layout, "stage", device),
+        residual=residual.view(shape) if residual is not None else None,
+        error=error.view(shape) if error is not None else None,
+        generator=_generator(generators, name + "/owner"),
     )
+    if error is not None and finite:
+        state.owner[name] = error
 
 
 def _decode(item: _Item, state: TwoPhaseState, table: torch.Tensor, key: tuple[Any, ...]) -> None:
@@ -302,61 +320,8 @@ def _decode(item: _Item, state: TwoPhaseState, table: torch.Tensor, key: tuple[A
     if config.bits == 32:
         x.view(layout.world_size, -1).copy_(parts.view(torch.float32))
     else:
-        codes = state.buffer(("decode codes", *key), layout.padded_numel, torch.uint8, device)
-        read_rows(parts, layout.rows, layout.cols, bits=config.bits, out=rows, codes=codes)
+        decode_slices(parts, rows, layout, config, _scratch(state, layout, f"decode {key}", device))
     if config.transform != "none":
         rows = inverse_(rows, config.transform, state.signs(name, layout.cols, x.device))
     if not in_place:
         item.flat.copy_(rows.reshape(-1)[: layout.numel])
-
-
-def release_twophase(state: CompressionState, pieces: list[Piece], indices: Sequence[int]) -> None:
-    """What two-phase residuals still owe, moved to ``state.residuals`` for the route that
-    now carries those parameters (``auto`` moved them)."""
-    assert state.twophase is not None
-    for i in indices:
-        piece = pieces[i]
-        owed = state.twophase.release(piece.name, piece.flat.numel(), state.rank)
-        if owed is not None:
-            held = state.residuals.get(piece.name)
-            state.residuals[piece.name] = owed if held is None else held + owed
-
-
-def twophase_reduce(
-    state: CompressionState,
-    pieces: list[Piece],
-    routes: list[Route],
-    indices: list[int],
-    finishers: list[Callable[[], None]],
-) -> Future:
-    """A DDP bucket's two-phase parameters (``indices``) in one :func:`exchange` (the route of
-    :func:`~superneurons.ddp.reduce.reduce_bucket`); the decode joins ``finishers``."""
-    if state.twophase is None:
-        state.twophase = TwoPhaseState(seed=state.seed, world_size=state.world_size)
-    tensors = []
-    for i in indices:
-        piece = pieces[i]
-        flat = piece.flat if piece.flat.dtype == torch.float32 else piece.flat.float()
-        owed = state.residuals.pop(piece.name, None)  # what another route left: sent now
-        if owed is not None and state.pipeline.error_feedback:
-            flat.add_(owed)
-        route = routes[i]
-        assert isinstance(route, TwoPhase)
-        tensors.append((piece.name, flat, route))
-    started = exchange(
-        tensors,
-        state.twophase,
-        group=state.process_group,
-        error_feedback=state.pipeline.error_feedback,
-        generators=state.generator_for,
-    )
-    state.count(sent_bytes=started.bytes_sent, dense_bytes=0)
-
-    def finish() -> None:
-        started.finish()
-        for i, (_, flat, _) in zip(indices, tensors, strict=True):
-            if flat is not pieces[i].flat:  # a bucket of another dtype: written back
-                pieces[i].flat.copy_(flat)
-
-    finishers.append(finish)
-    return started.future

@@ -62,6 +62,18 @@ class TwoPhaseState:
             kept = self._buffers[key] = torch.zeros(numel, dtype=dtype, device=device)
         return kept[:numel]
 
+    def spare(self, kind: str, name: str, numel: int, device: torch.device) -> torch.Tensor:
+        """Of two kept buffers for ``name``'s ``kind`` ("worker" or "owner") residual, the one
+        that does not hold it: the next residual is written there and replaces the current
+        one only when every value was finite (a non-finite step keeps the old one)."""
+        current = (self.worker if kind == "worker" else self.owner).get(name)
+        held = current.untyped_storage().data_ptr() if current is not None else None
+        for slot in (0, 1):
+            spare = self.buffer(("residual", kind, name, slot), numel, torch.float32, device)
+            if spare.untyped_storage().data_ptr() != held:
+                return spare
+        raise AssertionError("two distinct buffers cannot both hold the residual")
+
     def release(self, name: str, numel: int, rank: int) -> torch.Tensor | None:
         """Remove ``name``'s residuals and return what they still owe as one flat tensor of
         ``numel`` values in the gradient's own domain, for a route that averages by a plain

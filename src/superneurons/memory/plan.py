@@ -46,18 +46,22 @@ __all__ = [
     "TensorDecision",
     "TrainingStep",
     "UnitDecision",
+    "WEIGHTS",
 ]
 
 # How the LM head + loss runs in chunks (``memory.chunked.headloss`` executes them): recompute
-# the logits in backward, or compute the gradient in the forward; PyTorch's chunked op or the
-# project's loop.
+# the logits in backward, or compute the gradient in the forward; PyTorch's chunked op, the
+# project's loop, or the loop with the unchunked loss's own kernels (recompute only).
 HEAD_MODES: tuple[str, ...] = ("recompute", "grad-in-forward")
-IMPLEMENTATIONS: tuple[str, ...] = ("native", "pure")
+IMPLEMENTATIONS: tuple[str, ...] = ("native", "pure", "exact")
 
 # 2: the ``recompute+offload`` action, resident/largest-unit bounds; 3: head and sequence
-# chunking, the host optimizer
-PLAN_VERSION = 3
-_READABLE_VERSIONS = (1, 2, 3)
+# chunking, the host optimizer; 4: per-unit weights on the device or streamed from the host
+PLAN_VERSION = 4
+_READABLE_VERSIONS = (1, 2, 3, 4)
+# Where a unit's parameters live between its uses: resident on the device, or in the host pool
+# with a device copy only around the unit's forward and its backward (``memory.offload.weights``)
+WEIGHTS: tuple[str, ...] = ("device", "host")
 ACTIONS: tuple[str, ...] = ("keep", "offload", "recompute", "recompute+offload")
 RECOMPUTING: frozenset[str] = frozenset({"recompute", "recompute+offload"})
 OFFLOADING: frozenset[str] = frozenset({"offload", "recompute+offload"})
@@ -69,6 +73,7 @@ STRATEGIES: tuple[str, ...] = (
     "offload+opt-in-backward",
     "offload+opt-on-host",
     "offload+host-optimizer",
+    "stream-weights",
     "auto",
 )
 # Every concrete strategy: what ``plan`` reports, ``plan --max-*`` and ``bench deeper`` search.
@@ -80,7 +85,9 @@ SINGLE_DEVICE_STRATEGIES: frozenset[str] = frozenset(
 
 
 class InfeasibleBudgetError(ConfigError):
-    """The budget is below the minimum any strategy reaches; the message names that minimum."""
+    """The budget is below the minimum the strategy asked for reaches; the message names that
+    minimum (``min_budget_bytes``, which the same call with that budget plans at) and the
+    concrete ``strategy`` reaching it."""
 
     def __init__(self, message: str, *, min_budget_bytes: int, strategy: str) -> None:
         super().__init__(message)
@@ -107,12 +114,17 @@ class UnitDecision:
             and backward (memory-centric recomputation, SuperNeurons §3.3; Chen et al. 2016's
             sqrt(n) segments). Optional: a runtime that ignores it is correct, just uses more
             memory than predicted.
+        weights: ``"device"`` (its parameters stay resident) or ``"host"``: they live in the
+            host pool and are copied to the device ahead of the unit's forward and again ahead
+            of its backward, one unit ahead on a side stream, and released after each
+            (:mod:`superneurons.memory.offload.weights`; version 4).
     """
 
     fqn: str
     action: str
     saved_bytes: int = 0
     segment: int = -1
+    weights: str = "device"
 
     def __post_init__(self) -> None:
         _check_action(self.action, f"unit {self.fqn!r}")
@@ -120,6 +132,10 @@ class UnitDecision:
             raise ConfigError(f"unit {self.fqn!r}: saved_bytes must be >= 0")
         if self.segment >= 0 and self.action != "recompute":
             raise ConfigError(f"unit {self.fqn!r}: only recompute units can be in a segment")
+        if self.weights not in WEIGHTS:
+            raise ConfigError(
+                f"unit {self.fqn!r}: weights {self.weights!r} is not one of {', '.join(WEIGHTS)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -131,8 +147,9 @@ class HeadChunking:
             zoo GPT's ``lm_head``); its parent module is the model called with the labels.
         chunk_tokens: tokens per chunk (``headloss.chunk_tokens_for``).
         mode: ``"recompute"`` (logits recomputed in backward) or ``"grad-in-forward"``.
-        impl: ``"native"`` (PyTorch's ``F.linear_cross_entropy``) or ``"pure"``: the one the
-            plan was profiled with.
+        impl: ``"native"`` (PyTorch's ``F.linear_cross_entropy``), ``"pure"`` or ``"exact"``
+            (``recompute`` only: the hidden states' gradients bit for bit those of the
+            unchunked loss): the one the plan was profiled with.
     """
 
     fqn: str
@@ -147,6 +164,8 @@ class HeadChunking:
             raise ConfigError(f"head {self.fqn!r}: mode must be one of {', '.join(HEAD_MODES)}")
         if self.impl not in IMPLEMENTATIONS:
             raise ConfigError(f"head {self.fqn!r}: impl must be one of {IMPLEMENTATIONS}")
+        if self.impl == "exact" and self.mode != "recompute":
+            raise ConfigError(f"head {self.fqn!r}: impl 'exact' recomputes (mode 'recompute')")
 
 
 @dataclass(frozen=True)
@@ -181,6 +200,15 @@ class TensorDecision:
 
     def __post_init__(self) -> None:
         _check_action(self.action, f"tensor {self.key!r}")
+
+
+# what a version 3 record lacks (Plan.to_dict leaves them out of one)
+_VERSION_4_KEYS = (
+    "weights_host_bytes",
+    "streamed_bytes",
+    "weights_exposed_s",
+    "exposed_transfer_s",
+)
 
 
 @dataclass(frozen=True)
@@ -247,7 +275,8 @@ class Plan:
             (:func:`superneurons.memory.planner.where.locate`).
         breakdown: the live bytes at that peak by what they are
             (:data:`superneurons.memory.planner.predict.BREAKDOWN`); they sum to the peak.
-        min_budget_bytes: the smallest peak any strategy reaches for this profile.
+        min_budget_bytes: the smallest budget the strategy asked for reaches on this profile
+            (``auto``: the least over the strategies it may take): the same call plans at it.
         host_bytes: predicted pinned host bytes for offloaded activations.
         extra_compute_s: predicted recompute time per step.
         transfer_s: predicted host<->device copy time per step (both directions).
@@ -266,7 +295,17 @@ class Plan:
             order they are launched (the same on every rank).
         step: the training step the plan was made for (clipping, accumulation); None: one
             backward per step, no clipping. ``to_dict`` leaves the key out when None.
-        version: format version of this record.
+        weights_host_bytes: pinned host bytes of the streamed units' parameters (their host
+            copies; the host optimizer's fp32 masters are ``optimizer_host_bytes``).
+        streamed_bytes: weight bytes copied host -> device per step (each streamed parameter
+            twice: ahead of its unit's forward and of its backward).
+        weights_exposed_s: predicted time per step the weight copies add beyond the compute
+            they overlap (the device preset's host link).
+        exposed_transfer_s: predicted time per step all the plan's copies (activations,
+            optimizer, weights) add beyond the compute they overlap; a prediction, not part of
+            the plan's identity (not compared, and absent from a version 3 record).
+        version: format version of this record: the oldest that holds it (a plan that streams
+            no weights is written as version 3, which older builds read).
     """
 
     units: tuple[UnitDecision, ...]
@@ -291,6 +330,10 @@ class Plan:
     grad_buckets: tuple[tuple[str, ...], ...] = ()
     peak_at: dict[str, Any] = field(default_factory=dict)
     breakdown: dict[str, int] = field(default_factory=dict)
+    weights_host_bytes: int = 0
+    streamed_bytes: int = 0
+    weights_exposed_s: float = 0.0
+    exposed_transfer_s: float = field(default=0.0, compare=False)
     step: TrainingStep | None = None
     version: int = PLAN_VERSION
 
@@ -319,6 +362,22 @@ class Plan:
         fqns = [u.fqn for u in self.units]
         if len(set(fqns)) != len(fqns):
             raise ConfigError("a plan lists each unit once; duplicate unit fqns found")
+        if self.streams_weights and self.version < 4:
+            raise ConfigError("units with weights='host' need a version 4 plan")
+        if self.streams_weights and self.optimizer_in_backward:
+            raise ConfigError(
+                "streamed weights take the host optimizer (host_optimizer=True), not "
+                "optimizer_in_backward: the host step updates the host copy the next fetch carries"
+            )
+
+    @property
+    def streams_weights(self) -> bool:
+        """Some unit's parameters live in the host pool (``weights="host"``)."""
+        return any(u.weights == "host" for u in self.units)
+
+    def streamed_units(self) -> list[str]:
+        """The fqns of the units whose weights stream, in plan (forward) order."""
+        return [u.fqn for u in self.units if u.weights == "host"]
 
     def action_of(self, fqn: str) -> str:
         """The action for unit ``fqn`` (``"keep"`` for modules that are not units)."""
@@ -335,6 +394,11 @@ class Plan:
         body = asdict(self)
         if self.step is None:  # a plan made for the plain step reads as it always has
             del body["step"]
+        if self.version < 4:  # the version 3 record, key for key
+            for unit in body["units"]:
+                del unit["weights"]
+            for key in _VERSION_4_KEYS:
+                del body[key]
         return body
 
     @property
@@ -401,6 +465,14 @@ class StrategyFloor:
     head_loss_working_set_bytes: int = 0
     head_chunk_tokens: int | None = None
     mlp_pieces: int = 1
+    # streamed weights (``stream-weights``): bytes copied host -> device per step, the pinned
+    # host bytes of those weights; for every strategy the copies' time no compute hides
+    # (activations, optimizer, weights; the cost model's host link) and all the pinned host
+    # memory the plan needs (activations + optimizer state and masters + weights)
+    streamed_bytes: int = 0
+    weights_host_bytes: int = 0
+    exposed_transfer_s: float = 0.0
+    pinned_host_bytes: int = 0
 
     @property
     def floor_over_largest_layer(self) -> float:

@@ -25,12 +25,14 @@ __all__ = [
     "Profile",
     "SavedTensor",
     "StorageLife",
+    "UnitParam",
     "UnitProfile",
     "default_units",
     "head_unit",
     "head_windows",
     "is_head_storage",
     "layer_units",
+    "unit_params",
 ]
 
 # The unit sets a profile can be made with: blocks (``default_units``), every layer
@@ -234,6 +236,51 @@ class UnitProfile:
 
 
 @dataclass(frozen=True)
+class UnitParam:
+    """One parameter (each storage once) and the units whose modules hold it.
+
+    A unit's weights can stream through the host pool (``Plan`` version 4, ``weights="host"``)
+    only as whole parameters: a parameter streams when every module holding it lies inside a
+    streamed unit (tied embeddings stream when both the embedding's unit and the head's do).
+
+    Attributes:
+        fqn: its name in ``model.named_parameters()``.
+        nbytes: its storage bytes.
+        trainable: it takes a gradient (its optimizer runs on the host when it streams).
+        units: the units whose modules hold it; ``""`` among them when a module outside every
+            unit holds it too (then it never streams).
+    """
+
+    fqn: str
+    nbytes: int
+    trainable: bool
+    units: tuple[str, ...]
+
+
+def unit_params(model: nn.Module, units: Iterable[str]) -> tuple[UnitParam, ...]:
+    """Every parameter of ``model`` with the units (of ``units``) that hold it, in
+    ``named_parameters`` order: one definition for the profile (what the planner may stream)
+    and the runtime (what it streams)."""
+    unit_list = sorted(set(units), key=len, reverse=True)  # the innermost unit first
+    holders: dict[int, list[str]] = {}
+    for fqn, module in model.named_modules():
+        owner = next((u for u in unit_list if u and (fqn == u or fqn.startswith(u + "."))), "")
+        for param in module.parameters(recurse=False):
+            found = holders.setdefault(id(param), [])
+            if owner not in found:
+                found.append(owner)
+    return tuple(
+        UnitParam(
+            fqn,
+            int(p.untyped_storage().nbytes()) if p.device.type != "meta" else p.nbytes,
+            p.requires_grad,
+            tuple(holders.get(id(p), [""])),
+        )
+        for fqn, p in model.named_parameters()
+    )
+
+
+@dataclass(frozen=True)
 class Profile:
     """Everything the planner needs about one training step.
 
@@ -298,6 +345,9 @@ class Profile:
     # a stated margin, counted at every event, for the few bytes allocated below the dispatcher
     # outside any op's range (``ALLOCATOR_MARGIN_BYTES`` on real cpu profiles, else 0)
     margin_bytes: int = 0
+    # every parameter with the units holding it (:func:`unit_params`; () when not recorded:
+    # no unit's weights can stream)
+    unit_params: tuple[UnitParam, ...] = ()
 
     @property
     def scratch_bytes(self) -> int:

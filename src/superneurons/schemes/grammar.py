@@ -41,17 +41,17 @@ from superneurons.codecs.adaptive import AdaptiveCodec
 from superneurons.codecs.canonical import option_fields, option_key
 from superneurons.codecs.cast import Bf16Codec, Fp16Codec, IdentityCodec
 from superneurons.codecs.codec import Codec
-from superneurons.codecs.compacttopk import CompactTopKCodec
 from superneurons.codecs.feedback import ErrorFeedback
-from superneurons.codecs.fft import FFTCodec
 from superneurons.codecs.powersgd import PowerSGD
 from superneurons.codecs.qsgd import QSGDCodec
 from superneurons.codecs.rangefloat import RangeFloatCodec
 from superneurons.codecs.rowsparse import RowSparse
 from superneurons.codecs.schedule import Scheduled, Warmup
 from superneurons.codecs.sign import SignSGDCodec
+from superneurons.codecs.sparse.compacttopk import CompactTopKCodec
+from superneurons.codecs.sparse.fft import FFTCodec
+from superneurons.codecs.sparse.topk import TopKCodec
 from superneurons.codecs.terngrad import TernGradCodec
-from superneurons.codecs.topk import TopKCodec
 from superneurons.codecs.twophase import TwoPhase
 from superneurons.durations import parse_duration_ns
 from superneurons.errors import ConfigError

@@ -23,19 +23,20 @@ from typing import Any
 import torch
 
 from superneurons.codecs.cast import Bf16Codec, Fp16Codec
-from superneurons.codecs.codec import Codec
-from superneurons.codecs.coding.chunkquant import (
-    dequantize_rows,
-    quantize_rows,
-    read_rows,
-    write_rows_,
-)
+from superneurons.codecs.codec import Codec, decode_mean_into, subtract_decode
+from superneurons.codecs.coding.chunkquant import dequantize_rows, quantize_rows
 from superneurons.codecs.coding.orthogonal import forward_, inverse_, rademacher
-from superneurons.codecs.compacttopk import CompactTopKCodec
 from superneurons.codecs.powersgd import PowerSGD, orthogonalize_
 from superneurons.codecs.qsgd import QSGDCodec
-from superneurons.codecs.topk import TopKCodec
+from superneurons.codecs.sparse.compacttopk import CompactTopKCodec
+from superneurons.codecs.sparse.topk import TopKCodec
 from superneurons.codecs.twophase import TwoPhase
+from superneurons.codecs.twophase_stages import (
+    StageScratch,
+    decode_slices,
+    owner_reduce,
+    worker_encode,
+)
 from superneurons.errors import ConfigError
 from superneurons.strategy.timing import time_call_s
 
@@ -236,93 +237,92 @@ def _measure_cast(codec: Codec, flat: torch.Tensor, repeats: int, world_size: in
 def _measure_twophase(
     config: TwoPhase, flat: torch.Tensor, repeats: int, world_size: int
 ) -> CodecCost:
-    """A two-phase candidate timed with the exchange's own stages (:mod:`superneurons.ddp.
-    twophase`) on one process: the worker's transform, quantisation and packing (encode) and
-    its residual (feedback); the owner's decode of every rank's slice, their sum and the
-    re-quantisation (owner); every owner's slice decoded and transformed back (decode)."""
+    """A two-phase candidate timed with the hook's own stages (:mod:`superneurons.codecs.
+    twophase_stages`, the functions :mod:`superneurons.ddp.twophase` calls) on one process:
+    the worker's transform, quantisation and packing (encode; with its residual: feedback);
+    the owner's decode of every rank's slice, their average and re-quantisation (owner);
+    every owner's slice decoded and transformed back (decode)."""
+    if config.bits == 32:
+        raise ConfigError("twophase:bits=32 is lossless: not a candidate (use dense)")
     layout = config.layout(flat.numel(), world_size)
     device, n, cols = flat.device, layout.padded_numel, layout.cols
     padded = torch.zeros(n, device=device)
     padded[: flat.numel()] = flat
     signs = rademacher(0, "sample", cols, device)
     x = torch.empty(n, device=device)
-    codes = torch.empty(n, dtype=torch.uint8, device=device)
-    work, residual, out = (torch.zeros(n, device=device) for _ in range(3))
+    residual, error, out = (torch.zeros(n, device=device) for _ in range(3))
+    owner_residual, owner_error = (torch.zeros(layout.slice_numel, device=device) for _ in "ab")
     message = torch.zeros(world_size, layout.slice_bytes, dtype=torch.uint8, device=device)
+    owned = torch.zeros(1, layout.slice_bytes, dtype=torch.uint8, device=device)
+    scratch = StageScratch.make(
+        layout, lambda _, numel, dtype: torch.empty(numel, dtype=dtype, device=device), device
+    )
     gen = torch.Generator(device=device).manual_seed(0)
-    bits, rounding = config.bits, config.rounding
-    if bits == 32:
-        raise ConfigError("twophase:bits=32 is lossless: not a candidate (use dense)")
+    shape = (layout.rows, cols)
 
-    def quantise(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return quantize_rows(
-            values, bits=bits, rounding=rounding, generator=gen,
-            codes=codes[: values.numel()], work=work[: values.numel()],
+    def worker(feedback: bool) -> bool:
+        rows = forward_(x.copy_(padded).view(-1, cols), config.transform, signs)
+        return worker_encode(
+            rows, message, layout, config, scratch, generator=gen,
+            residual=residual.view_as(rows) if feedback else None,
+            error=error.view_as(rows) if feedback else None,
         )  # fmt: skip
 
-    def encode() -> None:
-        rows = forward_(x.copy_(padded).view(-1, cols), config.transform, signs)
-        q, s = quantise(rows)
-        write_rows_(q.view(world_size, layout.rows, cols), s.view(world_size, -1),
-                           bits=bits, out=message)  # fmt: skip
-
-    def feedback() -> object:
-        rows = x.view(-1, cols).add_(residual.view(-1, cols))
-        q, s = quantise(rows)
-        error = dequantize_rows(q, s, bits=bits, out=residual.view(-1, cols))
-        return torch.sub(rows, error, out=error)
-
-    encode()  # a valid message for the decodes
-
-    def owner() -> None:
-        read_rows(message, layout.rows, cols, bits=bits, out=out.view(-1, cols), codes=codes)
-        mine = out.view(world_size, -1).sum(dim=0).div_(world_size).view(-1, cols)
-        q, s = quantise(mine)
-        write_rows_(q.view(1, layout.rows, cols), s.view(1, -1), bits=bits,
-                           out=message[:1])  # fmt: skip
+    def owner() -> bool:
+        return owner_reduce(
+            message, owned, layout, config, scratch, generator=gen,
+            residual=owner_residual.view(shape), error=owner_error.view(shape),
+        )  # fmt: skip
 
     def decode() -> object:
-        read_rows(message, layout.rows, cols, bits=bits, out=out.view(-1, cols), codes=codes)
-        return inverse_(out.view(-1, cols), config.transform, signs)
+        rows = decode_slices(message, out.view(-1, cols), layout, config, scratch)
+        return inverse_(rows, config.transform, signs)
 
+    worker(False)  # a valid message for the decodes
     input_bytes = flat.numel() * 4
+    encode_s = _timed(lambda: worker(False), device, repeats)
+    feedback_s = max(0.0, _timed(lambda: worker(True), device, repeats) - encode_s)
     owner_s = _timed(owner, device, repeats) / input_bytes
     # one-shot error: the worker's quantisation, then the owner's of what it decoded
     rows = forward_(padded.clone().view(-1, cols), config.transform, signs)
     once = rows
     for _ in range(2):
-        q, s = quantize_rows(once, bits=bits, rounding=rounding, generator=gen)
-        once = dequantize_rows(q, s, bits=bits)
+        q, s = quantize_rows(once, bits=config.bits, rounding=config.rounding, generator=gen)
+        once = dequantize_rows(q, s, bits=config.bits)
     approx = inverse_(once, config.transform, signs).reshape(-1)[: flat.numel()]
     return CodecCost(
         codec=config,
         summable=True,
-        encode_s_per_byte=_timed(encode, device, repeats) / input_bytes,
+        encode_s_per_byte=encode_s / input_bytes,
         decode_s_per_byte=owner_s + _timed(decode, device, repeats) / input_bytes,
         bits_per_element=world_size * layout.slice_bytes * 8 / flat.numel(),
         rel_error=_rel_error(approx, flat),
         collectives=2,
-        feedback_s_per_byte=_timed(feedback, device, repeats) / input_bytes,
+        feedback_s_per_byte=feedback_s / input_bytes,
         owner_s_per_byte=owner_s,
     )
 
 
 def _measure_codec(codec: Codec, flat: torch.Tensor, repeats: int, world_size: int) -> CodecCost:
+    """A gathered codec timed as the hook runs it (``reduce._gathered_reduce``): encode of the
+    compensated gradient; ``decode_mean_into`` of ``world_size`` payloads into the bucket;
+    feedback = the compensation into a kept slab plus ``subtract_decode`` of its own payload
+    (sparse for the sparsifiers)."""
     if codec.summable:
         return _measure_cast(codec, flat, repeats, world_size)
     gen = torch.Generator(device=flat.device).manual_seed(0)
     payload = codec.encode(flat, generator=gen)
     receive = [payload] * world_size
-    work, residual = flat.clone(), torch.zeros_like(flat)
+    slab, residual, out = flat.clone(), torch.zeros_like(flat), torch.empty_like(flat)
 
     def encode() -> object:
         return codec.encode(flat, generator=gen)
 
     def decode() -> object:
-        return codec.decode_sum(receive)
+        return decode_mean_into(codec, receive, out, world_size)
 
-    def feedback() -> object:  # c += r; r = c - decode(own payload), as reduce does
-        return torch.sub(work.add_(residual), codec.decode(payload), out=residual)
+    def feedback() -> object:  # slab = g + r; slab -= decode(own payload)
+        return subtract_decode(codec, payload, torch.add(flat, residual, out=slab))
 
     input_bytes = flat.numel() * 4
     return CodecCost(

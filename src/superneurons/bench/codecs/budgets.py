@@ -44,14 +44,14 @@ from superneurons.bench.codecs.gradients import DDP_BUCKET_BYTES, GradientCaptur
 from superneurons.codecs.adaptive import AdaptiveCodec
 from superneurons.codecs.cast import Fp16Codec, IdentityCodec
 from superneurons.codecs.codec import Codec
-from superneurons.codecs.compacttopk import CompactTopKCodec
 from superneurons.codecs.feedback import feedback_step
-from superneurons.codecs.fft import FFTCodec
 from superneurons.codecs.qsgd import QSGDCodec
 from superneurons.codecs.rangefloat import RangeFloatCodec
 from superneurons.codecs.sign import SignSGDCodec
+from superneurons.codecs.sparse.compacttopk import CompactTopKCodec
+from superneurons.codecs.sparse.fft import FFTCodec
+from superneurons.codecs.sparse.topk import TopKCodec
 from superneurons.codecs.terngrad import TernGradCodec
-from superneurons.codecs.topk import TopKCodec
 from superneurons.errors import ConfigError
 from superneurons.schemes.grammar import CODECS
 

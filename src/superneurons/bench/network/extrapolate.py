@@ -26,8 +26,8 @@ from typing import Any
 
 from superneurons.bench.artifacts import pyplot, write_json, write_markdown
 from superneurons.codecs.cast import Bf16Codec
-from superneurons.codecs.compacttopk import CompactTopKCodec
 from superneurons.codecs.powersgd import PowerSGD
+from superneurons.codecs.sparse.compacttopk import CompactTopKCodec
 from superneurons.codecs.twophase import TwoPhase
 from superneurons.schemes.anchors import TorchDense
 from superneurons.schemes.auto import Auto

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["uniform_bits", "uniform_one_two"]
+__all__ = ["draw_key", "uniform_bits", "uniform_one_two"]
 
 # Odd multipliers: the golden-ratio constant (Knuth's multiplicative hashing) and fmix32's
 # second constant, both as signed int32.
@@ -31,8 +31,9 @@ _C1 = -1640531535  # 0x9E3779B1
 _C2 = -1028477387  # 0xC2B2AE35
 
 
-def _key(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    """One uniform 32-bit word (int32, shape (1,)) on ``device`` from ``generator``."""
+def draw_key(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """One uniform 32-bit word (int32, shape (1,)) on ``device`` from ``generator``: the key
+    of one call's draws (pass it as ``key=`` to draw them block by block)."""
     word = torch.randint(-(2**31), 2**31, (1,), generator=generator, device=device)
     return word.to(torch.int32)
 
@@ -60,17 +61,23 @@ def uniform_bits(
     generator: torch.Generator | None,
     device: torch.device,
     out: torch.Tensor | None = None,
+    key: torch.Tensor | None = None,
+    start: int = 0,
 ) -> torch.Tensor:
     """``numel`` int32 words, each uniform over all 2**32 patterns (see module doc), written
-    into ``out`` (an int32 tensor of >= ``numel`` elements, its first ``numel``) if given."""
+    into ``out`` (an int32 tensor of >= ``numel`` elements, its first ``numel``) if given.
+    ``key`` (from :func:`draw_key`; default: drawn from ``generator``) and ``start`` give the
+    words of positions ``start ..`` of that key's draw, so a draw can be made block by block
+    with the bits of one call."""
     word = torch.empty(numel, dtype=torch.int32, device=device) if out is None else out
     word = word.view(-1)[:numel]
-    key = _key(generator, device)
+    if key is None:
+        key = draw_key(generator, device)
     block = _CPU_BLOCK if word.device.type == "cpu" else max(1, numel)
     tmp = torch.empty(min(block, numel), dtype=torch.int32, device=device)
-    for start in range(0, numel, block):
-        stop = min(start + block, numel)
-        _hash_block(word[start:stop], start, key, tmp[: stop - start])
+    for offset in range(0, numel, block):
+        stop = min(offset + block, numel)
+        _hash_block(word[offset:stop], start + offset, key, tmp[: stop - offset])
     return word
 
 
@@ -80,10 +87,12 @@ def uniform_one_two(
     generator: torch.Generator | None,
     device: torch.device,
     out: torch.Tensor | None = None,
+    key: torch.Tensor | None = None,
+    start: int = 0,
 ) -> torch.Tensor:
     """``numel`` float32 values ``1 + j / 2**23`` with ``j`` uniform on ``0 .. 2**23 - 1``: a
     uniform draw from [1, 2) on a 2**-23 grid, built from the hash's top 23 bits in place
-    (``out``: optional int32 buffer, as in :func:`uniform_bits`)."""
-    word = uniform_bits(numel, generator=generator, device=device, out=out)
+    (``out``, ``key``, ``start``: as in :func:`uniform_bits`)."""
+    word = uniform_bits(numel, generator=generator, device=device, out=out, key=key, start=start)
     word.bitwise_right_shift_(9).bitwise_and_(0x007FFFFF).bitwise_or_(0x3F800000)
     return word.view(torch.float32)

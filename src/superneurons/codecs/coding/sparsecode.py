@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,6 +58,15 @@ from superneurons.codecs.coding.rangefloat import (
     read_codes,
     write_codes,
 )
+from superneurons.codecs.coding.streaming import (
+    BLOCK_NUMEL,
+    SAMPLE_SIZE,
+    Candidates,
+    bracket,
+    keep_exactly,
+    kth_smallest,
+    sample_stride,
+)
 from superneurons.codecs.coding.workspace import workspace
 from superneurons.errors import ConfigError
 
@@ -67,18 +77,18 @@ __all__ = [
     "check_select_index",
     "check_theta",
     "kept_count",
+    "kept_entries",
     "kth_smallest",
     "pack_kept",
+    "scatter_mean_",
     "select_bins",
     "select_indices",
+    "subtract_kept_",
 ]
 
 logger = logging.getLogger("superneurons.compress")
 
 SELECTS: tuple[str, ...] = ("exact", "sampled")
-_SAMPLE_SIZE = 16384  # scores sampled (strided) to bracket the threshold (select="sampled")
-_MARGIN_SIGMAS = 3.0  # lower the sampled quantile by this many binomial standard errors
-# NOTE: at 3 sigma the sample undershoots (exact fallback, ~2x slower) in ~0.1% of calls.
 
 
 def check_theta(theta: object, *, owner: str) -> float:
@@ -168,7 +178,7 @@ def select_indices(
     device = score.device
     if count >= universe:
         return torch.arange(universe, device=device)
-    if select == "sampled" and device.type == "cpu" and universe > 4 * _SAMPLE_SIZE:
+    if select == "sampled" and device.type == "cpu" and universe > 4 * SAMPLE_SIZE:
         chosen = _select_sampled(score, count, period)
         if chosen is not None:
             return chosen
@@ -185,56 +195,26 @@ def _mask_of(indices: torch.Tensor, universe: int, *, fresh: bool) -> torch.Tens
     return set_positions(mask, indices)
 
 
-def kth_smallest(values: torch.Tensor, *ranks: int) -> tuple[torch.Tensor, ...]:
-    """0-d ``torch.kthvalue(values, rank).values`` of a 1-D tensor for each ``rank`` (NaN
-    ranks above every number, as there). NOTE: on the CPU one ``numpy.partition`` for all
-    ranks: 0.07 against 0.5-1.0 ms for one rank of 65,536 (the adaptive codec's Lagrangian
-    threshold; one thread), the same values (of a tie of -0 and +0 either zero may
-    come back: the codecs rank squares, never -0); other devices keep ``kthvalue``."""
-    if values.device.type != "cpu":
-        return tuple(torch.kthvalue(values, rank).values for rank in ranks)
-    parted = np.partition(values.detach().contiguous().numpy(), [rank - 1 for rank in ranks])
-    return tuple(torch.from_numpy(parted[rank - 1 : rank]).reshape(()) for rank in ranks)
-
-
-def _sample_stride(universe: int, period: int) -> int:
-    """A stride giving ~_SAMPLE_SIZE samples that is coprime with the coefficients per chunk,
-    so the strided sample visits every frequency of the chunks instead of aliasing."""
-    stride = max(1, universe // _SAMPLE_SIZE)
-    while math.gcd(stride, period) != 1:
-        stride += 1
-    return stride
-
-
 def _select_sampled(score: torch.Tensor, count: int, period: int) -> torch.Tensor | None:
     """CPU only. Two thresholds from one strided sample bracket the count-th largest score:
     scores above the high one are surely kept, those between the two (~2 * margin * T) are
-    ranked exactly. Returns the increasing kept indices, or None when the sample erred."""
+    ranked exactly (:func:`~.streaming.keep_exactly`, the rule the one-pass scan shares).
+    Returns the increasing kept indices, or None when the sample erred."""
     universe = score.numel()
-    sample = score[:: _sample_stride(universe, period)].contiguous()  # (s,)
-    size = sample.numel()
-    drop_share = 1.0 - count / universe
-    margin = _MARGIN_SIGMAS * math.sqrt(drop_share * (1 - drop_share) / size)
-    low_rank = max(1, math.floor(size * (drop_share - margin)))
-    high_rank = min(size, math.ceil(size * (drop_share + margin)))
-    low, high = kth_smallest(sample, low_rank, high_rank)
+    sample = score[:: sample_stride(universe, period)].contiguous()  # (s,)
+    limits = bracket(sample, universe, count)
     # (T,) into a kept buffer: a superset of the top `count` unless the sample erred.
     # NOTE: numpy's compare and flatnonzero (this path is CPU-only): 0.32 ms against 1.4 ms
     # for torch.ge + nonzero on 526k scores (one thread); identical positions.
     above = workspace("sparsecode.above", (universe,), torch.bool, score.device)
-    np.greater_equal(score.detach().contiguous().numpy(), low.numpy(), out=above.numpy())
-    candidates = flat_nonzero(above)  # (c,), increasing
-    candidate_score = score.index_select(0, candidates)  # (c,)
-    keep = candidate_score.numpy() > high.numpy()  # (c,): surely among the top `count`
-    missing = count - int(np.count_nonzero(keep))
-    band = torch.from_numpy(np.flatnonzero(~keep))  # (b,): positions in `candidates` to rank
-    if not 0 <= missing <= band.numel():
+    flat = score.detach().contiguous().numpy()
+    np.greater_equal(flat, limits.low, out=above.numpy())
+    positions = flat_nonzero(above).numpy()  # (c,), increasing
+    kept = keep_exactly(Candidates(positions, flat[positions], 0.0), count, limits.high)
+    if kept is None:
         logger.debug("sampled thresholds missed the %d-th largest; exact fallback", count)
         return None
-    if missing:
-        ranked = torch.topk(candidate_score.index_select(0, band), missing, sorted=False)
-        keep[band.index_select(0, ranked.indices).numpy()] = True
-    return torch.from_numpy(candidates.numpy()[keep])
+    return torch.from_numpy(kept)
 
 
 def pack_kept(
@@ -278,6 +258,33 @@ def pack_kept(
     return data
 
 
+def kept_entries(
+    data: torch.Tensor, layout: KeptLayout
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A message's kept ``(indices (k,) int64 increasing, values (k, width) float32, finite)``
+    (``finite``: the header's 0-d bool flag). Sizes its output from data: CPU callers only (it
+    is what :func:`add_kept` scatters; a decode into a caller's buffer uses it directly)."""
+    header = RangeFloatHeader.from_bytes(data[:HEADER_BYTES])
+    start = HEADER_BYTES
+    stop = start + layout.index_bytes
+    values = _kept_values(data[stop:], header, layout)
+    if layout.index_kind == "bitmap":
+        indices = bitmap_positions(data[start:stop], layout.universe)
+    else:
+        indices = decode_gap(data[start:stop], layout.universe, layout.kept, sync_free=False)
+    return indices, values, header.finite
+
+
+def _kept_values(body: torch.Tensor, header: RangeFloatHeader, layout: KeptLayout) -> torch.Tensor:
+    """The kept values ``(k, width)`` float32 of a message's value bytes."""
+    count = layout.kept * layout.width
+    if layout.bits == 32:
+        values = body.clone().view(torch.float32)
+    else:
+        values = dequantize(read_codes(body, layout.bits, count), header, layout.bits)
+    return values.view(layout.kept, layout.width)
+
+
 def add_kept(
     out: torch.Tensor, data: torch.Tensor, layout: KeptLayout, *, sync_free: bool | None = None
 ) -> torch.Tensor:
@@ -290,12 +297,7 @@ def add_kept(
     header = RangeFloatHeader.from_bytes(data[:HEADER_BYTES])
     start = HEADER_BYTES
     stop = start + layout.index_bytes
-    count = layout.kept * layout.width
-    if layout.bits == 32:
-        values = data[stop:].clone().view(torch.float32)
-    else:
-        values = dequantize(read_codes(data[stop:], layout.bits, count), header, layout.bits)
-    values = values.view(layout.kept, layout.width)  # (k, width)
+    values = _kept_values(data[stop:], header, layout)  # (k, width)
     if layout.index_kind == "bitmap":
         if not sync_free:
             out.index_add_(0, bitmap_positions(data[start:stop], layout.universe), values)
@@ -309,3 +311,44 @@ def add_kept(
         indices = decode_gap(data[start:stop], layout.universe, layout.kept, sync_free=sync_free)
         out.index_add_(0, indices, values)
     return header.finite
+
+
+def scatter_mean_(
+    out: torch.Tensor, parts: Sequence[tuple[torch.Tensor, torch.Tensor]], divisor: int
+) -> torch.Tensor:
+    """``out`` = the sum of every ``(indices, values)`` part scattered into zeros,
+    divided by ``divisor``: bitwise the dense ``zeros().index_add_(...) / divisor``. ``out`` is
+    ``(T,)`` (width 1: row-wise index ops on ``(T, 1)`` views ran 4-14x slower) or ``(T,
+    width)``.
+
+    NOTE: on the CPU, 1-D, in L2-sized blocks: each block is zeroed, receives its parts'
+    values and is divided while in cache, so ``out`` is written once. Scattering into the
+    whole freshly zeroed tensor missed the cache on every kept value (26 MB, 65k values:
+    ~15 ms against ~4 here, one thread)."""
+    numel = out.shape[0]
+    increasing = all(bool((i[1:] >= i[:-1]).all()) for i, _ in parts)  # O(k): blocks need it
+    if out.dim() != 1 or out.device.type != "cpu" or numel <= BLOCK_NUMEL or not increasing:
+        out.zero_()
+        for indices, values in parts:
+            out.index_add_(0, indices, values)
+        return out.div_(divisor) if divisor != 1 else out  # x / 1 is x: no pass
+    starts = np.arange(0, numel + BLOCK_NUMEL, BLOCK_NUMEL)  # (B + 1,), the last >= numel
+    cuts = [np.searchsorted(indices.numpy(), starts) for indices, _ in parts]
+    local = [indices & (BLOCK_NUMEL - 1) for indices, _ in parts]  # offsets inside a block
+    for block, start in enumerate(starts[:-1]):
+        piece = out[start : start + BLOCK_NUMEL]
+        piece.zero_()
+        for (_, values), cut, offsets in zip(parts, cuts, local, strict=True):
+            lo, hi = int(cut[block]), int(cut[block + 1])
+            if hi > lo:
+                piece.index_add_(0, offsets[lo:hi], values[lo:hi])
+        if divisor != 1:
+            piece.div_(divisor)
+    return out
+
+
+def subtract_kept_(target: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
+    """``target`` ``(T, width)`` minus the dense decode of one message's distinct ``indices``
+    and ``values``, at those positions only. The decode is ``0 + value`` (an ``index_add``
+    into zeros turns -0 into +0), so the subtrahend is ``values + 0.0``: the same bits."""
+    target.index_put_((indices,), target.index_select(0, indices).sub_(values + 0.0))

@@ -71,6 +71,9 @@ class HostOptimizer:
             self.masters = {fqn: self._host_copy(p) for fqn, p in self.params.items()}
         self.optimizer = _prefer_fused(factory(list(self.masters.values())))
         self._stamps: dict[str, tuple[int, int]] = {}
+        # parameters whose values live in another tensor (their host copy, when their unit's
+        # weights stream: memory.offload.weights): read and written there
+        self._targets: dict[str, torch.Tensor] = {}
         if not self._meta:  # fake parameters have no data pointer to compare
             self._stamps = {f: _stamp(p) for f, p in self.params.items()}
         self._stream: Any = torch.cuda.Stream(self.device) if self._cuda else None
@@ -88,6 +91,25 @@ class HostOptimizer:
                 f"optimizer {len(self.optimizer.param_groups)}: build it with factory_like()"
             )
         self._followed = list(groups)
+
+    def retarget(self, fqn: str, values: torch.Tensor) -> None:
+        """Read and write parameter ``fqn`` through ``values`` (its host copy, which the
+        parameter points at between its unit's windows): the step writes it there, the next
+        fetch carries it to the device, and a write into the parameter is still noticed by the
+        parameter's version counter."""
+        self._targets[fqn] = values
+        if not self._meta:
+            self._stamps[fqn] = self._stamp_of(fqn)
+
+    def _stamp_of(self, fqn: str) -> tuple[int, int]:
+        target = self._targets.get(fqn)
+        if target is None:
+            return _stamp(self.params[fqn])
+        return self.params[fqn]._version, target.data_ptr()
+
+    def _values(self, fqn: str) -> torch.Tensor:
+        """Where parameter ``fqn``'s values are read and written."""
+        return self._targets.get(fqn, self.params[fqn])
 
     def _take_hyperparameters(self) -> None:
         if self._followed is None:
@@ -109,8 +131,8 @@ class HostOptimizer:
             return
         with untracked(), torch.no_grad():
             for fqn in grads:
-                if self._stamps[fqn] != _stamp(self.params[fqn]):  # written from outside
-                    self.masters[fqn].copy_(self.params[fqn].detach())
+                if self._stamps[fqn] != self._stamp_of(fqn):  # written from outside
+                    self.masters[fqn].copy_(self._values(fqn).detach())
             for fqn, grad in grads.items():
                 master = self.masters[fqn]
                 master.grad = grad if grad.dtype == torch.float32 else grad.float()
@@ -122,10 +144,12 @@ class HostOptimizer:
         self.steps += 1
 
     def _copy_back(self, fqns: Iterable[str]) -> None:
+        fqns = list(fqns)
+        for fqn in (f for f in fqns if f in self._targets or not self._cuda):
+            self._values(fqn).copy_(self.masters[fqn])  # host to host (or a CPU device)
+            self._stamps[fqn] = self._stamp_of(fqn)
+        fqns = [f for f in fqns if f not in self._targets]
         if not self._cuda:
-            for fqn in fqns:
-                self.params[fqn].copy_(self.masters[fqn])
-                self._stamps[fqn] = _stamp(self.params[fqn])
             return
         # host: cast into pinned staging in the parameter's dtype (a cast during an h2d copy
         # would stage an fp32 copy on the device); device: a same-dtype copy on our stream
@@ -156,9 +180,9 @@ class HostOptimizer:
         if self._meta:
             return
         with untracked(), torch.no_grad():
-            for fqn, param in self.params.items():
-                self.masters[fqn].copy_(param.detach())
-                self._stamps[fqn] = _stamp(param)
+            for fqn in self.params:
+                self.masters[fqn].copy_(self._values(fqn).detach())
+                self._stamps[fqn] = self._stamp_of(fqn)
 
     # --- state ------------------------------------------------------------------------------
     def host_bytes(self) -> int:

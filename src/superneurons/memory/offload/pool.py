@@ -179,6 +179,9 @@ class TensorPool:
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._device_bytes = 0
         self._peak_host_bytes = 0
+        # streamed weights (memory.offload.weights): saved views of their device copies are
+        # packed as references, asked before anything else
+        self.weights: Any = None
 
     @contextlib.contextmanager
     def offloading(self) -> Iterator[int]:
@@ -211,6 +214,9 @@ class TensorPool:
         )
 
     def _pack(self, tensor: torch.Tensor) -> Any:
+        ref = self.weights.pack(tensor) if self.weights is not None else None
+        if ref is not None:
+            return ref
         if not self._offloadable(tensor):
             self._counters["kept_small"] += 1
             return tensor
@@ -314,6 +320,8 @@ class TensorPool:
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Handle):
+            if self.weights is not None:
+                return self.weights.unpack(packed)  # type: ignore[no-any-return]
             return packed  # type: ignore[no-any-return]
         slot = packed.slot
         if slot.device_tensor is None:

@@ -18,7 +18,16 @@ import torch
 
 from superneurons.errors import ConfigError
 
-__all__ = ["DEVICE_PRESETS", "CostModel", "EventTimer", "cost_model", "measure_copy_bandwidth"]
+__all__ = [
+    "DEVICE_PRESETS",
+    "HOST_LINKS",
+    "CostModel",
+    "EventTimer",
+    "HostLink",
+    "cost_model",
+    "measure_copy_bandwidth",
+    "with_host_link",
+]
 
 logger = logging.getLogger("superneurons.memory")
 
@@ -131,6 +140,38 @@ DEVICE_PRESETS: dict[str, CostModel] = {
     # pool" of a CPU device is another buffer in the same DRAM, so a copy is a memcpy.
     "cpu": CostModel(2.7e9, 26e9, 5.4e9, name="cpu"),
 }
+
+
+@dataclass(frozen=True)
+class HostLink:
+    """A host <-> device link: its datasheet rate per direction and the pinned-copy rate the
+    planner assumes (``effective_bytes_per_s``, both directions)."""
+
+    name: str
+    datasheet_bytes_per_s: float
+    effective_bytes_per_s: float
+    source: str
+
+
+# NOTE: literal table. PCIe: 16 / 32 GT/s per lane x 16 lanes with 128b/130b encoding is 31.5 /
+# 63.0 GB/s per direction (PCI-SIG base specifications 4.0 and 5.0); pinned copies reach ~80% of
+# that: 25 GB/s assumed for 4.0 (the a100 preset's figure), and for 5.0 the 54.6 GB/s host ->
+# device this project measured on an H100 (the h100 preset; 41.7 GB/s the other way) rounded
+# down to 50 GB/s. GH200: NVLink-C2C, 900 GB/s bidirectional (450 GB/s per direction, NVIDIA
+# GH200 Grace Hopper Superchip datasheet); 80% of it, 360 GB/s, assumed (not measured here).
+HOST_LINKS: dict[str, HostLink] = {
+    "pcie4-x16": HostLink("pcie4-x16", 31.5e9, 25e9, "PCI-SIG PCIe 4.0: 16 GT/s x16, 128b/130b"),
+    "pcie5-x16": HostLink("pcie5-x16", 63.0e9, 50e9, "PCI-SIG PCIe 5.0: 32 GT/s x16, 128b/130b"),
+    "gh200-c2c": HostLink("gh200-c2c", 450e9, 360e9, "NVIDIA GH200 datasheet: NVLink-C2C 900 GB/s"),
+}
+
+
+def with_host_link(cost: CostModel, link: str) -> CostModel:
+    """``cost`` with both copy rates set to :data:`HOST_LINKS` ``[link]``'s effective rate."""
+    if link not in HOST_LINKS:
+        raise ConfigError(f"unknown host link {link!r}: use one of {', '.join(HOST_LINKS)}")
+    rate = HOST_LINKS[link].effective_bytes_per_s
+    return replace(cost, bandwidth_bytes_per_s=rate, h2d_bytes_per_s=rate)
 
 
 def cost_model(preset: str = "a100", **overrides: Any) -> CostModel:

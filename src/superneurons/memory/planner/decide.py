@@ -45,6 +45,7 @@ from dataclasses import dataclass, replace
 from superneurons.bytesize import format_bytes
 from superneurons.errors import ConfigError
 from superneurons.memory.plan import (
+    PLAN_VERSION,
     SEARCH_STRATEGIES,
     SINGLE_DEVICE_STRATEGIES,
     STRATEGIES,
@@ -61,6 +62,7 @@ from superneurons.memory.planner.predict import evaluate
 from superneurons.memory.planner.strategy_search import (
     HOST_OPTIMIZER,
     IN_BACKWARD,
+    STREAM_WEIGHTS,
     Choice,
     search_all,
     usable,
@@ -94,6 +96,7 @@ def make_plan(
     cost: CostModel | None = None,
     chunked: Sequence[Profile] = (),
     floors: Floors | None = None,
+    allow_weight_streaming: bool = True,
     step: TrainingStep | None = None,
 ) -> Plan:
     """Plan keep / offload / recompute per unit so the predicted peak fits ``budget_bytes``.
@@ -118,6 +121,11 @@ def make_plan(
     strategy when the plain profile does not fit; the plan carries the chunking it used.
     ``floors``: :func:`search_floors` of the same
     profiles and cost, when the caller has searched them already (``plan`` reports them).
+    ``stream-weights``: the host optimizer's plan, then units' weights in the host pool, copied
+    to the device around their forward and backward (the cheapest copies first, only while the
+    budget needs them: :mod:`superneurons.memory.planner.weights`); ``auto`` takes it after
+    everything else. ``allow_weight_streaming=False`` rules it out (data parallelism: a
+    streamed unit's weights are one device's; FSDP2 shards them across devices instead).
 
     Raises:
         InfeasibleBudgetError: no plan of ``strategy`` fits; the message names the minimum budget
@@ -134,9 +142,14 @@ def make_plan(
     elif step is not None and floors.step != _plain(step):
         raise ConfigError("floors= were searched for another training step than step=")
     step = floors.step
-    allowed = _Allowed(optimizer_in_backward, allow_optimizer_in_backward, allow_host_optimizer)
+    allowed = _Allowed(
+        optimizer_in_backward,
+        allow_optimizer_in_backward,
+        allow_host_optimizer,
+        allow_weight_streaming,
+    )
     minima = allowed.minima(floors, strategy)
-    best_strategy = min(minima, key=lambda s: minima[s])
+    order = [strategy]
     if strategy == "auto":
         order = [s for s in allowed.auto_order() if s in floors.choices]  # runnable ones
         chosen = _least_exposed(floors, order, budget_bytes)
@@ -153,18 +166,29 @@ def make_plan(
                 segments=chosen.segments,
                 step=step,
             )
+    # NOTE: the minimum named (error and Plan) is the one this call reaches with the same
+    # arguments: the floor of the strategy asked for (``auto``: of the strategies it may take),
+    # never another strategy's the caller did not ask for; that one is named as advice only
+    reachable = minima.get(strategy, chosen.outcome.peak_bytes)
     if chosen.outcome.peak_bytes > budget_bytes:
         raise InfeasibleBudgetError(
             f"budget {format_bytes(budget_bytes)} is below the smallest predicted peak of strategy "
-            f"{strategy!r} ({format_bytes(minima.get(strategy, chosen.outcome.peak_bytes))}); the "
-            f"minimum over all strategies is {format_bytes(minima[best_strategy])} = "
-            f"{minima[best_strategy]} bytes (strategy {best_strategy!r}): raise the budget, "
-            "use that strategy, or shrink the batch",
-            min_budget_bytes=minima[best_strategy],
-            strategy=best_strategy,
+            f"{strategy!r}, {format_bytes(reachable)} = {reachable} bytes: raise the budget to at "
+            f"least that, or shrink the batch{_lower_elsewhere(minima, strategy, reachable)}",
+            min_budget_bytes=reachable,
+            strategy=next((s for s in order if minima.get(s) == reachable), strategy),
         )
-    plan = _plan_of(chosen, chosen.profile or profile, budget_bytes, minima[best_strategy])
+    plan = _plan_of(chosen, chosen.profile or profile, budget_bytes, reachable)
     return plan if step is None else replace(plan, step=step)
+
+
+def _lower_elsewhere(minima: dict[str, int], strategy: str, floor: int) -> str:
+    """Advice: a strategy the caller may pass that reaches lower than ``floor``, or ""."""
+    others = {s: v for s, v in minima.items() if s not in (strategy, "auto")}
+    if not others or min(others.values()) >= floor:
+        return ""
+    best = min(others, key=lambda s: others[s])
+    return f" (strategy={best!r} reaches {format_bytes(others[best])} where it can run)"
 
 
 @dataclass(frozen=True)
@@ -272,7 +296,7 @@ def describe_floors(
         if id(used) not in sets:
             sets[id(used)] = (largest_unit_bytes(used), head_loss_bytes(used))
         largest, head_loss = sets[id(used)]
-        resident = used.param_bytes
+        resident = used.param_bytes - outcome.weights.host_bytes
         if not best.host_optimizer:
             resident += 0 if best.optimizer_in_backward else used.grad_bytes
             resident += 0 if best.optimizer_on_host else used.optimizer_state_bytes
@@ -292,6 +316,12 @@ def describe_floors(
             head_loss_working_set_bytes=head_loss,
             head_chunk_tokens=used.head.chunk_tokens if used.head else None,
             mlp_pieces=max((c.chunks for c in used.seq_chunks), default=1),
+            streamed_bytes=outcome.weights.streamed_bytes,
+            weights_host_bytes=outcome.weights.host_bytes,
+            exposed_transfer_s=outcome.exposed_s,
+            pinned_host_bytes=(
+                outcome.host_bytes + outcome.optimizer_host_bytes + outcome.weights.host_bytes
+            ),
         )
     return described
 
@@ -315,6 +345,7 @@ class _Allowed:
     in_backward: bool
     allow_in_backward: bool
     allow_host: bool
+    allow_streaming: bool = True
 
     def minima(self, floors: Floors, strategy: str) -> dict[str, int]:
         """Each allowed strategy's floor; a ``strategy`` the rules forbid is refused."""
@@ -327,20 +358,30 @@ class _Allowed:
             for name in IN_BACKWARD:
                 minima.pop(name, None)
         if not self.allow_host:
-            if strategy == HOST_OPTIMIZER:
-                raise ConfigError(f"{HOST_OPTIMIZER!r} contradicts allow_host_optimizer=False")
+            if strategy in (HOST_OPTIMIZER, STREAM_WEIGHTS):
+                raise ConfigError(f"{strategy!r} contradicts allow_host_optimizer=False")
             minima.pop(HOST_OPTIMIZER, None)
+            minima.pop(STREAM_WEIGHTS, None)
+        if not self.allow_streaming:
+            if strategy == STREAM_WEIGHTS:
+                raise ConfigError(
+                    f"{STREAM_WEIGHTS!r} runs on one device: under data parallelism shard the "
+                    "weights with FSDP2 (torch.distributed.fsdp.fully_shard) instead"
+                )
+            minima.pop(STREAM_WEIGHTS, None)
         return minima
 
     def auto_order(self) -> list[str]:
         """The strategies ``auto`` tries, the cheapest kinds first."""
         if self.in_backward:
             return list(IN_BACKWARD)
-        order = ["eager", "recompute", "offload", *IN_BACKWARD, HOST_OPTIMIZER]
+        order = ["eager", "recompute", "offload", *IN_BACKWARD, HOST_OPTIMIZER, STREAM_WEIGHTS]
         if not self.allow_in_backward:
             order = [s for s in order if s not in IN_BACKWARD]
         if not self.allow_host:
-            order.remove(HOST_OPTIMIZER)
+            order = [s for s in order if s not in (HOST_OPTIMIZER, STREAM_WEIGHTS)]
+        if not self.allow_streaming:
+            order = [s for s in order if s != STREAM_WEIGHTS]
         return order
 
 
@@ -355,6 +396,7 @@ def _least_exposed(floors: Floors, order: list[str], budget_bytes: int) -> Choic
     return min(
         fits,
         key=lambda c: (
+            bool(c.weights),
             c.host_optimizer,
             c.optimizer_in_backward,
             c.optimizer_on_host,
@@ -371,9 +413,16 @@ def _plan_of(chosen: Choice, used: Profile, budget_bytes: int, min_budget_bytes:
         TensorDecision(s.key, s.unit, actions.get(s.unit, "keep") if s.unit else "keep", s.nbytes)
         for s in used.saved
     )
+    streams = outcome.weights
     return Plan(
         units=tuple(
-            UnitDecision(f, a, unit_bytes[f], segment=chosen.segments.get(f, -1))
+            UnitDecision(
+                f,
+                a,
+                unit_bytes[f],
+                segment=chosen.segments.get(f, -1),
+                weights="host" if f in chosen.weights else "device",
+            )
             for f, a in actions.items()
         ),
         strategy=chosen.strategy,
@@ -386,7 +435,8 @@ def _plan_of(chosen: Choice, used: Profile, budget_bytes: int, min_budget_bytes:
         transfer_s=outcome.transfer_s,
         feasible=True,
         tensors=tensors,
-        resident_bytes=resident_bytes(used, host_optimizer=chosen.host_optimizer),
+        resident_bytes=resident_bytes(used, host_optimizer=chosen.host_optimizer)
+        - streams.host_bytes,
         largest_unit_bytes=largest_unit_bytes(used),
         optimizer_on_host=chosen.optimizer_on_host,
         optimizer_host_bytes=outcome.optimizer_host_bytes,
@@ -397,4 +447,10 @@ def _plan_of(chosen: Choice, used: Profile, budget_bytes: int, min_budget_bytes:
         grad_buckets=chosen.buckets,
         peak_at=outcome.peak_at,
         breakdown=outcome.breakdown,
+        weights_host_bytes=streams.host_bytes,
+        streamed_bytes=streams.streamed_bytes,
+        weights_exposed_s=streams.exposed_s,
+        exposed_transfer_s=outcome.exposed_s,
+        # the oldest format that holds the plan: without streamed weights, version 3
+        version=PLAN_VERSION if chosen.weights else 3,
     )

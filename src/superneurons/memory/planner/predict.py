@@ -33,6 +33,7 @@ from superneurons.memory.planner.predict_steps import (
     step_in_backward,
     step_on_host,
 )
+from superneurons.memory.planner.weights import WeightStreams, stream_cost, weight_windows
 from superneurons.memory.planner.where import locate
 from superneurons.memory.profile_types import CATEGORIES, Profile, StorageLife
 
@@ -69,6 +70,7 @@ class Outcome:
     optimizer_copy_s: float = 0.0  # its copy time per step, both directions
     breakdown: dict[str, int] = field(default_factory=dict)
     peak_at: dict[str, Any] = field(default_factory=dict)
+    weights: WeightStreams = field(default_factory=WeightStreams)  # streamed units' weights
 
 
 def evaluate(
@@ -82,6 +84,7 @@ def evaluate(
     optimizer_on_host: bool = False,
     host_optimizer: bool = False,
     buckets: tuple[tuple[str, ...], ...] | None = None,
+    streamed: frozenset[str] = frozenset(),
     step: TrainingStep | None = None,
 ) -> Outcome:
     """Predict peak bytes, host bytes and time overheads of per-unit ``actions`` (fqn -> action).
@@ -97,6 +100,9 @@ def evaluate(
     ``host_optimizer``: the optimizer runs on the host; gradients live on the device as
     ``buckets`` (default: :func:`~superneurons.memory.planner.buckets.assign_buckets`) are
     launched and drained; after backward only the parameters remain.
+    ``streamed``: the units whose weights stream from the host (with ``host_optimizer``): their
+    parameters are on the device only in the windows of
+    :func:`~superneurons.memory.planner.weights.weight_windows`.
     ``step``: the loop clips or accumulates (:class:`~superneurons.memory.plan.TrainingStep`;
     None: neither), which changes where gradients live and when an optimizer off the device
     may step (:mod:`superneurons.memory.planner.predict_steps`); times are then per
@@ -112,6 +118,9 @@ def evaluate(
     timeline, host_state = _optimizer_rows(
         profile, optimizer_in_backward, optimizer_on_host, host_optimizer, buckets, step
     )
+    weights = stream_cost(profile, streamed, cost)
+    if streamed:
+        weight_windows(profile, streamed, timeline.table)
     host_bytes = _move_saved(plan, timeline) + _keep_checkpoint_inputs(plan, timeline)
     if profile.rng_state_bytes:
         _stash_rng_states(profile, actions, plan.segments, plan.members, timeline.change)
@@ -143,13 +152,14 @@ def evaluate(
         int(total.max(initial=0)),
         host_bytes,
         extra_s,
-        transfer_s,
-        exposed_s,
+        transfer_s + weights.transfer_s,
+        exposed_s + weights.exposed_s,
         peak_event,
         optimizer_host_bytes,
         optimizer_copy_s,
         breakdown=timeline.breakdown(peak_event),
         peak_at=locate(profile, peak_event),
+        weights=weights,
     )
 
 

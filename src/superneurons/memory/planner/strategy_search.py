@@ -18,11 +18,13 @@ from superneurons.memory.plan import TrainingStep
 from superneurons.memory.planner.buckets import BUCKET_CAPS, assign_buckets
 from superneurons.memory.planner.cost import CostModel
 from superneurons.memory.planner.predict import Outcome, evaluate
+from superneurons.memory.planner.weights import stream_order
 from superneurons.memory.profile_types import Profile, UnitProfile
 
 __all__ = [
     "HOST_OPTIMIZER",
     "IN_BACKWARD",
+    "STREAM_WEIGHTS",
     "Choice",
     "search_all",
     "segment_runs",
@@ -75,13 +77,18 @@ _ALLOWED: dict[str, tuple[str, ...]] = {
     "offload+opt-in-backward": ("recompute", "offload"),
     "offload+opt-on-host": ("recompute", "offload"),
     "offload+host-optimizer": ("recompute", "offload"),
+    "stream-weights": ("recompute", "offload"),
 }
 IN_BACKWARD = ("offload+opt-in-backward", "offload+opt-on-host")
 HOST_OPTIMIZER = "offload+host-optimizer"
+# the host optimizer's search, then units' weights to the host pool, the cheapest copies first,
+# only while the budget needs them (memory.planner.weights)
+STREAM_WEIGHTS = "stream-weights"
 
 
 _SEGMENT: tuple[str, str] = ("", "segment")  # the step that turns on memory-centric segments
 _HOST_STATE: tuple[str, str] = ("", "optimizer-on-host")  # optimizer state to the host pool
+_WEIGHTS = "weights"  # (fqn, _WEIGHTS): the unit's weights to the host pool
 
 
 @dataclass
@@ -97,10 +104,11 @@ class Choice:
     optimizer_on_host: bool = False
     profile: Profile | None = None
     buckets: tuple[tuple[str, ...], ...] = ()
+    weights: tuple[str, ...] = ()  # the units whose weights stream from the host
 
     @property
     def host_optimizer(self) -> bool:
-        return bool(self.buckets) or self.strategy == HOST_OPTIMIZER
+        return bool(self.buckets) or self.strategy in (HOST_OPTIMIZER, STREAM_WEIGHTS)
 
 
 def search_all(
@@ -147,7 +155,7 @@ def _search(
 ) -> Choice:
     """Shortest candidate prefix that fits ``budget_bytes`` (None: the prefix with least peak)."""
     opt_in = strategy in IN_BACKWARD
-    host_opt = strategy == HOST_OPTIMIZER
+    host_opt = strategy in (HOST_OPTIMIZER, STREAM_WEIGHTS)
     buckets: tuple[tuple[str, ...], ...] = ()
     if host_opt:  # the search runs with the smallest buckets; _widest_buckets widens them
         events = profile.gradients
@@ -161,13 +169,20 @@ def _search(
     actions = {u.fqn: "keep" for u in profile.units}
     first, upgrades = _candidates(profile, _ALLOWED[strategy], cost)
     segment: list[tuple[str, str]] = [_SEGMENT] if "recompute" in _ALLOWED[strategy] else []
+    weights: list[tuple[str, str]] = []
+    if strategy == STREAM_WEIGHTS:
+        # NOTE: a segment's first unit runs its members' forwards itself, past the hooks that
+        # fetch their weights: no segments here; weights stream last, when nothing else fits
+        segment = []
+        weights = [(fqn, _WEIGHTS) for fqn in stream_order(profile, cost)]
     # NOTE: with a host pool, checkpoints go to the host (hidden behind recompute) before
     # memory-centric segments, which recompute twice and still hold the segment inputs
     # NOTE: optimizer state to the host first: its copies run on the pool's streams beside the
     # whole backward (exposed only beyond it), the cheapest bytes per second there are
     host = [_HOST_STATE] if strategy == "offload+opt-on-host" else []
-    steps = host + first + upgrades + segment
+    steps = host + first + upgrades + segment + weights
     segmented = on_host = False
+    streamed: list[str] = []
 
     def outcome_of() -> Outcome:
         segments = segment_runs(profile, actions) if segmented else {}
@@ -180,12 +195,16 @@ def _search(
             optimizer_on_host=on_host,
             host_optimizer=host_opt,
             buckets=buckets if host_opt else None,
+            streamed=frozenset(streamed),
             step=step,
         )
 
     def choice(outcome: Outcome) -> Choice:
         segments = segment_runs(profile, actions) if segmented else {}
-        return Choice(strategy, dict(actions), segments, opt_in, outcome, on_host, profile, buckets)
+        return Choice(
+            strategy, dict(actions), segments, opt_in, outcome, on_host, profile, buckets,
+            tuple(streamed),
+        )  # fmt: skip
 
     outcome = outcome_of()
     best = choice(outcome)
@@ -197,6 +216,8 @@ def _search(
             segmented = True
         elif (fqn, action) == _HOST_STATE:
             on_host = True
+        elif action == _WEIGHTS:
+            streamed.append(fqn)
         else:
             if actions[fqn] == "keep":
                 taken.append(fqn)
@@ -273,6 +294,7 @@ def _widest_buckets(
             segments=choice.segments,
             host_optimizer=True,
             buckets=buckets,
+            streamed=frozenset(choice.weights),
             step=step,
         )
         limit = best.outcome.peak_bytes if budget_bytes is None else budget_bytes

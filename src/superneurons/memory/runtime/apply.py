@@ -55,6 +55,7 @@ from superneurons.memory.offload.optim_backward import WaitingSteps
 from superneurons.memory.offload.optim_host import HostOptimizerState
 from superneurons.memory.offload.plan_optimizer import attach_optimizer
 from superneurons.memory.offload.pool import PoolConfig, PoolStats, TensorPool
+from superneurons.memory.offload.weights import WeightStream
 from superneurons.memory.plan import OFFLOADING, Plan
 from superneurons.memory.runtime.compiled import CompileMode, guard_compiled_calls
 from superneurons.memory.runtime.recompute import RecomputeStats, checkpointed_forward
@@ -80,6 +81,7 @@ class PlanHandle:
         optimizer: with ``plan.host_optimizer``, the optimizer a training loop holds
             (:class:`~superneurons.memory.offload.host_optimizer.HostOptimizerView`), else None.
         buckets: with ``plan.host_optimizer``, the gradient buckets, else None.
+        weights: the streamed units' weights (``UnitDecision.weights == "host"``), else None.
         waiting_steps: with ``plan.optimizer_in_backward`` and a ``plan.step`` that clips or
             accumulates, the steps held to the end of the last micro-batch (its ``sync`` and
             ``grad_norm``), else None.
@@ -94,6 +96,7 @@ class PlanHandle:
         self.host_state: HostOptimizerState | None = None
         self.optimizer: HostOptimizerView | None = None
         self.buckets: GradientBuckets | None = None
+        self.weights: WeightStream | None = None
         self.waiting_steps: WaitingSteps | None = None
         self._forwards = ForwardPatches()
         self._hooks: list[Any] = []
@@ -111,6 +114,9 @@ class PlanHandle:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        if self.weights is not None:
+            self.weights.restore()  # the parameters back on the device
+            self.pool.weights = None
         self._removed = True
 
     def stats(self) -> dict[str, Any]:
@@ -131,9 +137,17 @@ class PlanHandle:
         (:mod:`superneurons.memory.offload.rewrap`; :meth:`remove` rebuilds it as it was)."""
         if self.buckets is None:
             raise ConfigError("attach() is for plans with host_optimizer; this plan has none")
+        if self.weights is not None:
+            raise ConfigError(_STREAMING_ONE_DEVICE)
         self.buckets.attach(ddp_model, rebuild=rebuild)
 
     def state_dict(self) -> dict[str, Any]:
+        state = self._state_dict()
+        if self.weights is not None:
+            state["weights"] = self.weights.state_dict()
+        return state
+
+    def _state_dict(self) -> dict[str, Any]:
         if self.host_state is not None:
             self.host_state.wait()  # the host copies of the optimizer state have landed
         if self.optimizer is not None:
@@ -154,6 +168,8 @@ class PlanHandle:
             self.recompute_stats[fqn].load_state_dict(counts)
         for fqn, opt_state in state.get("optimizers", {}).items():
             self.optimizers[fqn].load_state_dict(opt_state)
+        if "weights" in state and self.weights is not None:
+            self.weights.load_state_dict(state["weights"])
         if "host_optimizer" in state:
             if self.optimizer is None:
                 raise ConfigError("this state has a host optimizer; the plan applied has none")
@@ -205,6 +221,8 @@ def apply_plan(
             (:func:`superneurons.memory.fsdp.check_sharded_plan`).
     """
     if isinstance(model, nn.parallel.DistributedDataParallel):
+        if plan.streams_weights:
+            raise ConfigError(_STREAMING_ONE_DEVICE)
         model = model.module
     if device is None:
         first = next(model.parameters(), None)
@@ -253,6 +271,8 @@ def apply_plan(
             _wrap_segment(handle, members)
         if plan.optimizer_in_backward or plan.host_optimizer:
             attach_optimizer(handle, model, optimizer_factory)
+        if plan.streams_weights:
+            _stream_weights(handle, model, device)
         handle._hooks += guard_stateful_forwards(model, plan)  # HF cache, state in forward
     except BaseException:
         handle.remove()
@@ -267,6 +287,44 @@ def apply_plan(
         plan.optimizer_in_backward,
     )
     return handle
+
+
+_STREAMING_ONE_DEVICE = (
+    "this plan streams weights from the host, which runs on one device: under data "
+    "parallelism shard the weights with FSDP2 (torch.distributed.fsdp.fully_shard) instead, or "
+    "plan with allow_weight_streaming=False"
+)
+
+
+def _stream_weights(handle: PlanHandle, model: nn.Module, device: torch.device) -> None:
+    """Keep the streamed units' parameters in the host pool, with device copies around their
+    forward and backward (:mod:`superneurons.memory.offload.weights`); the host optimizer reads
+    and writes the trainable ones there."""
+    plan = handle.plan
+    in_segment = [u.fqn for u in plan.units if u.weights == "host" and u.segment >= 0]
+    if in_segment:
+        raise ConfigError(
+            f"units {in_segment[:3]} stream their weights and sit in a recompute segment, whose "
+            "first unit runs them past their windows: give them segment -1"
+        )
+    stream = WeightStream(
+        model, plan.streamed_units(), all_units=[u.fqn for u in plan.units], device=device
+    )
+    trainable = [w.fqn for w in stream.weights if w.param.requires_grad]
+    if trainable and handle.buckets is None:
+        raise ConfigError(
+            f"streamed parameters {trainable[:3]} take gradients: their optimizer must run on the "
+            "host (plan.host_optimizer), which updates the host copy the next fetch carries"
+        )
+    for weight in stream.weights:
+        if weight.param.requires_grad and handle.buckets is not None:
+            handle.buckets.optimizer.retarget(weight.fqn, weight.host)
+    stream.move_to_host()
+    handle.weights = stream
+    handle.pool.weights = stream
+    for index, fqn in enumerate(stream.units):
+        module = model.get_submodule(fqn)
+        handle._wrap(module, stream.forward_of(index, module.forward))
 
 
 def _resolve_units(model: nn.Module, plan: Plan) -> list[tuple[str, str, nn.Module]]:

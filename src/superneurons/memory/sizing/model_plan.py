@@ -24,7 +24,7 @@ from superneurons.memory.sizing.llm import attention_ops, profile_causal_lm_belo
 from superneurons.memory.sizing.simulate import profile_zoo
 from superneurons.memory.sizing.target import LMTarget, Target, ZooTarget, training_step
 
-__all__ = ["ModelPlan", "parameter_fields", "plan_model"]
+__all__ = ["ModelPlan", "parameter_fields", "pinned_host_bytes", "plan_model"]
 
 PLAN_ACTIONS: tuple[str, ...] = ("keep", "offload", "recompute", "recompute+offload")
 
@@ -61,6 +61,7 @@ class ModelPlan:
     plan: Plan | None
     infeasible: InfeasibleBudgetError | None = None
     parameters: dict[str, int] = field(default_factory=dict)
+    step_compute_s: float = 0.0  # forward + backward (3x the units' forward), cost model
     step_costs: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
@@ -102,6 +103,7 @@ class ModelPlan:
         floor = self.floors[self.floor_strategy]
         return {
             "eager_peak_bytes": self.eager_peak_bytes,
+            "step_compute_s": self.step_compute_s,
             "floor_strategy": self.floor_strategy,
             "resident_bytes": floor.resident_bytes,
             "largest_unit_bytes": floor.largest_unit_bytes,
@@ -132,6 +134,12 @@ class ModelPlan:
             "head_chunk_tokens": plan.head.chunk_tokens if plan.head else None,
             "head_mode": plan.head.mode if plan.head else None,
             "mlp_pieces": max((c.chunks for c in plan.seq_chunks), default=1),
+            # the host link: weights streamed, copies no compute hides, pinned host memory
+            "units_streamed": len(plan.streamed_units()),
+            "streamed_bytes_per_step": plan.streamed_bytes,
+            "exposed_transfer_s": plan.exposed_transfer_s,
+            "weights_host_bytes": plan.weights_host_bytes,
+            "pinned_host_bytes": pinned_host_bytes(plan),
         }
 
 
@@ -177,8 +185,16 @@ def plan_model(
         plan=plan,
         infeasible=infeasible,
         parameters=parameters,
+        # NOTE: backward ~ 2x forward (two GEMMs per forward GEMM): the step ~ 3x the forward
+        step_compute_s=3 * sum(cost.unit_seconds(profile).values()),
         step_costs=_step_costs(floors),
     )
+
+
+def pinned_host_bytes(plan: Plan) -> int:
+    """The pinned host memory ``plan`` needs: offloaded activations, the optimizer's state and
+    fp32 masters off the device, and the streamed weights' host copies."""
+    return plan.host_bytes + plan.optimizer_host_bytes + plan.weights_host_bytes
 
 
 def parameter_fields(profile: Profile) -> dict[str, int]:

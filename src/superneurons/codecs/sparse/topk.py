@@ -34,7 +34,8 @@ import torch
 from superneurons.codecs.canonical import Canonical
 from superneurons.codecs.codec import Payload, check_gradient, check_payload
 from superneurons.codecs.coding.finite import finite_flag, nan_unless_
-from superneurons.codecs.coding.sparsecode import select_indices
+from superneurons.codecs.coding.sparsecode import scatter_mean_, select_indices, subtract_kept_
+from superneurons.codecs.coding.streaming import SPATIAL_PERIOD, select_streaming
 from superneurons.errors import ConfigError
 
 __all__ = ["TopKCodec"]
@@ -97,23 +98,27 @@ class TopKCodec(Canonical):
         flat = check_gradient(grad, codec_name=self.NAME).to(torch.float32)
         numel = flat.numel()
         k = self.kept(numel)
-        magnitude = flat.abs()
+        finite = None
         if self.select == "sampled" and flat.device.type == "cpu":
             # NOTE: the sampled threshold sizes tensors from data (free on the CPU, a sync on a
             # GPU, where torch.topk is fast anyway: 115-127 GB/s measured on an H100).
-            indices = _sampled_topk(magnitude, k, generator)
+            indices = _sampled_topk(flat.abs(), k, generator)
         elif flat.device.type == "cpu":
             # NOTE: the same k as torch.topk (ties aside), found by bracketing the k-th largest
-            # between two quantiles of a strided sample and ranking only the band between them
-            # (sparsecode.select_indices; exact fallback when the bracket misses): 4 MiB, one
-            # thread, ~2x faster than torch.topk, which sorts (value, index) pairs of all n.
-            indices = select_indices(magnitude, k, "sampled")
+            # between two quantiles of a strided sample and ranking only the band between them:
+            # in one pass over L2-sized blocks (coding.streaming), else in two over the
+            # magnitudes (sparsecode.select_indices; exact fallback when the bracket misses).
+            chosen = select_streaming(flat, k, score="abs")
+            if chosen is not None:
+                indices, finite = chosen
+            else:
+                indices = select_indices(flat.abs(), k, "sampled", period=SPATIAL_PERIOD)
         else:
-            indices = torch.topk(magnitude, k, sorted=False).indices
+            indices = torch.topk(flat.abs(), k, sorted=False).indices
         data = torch.empty(8 * k, dtype=torch.uint8, device=flat.device)
         values = data[: 4 * k].view(torch.float32)
         torch.index_select(flat, 0, indices, out=values)
-        nan_unless_(finite_flag(flat), values)
+        nan_unless_(finite_flag(flat) if finite is None else finite, values)
         data[4 * k :].view(torch.int32).copy_(indices)
         return Payload(data, numel)
 
@@ -129,11 +134,7 @@ class TopKCodec(Canonical):
 
     def decode_sum(self, payloads: Sequence[Payload]) -> torch.Tensor:
         """Scatter-add every rank's (value, index) pairs into one dense float32 tensor."""
-        if not payloads:
-            raise ConfigError("topk: decode_sum needs at least one payload")
-        numel = payloads[0].numel
-        if any(p.numel != numel for p in payloads):
-            raise ConfigError("topk: decode_sum needs payloads of the same numel")
+        numel = self._numel(payloads)
         pairs = [self._unpack(p) for p in payloads]
         values = torch.cat([v for v, _ in pairs])
         indices = torch.cat([i for _, i in pairs])
@@ -141,6 +142,34 @@ class TopKCodec(Canonical):
         out.index_add_(0, indices, values)
         finite = torch.isfinite(values).all()  # (k,): small
         return out.add_(torch.where(finite, 0.0, math.nan))  # in place: all-NaN unless finite
+
+    def decode_sum_into(
+        self, payloads: Sequence[Payload], out: torch.Tensor, *, divisor: int = 1
+    ) -> torch.Tensor:
+        """``decode_sum(payloads) / divisor`` into float32 ``out``, bitwise, touching zeros and
+        the kept positions only (CPU, finite payloads; otherwise the plain composition).
+        NOTE: ``+ 0.0`` (decode_sum's finite flag) changes no bit here: the sums start at +0."""
+        self._numel(payloads)
+        pairs = [self._unpack(p) for p in payloads]
+        if out.device.type == "cpu" and all(bool(torch.isfinite(v).all()) for v, _ in pairs):
+            return scatter_mean_(out, [(i, v) for v, i in pairs], divisor)
+        return torch.div(self.decode_sum(payloads), divisor, out=out)
+
+    def subtract_decode_(self, payload: Payload, target: torch.Tensor) -> torch.Tensor:
+        """``target -= decode(payload)`` at the kept positions only (CPU), bitwise."""
+        values, indices = self._unpack(payload)
+        if target.device.type == "cpu" and bool(torch.isfinite(values).all()):
+            subtract_kept_(target, indices, values)
+            return target
+        return torch.sub(target, self.decode(payload), out=target)
+
+    def _numel(self, payloads: Sequence[Payload]) -> int:
+        if not payloads:
+            raise ConfigError("topk: decode_sum needs at least one payload")
+        numel = payloads[0].numel
+        if any(p.numel != numel for p in payloads):
+            raise ConfigError("topk: decode_sum needs payloads of the same numel")
+        return numel
 
 
 def _sampled_topk(

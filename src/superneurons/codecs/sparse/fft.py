@@ -71,11 +71,14 @@ from superneurons.codecs.coding.sparsecode import (
     KeptLayout,
     add_kept,
     kept_count,
+    kept_entries,
     pack_kept,
     select_bins,
     select_indices,
 )
+from superneurons.codecs.coding.streaming import SAMPLE_SIZE
 from superneurons.codecs.coding.workspace import workspace
+from superneurons.codecs.sparse.blocks import decode_rows, select_rows
 from superneurons.errors import ConfigError
 
 __all__ = ["SELECTS", "FFTCodec", "kept_count", "select_bins", "spectrum_layout"]
@@ -182,18 +185,38 @@ class FFTCodec(Canonical):
         numel = flat.numel()
         layout = self._layout(numel)
         length, chunks = spectrum_layout(numel, self.chunk)
-        if chunks * length != numel:
-            flat = torch.nn.functional.pad(flat, (0, chunks * length - numel))
-        bins = torch.fft.rfft(flat.view(chunks, length))  # (C, B) complex
-        score = _bin_score(torch.view_as_real(bins), length)  # (T,)
-        indices = select_indices(score, layout.kept, self.select, period=length // 2 + 1)
-        # (k, 2): a gather of complex elements, ~2x cheaper than of (re, im) rows; same bits
-        values = torch.view_as_real(bins.reshape(-1).index_select(0, indices))
+        chosen = None
+        if self._blocked(flat.device, layout):
+            # NOTE: one pass over blocks of rows (blocks.py): the same kept bins, no spectrum-
+            # sized tensor; the two-pass path below remains for a missed sample.
+            chosen = select_rows(flat, length, chunks, layout.kept)
+        if chosen is not None:
+            indices, values, kept_score, all_finite = chosen
+            finite = torch.tensor(all_finite)
+        else:
+            if chunks * length != numel:
+                flat = torch.nn.functional.pad(flat, (0, chunks * length - numel))
+            bins = torch.fft.rfft(flat.view(chunks, length))  # (C, B) complex
+            score = _bin_score(torch.view_as_real(bins), length)  # (T,)
+            indices = select_indices(score, layout.kept, self.select, period=length // 2 + 1)
+            # (k, 2): a gather of complex elements, ~2x cheaper than of (re, im) rows; same bits
+            values = torch.view_as_real(bins.reshape(-1).index_select(0, indices))
+            kept_score = score.index_select(0, indices)
+            finite = finite_flag(score)
         # Range floor: the weakest kept bin's larger part is >= |X| / sqrt(2).
-        floor = (score.index_select(0, indices).min() * 0.5).sqrt()
-        finite = finite_flag(score)
+        floor = (kept_score.min() * 0.5).sqrt()
         data = pack_kept(values, None, indices, floor, finite, layout)
         return Payload(data, numel)
+
+    def _blocked(self, device: torch.device, layout: KeptLayout) -> bool:
+        """The CPU's one-pass paths (``blocks.py``): chunked, sampled, large enough to sample."""
+        return (
+            device.type == "cpu"
+            and self.chunk > 0
+            and self.select == "sampled"
+            and layout.universe > 4 * SAMPLE_SIZE
+            and layout.kept < layout.universe
+        )
 
     def _check(self, payload: Payload, layout: KeptLayout) -> torch.Tensor:
         data = payload.data
@@ -204,6 +227,19 @@ class FFTCodec(Canonical):
             )
         return data
 
+    def _entries(self, payloads: Sequence[Payload], layout: KeptLayout) -> list | None:
+        """Every payload's ``(indices, complex64 values)`` for the blocked decode (CPU, chunked),
+        or None (a non-finite payload, another device: the dense decode)."""
+        if payloads[0].data.device.type != "cpu" or self.chunk == 0:
+            return None
+        parts = []
+        for payload in payloads:
+            indices, values, finite = kept_entries(self._check(payload, layout), layout)
+            if not bool(finite):
+                return None
+            parts.append((indices, torch.view_as_complex(values.contiguous())))
+        return parts
+
     def decode(self, payload: Payload) -> torch.Tensor:
         return self.decode_sum([payload])
 
@@ -211,6 +247,15 @@ class FFTCodec(Canonical):
         """Add every payload's kept bins into one spectrum, then one inverse FFT."""
         numel = common_numel(payloads, codec_name=self.NAME)
         layout = self._layout(numel)
+        parts = self._entries(payloads, layout)
+        if parts is not None:
+            out = torch.empty(numel)
+
+            def copy(signal: torch.Tensor, where: slice) -> None:
+                out[where].copy_(signal)
+
+            decode_rows(parts, numel, self._length(numel), copy)
+            return out
         device = payloads[0].data.device
         # (T, 2), a kept CPU buffer: irfft below writes the (fresh) signal elsewhere
         spectrum = workspace("fft.spectrum", (layout.universe, 2), torch.float32, device).zero_()
@@ -221,3 +266,35 @@ class FFTCodec(Canonical):
         bins = torch.view_as_complex(spectrum.view(chunks, length // 2 + 1, 2))  # (C, B)
         signal = torch.fft.irfft(bins, n=length).reshape(-1)[:numel]  # (n,), a fresh tensor
         return signal.add_(torch.where(finite, 0.0, math.nan))  # in place: all-NaN unless finite
+
+    def decode_sum_into(
+        self, payloads: Sequence[Payload], out: torch.Tensor, *, divisor: int = 1
+    ) -> torch.Tensor:
+        """``decode_sum(payloads) / divisor`` into float32 ``out``, bitwise, block by block
+        (CPU, finite payloads; otherwise the plain composition)."""
+        numel = common_numel(payloads, codec_name=self.NAME)
+        parts = self._entries(payloads, self._layout(numel))
+        if parts is None:
+            return torch.div(self.decode_sum(payloads), divisor, out=out)
+
+        def divide(signal: torch.Tensor, where: slice) -> None:
+            torch.div(signal, divisor, out=out[where])
+
+        decode_rows(parts, numel, self._length(numel), divide)
+        return out
+
+    def subtract_decode_(self, payload: Payload, target: torch.Tensor) -> torch.Tensor:
+        """``target -= decode(payload)`` block by block (CPU, finite), bitwise."""
+        parts = self._entries([payload], self._layout(payload.numel))
+        if parts is None:
+            return torch.sub(target, self.decode(payload), out=target)
+
+        def subtract(signal: torch.Tensor, where: slice) -> None:
+            piece = target[where]
+            torch.sub(piece, signal, out=piece)
+
+        decode_rows(parts, payload.numel, self._length(payload.numel), subtract)
+        return target
+
+    def _length(self, numel: int) -> int:
+        return spectrum_layout(numel, self.chunk)[0]

@@ -1,0 +1,243 @@
+"""The two-phase all-reduce's arithmetic on one rank, in cache-sized blocks of chunks (rows).
+
+:mod:`.twophase` gives the algorithm and the layout; :mod:`superneurons.ddp.twophase` moves
+the bytes. The three stages a rank computes are here, as pure functions of tensors (no
+process group), so the hook runs them and the cost model (:mod:`superneurons.strategy.codecs`)
+times exactly them:
+
+* :func:`worker_encode`: add the residual, quantise each chunk, keep the new residual
+  (``x - decode(q)``), pack every owner's segment of the message;
+* :func:`owner_reduce`: decode the ``P`` copies of the owned slice, average them, add the
+  owner's residual, re-quantise, keep its residual, pack the owned segment;
+* :func:`decode_slices`: decode every owner's segment into the result.
+
+Each stage walks the rows in blocks of ~64k values and does all of its element-wise steps
+while a block is in cache: a 25 MiB gradient is read and written about once per stage, where
+the unblocked sequence (add, two reductions, scale, convert, dequantise, subtract, pack) swept
+memory ~12 times. The operations per element, and so every bit, are those of the unblocked
+sequence (tested against it), including stochastic rounding, whose counter-based draws are
+taken at each block's positions of one key (:mod:`.coding.noise`).
+
+Non-finite values (the project's policy): a chunk scale is a maximum (or an L1 norm) that NaN
+and ±inf propagate into, so a stage reports "not finite" without another pass; its message
+then carries NaN scales and zero codes, and the caller keeps the old residual (the new one is
+written to a separate buffer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from superneurons.codecs.coding.bitpack import pack_rows_
+from superneurons.codecs.coding.chunkquant import dequantize_rows, quantize_rows, read_block
+from superneurons.codecs.coding.noise import draw_key
+from superneurons.codecs.twophase import SliceLayout, TwoPhase
+
+__all__ = ["BLOCK_VALUES", "StageScratch", "decode_slices", "owner_reduce", "worker_encode"]
+
+# NOTE: ~64k values per block (256 KiB of fp32, with the codes and the uint8/fp32 scratch
+# ~0.6 MiB): one core's L2 on the 2-core AMD EPYC this was tuned on is 512 KiB; 2**18 values
+# ran 10-20% slower (L3) and 2**14 paid the per-block calls (~12 torch calls of ~5 us each).
+BLOCK_VALUES = 1 << 18
+
+Take = Callable[[str, int, torch.dtype], torch.Tensor]
+
+
+@dataclass
+class StageScratch:
+    """Kept work buffers of a stage (``block`` values each; ``copies``/``levels`` hold one
+    block from every rank). The caller keeps them across steps (no per-step allocation)."""
+
+    work: torch.Tensor  # float32 (block,)
+    x: torch.Tensor  # float32 (block,): the compensated block
+    codes: torch.Tensor  # uint8 (block,)
+    copies: torch.Tensor  # float32 (P * block,)
+    levels: torch.Tensor  # uint8 (P * block,)
+    scales: torch.Tensor  # float32 (>= P * rows,): every chunk's scale before it is written
+
+    @classmethod
+    def make(cls, layout: SliceLayout, take: Take, device: torch.device) -> StageScratch:
+        """The buffers ``layout`` needs on ``device``, each from ``take(name, numel, dtype)``
+        (e.g. a kept buffer of the caller's state; ``lambda _, n, d: torch.empty(n,
+        dtype=d)``: fresh)."""
+        block = _block_rows(layout, device) * layout.cols
+        world = layout.world_size
+        return cls(
+            work=take("work", block, torch.float32),
+            x=take("x", block, torch.float32),
+            codes=take("codes", block, torch.uint8),
+            copies=take("copies", world * block, torch.float32),
+            levels=take("levels", world * block, torch.uint8),
+            scales=take("scales", world * layout.rows, torch.float32),
+        )
+
+
+def _block_rows(layout: SliceLayout, device: torch.device) -> int:
+    """Rows per block: cache-sized on the CPU; on other devices every row at once (there
+    kernel launches, not memory passes, dominate; as :mod:`.coding.noise` does)."""
+    if device.type != "cpu":
+        return layout.rows
+    return max(1, min(layout.rows, BLOCK_VALUES // layout.cols))
+
+
+def _key(config: TwoPhase, generator: torch.Generator | None, device: torch.device) -> object:
+    """The stochastic rounding's one key per tensor (None for nearest rounding: no draw)."""
+    return draw_key(generator, device) if config.rounding == "stochastic" else None
+
+
+def _body(layout: SliceLayout, first: int, count: int) -> slice:
+    """Byte range, in a segment, of the packed codes of rows ``first .. first + count``."""
+    per_row = layout.cols * layout.bits // 8
+    start = 4 * layout.rows + first * per_row
+    return slice(start, start + count * per_row)
+
+
+def _finish(part: torch.Tensor, scales: torch.Tensor, layout: SliceLayout) -> bool:
+    """Write every segment's scales (``scales``: ``(segments * rows,)``); a non-finite one
+    makes all NaN and the codes zero (the message decodes to NaN everywhere)."""
+    finite = bool(torch.isfinite(scales).all())
+    heads = part[:, : 4 * layout.rows].view(torch.float32)  # (segments, rows)
+    if finite:
+        heads.copy_(scales.view(heads.shape))
+    else:
+        heads.fill_(float("nan"))
+        part[:, _body(layout, 0, layout.rows)].zero_()
+    return finite
+
+
+def _quantize_block(
+    x: torch.Tensor,
+    error: torch.Tensor | None,
+    config: TwoPhase,
+    scratch: StageScratch,
+    key: object,
+    start: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and scales of rows ``x`` (``(n, cols)``), and ``error = x - decode`` if given."""
+    values = x.numel()
+    codes, scales = quantize_rows(
+        x,
+        bits=config.bits,
+        rounding=config.rounding,
+        codes=scratch.codes[:values],
+        work=scratch.work[:values],
+        noise_key=key,  # type: ignore[arg-type]
+        noise_start=start,
+    )
+    if error is not None:
+        decoded = dequantize_rows(codes, scales, bits=config.bits, out=error)
+        torch.sub(x, decoded, out=decoded)
+    return codes, scales
+
+
+def worker_encode(
+    rows: torch.Tensor,
+    part: torch.Tensor,
+    layout: SliceLayout,
+    config: TwoPhase,
+    scratch: StageScratch,
+    *,
+    residual: torch.Tensor | None,
+    error: torch.Tensor | None,
+    generator: torch.Generator | None = None,
+) -> bool:
+    """Worker side: ``rows + residual`` (``(P * rows, cols)`` float32; ``rows`` is read only)
+    quantised into the message ``part`` (uint8 ``(P, >= slice_bytes)``, segment ``j`` for
+    owner ``j``); the new residual goes to ``error`` (same shape, not ``residual``'s storage)
+    when given. Returns whether every value was finite (else ``error`` holds nothing to
+    keep)."""
+    per, cols = _block_rows(layout, rows.device), layout.cols
+    key = _key(config, generator, rows.device)
+    for owner in range(layout.world_size):
+        for first in range(0, layout.rows, per):
+            count = min(per, layout.rows - first)
+            at = owner * layout.rows + first
+            x = rows[at : at + count]
+            if residual is not None:  # g + r into the cached block, not back to memory
+                x = torch.add(x, residual[at : at + count], out=scratch.x[: x.numel()].view_as(x))
+            block_error = error[at : at + count] if error is not None else None
+            codes, scales = _quantize_block(x, block_error, config, scratch, key, at * cols)
+            scratch.scales[at : at + count].copy_(scales)
+            body = part[owner : owner + 1, _body(layout, first, count)]
+            pack_rows_(codes.view(1, -1), config.bits, out=body)
+    return _finish(part, scratch.scales[: layout.world_size * layout.rows], layout)
+
+
+def owner_reduce(
+    received: torch.Tensor,
+    owned: torch.Tensor,
+    layout: SliceLayout,
+    config: TwoPhase,
+    scratch: StageScratch,
+    *,
+    residual: torch.Tensor | None,
+    error: torch.Tensor | None,
+    generator: torch.Generator | None = None,
+) -> bool:
+    """Owner side: decode the ``P`` copies of the owned slice (``received``: uint8 ``(P, >=
+    slice_bytes)``), average them in fp32, add ``residual`` (``(rows, cols)``), re-quantise
+    into ``owned`` (uint8 ``(1, >= slice_bytes)``), the new residual into ``error``."""
+    per, cols, world = _block_rows(layout, received.device), layout.cols, layout.world_size
+    key = _key(config, generator, received.device)
+    for first in range(0, layout.rows, per):
+        count = min(per, layout.rows - first)
+        values = count * cols
+        copies = scratch.copies[: world * values].view(world, count, cols)
+        heads = received[:, 4 * first : 4 * (first + count)].view(torch.float32)
+        body = received[:, _body(layout, first, count)]
+        read_block(heads, body, bits=config.bits, out=copies, levels=scratch.levels)
+        average = scratch.work[:values].view(count, cols)
+        _sum_rows(copies.view(world, values), average.view(-1)).div_(world)
+        if residual is not None:
+            average.add_(residual[first : first + count])
+        block_error = error[first : first + count] if error is not None else None
+        # NOTE: the codes' work buffer is `copies` (free now): `work` holds the average.
+        codes, scales = quantize_rows(
+            average,
+            bits=config.bits,
+            rounding=config.rounding,
+            codes=scratch.codes[:values],
+            work=scratch.copies[:values],
+            noise_key=key,  # type: ignore[arg-type]
+            noise_start=first * cols,
+        )
+        if block_error is not None:
+            decoded = dequantize_rows(codes, scales, bits=config.bits, out=block_error)
+            torch.sub(average, decoded, out=decoded)
+        scratch.scales[first : first + count].copy_(scales)
+        pack_rows_(codes.view(1, -1), config.bits, out=owned[:, _body(layout, first, count)])
+    return _finish(owned, scratch.scales[: layout.rows], layout)
+
+
+def _sum_rows(copies: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``torch.sum(copies, dim=0, out=out)``, bitwise. NOTE: for two ranks as ``(c0 + c1) +
+    0.0``: the sum's accumulator starts at +0, which only turns a -0 result into +0, and two
+    adds ran ~4x faster than the strided reduction (2**18 values, one thread)."""
+    if copies.shape[0] != 2:
+        return torch.sum(copies, dim=0, out=out)
+    return torch.add(copies[0], copies[1], out=out).add_(0.0)
+
+
+def decode_slices(
+    gathered: torch.Tensor,
+    rows: torch.Tensor,
+    layout: SliceLayout,
+    config: TwoPhase,
+    scratch: StageScratch,
+) -> torch.Tensor:
+    """Every rank: decode every owner's segment (``gathered``: uint8 ``(P, >= slice_bytes)``)
+    into ``rows`` (float32 ``(P * rows, cols)``), block by block."""
+    per, cols = _block_rows(layout, rows.device), layout.cols
+    for owner in range(layout.world_size):
+        segment = gathered[owner : owner + 1]
+        for first in range(0, layout.rows, per):
+            count = min(per, layout.rows - first)
+            at = owner * layout.rows + first
+            heads = segment[:, 4 * first : 4 * (first + count)].view(torch.float32)
+            body = segment[:, _body(layout, first, count)]
+            out = rows[at : at + count].view(1, count, cols)
+            read_block(heads, body, bits=config.bits, out=out, levels=scratch.levels)
+    return rows

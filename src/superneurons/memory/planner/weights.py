@@ -1,0 +1,160 @@
+"""Which units' weights stream from the host, and what streaming them costs (pure).
+
+A unit whose weights stream (``UnitDecision.weights == "host"``) keeps its parameters in the host
+pool; the runtime (:mod:`superneurons.memory.offload.weights`) copies them to the device ahead of
+the unit's forward and again ahead of its backward, one streamed unit ahead, and releases each
+copy after use. This module predicts that, from the profile alone:
+
+* **which bytes stream**: a parameter streams when every unit holding it streams and no module
+  outside the units holds it (``Profile.unit_params``; tied embeddings stream with both units);
+* **where a copy is live** (:func:`weight_windows`): in forward from just before the previous
+  streamed unit's first op (its prefetch) to the end of its own forward call; in backward from
+  where backward enters the next streamed call in forward order (its prefetch; its own entry
+  when none) to where backward enters the previous one (its release; the end of backward when
+  none), at the same autograd-node edges the runtime hooks (``memory.nodes``);
+* **what it costs** (:func:`stream_cost`): each streamed byte crosses the host link twice per
+  step; a fetch overlaps the unit's forward (forward) and twice that (backward): only the
+  excess is exposed. :func:`stream_order` ranks units by exposed seconds per byte saved, so the
+  planner streams first the units whose copies hide under compute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import numpy as np
+
+from superneurons.memory.planner.cost import CostModel
+from superneurons.memory.profile_types import CATEGORIES, Profile
+
+__all__ = ["WeightStreams", "stream_cost", "stream_order", "streamed_params", "weight_windows"]
+
+
+@dataclass(frozen=True)
+class WeightStreams:
+    """What streaming a set of units predicts.
+
+    Attributes:
+        host_bytes: pinned host bytes of the streamed parameters.
+        streamed_bytes: bytes copied host -> device per step (forward and backward).
+        transfer_s: their copy time at the cost model's host -> device rate.
+        exposed_s: the part of it no compute hides.
+    """
+
+    host_bytes: int = 0
+    streamed_bytes: int = 0
+    transfer_s: float = 0.0
+    exposed_s: float = 0.0
+
+
+def streamed_params(profile: Profile, units: Collection[str]) -> dict[str, int]:
+    """Streamed unit -> bytes of the parameters that stream with it (a shared parameter is
+    counted with the first of its units in forward order)."""
+    owned = dict.fromkeys((u.fqn for u in profile.units if u.fqn in units), 0)
+    for param in profile.unit_params:
+        if param.units and all(u in owned for u in param.units):
+            owned[param.units[0]] += param.nbytes
+    return owned
+
+
+def weight_windows(profile: Profile, units: Collection[str], table: np.ndarray) -> None:
+    """Move the streamed parameters' bytes in ``table``'s params row (in place): absent
+    everywhere, live in the windows of the module docstring. A parameter held by two streamed
+    units (tied embeddings) has one device copy, live while either window is open."""
+    params = CATEGORIES.index("params")
+    table[params] -= sum(streamed_params(profile, units).values())
+    held = set(streamed_params(profile, units))
+    windows = _windows(profile, held)
+    for param in profile.unit_params:
+        if not param.units or not all(u in held for u in param.units):
+            continue
+        open_count = np.zeros(profile.num_events + 1, dtype=np.int64)
+        for start, end, unit in windows:
+            start, end = max(start, 0), min(end, profile.num_events)
+            if unit in param.units and start < end:
+                open_count[start] += 1
+                open_count[end] -= 1
+        table[params] += (np.cumsum(open_count[:-1]) > 0) * param.nbytes
+
+
+def _windows(profile: Profile, held: Collection[str]) -> list[tuple[int, int, str]]:
+    """``(start, end, unit)``: each streamed call's forward and backward copy, live on events
+    ``[start, end)``."""
+    units = {u.fqn: u for u in profile.units}
+    calls = sorted(
+        ((u.fqn, c) for u in profile.units if u.fqn in held for c in range(max(len(u.calls), 1))),
+        key=lambda k: units[k[0]].window(k[1])[0],
+    )
+    windows = []
+    first_calls = [k for k in calls if k[1] == 0]
+    for i, (fqn, _) in enumerate(first_calls):  # forward: prefetched one unit ahead
+        ahead = units[first_calls[i - 1][0]].window(0)[0] - 1 if i > 0 else None
+        for call in range(max(len(units[fqn].calls), 1)):
+            fwd_start, fwd_end, _, _ = units[fqn].window(call)
+            start = fwd_start - 1 if ahead is None else min(ahead, fwd_start - 1)
+            windows.append((start, fwd_end + 1, fqn))
+    entered = [k for k in calls if _entry(units[k[0]], k[1]) >= 0]
+    for i, key in enumerate(entered):  # backward: the next call in forward order prefetches it
+        own = _entry(units[key[0]], key[1])
+        start = _entry(units[entered[i + 1][0]], entered[i + 1][1]) if i + 1 < len(entered) else own
+        end = _entry(units[entered[i - 1][0]], entered[i - 1][1]) + 1 if i > 0 else None
+        windows.append(
+            (min(start, own), profile.backward_end_event + 1 if end is None else end, key[0])
+        )
+    return windows
+
+
+def _entry(unit: object, call: int) -> int:
+    """Where backward entered the call's output nodes (-1: never: no gradient flows there)."""
+    edges = getattr(unit, "edges", ())
+    return int(edges[call][0]) if call < len(edges) else -1
+
+
+def stream_cost(profile: Profile, units: Collection[str], cost: CostModel) -> WeightStreams:
+    """Host bytes, bytes streamed per step and their copy time, total and exposed."""
+    owned = streamed_params(profile, units)
+    if not any(owned.values()):
+        return WeightStreams()
+    seconds = cost.unit_seconds(profile)
+    by_fqn = {u.fqn: u for u in profile.units}
+    transfer_s = exposed_s = 0.0
+    streamed = 0
+    for fqn, nbytes in _held(profile, owned).items():
+        calls = max(len(by_fqn[fqn].calls), 1)
+        fetch_s, compute_s = cost.fetch_s(nbytes), seconds[fqn] / calls
+        streamed += 2 * calls * nbytes
+        transfer_s += 2 * calls * fetch_s
+        exposed_s += calls * (max(0.0, fetch_s - compute_s) + max(0.0, fetch_s - 2 * compute_s))
+    return WeightStreams(sum(owned.values()), streamed, transfer_s, exposed_s)
+
+
+def _held(profile: Profile, units: Collection[str]) -> dict[str, int]:
+    """Streamed unit -> bytes of every streamed parameter it holds (a shared one in each: each
+    of their windows fetches it)."""
+    held = dict.fromkeys(units, 0)
+    for param in profile.unit_params:
+        if param.units and all(u in held for u in param.units):
+            for unit in param.units:
+                held[unit] += param.nbytes
+    return held
+
+
+def stream_order(profile: Profile, cost: CostModel) -> list[str]:
+    """The units whose weights can stream, in ascending exposed seconds per byte they take
+    off the device (copies hidden under compute first; a small tie-break by copy time, as host
+    bandwidth is not free). A unit sharing a parameter with other units (tied embeddings)
+    is ranked as if they streamed too: it frees those bytes once they all do."""
+    ranked = []
+    seconds = cost.unit_seconds(profile)
+    for unit in profile.units:
+        nbytes = sum(
+            p.nbytes for p in profile.unit_params if unit.fqn in p.units and "" not in p.units
+        )
+        if nbytes == 0:
+            continue
+        calls = max(len(unit.calls), 1)
+        fetch_s, compute_s = cost.fetch_s(nbytes), seconds[unit.fqn] / calls
+        exposed_s = calls * (max(0.0, fetch_s - compute_s) + max(0.0, fetch_s - 2 * compute_s))
+        ranked.append(((exposed_s + 2e-3 * calls * fetch_s) / nbytes, unit.fqn))
+    return [fqn for _, fqn in sorted(ranked)]

@@ -1,0 +1,137 @@
+"""The two-phase stages in row blocks (codecs/twophase_stages.py) give the bits of the unblocked
+sequence they replaced (quantise everything, dequantise, subtract, pack; read, sum, average,
+re-quantise), at every width and rounding, across many blocks, and with a non-finite value."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from superneurons.codecs import twophase_stages as stages
+from superneurons.codecs.coding.chunkquant import (
+    dequantize_rows,
+    quantize_rows,
+    read_rows,
+    write_rows_,
+)
+from superneurons.codecs.twophase import TwoPhase
+
+_WORLD = 2
+
+
+def _fresh(_: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.full((numel,), 7, dtype=dtype)  # garbage-filled: nothing may rely on zeros
+
+
+def _reference_worker(x, residual, config, layout, generator):  # type: ignore[no-untyped-def]
+    rows = (x + residual).view(-1, layout.cols)
+    codes, scales = quantize_rows(
+        rows, bits=config.bits, rounding=config.rounding, generator=generator
+    )
+    finite = bool(torch.isfinite(scales).all())
+    error = rows - dequantize_rows(codes, scales, bits=config.bits)
+    if not finite:
+        scales.fill_(float("nan"))
+        codes.zero_()
+    message = torch.zeros(_WORLD, layout.slice_bytes, dtype=torch.uint8)
+    write_rows_(
+        codes.view(_WORLD, layout.rows, layout.cols),
+        scales.view(_WORLD, layout.rows),
+        bits=config.bits,
+        out=message,
+    )
+    return message, error, finite
+
+
+def _reference_owner(received, residual, config, layout, generator):  # type: ignore[no-untyped-def]
+    copies = torch.empty(_WORLD * layout.rows, layout.cols)
+    read_rows(received, layout.rows, layout.cols, bits=config.bits, out=copies)
+    average = torch.sum(copies.view(_WORLD, -1), dim=0).div_(_WORLD).add_(residual)
+    rows = average.view(layout.rows, layout.cols)
+    codes, scales = quantize_rows(
+        rows, bits=config.bits, rounding=config.rounding, generator=generator
+    )
+    error = rows - dequantize_rows(codes, scales, bits=config.bits)
+    owned = torch.zeros(1, layout.slice_bytes, dtype=torch.uint8)
+    write_rows_(codes.view(1, layout.rows, -1), scales.view(1, -1), bits=config.bits, out=owned)
+    return owned, error
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_blocked_stages_equal_the_unblocked_sequence(
+    bits: int, rounding: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(stages, "BLOCK_VALUES", 3 * 64)  # 3 rows of 64 per block: many blocks
+    config = TwoPhase(bits=bits, chunk=64, rounding=rounding)
+    layout = config.layout(64 * 40, _WORLD)  # 20 rows per slice: blocks of 3 leave a rest
+    gen = torch.Generator().manual_seed(bits)
+    x = torch.randn(layout.padded_numel, generator=gen)
+    x[70:134] = -0.0  # a row of -0: the scale's sign of zero must survive blocking
+    residual = torch.randn(layout.padded_numel, generator=gen) * 0.1
+    want, want_error, _ = _reference_worker(
+        x, residual, config, layout, torch.Generator().manual_seed(5)
+    )
+    scratch = stages.StageScratch.make(layout, _fresh, torch.device("cpu"))
+    message = torch.zeros(_WORLD, layout.slice_bytes, dtype=torch.uint8)
+    error = torch.empty(layout.padded_numel)
+    rows = x.clone().view(-1, layout.cols)
+    assert stages.worker_encode(
+        rows,
+        message,
+        layout,
+        config,
+        scratch,
+        residual=residual.view_as(rows),
+        error=error.view_as(rows),
+        generator=torch.Generator().manual_seed(5),
+    )
+    assert torch.equal(rows.reshape(-1), x)  # the input is read only
+    assert torch.equal(message, want)
+    assert torch.equal(error.view(torch.int32), want_error.reshape(-1).view(torch.int32))
+
+    owner_residual = torch.randn(layout.slice_numel, generator=gen) * 0.1
+    want_owned, want_owner_error = _reference_owner(
+        message, owner_residual, config, layout, torch.Generator().manual_seed(6)
+    )
+    owned = torch.zeros(1, layout.slice_bytes, dtype=torch.uint8)
+    owner_error = torch.empty(layout.rows, layout.cols)
+    shape = (layout.rows, layout.cols)
+    assert stages.owner_reduce(
+        message,
+        owned,
+        layout,
+        config,
+        scratch,
+        residual=owner_residual.view(shape),
+        error=owner_error,
+        generator=torch.Generator().manual_seed(6),
+    )
+    assert torch.equal(owned, want_owned)
+    assert torch.equal(owner_error.view(torch.int32), want_owner_error.view(torch.int32))
+
+    decoded = torch.empty(_WORLD * layout.rows, layout.cols)
+    stages.decode_slices(message, decoded, layout, config, scratch)
+    want_decoded = torch.empty_like(decoded)
+    read_rows(message, layout.rows, layout.cols, bits=bits, out=want_decoded)
+    assert torch.equal(decoded.view(torch.int32), want_decoded.view(torch.int32))
+
+
+def test_a_non_finite_value_makes_the_message_nan_and_keeps_no_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(stages, "BLOCK_VALUES", 2 * 64)
+    config = TwoPhase(bits=4, chunk=64)
+    layout = config.layout(64 * 12, _WORLD)
+    x = torch.randn(layout.padded_numel, generator=torch.Generator().manual_seed(1))
+    x[500] = float("inf")
+    want, _, finite = _reference_worker(x, torch.zeros_like(x), config, layout, None)
+    assert not finite
+    message = torch.full((_WORLD, layout.slice_bytes), 3, dtype=torch.uint8)
+    scratch = stages.StageScratch.make(layout, _fresh, torch.device("cpu"))
+    rows = x.view(-1, layout.cols)
+    got = stages.worker_encode(rows, message, layout, config, scratch, residual=None, error=None)
+    assert not got
+    heads = message[:, : 4 * layout.rows].view(torch.float32)
+    assert torch.isnan(heads).all()
+    assert torch.equal(message[:, 4 * layout.rows :], want[:, 4 * layout.rows :])
