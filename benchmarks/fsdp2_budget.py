@@ -136,7 +136,12 @@ def rank_records(rank: int) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     model, optimizer = tiny_llama()
     eager_plan = plan_for_batch(
-        model, batch(rank, 0), budget_fraction=1.0, strategy="eager", optimizer=optimizer
+        model,
+        batch(rank, 0),
+        budget_fraction=1.0,
+        strategy="eager",
+        optimizer=optimizer,
+        keep_outputs=False,
     )
     eager = measure(model, optimizer, rank)
     eager_predicted = eager_plan.predicted_peak_bytes
@@ -148,10 +153,14 @@ def rank_records(rank: int) -> list[dict[str, Any]]:
             budget = int(0.6 * eager_predicted)
         else:
             try:
-                plan_for_batch(model, batch(rank, 0), budget_bytes=1, optimizer=optimizer)
+                plan_for_batch(
+                    model, batch(rank, 0), budget_bytes=1, optimizer=optimizer, keep_outputs=False
+                )
             except InfeasibleBudgetError as exc:
                 budget = exc.min_budget_bytes
-        plan = plan_for_batch(model, batch(rank, 0), budget_bytes=budget, optimizer=optimizer)
+        plan = plan_for_batch(
+            model, batch(rank, 0), budget_bytes=budget, optimizer=optimizer, keep_outputs=False
+        )
         plan_s = time.perf_counter() - start
         agreed: list[Any] = [None] * WORLD
         dist.all_gather_object(agreed, plan.to_json())

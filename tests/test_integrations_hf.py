@@ -226,9 +226,10 @@ def _hf_step_peak(*, use_cache: bool) -> tuple[int, int]:
         return [*model.parameters(), *model.buffers(), ids, *state]
 
     step()  # steady state: the optimizer's moments exist, as the plan predicts
-    plan = plan_for_batch(
-        model, data, budget_fraction=0.8, optimizer=optimizer, strategy="checkpoint"
-    )
+    plan = plan_for_batch(  # the loop keeps only the loss
+        model, data, budget_fraction=0.8, optimizer=optimizer, strategy="checkpoint",
+        keep_outputs=False,
+    )  # fmt: skip
     with apply_plan(model, plan):
         return plan.predicted_peak_bytes, allocator_peak_bytes(step, resident=resident)
 
@@ -277,8 +278,10 @@ def test_keep_outputs_plans_the_no_trainer_loop_within_budget() -> None:
         return [*model.parameters(), *model.buffers(), ids, *state, *logits]
 
     step()
-    loss_only = plan_for_batch(model, data, budget_fraction=1.0, optimizer=optimizer)
-    eager = plan_for_batch(model, data, budget_fraction=1.0, optimizer=optimizer, keep_outputs=True)
+    loss_only = plan_for_batch(
+        model, data, budget_fraction=1.0, optimizer=optimizer, keep_outputs=False
+    )
+    eager = plan_for_batch(model, data, budget_fraction=1.0, optimizer=optimizer)  # the default
     assert eager.predicted_peak_bytes > loss_only.predicted_peak_bytes  # the logits count
     budget = eager.predicted_peak_bytes - 1  # a plan that must act
     plan = plan_for_batch(model, data, budget_bytes=budget, optimizer=optimizer, keep_outputs=True)

@@ -87,6 +87,47 @@ def test_hook_runs_on_cpu_and_ranks_agree(ranks: Ranks, how: str) -> None:
             assert 0 < r["sent"] < r["dense"]
 
 
+def _strategy_trains_lora(rank: int, world_size: int) -> dict[str, Any]:
+    """A PEFT LoRA model under DDP with compression through the strategy: only the adapters
+    have gradients to average; the frozen base stays as it was."""
+    from adapters_support import IDS, lora_llama
+    from superneurons.integrations.lightning import CompressedDDPStrategy
+
+    model = lora_llama()
+    base = [p for p in model.parameters() if not p.requires_grad]
+    frozen = [p.detach().clone() for p in base]
+    ddp = DistributedDataParallel(model)
+    strategy = CompressedDDPStrategy("topk:ratio=0.1")
+    strategy.model = ddp
+    strategy._register_ddp_hooks()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    for step in range(2):
+        torch.manual_seed(10 * rank + step)
+        ids = IDS.roll(rank + step, dims=1)  # each rank its own batch
+        optimizer.zero_grad()
+        ddp(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+    state = strategy.compression_state
+    assert state is not None
+    return {
+        "adapters": [p.detach().clone() for p in model.parameters() if p.requires_grad],
+        "frozen_unchanged": all(torch.equal(a, b) for a, b in zip(frozen, base, strict=True)),
+        "sent": state.bytes_sent_total,
+        "dense": state.dense_bytes_step * state.step,
+    }
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_lora_adapters_train_under_the_strategy(ranks: Ranks) -> None:
+    pytest.importorskip("peft")
+    results = ranks.run(_strategy_trains_lora, timeout_s=180)
+    for a, b in zip(results[0]["adapters"], results[1]["adapters"], strict=True):
+        assert torch.equal(a, b)
+    for r in results:
+        assert r["frozen_unchanged"] and 0 < r["sent"] < r["dense"]
+
+
 def test_conflicting_or_missing_hooks_are_refused() -> None:
     from superneurons.compress import DeferredCompression
     from superneurons.integrations.lightning import CompressedDDPStrategy

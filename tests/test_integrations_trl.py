@@ -145,6 +145,31 @@ def test_resume_reads_the_folder_train_was_given(tmp_path: Path) -> None:
     assert _resumed_from(types.SimpleNamespace()) is None  # not inside train(): no folder
 
 
+def _check_adapters(eager: dict[str, Any], planned: dict[str, Any], name: str) -> None:
+    """A LoRA run under a plan is TRL's alone: losses and adapters equal, within 1e-6 relative
+    (TRL's kernel runs per chunk of tokens: the GEMMs see fewer rows), and within the budget."""
+    assert planned["head"] == "base_model.model.lm_head", name  # below TRL's fused head
+    for got, expected in zip(planned["losses"], eager["losses"], strict=True):
+        assert abs(got - expected) <= 1e-6 * abs(expected), name
+    for key, expected in eager["adapters"].items():
+        error = torch.tensor(planned["adapters"][key]) - torch.tensor(expected)
+        assert float(error.norm()) <= 1e-6 * float(torch.tensor(expected).norm()), (name, key)
+    assert max(planned["measured_peak_bytes"]) <= planned["budget_bytes"], name
+
+
+@needs_trl
+def test_sft_trainer_with_lora_under_a_budget_is_trl_alone(tmp_path: Path) -> None:
+    """``SFTTrainer(peft_config=LoraConfig(...))`` with the callback at 0.6: TRL's fused head
+    binds the peak, so the plan runs it in chunks of tokens, through PEFT's wrappers."""
+    pytest.importorskip("peft")
+    import trl_support
+
+    options: dict[str, Any] = dict(packing=False, bf16=False, peft=True, examples=32)
+    eager = trl_support.run(tmp_path / "eager", **options)
+    planned = trl_support.run(tmp_path / "planned", budget_fraction=0.6, meter=True, **options)
+    _check_adapters(eager, planned, "1 rank")
+
+
 def _check_matrix(ranks: list[dict[str, Any]], matrix: tuple[tuple[bool, bool], ...]) -> None:
     for record in ranks:
         for packing, bf16 in matrix:
@@ -192,3 +217,16 @@ def test_sft_trainer_on_two_gloo_ranks(tmp_path: Path) -> None:
         assert "differs between rank 0 and rank 1" in record["nudged"]
     assert ranks[0]["compressed"]["params"] == ranks[1]["compressed"]["params"]
     assert ranks[0]["nudged"] == ranks[1]["nudged"]
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@needs_trl
+def test_sft_trainer_with_lora_on_two_gloo_ranks(tmp_path: Path) -> None:
+    pytest.importorskip("peft")
+    result = torchrun("tests/trl_run.py", tmp_path, "--peft", timeout_s=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank, record in enumerate(ranks):
+        _check_adapters(record["peft,eager"], record["peft,planned"], f"rank {rank}")
+    assert ranks[0]["peft,planned"]["params"] == ranks[1]["peft,planned"]["params"]

@@ -115,12 +115,18 @@ def _budgets(rank: int, world_size: int) -> dict[str, Any]:
         model, optimizer = _sharded()
         before = _shards(model)
         if name == "60%":
-            plan = plan_for_batch(model, _batch(rank, 0), budget_fraction=0.6, optimizer=optimizer)
+            plan = plan_for_batch(
+                model, _batch(rank, 0), budget_fraction=0.6, optimizer=optimizer, keep_outputs=False
+            )
         else:
             with pytest.raises(InfeasibleBudgetError) as info:
-                plan_for_batch(model, _batch(rank, 0), budget_bytes=1, optimizer=optimizer)
+                plan_for_batch(
+                    model, _batch(rank, 0), budget_bytes=1, optimizer=optimizer, keep_outputs=False
+                )
             floor = info.value.min_budget_bytes
-            plan = plan_for_batch(model, _batch(rank, 0), budget_bytes=floor, optimizer=optimizer)
+            plan = plan_for_batch(
+                model, _batch(rank, 0), budget_bytes=floor, optimizer=optimizer, keep_outputs=False
+            )
         untouched = all(torch.equal(a, b) for a, b in zip(before, _shards(model), strict=True))
         untouched &= not optimizer.state and all(p.grad is None for p in model.parameters())
         with apply_plan(model, plan):
@@ -180,7 +186,9 @@ def _refusals(rank: int, world_size: int) -> list[str]:
     _step(model, optimizer, _batch(rank, 0))  # a trained model: optimizer state in DTensors
     state = [_plain(t).clone() for s in optimizer.state.values() for t in s.values()]
     before, grads = _shards(model), [p.grad for p in model.parameters()]
-    plan = plan_for_batch(model, _batch(rank, 1), budget_fraction=0.6, optimizer=optimizer)
+    plan = plan_for_batch(
+        model, _batch(rank, 1), budget_fraction=0.6, optimizer=optimizer, keep_outputs=False
+    )
     after = [_plain(t) for s in optimizer.state.values() for t in s.values()]
     assert all(torch.equal(a, b) for a, b in zip(before, _shards(model), strict=True))
     assert all(torch.equal(a, b) for a, b in zip(state, after, strict=True))

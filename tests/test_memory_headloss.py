@@ -179,3 +179,36 @@ def test_chunk_tokens_come_from_bytes() -> None:
     assert chunk_tokens_for(10, 256, 32000) == 10  # never more than N
     with pytest.raises(ConfigError):
         chunk_tokens_for(0, 1, 1)
+
+
+@pytest.mark.parametrize("num_items", [None, 150], ids=["mean", "num_items"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_exact_gives_the_unchunked_hidden_gradient_bit_for_bit(
+    dtype: torch.dtype, num_items: int | None
+) -> None:
+    """``impl="exact"``: the unchunked loss's kernels per chunk, so the hidden states' gradient
+    is ``F.cross_entropy``'s bit for bit (ignored tokens, a masked chunk, a short last chunk);
+    the loss value and the weight's gradient are sums over chunks (within 1e-6 relative)."""
+    hidden, weight, bias, targets = _inputs(dtype, bias=True)
+    reduction = "mean" if num_items is None else "sum"
+
+    def reference(h, w, b):  # type: ignore[no-untyped-def]
+        loss = F.cross_entropy(F.linear(h, w, b).float(), targets, reduction=reduction)
+        return loss if num_items is None else loss / num_items
+
+    expected, (dh, dw, db) = _grads(reference, hidden, weight, bias)
+    got, (gh, gw, gb) = _grads(
+        lambda h, w, b: linear_cross_entropy(
+            h, w, targets, bias=b, chunk_tokens=64, impl="exact", num_items=num_items
+        ),
+        hidden,
+        weight,
+        bias,
+    )
+    assert torch.equal(gh, dh)
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2  # bf16 sums round at 8 bits
+    assert _relative(got, expected) <= 1e-6
+    assert _relative(gw, dw) <= tolerance and _relative(gb, db) <= tolerance
+    with pytest.raises(ConfigError, match="recompute"):
+        linear_cross_entropy(hidden, weight, targets, chunk_tokens=64, impl="exact",
+                             mode="grad-in-forward")  # fmt: skip

@@ -101,6 +101,18 @@ def test_infeasible_budget_names_the_minimum(profile: Profile) -> None:
     assert isinstance(info.value, ConfigError) and info.value.strategy in plan_module.STRATEGIES
 
 
+@pytest.mark.parametrize("strategy", ["recompute", "checkpoint", "offload"])
+def test_a_strategy_asked_for_names_a_minimum_it_reaches(profile: Profile, strategy: str) -> None:
+    """The minimum named is the strategy's own floor (another strategy's, lower, is advice in
+    the message only): the same call with that budget plans."""
+    floor = min_peak_bytes(profile)[strategy]
+    with pytest.raises(InfeasibleBudgetError) as info:
+        make_plan(profile, budget_bytes=floor - 1, strategy=strategy)
+    assert info.value.min_budget_bytes == floor and info.value.strategy == strategy
+    plan = make_plan(profile, budget_bytes=floor, strategy=strategy)
+    assert plan.min_budget_bytes == floor and plan.predicted_peak_bytes <= floor
+
+
 @pytest.mark.parametrize("text", ["twelve gigs", "12XB", "", "0", "-5GiB", "0GiB"])
 def test_bad_budget_strings(text: str) -> None:
     with pytest.raises(ConfigError):

@@ -3,7 +3,8 @@ SFTTrainer with and without SuperNeuronsCallback(budget_fraction=0.6) for packin
 fp32/bf16 (on one rank, the path without DDP, each value of each knob once: packed fp32 and
 unpacked bf16; the whole matrix runs on two ranks); on two ranks also
 compression stopped at step 2 and resumed into another output_dir, and a rank nudged before
-the replica check. Writes rank<R>.json."""
+the replica check. With ``--peft``: LoRA adapters through ``peft_config``, TRL alone and under
+the callback, only. Writes rank<R>.json."""
 
 from __future__ import annotations
 
@@ -46,6 +47,14 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     two = int(os.environ.get("WORLD_SIZE", "1")) > 1
     record: dict[str, Any] = {}
+    if "--peft" in sys.argv:  # LoRA adapters (peft_config), TRL alone and under a 0.6 budget
+        kw: dict[str, Any] = {"packing": False, "bf16": False, "peft": True, "examples": 32}
+        record["peft,eager"] = trl_support.run(out / "peft-eager", **kw)
+        record["peft,planned"] = trl_support.run(
+            out / "peft-planned", budget_fraction=0.6, meter=True, **kw
+        )
+        (out / f"rank{rank}.json").write_text(json.dumps(record) + "\n")
+        return
     matrix = MATRIX if two else ONE_RANK
     for packing, bf16 in matrix:
         name = f"packing={packing},bf16={bf16}"

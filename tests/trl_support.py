@@ -89,6 +89,30 @@ def model(vocab_size: int) -> Any:
     return LlamaForCausalLM(config)
 
 
+def adapter_model() -> Any:
+    """A tiny Llama whose LM head matters (vocabulary 4000, hidden 64): TRL's fused head holds
+    (tokens, vocabulary) tiles, so a 0.6 budget needs the head in chunks."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=4000, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def lora_config() -> Any:
+    """LoRA r=8 on q,v with dropout (recompute must replay its masks)."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.1,
+        task_type="CAUSAL_LM",
+    )  # fmt: skip
+
+
 class PeakMeter:
     """Each optimizer step's peak of live storage bytes (parameters, gradients, buffers,
     optimizer state and everything the step allocates), by the tracker the profile uses;
@@ -171,10 +195,13 @@ def run(
     stop_at: int | None = None,
     resume: Path | None = None,
     checks: list[Any] | None = None,
+    peft: bool = False,
+    examples: int = 400,
     sft: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One SFTTrainer run of ``STEPS`` steps; with a budget and/or compression, the callback.
-    ``sft``: further ``SFTConfig`` options (they override the ones set here)."""
+    """One SFTTrainer run of ``STEPS`` steps; with a budget and/or compression, the callback;
+    with ``peft``, LoRA adapters (``peft_config``) on :func:`adapter_model`. ``sft``: further
+    ``SFTConfig`` options (they override the ones set here)."""
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
@@ -203,12 +230,13 @@ def run(
     )
     # NOTE: TRL's default gradient_checkpointing=True stays: the callback takes it over
     args = SFTConfig(**{**options, **(sft or {})})
-    net = model(len(tok))
+    net = adapter_model() if peft else model(len(tok))
     trainer = SFTTrainer(
         model=net,
         args=args,
-        train_dataset=Dataset.from_dict({"text": texts()}),
+        train_dataset=Dataset.from_dict({"text": texts(examples)}),
         processing_class=tok,
+        peft_config=lora_config() if peft else None,
     )
     callback = None
     if budget_fraction is not None or compression is not None:
@@ -232,6 +260,10 @@ def run(
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
     record: dict[str, Any] = {"losses": losses, "params": params_sha256(net)}
+    if peft:  # the adapters' values, for a comparison within a tolerance
+        record["adapters"] = {
+            n: p.detach().reshape(-1).tolist() for n, p in net.named_parameters() if "lora_" in n
+        }
     record["grad_norms"] = [
         row["grad_norm"] for row in trainer.state.log_history if "grad_norm" in row
     ]
@@ -241,6 +273,7 @@ def run(
     if callback is not None and callback.setup is not None and callback.setup.plan is not None:
         plan = callback.setup.plan
         record["plan"] = {u.fqn: u.action for u in plan.units}
+        record["head"] = plan.head.fqn if plan.head is not None else None
         reserved = callback.setup.reserved_bytes  # DDP's buckets, outside the plan's budget
         record["budget_bytes"] = plan.budget_bytes + reserved
         record["predicted_peak_bytes"] = plan.predicted_peak_bytes + reserved

@@ -6,4 +6,8 @@
 * :mod:`.transformers`: ``SuperNeuronsCallback`` — the same from ``transformers.Trainer``;
 * :mod:`.lightning`: ``CompressedDDPStrategy`` — comm hooks on every device
   (``pip install superneurons[lightning]``).
+
+Inside them: :mod:`.batch_step` (the trainer's step on one batch, profiled plain and below its
+largest layer; PEFT and TRL models included) and :mod:`.no_trace` (a set-up that fails leaves
+the model as it was).
 """

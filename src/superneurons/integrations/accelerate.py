@@ -57,6 +57,7 @@ from superneurons.integrations.host_step import (
     install_host_step,
     training_step_of,
 )
+from superneurons.integrations.no_trace import no_trace
 from superneurons.memory import Plan, PlanHandle, apply_plan
 from superneurons.memory.offload.handover import factory_like
 from superneurons.memory.offload.host_optimizer import HostOptimizerView
@@ -134,6 +135,7 @@ def prepare_superneurons(
     optimizer: Any = None,
     strategy: str = "auto",
     loss_of: LossOf = model_loss,
+    keep_outputs: bool = True,
     max_grad_norm: float = 0.0,
     gradient_accumulation_steps: int | None = None,
     **compression_options: Any,
@@ -161,6 +163,9 @@ def prepare_superneurons(
         strategy: the planner's strategy (``auto`` by default).
         loss_of: how the training loop gets the loss, ``loss_of(model, batch)`` (default
             ``model(**batch)``), so the profile runs the forward training will call.
+        keep_outputs: the loop may keep the whole output (the logits) through backward, as
+            accelerate's ``no_trainer`` examples do (default: counted, so the budget holds);
+            ``False`` for a loop that keeps only the loss (HF's ``Trainer``).
         max_grad_norm: the loop clips gradients to this global norm
             (``accelerator.clip_grad_norm_``); 0: it does not. The plan is made for it.
         gradient_accumulation_steps: micro-batches per optimizer step (default: the
@@ -181,20 +186,24 @@ def prepare_superneurons(
     if compression is not None:
         _check_can_compress(accelerator, ddp)
     setup = SuperNeuronsSetup()
-    if budget_given:
-        budget = dict(
-            budget_bytes=budget_bytes,
-            budget_fraction=budget_fraction,
-            strategy=strategy,
-            loss_of=loss_of,
-            step=training_step_of(accelerator, max_grad_norm, gradient_accumulation_steps),
-        )
-        _apply_memory_plan(setup, accelerator, model, ddp, sample_batch or {}, optimizer, budget)
-    if compression is not None and ddp is not None:
-        setup.compression = register_compression(ddp, compression, **compression_options)
-    if ddp is not None:  # replicas: the same state on every rank, or an error naming a tensor
-        optimizers = [optimizer] if optimizer is not None else []
-        check_replicas(ddp, optimizers=optimizers, process_group=ddp.process_group)
+    with no_trace(model, undo=setup.remove):  # a set-up that fails leaves the model as it was
+        if budget_given:
+            budget = dict(
+                budget_bytes=budget_bytes,
+                budget_fraction=budget_fraction,
+                strategy=strategy,
+                loss_of=loss_of,
+                keep_outputs=keep_outputs,
+                step=training_step_of(accelerator, max_grad_norm, gradient_accumulation_steps),
+            )
+            _apply_memory_plan(
+                setup, accelerator, model, ddp, sample_batch or {}, optimizer, budget
+            )
+        if ddp is not None:  # replicas: the same state on every rank, or an error naming a tensor
+            optimizers = [optimizer] if optimizer is not None else []
+            check_replicas(ddp, optimizers=optimizers, process_group=ddp.process_group)
+        if compression is not None and ddp is not None:  # last: DDP cannot unregister a hook
+            setup.compression = register_compression(ddp, compression, **compression_options)
     return setup
 
 

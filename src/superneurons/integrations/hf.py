@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from superneurons.errors import ConfigError
+from superneurons.integrations.batch_step import PREFIX, BatchStep, LossOf, model_loss
 from superneurons.memory import (
     InfeasibleBudgetError,
     Plan,
@@ -47,11 +48,9 @@ from superneurons.memory import (
     default_units,
     make_plan,
     min_peak_bytes,
-    profile_step,
 )
 from superneurons.memory.fsdp import agree_plan, is_fully_sharded
 from superneurons.memory.profiling.isolate import unwrapped
-from superneurons.memory.profiling.step import output_loss
 
 __all__ = [
     "LossOf",
@@ -62,49 +61,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("superneurons.integrations")
-
-_PREFIX = "model."
-
-LossOf = Callable[[nn.Module, Mapping[str, Any]], Any]
-"""How a trainer gets the loss of one batch: ``loss_of(model, batch)`` returns the loss tensor,
-or an output holding it as ``loss`` (e.g. TRL's ``model(**batch, fused_lm_head=True)``)."""
-
-
-def model_loss(model: nn.Module, batch: Mapping[str, Any]) -> Any:
-    """``model(**batch)``: HF Trainer's and accelerate's step (the output's ``loss``)."""
-    return model(**batch)
-
-
-class _BatchLoss(nn.Module):
-    """``batch -> loss_of(model, batch)``: the step a trainer runs, as one module to profile.
-
-    Its only child is named ``model``, so unit fqns are the model's own behind ``"model."``.
-    """
-
-    def __init__(self, model: nn.Module, loss_of: LossOf, *, whole_output: bool = False) -> None:
-        super().__init__()
-        self.model = model
-        self.loss_of = loss_of
-        self.whole_output = whole_output  # the loop keeps the output, not only its loss
-
-    def forward(self, batch: Mapping[str, Any]) -> Any:
-        output = self.loss_of(self.model, batch)
-        if isinstance(output, torch.Tensor):
-            return output
-        if self.whole_output:
-            _loss_of_output(output)  # checked now: the same message as below
-            return output
-        return _loss_of_output(output)
-
-
-def _loss_of_output(output: Any) -> torch.Tensor:
-    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
-    if loss is None:
-        raise ConfigError(
-            "the model returned no loss for the sample batch: include the labels in it "
-            "(e.g. batch['labels'] = batch['input_ids'] for a causal LM)"
-        )
-    return loss
 
 
 def _data_parallel() -> bool:
@@ -125,8 +81,9 @@ def plan_for_batch(
     units: list[str] | None = None,
     loss_of: LossOf = model_loss,
     reserved_bytes: int = 0,
-    keep_outputs: bool = False,
+    keep_outputs: bool = True,
     autocast: torch.dtype | None = None,
+    below: bool = True,
     **plan_options: Any,
 ) -> Plan:
     """Profile one step of ``model(**batch).loss`` and plan it under a device-memory budget.
@@ -148,18 +105,23 @@ def plan_for_batch(
         reserved_bytes: device bytes the step holds besides what the profile sees (DDP's
             gradient buckets): part of the eager peak a fraction refers to, and left out of
             the budget the plan gets (``plan.budget_bytes`` is the budget minus them).
-        keep_outputs: the loop keeps the model's whole output (the logits) alive through
-            backward and the optimizer step, until the next step reassigns it: HF's
-            ``no_trainer`` examples (``outputs = model(**batch); loss = outputs.loss``).
-            ``False`` (default): only the loss is kept, as HF's ``Trainer`` does.
+        keep_outputs: ``True`` (default): the loop may keep the whole output (the logits)
+            through backward and the step, as HF's ``no_trainer`` examples do (``outputs =
+            model(**batch)``); counted, so the budget holds for such a loop. ``False``: it
+            keeps only the loss (HF's ``Trainer``, TRL): a lower peak where logits exist.
         autocast: the loop runs forward and loss under ``torch.autocast(device, dtype=...)``
             and backward and the step outside it (PyTorch's AMP recipe); also read from an
             enabled autocast block around this call.
+        below: where the plain step does not fit, profile it below its largest layer too (a
+            causal LM's head + loss in chunks, inside PEFT's wrappers and TRL's fused head
+            too; MLPs over the sequence: :mod:`.batch_step`). ``False``: the step as it is.
         plan_options: further ``make_plan`` options (e.g. ``bandwidth_bytes_per_s``).
 
     Returns:
         A :class:`~superneurons.memory.Plan` whose unit fqns are relative to ``model``; run it
-        with ``apply_plan(model, plan)`` inside ``training_without_kv_cache(model)``. For a
+        with ``apply_plan(model, plan)`` inside ``training_without_kv_cache(model)``. Its
+        ``budget_bytes``, ``predicted_peak_bytes`` and ``min_budget_bytes`` leave out
+        ``reserved_bytes`` (add them back to compare with the budget given). For a
         ``fully_shard`` (FSDP2) model, called on every rank of the initialised process group:
         each rank profiles its own shards, and every rank gets rank 0's plan
         (:func:`superneurons.memory.fsdp.agree_plan`).
@@ -167,7 +129,10 @@ def plan_for_batch(
     Raises:
         ConfigError: neither or both budgets, a fraction outside (0, 1], no loss in the output,
             a step in which none of the units ran or saved anything (named with the cause).
-        InfeasibleBudgetError: the budget is below what any strategy reaches (named).
+        InfeasibleBudgetError: the budget is below what the strategy reaches on this device
+            (``auto`` on a CPU device: ``recompute``), below the largest layer included; its
+            ``min_budget_bytes`` (``reserved_bytes`` included) is a ``budget_bytes`` this call
+            plans at.
         ConfigError: (FSDP2) a strategy other than ``recompute``/``auto``, or another rank
             failed to plan, or planned other units.
     """
@@ -176,25 +141,32 @@ def plan_for_batch(
     chosen = units if units is not None else default_units(model)
     if not chosen:
         raise ConfigError("the model has no nn.ModuleList/nn.Sequential blocks: pass units=")
-    profile = _profile_batch(model, batch, optimizer, chosen, loss_of, keep_outputs, autocast)
+    step = BatchStep(model, batch, optimizer, chosen, loss_of, keep_outputs, autocast)
+    profile = step.profile()
     eager_bytes = profile.predicted_peak_bytes() + reserved_bytes
-    if budget_bytes is None:
-        assert budget_fraction is not None
-        budget_bytes = max(1, int(budget_fraction * eager_bytes))
-    if budget_bytes <= reserved_bytes:
-        raise ConfigError(
-            f"a budget of {budget_bytes} B leaves nothing for the step beside the "
-            f"{reserved_bytes} B reserved (DDP's gradient buckets): raise the budget"
-        )
+    budget_bytes = _step_budget(eager_bytes, budget_bytes, budget_fraction, reserved_bytes)
     plan_options.setdefault("allow_optimizer_in_backward", False)
     # streamed weights are one device's: under data parallelism FSDP2 shards them instead
     plan_options.setdefault("allow_weight_streaming", not _data_parallel())
     plan = _agreed_plan(
-        model, profile, budget_bytes - reserved_bytes, strategy, plan_options, reserved_bytes
+        model,
+        profile,
+        budget_bytes - reserved_bytes,
+        strategy,
+        plan_options,
+        reserved_bytes,
+        below=step.below if below else None,
     )
+    _log_plan(model, plan, eager_bytes, reserved_bytes, budget_bytes)
+    return _relative(plan)
+
+
+def _log_plan(
+    model: nn.Module, plan: Plan, eager_bytes: int, reserved_bytes: int, budget_bytes: int
+) -> None:
     logger.info(
         "plan for %s: eager peak %d B (%d B of it reserved), budget %d B -> predicted %d B "
-        "(%s: %d recompute, %d offload units)",
+        "(%s: %d recompute, %d offload units, head %s)",
         type(model).__name__,
         eager_bytes,
         reserved_bytes,
@@ -203,36 +175,24 @@ def plan_for_batch(
         plan.strategy,
         plan.count("recompute"),
         plan.count("offload"),
+        "in chunks" if plan.head is not None else "as shipped",
     )
-    return _relative(plan)
 
 
-def _profile_batch(
-    model: nn.Module,
-    batch: Mapping[str, Any],
-    optimizer: torch.optim.Optimizer | None,
-    units: list[str],
-    loss_of: LossOf,
-    keep_outputs: bool,
-    autocast: torch.dtype | None,
-) -> Profile:
-    """One step of the trainer's own forward (``loss_of``) in training mode, profiled per
-    unit; checked to have run and saved in the units."""
-    step = _BatchLoss(model, loss_of, whole_output=keep_outputs)
-    with _training_mode(model):  # trainers call model.train() before every step
-        profile = profile_step(
-            step,
-            dict(batch),
-            None,
-            output_loss if keep_outputs else _loss_is_output,
-            optimizer,
-            units=[_PREFIX + fqn for fqn in units],
-            keep_output=True,
-            carry_output=keep_outputs,
-            autocast=autocast,
+def _step_budget(
+    eager_bytes: int, budget_bytes: int | None, budget_fraction: float | None, reserved_bytes: int
+) -> int:
+    """The budget in bytes (a fraction of the eager peak, reserved bytes included), checked to
+    leave room for the step beside the reserved bytes."""
+    if budget_bytes is None:
+        assert budget_fraction is not None
+        budget_bytes = max(1, int(budget_fraction * eager_bytes))
+    if budget_bytes <= reserved_bytes:
+        raise ConfigError(
+            f"a budget of {budget_bytes} B leaves nothing for the step beside the "
+            f"{reserved_bytes} B reserved (DDP's gradient buckets): raise the budget"
         )
-    _check_observed(profile, model, units)
-    return profile
+    return budget_bytes
 
 
 def _check_request(
@@ -263,6 +223,8 @@ def _agreed_plan(
     strategy: str,
     plan_options: dict[str, Any],
     reserved_bytes: int,
+    *,
+    below: Callable[[Profile], list[Profile]] | None = None,
 ) -> Plan:
     """The plan for the step's own budget (the reserved bytes taken off); on a CPU device and
     for a fully_shard model ``auto`` is ``recompute``. A fully_shard model's ranks all get rank
@@ -276,10 +238,16 @@ def _agreed_plan(
     plan: Plan | None = None
     error: BaseException | None = None
     try:
-        plan = _plan(profile, budget_bytes, strategy, plan_options)
+        # NOTE: below the largest layer on one device only: the sharded runtime (memory.fsdp)
+        # runs keep/recompute units
+        plan = _plan(profile, budget_bytes, strategy, plan_options, None if sharded else below)
     except InfeasibleBudgetError as exc:
         # a sharded model runs recompute plans only: report their floor, not offload's
-        error = _recompute_floor_error(profile, budget_bytes, reserved_bytes) if sharded else exc
+        error = (
+            _recompute_floor_error(profile, budget_bytes, reserved_bytes)
+            if sharded
+            else _with_reserved(exc, reserved_bytes)
+        )
     except ConfigError as exc:
         error = exc
     if sharded:  # every rank runs rank 0's plan; a rank that failed makes every rank raise
@@ -290,10 +258,24 @@ def _agreed_plan(
     return plan
 
 
-def _plan(profile: Profile, budget_bytes: int, strategy: str, options: dict[str, Any]) -> Plan:
+def _plan(
+    profile: Profile,
+    budget_bytes: int,
+    strategy: str,
+    options: dict[str, Any],
+    below: Callable[[Profile], list[Profile]] | None,
+) -> Plan:
+    """The plan of the plain step; where that does not fit, of the step below its largest
+    layer (``below(profile)``, profiled only then: chunks are used where the budget needs
+    them, and a fitting plan costs one profile)."""
     try:
         return make_plan(profile, budget_bytes=budget_bytes, strategy=strategy, **options)
     except InfeasibleBudgetError as exc:
+        chunked = below(profile) if below is not None else []
+        if chunked:
+            return make_plan(
+                profile, budget_bytes=budget_bytes, strategy=strategy, chunked=chunked, **options
+            )
         if any(s.unit for s in profile.saved if s.nbytes > 0):
             raise
         raise ConfigError(
@@ -301,6 +283,20 @@ def _plan(profile: Profile, budget_bytes: int, strategy: str, options: dict[str,
             "lower the peak: is the model's own activation checkpointing on inside its forward? "
             "(HF's is turned off by prepare_superneurons and the HF callback)"
         ) from exc
+
+
+def _with_reserved(error: InfeasibleBudgetError, reserved_bytes: int) -> InfeasibleBudgetError:
+    """``error`` naming the budget the caller passes: the step's minimum plus what DDP
+    reserves beside it."""
+    if reserved_bytes == 0:
+        return error
+    floor = error.min_budget_bytes + reserved_bytes
+    return InfeasibleBudgetError(
+        f"{error}; with the {reserved_bytes} B DDP holds beside the step, pass a budget of at "
+        f"least {floor} B",
+        min_budget_bytes=floor,
+        strategy=error.strategy,
+    )
 
 
 def _recompute_floor_error(
@@ -334,34 +330,6 @@ def training_without_kv_cache(model: nn.Module) -> Iterator[bool]:
             config.use_cache = True  # type: ignore[union-attr]
 
 
-def _loss_is_output(output: torch.Tensor, _targets: Any) -> torch.Tensor:
-    return output
-
-
-@contextmanager
-def _training_mode(model: nn.Module) -> Iterator[None]:
-    """``model.train()`` inside the block; every module's own mode restored after."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.train()
-    try:
-        yield
-    finally:
-        for module, training in modes:
-            module.training = training
-
-
-def _check_observed(profile: Profile, model: nn.Module, chosen: list[str]) -> None:
-    """A profile in which no unit ran is a wrong seam, not a budget problem: say so."""
-    shown = ", ".join(chosen[:3]) + (", ..." if len(chosen) > 3 else "")
-    if not profile.units:
-        raise ConfigError(
-            f"no units were observed: none of {shown} ran in the profiled step, so there is "
-            f"nothing to plan; {type(model).__name__}'s forward does not reach its own blocks "
-            "(is forward replaced by one that runs another module, or compiled?): pass the "
-            "module that really runs, or units= naming modules the step calls"
-        )
-
-
 @contextmanager
 def hf_checkpointing_off(model: nn.Module) -> Iterator[int]:
     """Turn HF's activation checkpointing off inside the block; yields how many modules had it.
@@ -384,7 +352,7 @@ def _relative(plan: Plan) -> Plan:
     """The plan with the ``_BatchLoss`` wrapper's ``model.`` prefix taken off every fqn."""
 
     def strip(fqn: str) -> str:
-        return fqn[len(_PREFIX) :] if fqn.startswith(_PREFIX) else fqn
+        return fqn[len(PREFIX) :] if fqn.startswith(PREFIX) else fqn
 
     units = tuple(replace(u, fqn=strip(u.fqn)) for u in plan.units)
     tensors = tuple(replace(t, key=strip(t.key), unit=strip(t.unit)) for t in plan.tensors)

@@ -44,10 +44,11 @@ rebuilt in place), and a run stopped and resumed continues bitwise
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -57,11 +58,37 @@ from transformers import TrainerCallback
 from superneurons.errors import CheckpointError, ConfigError
 from superneurons.integrations.accelerate import SuperNeuronsSetup, prepare_superneurons
 from superneurons.integrations.hf import LossOf, model_loss
+from superneurons.integrations.no_trace import no_trace
+from superneurons.memory.profiling.isolate import unwrapped
 from superneurons.train.safeload import load_weights_only, refusal
 
 __all__ = ["SuperNeuronsCallback"]
 
 logger = logging.getLogger("superneurons.integrations")
+
+
+def _leaves_no_trace(method: Callable[..., None]) -> Callable[..., None]:
+    """``on_train_begin`` that, when it raises, leaves the trainer's model (its modules'
+    forwards, hooks, HF checkpointing flags, ``use_cache``: :func:`no_trace`), the trainer's
+    arguments and the callback's ``setup`` as they were before it ran."""
+
+    @functools.wraps(method)
+    def guarded(self: Any, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        previous, saved_args = self.setup, dict(vars(args))
+
+        def undo() -> None:
+            if self.setup is not None and self.setup is not previous:
+                self.setup.remove()
+            self.setup = previous
+            vars(args).clear()
+            vars(args).update(saved_args)
+
+        wrapped = getattr(self.trainer, "model_wrapped", None)
+        models = [unwrapped(wrapped)] if isinstance(wrapped, torch.nn.Module) else []
+        with no_trace(*models, undo=undo):
+            method(self, args, state, control, **kwargs)
+
+    return guarded
 
 
 class SuperNeuronsCallback(TrainerCallback):  # type: ignore[misc]
@@ -112,6 +139,7 @@ class SuperNeuronsCallback(TrainerCallback):  # type: ignore[misc]
     def _wants_plan(self) -> bool:
         return self.budget_bytes is not None or self.budget_fraction is not None
 
+    @_leaves_no_trace
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._wants_plan and getattr(args, "torch_compile", False):
             # refused before any work: the plan's runtime would refuse the first compiled step
@@ -141,6 +169,7 @@ class SuperNeuronsCallback(TrainerCallback):  # type: ignore[misc]
                 optimizer=trainer.optimizer,
                 strategy=self.strategy,
                 loss_of=_loss_of(trainer),
+                keep_outputs=False,  # Trainer.training_step keeps only the loss
                 max_grad_norm=float(args.max_grad_norm or 0.0),  # what Trainer clips to
                 gradient_accumulation_steps=args.gradient_accumulation_steps,
                 **self.compression_options,

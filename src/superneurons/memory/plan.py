@@ -50,10 +50,10 @@ __all__ = [
 ]
 
 # How the LM head + loss runs in chunks (``memory.chunked.headloss`` executes them): recompute
-# the logits in backward, or compute the gradient in the forward; PyTorch's chunked op or the
-# project's loop.
+# the logits in backward, or compute the gradient in the forward; PyTorch's chunked op, the
+# project's loop, or the loop with the unchunked loss's own kernels (recompute only).
 HEAD_MODES: tuple[str, ...] = ("recompute", "grad-in-forward")
-IMPLEMENTATIONS: tuple[str, ...] = ("native", "pure")
+IMPLEMENTATIONS: tuple[str, ...] = ("native", "pure", "exact")
 
 # 2: the ``recompute+offload`` action, resident/largest-unit bounds; 3: head and sequence
 # chunking, the host optimizer; 4: per-unit weights on the device or streamed from the host
@@ -85,7 +85,9 @@ SINGLE_DEVICE_STRATEGIES: frozenset[str] = frozenset(
 
 
 class InfeasibleBudgetError(ConfigError):
-    """The budget is below the minimum any strategy reaches; the message names that minimum."""
+    """The budget is below the minimum the strategy asked for reaches; the message names that
+    minimum (``min_budget_bytes``, which the same call with that budget plans at) and the
+    concrete ``strategy`` reaching it."""
 
     def __init__(self, message: str, *, min_budget_bytes: int, strategy: str) -> None:
         super().__init__(message)
@@ -145,8 +147,9 @@ class HeadChunking:
             zoo GPT's ``lm_head``); its parent module is the model called with the labels.
         chunk_tokens: tokens per chunk (``headloss.chunk_tokens_for``).
         mode: ``"recompute"`` (logits recomputed in backward) or ``"grad-in-forward"``.
-        impl: ``"native"`` (PyTorch's ``F.linear_cross_entropy``) or ``"pure"``: the one the
-            plan was profiled with.
+        impl: ``"native"`` (PyTorch's ``F.linear_cross_entropy``), ``"pure"`` or ``"exact"``
+            (``recompute`` only: the hidden states' gradients bit for bit those of the
+            unchunked loss): the one the plan was profiled with.
     """
 
     fqn: str
@@ -161,6 +164,8 @@ class HeadChunking:
             raise ConfigError(f"head {self.fqn!r}: mode must be one of {', '.join(HEAD_MODES)}")
         if self.impl not in IMPLEMENTATIONS:
             raise ConfigError(f"head {self.fqn!r}: impl must be one of {IMPLEMENTATIONS}")
+        if self.impl == "exact" and self.mode != "recompute":
+            raise ConfigError(f"head {self.fqn!r}: impl 'exact' recomputes (mode 'recompute')")
 
 
 @dataclass(frozen=True)
@@ -270,7 +275,8 @@ class Plan:
             (:func:`superneurons.memory.planner.where.locate`).
         breakdown: the live bytes at that peak by what they are
             (:data:`superneurons.memory.planner.predict.BREAKDOWN`); they sum to the peak.
-        min_budget_bytes: the smallest peak any strategy reaches for this profile.
+        min_budget_bytes: the smallest budget the strategy asked for reaches on this profile
+            (``auto``: the least over the strategies it may take): the same call plans at it.
         host_bytes: predicted pinned host bytes for offloaded activations.
         extra_compute_s: predicted recompute time per step.
         transfer_s: predicted host<->device copy time per step (both directions).

@@ -17,6 +17,13 @@ generation) both models run as shipped and return their logits.
 
 A model that transforms its logits after the output embedding (soft-capping, scaling) is
 refused at its first call: the chunked loss could not reproduce it.
+
+**Adapters and TRL.** The output embedding is found where it lives: PEFT's wrappers
+(``PeftModelForCausalLM`` -> ``LoraModel``) forward ``get_output_embeddings`` to the causal LM
+inside them, whose forward is the one patched (its fqn ``base_model.model.lm_head``), so an
+adapter fine-tune goes below its head as a full one does; the head's frozen weight gets no
+gradient. A call with TRL's ``fused_lm_head=True`` runs TRL's own fused forward with its kernel
+in chunks of tokens (:mod:`.fused`).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from superneurons.errors import ConfigError
+from superneurons.memory.chunked.fused import fused_forward, trl_fused_head
 from superneurons.memory.chunked.headloss import linear_cross_entropy
 from superneurons.memory.forwards import ForwardPatches
 from superneurons.memory.plan import HeadChunking
@@ -43,11 +51,18 @@ _IGNORE = -100  # Hugging Face's and F.cross_entropy's ignore_index
 def find_output_embedding(model: nn.Module) -> str | None:
     """The fqn of ``model``'s output embedding when its head can run in chunks: a Hugging Face
     causal LM's ``get_output_embeddings()`` or the zoo GPT's ``lm_head``, searched among
-    ``model`` and its submodules (the first found); None otherwise."""
+    ``model`` and its submodules (the first causal LM found that holds its head as a child);
+    None otherwise.
+
+    Wrappers that forward ``get_output_embeddings`` to a model inside them (PEFT's
+    ``PeftModelForCausalLM`` -> ``LoraModel`` -> the causal LM) are passed over: the causal LM
+    that holds the head computes the loss from its logits, so its forward is the one to patch.
+    """
     for fqn, module in model.named_modules():
         head = _head_of(module)
-        if head is not None:
-            return _child_fqn(fqn, _name_in(module, head))
+        name = _name_in(module, head) if head is not None else None
+        if name is not None:
+            return _child_fqn(fqn, name)
     return None
 
 
@@ -71,11 +86,12 @@ def _style(module: nn.Module) -> str | None:
     return None
 
 
-def _name_in(parent: nn.Module, child: nn.Module) -> str:
+def _name_in(parent: nn.Module, child: nn.Module) -> str | None:
+    """``child``'s name among ``parent``'s children; None for a wrapper's forwarded head."""
     for name, module in parent.named_children():
         if module is child:
             return name
-    raise ConfigError(f"{type(parent).__name__}'s output embedding is not one of its children")
+    return None
 
 
 def _child_fqn(parent: str, name: str) -> str:
@@ -120,23 +136,32 @@ def chunk_head(model: nn.Module, decision: HeadChunking) -> HeadHandle:
         )
     call = _Call()
     handle = HeadHandle()
-    handle.patch(lm, _model_forward(lm, lm.forward, call, style, type(lm).__name__))
+    handle.patch(lm, _model_forward(lm, lm.forward, call, style, decision))
     handle.patch(head, _head_forward(head, head.forward, call, decision))
     return handle
 
 
 def _model_forward(
-    lm: nn.Module, forward: Callable[..., Any], call: _Call, style: str, name: str
+    lm: nn.Module, forward: Callable[..., Any], call: _Call, style: str, decision: HeadChunking
 ) -> Callable[..., Any]:
+    name = type(lm).__name__
+    fused = trl_fused_head(forward)  # TRL's fused LM head, patched on by its SFTTrainer
+
     # the model's own signature stays visible (``model(**batch)`` callers inspect it)
     @functools.wraps(forward)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         key = "labels" if style == "hf" else "targets"
         if style == "targets" and len(args) > 1:  # GPT(idx, targets)
             args, kwargs = args[:1], {**kwargs, "targets": args[1]}
-        if kwargs.get(key) is None or not torch.is_grad_enabled() or kwargs.get("fused_lm_head"):
-            # no loss asked, no backward, or TRL's own chunked head (``add_fused_lm_head``)
-            return forward(*args, **kwargs)
+        if kwargs.get(key) is None or not torch.is_grad_enabled():
+            return forward(*args, **kwargs)  # no loss asked, or no backward
+        if kwargs.get("fused_lm_head"):  # TRL's fused head (``add_fused_lm_head``), in chunks
+            if fused is None:
+                raise ConfigError(
+                    f"{name} was called with fused_lm_head=True, but its forward is not TRL's "
+                    "fused LM head as TRL 1.x patches it: plan without head chunking"
+                )
+            return fused_forward(lm, fused, decision.chunk_tokens, args, kwargs)
         kwargs = dict(kwargs)
         labels = kwargs.pop(key)
         shift = kwargs.pop("shift_labels", None) if style == "hf" else None
@@ -159,7 +184,6 @@ def _model_forward(
         fields = {k: v for k, v in out.items() if k not in ("logits", "loss")}
         return type(out)(loss=loss, **fields)
 
-    del lm
     return wrapped
 
 

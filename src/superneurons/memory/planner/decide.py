@@ -149,7 +149,7 @@ def make_plan(
         allow_weight_streaming,
     )
     minima = allowed.minima(floors, strategy)
-    best_strategy = min(minima, key=lambda s: minima[s])
+    order = [strategy]
     if strategy == "auto":
         order = [s for s in allowed.auto_order() if s in floors.choices]  # runnable ones
         chosen = _least_exposed(floors, order, budget_bytes)
@@ -166,18 +166,29 @@ def make_plan(
                 segments=chosen.segments,
                 step=step,
             )
+    # NOTE: the minimum named (error and Plan) is the one this call reaches with the same
+    # arguments: the floor of the strategy asked for (``auto``: of the strategies it may take),
+    # never another strategy's the caller did not ask for; that one is named as advice only
+    reachable = minima.get(strategy, chosen.outcome.peak_bytes)
     if chosen.outcome.peak_bytes > budget_bytes:
         raise InfeasibleBudgetError(
             f"budget {format_bytes(budget_bytes)} is below the smallest predicted peak of strategy "
-            f"{strategy!r} ({format_bytes(minima.get(strategy, chosen.outcome.peak_bytes))}); the "
-            f"minimum over all strategies is {format_bytes(minima[best_strategy])} = "
-            f"{minima[best_strategy]} bytes (strategy {best_strategy!r}): raise the budget, "
-            "use that strategy, or shrink the batch",
-            min_budget_bytes=minima[best_strategy],
-            strategy=best_strategy,
+            f"{strategy!r}, {format_bytes(reachable)} = {reachable} bytes: raise the budget to at "
+            f"least that, or shrink the batch{_lower_elsewhere(minima, strategy, reachable)}",
+            min_budget_bytes=reachable,
+            strategy=next((s for s in order if minima.get(s) == reachable), strategy),
         )
-    plan = _plan_of(chosen, chosen.profile or profile, budget_bytes, minima[best_strategy])
+    plan = _plan_of(chosen, chosen.profile or profile, budget_bytes, reachable)
     return plan if step is None else replace(plan, step=step)
+
+
+def _lower_elsewhere(minima: dict[str, int], strategy: str, floor: int) -> str:
+    """Advice: a strategy the caller may pass that reaches lower than ``floor``, or ""."""
+    others = {s: v for s, v in minima.items() if s not in (strategy, "auto")}
+    if not others or min(others.values()) >= floor:
+        return ""
+    best = min(others, key=lambda s: others[s])
+    return f" (strategy={best!r} reaches {format_bytes(others[best])} where it can run)"
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from superneurons.errors import ConfigError
+from superneurons.memory.chunked.fused import patched_by_trl, trl_fused_head
 from superneurons.memory.chunked.headloss import chunk_tokens_for, resolve_implementation
 from superneurons.memory.chunked.lmhead import chunk_head, find_output_embedding
 from superneurons.memory.chunked.seqchunk import sequence_splits, split_sequence
@@ -40,15 +41,24 @@ VARIANTS: tuple[str, ...] = ("grad-in-forward", "recompute", "recompute+split")
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 
-def head_chunking(model: nn.Module, *, tokens: int, mode: str) -> HeadChunking | None:
-    """The head chunking of ``model`` (or of the causal LM inside it) for ``tokens`` tokens a
-    step, None when it has no chunkable head."""
+def head_chunking(
+    model: nn.Module, *, tokens: int, mode: str, impl: str = "auto"
+) -> HeadChunking | None:
+    """The head chunking of ``model`` (or of the causal LM inside it, PEFT's wrappers passed
+    over) for ``tokens`` tokens a step, None when it has no chunkable head or cannot run
+    ``mode``: ``impl="exact"`` and TRL's fused head (whose kernel recomputes its tiles in
+    backward, chunk by chunk too) recompute only."""
     fqn = find_output_embedding(model)
     if fqn is None:
         return None
+    lm = model.get_submodule(fqn.rpartition(".")[0])
+    if patched_by_trl(lm.forward) and (mode != "recompute" or trl_fused_head(lm.forward) is None):
+        return None  # TRL's fused head: its kernel in chunks, recomputing, when it can be read
+    if mode != "recompute" and impl == "exact":
+        return None
     weight = cast(nn.Linear, model.get_submodule(fqn)).weight  # (V, H)
     vocab, hidden = int(weight.shape[0]), int(weight.shape[1])
-    impl = resolve_implementation("auto", dtype=weight.dtype, device=weight.device)
+    impl = resolve_implementation(impl, dtype=weight.dtype, device=weight.device)
     return HeadChunking(fqn, chunk_tokens_for(tokens, hidden, vocab), mode, impl)
 
 
@@ -69,6 +79,7 @@ def below_profiles(
     variants: Sequence[str] = VARIANTS,
     carry_output: bool = False,
     autocast: torch.dtype | None = None,
+    impl: str = "auto",
 ) -> list[Profile]:
     """Profiles of the step :func:`profile_step` profiled as ``profile`` (same arguments), with
     the head + loss in chunks and block MLPs split over the sequence (module docstring), in the
@@ -81,6 +92,8 @@ def below_profiles(
         variants: which of :data:`VARIANTS` to profile (``("recompute+split",)``: the floor
             only, one profile instead of three).
         carry_output / autocast: as :func:`profile_step`.
+        impl: the head's implementation (:func:`.headloss.resolve_implementation`;
+            ``"exact"``: the unchunked loss's gradients bit for bit, recompute only).
     """
     unit_fqns = list(units) if units is not None else [u.fqn for u in profile.units]
     splits = sequence_splits(profile, seq_len=seq_len, units=unit_fqns)
@@ -89,11 +102,11 @@ def below_profiles(
         raise ConfigError(f"unknown variants {sorted(unknown)}: use some of {', '.join(VARIANTS)}")
     chosen: list[tuple[HeadChunking | None, tuple[SeqChunking, ...]]] = []
     for mode in ("grad-in-forward", "recompute"):
-        head = head_chunking(model, tokens=tokens, mode=mode)
+        head = head_chunking(model, tokens=tokens, mode=mode, impl=impl)
         if head is not None and mode in variants:
             chosen.append((head, ()))
     if splits and "recompute+split" in variants:
-        chosen.append((head_chunking(model, tokens=tokens, mode="recompute"), splits))
+        chosen.append((head_chunking(model, tokens=tokens, mode="recompute", impl=impl), splits))
     options: dict[str, Any] = dict(
         units=unit_fqns,
         fake_mode=fake_mode,

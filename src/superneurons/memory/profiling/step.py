@@ -50,6 +50,7 @@ from superneurons.memory.profiling.from_recording import build_profile
 from superneurons.memory.profiling.isolate import IsolationError, isolated, unwrapped
 from superneurons.memory.profiling.owners import kept_in_place, with_owners
 from superneurons.memory.profiling.recording import Recorder
+from superneurons.memory.profiling.weights import weight_state_tensors
 from superneurons.memory.profiling.workspace import op_scratch, scratch_recorder
 from superneurons.memory.runtime.recompute import running_stat_bytes
 from superneurons.memory.runtime.stateful import kv_cache_off
@@ -317,8 +318,9 @@ def _register_resident(
     optimizer: torch.optim.Optimizer | None,
     batch: Any,
 ) -> None:
-    """What is alive before the step: parameters and buffers, optimizer state, the batch."""
-    params = [*model.parameters(), *model.buffers()]
+    """What is alive before the step: parameters and buffers (with what quantized parameters
+    hold beside their data: :mod:`.weights`), optimizer state, the batch."""
+    params = [*model.parameters(), *model.buffers(), *weight_state_tensors(model)]
     leaves = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
     tracker.register(params)
     rec.param_storages.update({tracker.serial_of(p) for p in params} - {None})  # type: ignore[arg-type]
@@ -419,13 +421,16 @@ def _call(model: nn.Module, inputs: Any) -> Any:
 
 
 def _takes(model: nn.Module, batch: Mapping[str, Any]) -> bool:
-    """The forward names the batch's keys (HF models): called with them as keywords; else the
+    """The forward names the batch's keys (HF models), or takes only ``*args, **kwargs`` (a
+    wrapper passing them on: PEFT's ``PeftModel``): called with them as keywords; else the
     mapping is the one positional input (a step wrapper's ``forward(batch)``)."""
     try:
-        names = inspect.signature(model.forward).parameters
+        params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
         return False
-    return any(key in names for key in batch)
+    kinds = {p.kind for p in params.values()}
+    passes_on = kinds == {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}
+    return passes_on or any(key in params for key in batch)
 
 
 def _device_type(model: nn.Module, *, fake: bool) -> str:
