@@ -470,8 +470,9 @@ def _apply_budget(
         budget_bytes=budget_bytes,
         allow_optimizer_in_backward=False,
         allow_host_optimizer=optimizer_factory is not None,
-        # streamed weights are one device's: under data parallelism FSDP2 shards them instead
-        allow_weight_streaming=not (dist.is_initialized() and dist.get_world_size() > 1),
+        # streamed weights are one device's: the trainer wraps every model in DDP (one rank
+        # too), and under data parallelism FSDP2 shards weights instead
+        allow_weight_streaming=False,
         step=TrainingStep(max_grad_norm=max_grad_norm) if max_grad_norm else None,
     )
     logger.info("memory plan for a budget of %d bytes: %s", budget_bytes, plan)

@@ -87,7 +87,12 @@ def _check_plan(config: TrainConfig, task: Task) -> None:
         logger.info("no fake-tensor profile before launch (%s); the ranks will plan", exc)
         return
     try:
-        make_plan(profile, budget_bytes=config.budget_bytes, allow_optimizer_in_backward=False)
+        make_plan(
+            profile,
+            budget_bytes=config.budget_bytes,
+            allow_optimizer_in_backward=False,
+            allow_weight_streaming=False,  # the ranks plan without it (DDP)
+        )
     except InfeasibleBudgetError as exc:
         raise ConfigError(f"--budget: {exc} (batch {config.batch_size} per rank)") from None
 

@@ -173,8 +173,9 @@ def make_plan(
     if chosen.outcome.peak_bytes > budget_bytes:
         raise InfeasibleBudgetError(
             f"budget {format_bytes(budget_bytes)} is below the smallest predicted peak of strategy "
-            f"{strategy!r}, {format_bytes(reachable)} = {reachable} bytes: raise the budget to at "
-            f"least that, or shrink the batch{_lower_elsewhere(minima, strategy, reachable)}",
+            f"{strategy!r}: its minimum is {format_bytes(reachable)} = {reachable} bytes; raise the "
+            f"budget to at least that, or shrink the batch"
+            f"{_lower_elsewhere(minima, strategy, reachable)}",
             min_budget_bytes=reachable,
             strategy=next((s for s in order if minima.get(s) == reachable), strategy),
         )
