@@ -9,20 +9,24 @@ from typing import Any
 
 from superneurons.bench.artifacts import environment, markdown_table, pyplot
 
-__all__ = ["read_run", "write_report"]
+__all__ = ["headline", "read_run", "write_report"]
 
 MiB = 2**20
 
 
 def read_run(run_dir: Path) -> dict[str, Any]:
-    """A run's ``summary.json`` and its step/epoch records from ``metrics.jsonl``."""
+    """A run's ``summary.json`` and its step, epoch and eval records from ``metrics.jsonl``."""
     summary = json.loads((run_dir / "summary.json").read_text())
-    steps: list[dict[str, Any]] = []
-    epochs: list[dict[str, Any]] = []
+    kinds: dict[str, list[dict[str, Any]]] = {"step": [], "epoch": [], "eval": []}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
-        (steps if record.get("kind") == "step" else epochs).append(record)
-    return {"summary": summary, "steps": steps, "epochs": epochs}
+        kinds.setdefault(record.get("kind", "epoch"), []).append(record)
+    return {
+        "summary": summary,
+        "steps": kinds["step"],
+        "epochs": kinds["epoch"],
+        "evals": kinds["eval"],
+    }
 
 
 def _plot_curves(runs: Mapping[str, dict], path: Path) -> None:
@@ -92,6 +96,56 @@ def _plot_memory(memory: Mapping[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _plot_race(runs: Mapping[str, dict], race: Mapping[str, Any], path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, run in runs.items():
+        evals = run["evals"]
+        ax.plot(
+            [r["train_s"] for r in evals],
+            [100 * r["test_accuracy"] for r in evals],
+            marker="o",
+            label=name,
+        )
+    target = 100 * race["dense_final_accuracy"]
+    ax.axhline(target, color="tab:gray", linestyle=":", label="dense's final accuracy")
+    ax.set(
+        xlabel="training wall-clock time (s, evaluations not counted)",
+        ylabel="test accuracy (%)",
+        title="test accuracy against wall-clock time, same link, same budget",
+    )
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_lm(trl: Mapping[str, Any], path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for key, label in (
+        ("trl_checkpointing", "TRL with its gradient checkpointing"),
+        ("superneurons", "TRL with SuperNeuronsCallback"),
+    ):
+        series = trl[key]["timeline_bytes"]
+        xs = [i / max(len(series) - 1, 1) for i in range(len(series))]
+        ax.plot(xs, [b / MiB for b in series], label=label)
+    if "budget_bytes" in trl["superneurons"]:
+        budget = trl["superneurons"]["budget_bytes"] / MiB
+        ax.axhline(budget, color="tab:red", linestyle="--", label="budget")
+    ax.set(
+        xlabel="fraction of one SFTTrainer step",
+        ylabel="live memory (MiB)",
+        title="a tiny Llama's last training step, measured",
+    )
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 _VIEWS = {
     "c10 cpu allocator": "the c10 CPU allocator's bytes (tensors and the scratch kernels "
     "allocate for themselves, as the plan predicts them)",
@@ -99,61 +153,183 @@ _VIEWS = {
 }
 
 
-def write_report(
-    out_dir: Path,
-    *,
-    runs: Mapping[str, Path],
-    memory: Mapping[str, Any],
-    wall_s: float,
-    device: str | None = None,
-) -> Path:
-    """Write ``out_dir/report.md`` and its plots; return the report's path."""
-    data = {name: read_run(path) for name, path in runs.items()}
-    _plot_curves(data, out_dir / "curves.png")
-    _plot_bytes(data, out_dir / "bytes.png")
-    _plot_memory(memory, out_dir / "memory.png")
-    peaks = {"dense DDP": memory["eager_peak_bytes"], "superneurons": memory["planned_peak_bytes"]}
+def headline(demo: Mapping[str, Any]) -> list[str]:
+    """The report's first screen: its title line and three lines (faster over a slow link,
+    less memory, accuracy held), every figure read from the demo's JSON."""
+    link, race, memory = demo["link"], demo["race"], demo["memory"]
+    setting = f"{demo['ranks']} ranks, `{demo['model']}` on `{demo['data']}`"
+    if link["shaped"]:
+        title = f"# superneurons demo: over a {link['description']}"
+        where = f"over {_rate(link['rate_bit_s'])} ({setting})"
+    else:
+        title = (
+            f"# superneurons demo: ON LOOPBACK, no slow link ({link['loopback_reason']}); "
+            "the race shows codec cost, not a slow network"
+        )
+        where = f"on loopback ({setting})"
+    ratio = race["time_to_dense_accuracy_ratio"]
+    if ratio is None:
+        faster = (
+            f"- **Over a slow link:** {where}, superneurons did not reach dense DDP's final test "
+            f"accuracy ({100 * race['dense_final_accuracy']:.2f}%) within its "
+            f"{race['superneurons_train_s']:.0f} s."
+        )
+    else:
+        faster = (
+            f"- **Over a slow link:** {where}, superneurons reached dense DDP's final test "
+            f"accuracy ({100 * race['dense_final_accuracy']:.2f}%) in **{ratio:.2f}x** dense's "
+            f"wall-clock time ({race['superneurons_time_to_accuracy_s']:.0f} s vs "
+            f"{race['dense_time_to_accuracy_s']:.0f} s of training)."
+        )
+    less = (
+        f"- **Less memory:** one training step of that model peaks at "
+        f"{memory['planned_peak_bytes'] / MiB:.1f} MiB under the plan vs "
+        f"{memory['eager_peak_bytes'] / MiB:.1f} MiB eager "
+        f"(**{memory['planned_peak_bytes'] / memory['eager_peak_bytes']:.2f}x**, measured)"
+    )
+    trl = (demo.get("lm") or {}).get("trl")
+    if trl is not None:
+        less += (
+            f"; a tiny Llama under TRL's SFTTrainer peaks at "
+            f"{trl['superneurons']['peak_bytes'] / MiB:.1f} MiB with the callback vs "
+            f"{trl['trl_checkpointing']['peak_bytes'] / MiB:.1f} MiB with TRL's own "
+            f"checkpointing (**{trl['peak_over_trl']:.2f}x**), losses "
+            f"{'identical' if trl['losses_identical'] else 'DIFFERENT'}"
+        )
+    held = (
+        f"- **Accuracy held:** after the same {race['dense_train_s']:.0f} s budget, test "
+        f"accuracy {100 * race['superneurons_final_accuracy']:.2f}% (superneurons, "
+        f"{race['superneurons_steps']} steps) vs {100 * race['dense_final_accuracy']:.2f}% "
+        f"(dense, {race['dense_steps']} steps): **{race['accuracy_delta_points']:+.2f} points** "
+        f"on the first {demo['eval_limit']} test images."
+    )
+    return [title, "", faster, less + ".", held]
+
+
+def _rate(rate_bit_s: int) -> str:
+    from superneurons.rates import format_rate
+
+    return format_rate(rate_bit_s)
+
+
+def _race_section(demo: Mapping[str, Any], data: Mapping[str, dict]) -> list[str]:
+    race, link = demo["race"], demo["link"]
     rows = []
     for name, run in data.items():
         summary = run["summary"]
+        key = "dense" if name == "dense DDP" else "superneurons"
         rows.append(
             {
-                "run": name,
+                "arm": name,
                 "codec": summary["codec"],
-                "test accuracy": summary["final_test_accuracy"],
-                "wall (s)": summary["wall_s"],
+                "steps": race[f"{key}_steps"],
+                "training (s)": race[f"{key}_train_s"],
                 "step (s)": summary["mean_step_s"],
-                "peak memory (MiB)": peaks.get(name, 0) / MiB,
-                "bytes per step (MiB)": summary["bytes_per_step"] / MiB,
+                "MiB sent per step": summary["bytes_per_step"] / MiB,
+                "final test accuracy (%)": 100 * race[f"{key}_final_accuracy"],
+                "time to dense's final accuracy (s)": race[f"{key}_time_to_accuracy_s"],
             }
         )
-    dense, ours = (data[n]["summary"] for n in runs)
-    env = environment()
-    body = [
-        "# superneurons demo\n",
-        f"Model `{dense['model']}` on `{dense['data']}`, {dense['world_size']} ranks, "
-        f"{dense['epochs']} epoch(s), {dense['steps']} steps per run. "
-        f"Machine: {env['machine']['cpu']} ({env['machine']['cpu_count']} cores), torch "
-        f"{env['versions']['torch']}. Total demo time {wall_s:.0f} s.\n",
-        f"Ran on: {device}.\n" if device else "",
-        "## Result\n",
+    why = link["why"] if link["shaped"] else f"No link was shaped: {link['loopback_reason']}."
+    return [
+        "## The race: the same link, the same wall-clock budget\n",
+        f"Link: {link['description']}. {why}\n",
         markdown_table(rows, list(rows[0])),
-        f"\nCompression sent **{dense['bytes_per_step'] / ours['bytes_per_step']:.1f}x fewer "
+        f"\n`time_to_dense_accuracy_ratio` = {_fmt(race['time_to_dense_accuracy_ratio'])} "
+        "(superneurons' time to dense's final test accuracy over dense's; the time of the "
+        "first evaluation at or above it, so an upper bound). Load average after each arm: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in race["load_avg_1m_after"].items())
+        + ".\n",
+        "![accuracy against wall-clock time](race.png)\n",
+    ]
+
+
+def _fmt(value: float | None) -> str:
+    return "not reached" if value is None else f"{value:.3f}"
+
+
+def _lm_section(lm: Mapping[str, Any]) -> list[str]:
+    cards = lm["cards_gib"]
+    rows = []
+    for row in lm["what_fits"]:
+        record = {"model": row["model"], "tuning": row["tuning"], "tokens": row["seq_len"]}
+        for key, label in (
+            ("eager", "eager"),
+            ("hf_checkpointing", "HF checkpointing"),
+            ("superneurons", "superneurons"),
+        ):
+            fits = "/".join("yes" if row[f"{key}_fits_{c}gib"] else "no" for c in cards)
+            record[f"{label} GiB (fits {'/'.join(f'{c}' for c in cards)} GiB)"] = (
+                f"{row[f'{key}_bytes'] / 2**30:.2f} ({fits})"
+            )
+        record["superneurons' strategy"] = row["superneurons_strategy"]
+        rows.append(record)
+    trl = lm["trl"]
+    ours, base = trl["superneurons"], trl["trl_checkpointing"]
+    return [
+        "## The language-model part\n",
+        "What fits: `superneurons plan --model hf:NAME --seq-len T --dtype bf16 [--lora "
+        "r=16,alpha=32,targets=all-linear [--quantize nf4,double_quant=true]]` (fake tensors, "
+        "AdamW, batch 1), modelled peaks: eager PyTorch, HF gradient checkpointing (every block "
+        "recomputed) and superneurons' floor.\n",
+        markdown_table(rows, list(rows[0])),
+        f"\nTRL's `SFTTrainer`, {trl['model']}, {trl['steps']} steps, measured each step's peak "
+        f"of live storage bytes: TRL's own gradient checkpointing "
+        f"{base['peak_bytes'] / MiB:.2f} MiB; with `SuperNeuronsCallback(budget_fraction="
+        f"{trl['budget_fraction']})` {ours['peak_bytes'] / MiB:.2f} MiB (budget "
+        f"{ours.get('budget_bytes', 0) / MiB:.2f} MiB, within it: {trl['within_budget']}; "
+        f"{trl['peak_over_trl']:.2f}x TRL's peak). Losses with TRL's checkpointing "
+        f"{base['losses']}, with the callback {ours['losses']}: identical "
+        f"{trl['losses_identical']}.\n",
+        "![memory timelines](lm.png)\n",
+    ]
+
+
+def write_report(
+    out_dir: Path,
+    *,
+    demo: Mapping[str, Any],
+    runs: Mapping[str, Path],
+    memory: Mapping[str, Any],
+) -> Path:
+    """Write ``out_dir/report.md`` and its plots from the demo's record (``demo.json``) and the
+    arms' runs; return the report's path."""
+    data = {name: read_run(path) for name, path in runs.items()}
+    _plot_race(data, demo["race"], out_dir / "race.png")
+    _plot_curves(data, out_dir / "curves.png")
+    _plot_bytes(data, out_dir / "bytes.png")
+    _plot_memory(memory, out_dir / "memory.png")
+    lm = demo.get("lm")
+    if lm is not None:
+        _plot_lm(lm["trl"], out_dir / "lm.png")
+    env = environment()
+    dense, ours = (data[n]["summary"] for n in runs)
+    body = [
+        *headline(demo),
+        "",
+        *_race_section(demo, data),
+        "## Device memory of one step\n",
+        f"Compression sent **{dense['bytes_per_step'] / ours['bytes_per_step']:.1f}x fewer "
         f"bytes** per step; the memory plan (`{memory['strategy']}`: "
         f"{memory['actions']['recompute']} recompute, {memory['actions']['offload']} offload, "
         f"{memory['actions']['keep']} keep units) cut the measured peak from "
         f"{memory['eager_peak_bytes'] / MiB:.1f} MiB to {memory['planned_peak_bytes'] / MiB:.1f} "
         f"MiB (budget {memory['budget_bytes'] / MiB:.1f} MiB, predicted "
         f"{memory['predicted_peak_bytes'] / MiB:.1f} MiB, host pool "
-        f"{memory['host_bytes'] / MiB:.1f} MiB). Test accuracy changed by "
-        f"{100 * (ours['final_test_accuracy'] - dense['final_test_accuracy']):+.2f} points.\n",
-        f"Peak memory is one steady-state step measured as {_VIEWS[memory['measured_by']]}; "
-        "the host pool excluded. On a CPU the wall time "
-        "reflects compute and loopback transfers, not a slow network: see "
-        "`superneurons bench network` for shaped bandwidth.\n",
-        "## Loss and accuracy\n\n![curves](curves.png)\n",
-        "## Bytes on the wire\n\n![bytes](bytes.png)\n",
-        "## Device memory of one step\n\n![memory](memory.png)\n",
+        f"{memory['host_bytes'] / MiB:.1f} MiB), measured as {_VIEWS[memory['measured_by']]}; "
+        "the host pool excluded.\n",
+        "![memory](memory.png)\n",
+        *(_lm_section(lm) if lm is not None else []),
+        "## Loss per step, and bytes on the wire\n",
+        "![curves](curves.png)\n\n![bytes](bytes.png)\n",
+        "## How this was made\n",
+        f"`superneurons demo{' --quick' if demo['quick'] else ''}`: {demo['device']}. Machine: "
+        f"{env['machine']['cpu']} ({env['machine']['cpu_count']} cores), torch "
+        f"{env['versions']['torch']}. Total demo time {demo['wall_s']:.0f} s ("
+        + ", ".join(f"{k} {v:.0f} s" for k, v in demo.get("parts_s", {}).items())
+        + f"); load average at "
+        f"the end {', '.join(f'{x:.1f}' for x in demo['load_avg'])}. Every figure above is "
+        "read from `demo.json`.\n",
     ]
     path = out_dir / "report.md"
     path.write_text("\n".join(body), encoding="utf-8")

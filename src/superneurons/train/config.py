@@ -67,6 +67,12 @@ class TrainConfig:
     sync: str = "every-step"  # or diloco[...]: when ranks synchronise (parsed: sync_scheme)
     checkpoint_every: int | None = None  # also checkpoint every N steps inside an epoch
     max_grad_norm: float = 0.0  # clip the averaged gradients to this global norm (0: no)
+    # Training against the clock (the demo's race over a slow link): stop after this many
+    # seconds of training, evaluate every ``eval_every_s`` of them (kind="eval" records), each
+    # evaluation on the first ``eval_limit`` test samples; evaluations are not counted.
+    time_budget_s: float | None = None
+    eval_every_s: float | None = None
+    eval_limit: int | None = None
     version: int = CONFIG_VERSION
 
     def __post_init__(self) -> None:
@@ -83,6 +89,9 @@ class TrainConfig:
         if self.checkpoint_every is not None:
             _positive("checkpoint_every", self.checkpoint_every)
         _positive("max_grad_norm", self.max_grad_norm, allow_zero=True)
+        for name in ("time_budget_s", "eval_every_s", "eval_limit"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(
                 f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"

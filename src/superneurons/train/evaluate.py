@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from superneurons.device import Placement
 from superneurons.train.config import TrainConfig
@@ -25,12 +25,16 @@ def batch_accuracy(output: torch.Tensor, targets: torch.Tensor) -> float:
 def evaluate(
     model: nn.Module, task: Task, config: TrainConfig, device: Placement | torch.device
 ) -> dict[str, float]:
-    """Loss and accuracy on the test split, each rank a shard, summed by all-reduce."""
+    """Loss and accuracy on the test split (its first ``config.eval_limit`` samples where
+    set), each rank a shard, summed by all-reduce."""
     placement = Placement.of(device)
     model.eval()
-    sampler: DistributedSampler[Any] = DistributedSampler(task.test_set, shuffle=False)
+    test_set = task.test_set
+    if config.eval_limit is not None and config.eval_limit < len(test_set):  # type: ignore[arg-type]
+        test_set = Subset(test_set, range(config.eval_limit))
+    sampler: DistributedSampler[Any] = DistributedSampler(test_set, shuffle=False)
     loader = DataLoader(
-        task.test_set,
+        test_set,
         batch_size=config.batch_size,
         sampler=sampler,
         pin_memory=placement.pin_memory,

@@ -116,12 +116,21 @@ def run_training(config: TrainConfig, device: Placement | torch.device) -> dict[
         if saved is not None or restart:
             step_from = 0 if saved is None else saved.step
             log.note_resume(step=step_from, restart=restart, last_logged_step=logged)
+        if _clocked(config) and step == 0:  # the curve's first point: the initial weights
+            _evaluate(run, log, step=0)
         for epoch in range(start_epoch, config.epochs):
-            step = _train_epoch(run, log, epoch=epoch, step=step, done_in_epoch=done_in_epoch)
+            step, stopped_at = _train_epoch(
+                run, log, epoch=epoch, step=step, done_in_epoch=done_in_epoch
+            )
             done_in_epoch = 0
-            test = evaluate(run.ddp.module, run.task, config, run.placement)
-            log.write("epoch", epoch=epoch, step=step, wall_s=log.wall_s, **test)
-            _save(run, log, epoch=epoch + 1, step=step)
+            test = _evaluate(run, log, step=step)
+            if stopped_at is None or stopped_at >= run.steps_per_epoch:  # a whole epoch
+                log.write("epoch", epoch=epoch, step=step, wall_s=log.wall_s, **test)
+                _save(run, log, epoch=epoch + 1, step=step)
+            else:  # the time budget ran out inside the epoch
+                _save(run, log, epoch=epoch, step=step, epoch_step=stopped_at)
+            if stopped_at is not None:
+                break
         summary = _summary(run, log, test=test, restarts=restart)
     if run.plan_handle is not None:
         run.plan_handle.remove()
@@ -231,9 +240,42 @@ def _batches(run: _Run, done_in_epoch: int) -> Iterator[Any]:
         return iter(run.loader)
 
 
-def _train_epoch(run: _Run, log: MetricsLog, *, epoch: int, step: int, done_in_epoch: int) -> int:
+def _clocked(config: TrainConfig) -> bool:
+    return config.time_budget_s is not None or config.eval_every_s is not None
+
+
+def _evaluate(run: _Run, log: MetricsLog, *, step: int) -> dict[str, float]:
+    """The test split's loss and accuracy; with a clock, timed (left out of ``train_s``) and
+    recorded as an eval record."""
+    start_s = time.perf_counter()
+    train_s = log.train_s
+    test = evaluate(run.ddp.module, run.task, run.config, run.placement)
+    run.ddp.train()
+    if _clocked(run.config):
+        log.eval_s += time.perf_counter() - start_s
+        log.last_eval_train_s = train_s
+        log.write("eval", step=step, train_s=train_s, wall_s=log.wall_s, **test)
+    return test
+
+
+def _check_clock(run: _Run, log: MetricsLog) -> tuple[bool, bool]:
+    """``(evaluate now, stop now)`` by rank 0's clock, the same on every rank (one broadcast
+    of two flags: ranks that disagreed would wait in different collectives)."""
+    config, train_s = run.config, log.train_s
+    every, last = config.eval_every_s, log.last_eval_train_s
+    due = every is not None and train_s >= (0.0 if last is None else last) + every
+    stop = config.time_budget_s is not None and train_s >= config.time_budget_s
+    flags = torch.tensor([int(due), int(stop)], dtype=torch.int64, device=run.placement.device)
+    dist.broadcast(flags, src=0)
+    return bool(flags[0]), bool(flags[1])
+
+
+def _train_epoch(
+    run: _Run, log: MetricsLog, *, epoch: int, step: int, done_in_epoch: int
+) -> tuple[int, int | None]:
     """Train one epoch from its step ``done_in_epoch`` on, logging and checkpointing as asked;
-    returns the steps done so far in the run."""
+    returns the steps done so far in the run and, where the time budget stopped training, the
+    steps of this epoch done (else None)."""
     config, total = run.config, run.steps_per_epoch
     run.sampler.set_epoch(epoch)
     run.ddp.train()
@@ -263,9 +305,17 @@ def _train_epoch(run: _Run, log: MetricsLog, *, epoch: int, step: int, done_in_e
         every = config.checkpoint_every
         if every is not None and step % every == 0 and not last:  # the last: saved after it
             _save(run, log, epoch=epoch, step=step, epoch_step=index + 1)
+        if _clocked(config):
+            due, stop = _check_clock(run, log)
+            if stop:
+                if progress is not None:
+                    progress.close()
+                return step, index + 1
+            if due and not last:  # the epoch's own evaluation follows its last step
+                _evaluate(run, log, step=step)
     if progress is not None:
         progress.close()
-    return step
+    return step, None
 
 
 def _train_step(
@@ -328,6 +378,7 @@ def _summary(
         restarts=restarts,
         epochs=config.epochs,
         wall_s=log.wall_s,
+        train_s=log.train_s,
         final_test_accuracy=test["test_accuracy"],
         final_test_loss=test["test_loss"],
         parameters=sum(p.numel() for p in run.model.parameters()),

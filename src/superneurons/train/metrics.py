@@ -6,7 +6,9 @@ Step records (every ``log_every`` steps): ``kind="step"``, ``step``, ``epoch``, 
 step, see :class:`~superneurons.ddp.state.CompressionState`), ``step_s`` (forward,
 backward with communication, optimizer). Epoch records: ``kind="epoch"``, ``epoch``, ``step``
 (steps completed), ``test_loss``, ``test_accuracy`` (all ranks' shards of the test split),
-``wall_s``. Only rank 0 writes.
+``wall_s``. With a clock (``time_budget_s`` / ``eval_every_s``): eval records, ``kind="eval"``,
+``step``, ``train_s`` (seconds of training so far, evaluations left out), ``wall_s``,
+``test_loss``, ``test_accuracy``. Only rank 0 writes.
 
 The records are honest across a resume: the checkpoint carries :meth:`MetricsLog.state_dict`
 (every step's time and bytes so far, the wall time so far), and a resumed run first drops the
@@ -110,6 +112,8 @@ class MetricsLog:
         self.dense_bytes: list[int] = []
         self.cold_steps: list[int] = []  # indices of each process's first step (allocation)
         self._wall_before_s = 0.0
+        self.eval_s = 0.0  # seconds spent evaluating (left out of train_s)
+        self.last_eval_train_s: float | None = None  # train_s at the last evaluation
         self._start_s = time.perf_counter()
         self._new_process = True
         self.resumes: list[dict[str, Any]] = []  # every resume on the way to this point
@@ -141,6 +145,11 @@ class MetricsLog:
     def wall_s(self) -> float:
         """Seconds of this run so far, the time before a resume included."""
         return self._wall_before_s + time.perf_counter() - self._start_s
+
+    @property
+    def train_s(self) -> float:
+        """Seconds of training so far: :attr:`wall_s` less the evaluations."""
+        return self.wall_s - self.eval_s
 
     def record_step_time(self, *, step_s: float, bytes_sent: int, dense_bytes: int) -> None:
         """Every step, logged or not, feeds the summary."""
@@ -175,6 +184,8 @@ class MetricsLog:
             "dense_bytes": list(self.dense_bytes),
             "cold_steps": list(self.cold_steps),
             "wall_s": self.wall_s,
+            "eval_s": self.eval_s,
+            "last_eval_train_s": self.last_eval_train_s,
             "resumes": [dict(r) for r in self.resumes],
         }
 
@@ -188,6 +199,9 @@ class MetricsLog:
         self.steps = int(state.get("steps", len(self.step_s)))
         self.resumes = [dict(r) for r in state.get("resumes", [])]
         self._wall_before_s = float(state.get("wall_s", 0.0))
+        self.eval_s = float(state.get("eval_s", 0.0))
+        last = state.get("last_eval_train_s")
+        self.last_eval_train_s = None if last is None else float(last)
         self._start_s = time.perf_counter()
         self._new_process = True
 

@@ -1,0 +1,277 @@
+"""The demo's language-model part: what fits, and a fine-tune under a budget.
+
+(a) :func:`what_fits`: ``superneurons plan --model hf:NAME --dtype bf16`` for shipped causal-LM
+    configurations (:mod:`superneurons.models.hf_configs`), on fake tensors (no weights, no
+    device): eager PyTorch's modelled peak, HF gradient checkpointing's (every block recomputed:
+    the ``checkpoint`` strategy's floor) and superneurons' floor, each against a 24 GiB and an
+    80 GiB card: a full fine-tune, LoRA and QLoRA (``plan --lora/--quantize``), AdamW, batch 1.
+(b) :func:`trl_under_budget`: a tiny Llama trained for a few steps by TRL's ``SFTTrainer``
+    twice from the same weights and data: with TRL's own gradient checkpointing (its default),
+    and with :class:`~superneurons.integrations.transformers.SuperNeuronsCallback` under a
+    budget; each step's peak of live storage bytes is measured, and the losses compared.
+"""
+
+from __future__ import annotations
+
+import logging
+import string
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["CARDS_GIB", "TUNINGS", "language_model_part", "trl_under_budget", "what_fits"]
+
+log = logging.getLogger("superneurons.demo")
+
+GIB = 2**30
+CARDS_GIB = (24, 80)  # a 24 GiB card (RTX 4090 class) and an 80 GiB one (H100/A100-80GB)
+Progress = Callable[[str], None]
+
+
+# How each row fine-tunes: a full fine-tune, LoRA (QLoRA's recipe: r 16 on every linear layer)
+# and QLoRA (the same adapters over nf4 base weights, double quantisation); ``plan``'s flags.
+TUNINGS: dict[str, tuple[str | None, str | None]] = {
+    "full": (None, None),
+    "lora": ("r=16,alpha=32,targets=all-linear", None),
+    "qlora": ("r=16,alpha=32,targets=all-linear", "nf4,double_quant=true"),
+}
+
+
+def what_fits(
+    names: tuple[str, ...], *, seq_len: int, tunings: tuple[str, ...] = ("full",)
+) -> list[dict[str, Any]]:
+    """One row per shipped configuration and tuning (:data:`TUNINGS`): modelled peaks (bytes)
+    of eager PyTorch, HF gradient checkpointing and superneurons' floor, and which fit each card
+    of :data:`CARDS_GIB`."""
+    from superneurons.memory.sizing.llm import load_config
+
+    rows = []
+    for name in names:
+        config, source = load_config(name)
+        for tuning in tunings:
+            rows.append(_fits_row(name, config, source, seq_len=seq_len, tuning=tuning))
+    return rows
+
+
+def _fits_row(name: str, config: Any, source: str, *, seq_len: int, tuning: str) -> dict:
+    from superneurons.memory.planner.cost import cost_model
+    from superneurons.memory.sizing.adapters import parse_lora, parse_quantize
+    from superneurons.memory.sizing.llm import LMStep, max_positions
+    from superneurons.memory.sizing.model_plan import plan_model
+    from superneurons.memory.sizing.target import LMTarget
+
+    lora, quantize = TUNINGS[tuning]
+    limit = max_positions(config)
+    step = LMStep(
+        seq_len=min(seq_len, limit or seq_len),
+        dtype="bf16",
+        lora=None if lora is None else parse_lora(lora),
+        quantize=None if quantize is None else parse_quantize(quantize),
+    )
+    result = plan_model(
+        LMTarget(name, config, source, step),
+        budget_bytes=max(CARDS_GIB) * GIB,
+        cost=cost_model("h100"),
+    )
+    floors = result.floors
+    peaks = {
+        "eager_bytes": result.eager_peak_bytes,
+        "hf_checkpointing_bytes": floors["checkpoint"].min_budget_bytes,
+        "superneurons_bytes": floors[result.floor_strategy].min_budget_bytes,
+    }
+    flags = "".join(
+        f" --{flag} {value}" for flag, value in (("lora", lora), ("quantize", quantize)) if value
+    )
+    row: dict[str, Any] = {
+        "model": f"hf:{name}",
+        "tuning": tuning,
+        "seq_len": step.seq_len,
+        "command": f"superneurons plan --model hf:{name} --seq-len {step.seq_len} --dtype bf16"
+        + flags,
+        **peaks,
+        "superneurons_strategy": result.floor_strategy,
+    }
+    for card in CARDS_GIB:
+        for key, value in peaks.items():
+            row[f"{key.removesuffix('_bytes')}_fits_{card}gib"] = value <= card * GIB
+    return row
+
+
+def _tokenizer() -> Any:
+    """A character tokenizer built here (no downloads)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    chars = sorted(set(string.ascii_letters + string.digits + " .,:;!?-'"))
+    core = Tokenizer(models.WordLevel({t: i for i, t in enumerate([*specials, *chars])}, "<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
+        unk_token="<unk>",
+    )  # fmt: skip
+
+
+def _texts(count: int = 200, chars: int = 30) -> list[str]:
+    gen = torch.Generator().manual_seed(0)
+    words = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "far", "sun", "is", "up"]
+    out = []
+    for i in range(count):
+        picks = torch.randint(0, len(words), (12,), generator=gen).tolist()
+        text = f"{i:03d} " + " ".join(words[k] for k in picks)
+        out.append(text[:chars].ljust(chars, "."))  # one length: one batch shape
+    return out
+
+
+def _tiny_llama(vocab_size: int) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    # NOTE: narrow with a wide MLP, as the TRL integration tests use: activations outweigh TRL's
+    # fused LM head buffer (tiles of 32768 logits per token, whatever the vocabulary)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=16, intermediate_size=4096, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+        pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+class _PeakMeter:
+    """Each optimizer step's peak of live storage bytes (parameters, gradients, optimizer state
+    and what the step allocates; the batch, made before the step, not counted), and the whole
+    timeline of the last step, by the tracker the profile uses."""
+
+    def __init__(self, trainer: Any) -> None:
+        from transformers import TrainerCallback
+
+        meter = self
+
+        class _Callback(TrainerCallback):  # type: ignore[misc]
+            def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+                meter.begin()
+
+            def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+                meter.end()
+
+        self.trainer = trainer
+        self.callback = _Callback()
+        self.peaks: list[int] = []
+        self.timeline_bytes: list[int] = []
+        self._tracker: Any = None
+
+    def begin(self) -> None:
+        from superneurons.memory import LiveStorageTracker
+        from superneurons.memory.offload.handover import inner_optimizer
+
+        model, optimizer = self.trainer.model, inner_optimizer(self.trainer.optimizer)
+        assert optimizer is not None  # created before the first step begins
+        tracker = LiveStorageTracker(record_timeline=True)
+        tracker.register([*model.parameters(), *model.buffers()])
+        tracker.register([p.grad for p in model.parameters() if p.grad is not None])
+        state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        tracker.register(state)
+        self._tracker = tracker.__enter__()
+
+    def end(self) -> None:
+        self._tracker.__exit__(None, None, None)
+        self.peaks.append(int(self._tracker.peak_bytes))
+        self.timeline_bytes = [int(b) for b in self._tracker.timeline_bytes]
+
+
+def _sft_run(steps: int, *, budget_fraction: float | None) -> dict[str, Any]:
+    """One SFTTrainer run on the CPU: TRL alone (its default gradient checkpointing), or with
+    the callback planning under ``budget_fraction`` of the eager peak (the callback turns TRL's
+    checkpointing off and plans instead)."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from superneurons.integrations.transformers import SuperNeuronsCallback
+
+    tok = _tokenizer()
+    with tempfile.TemporaryDirectory(prefix="sn-demo-trl-") as out:
+        args = SFTConfig(
+            output_dir=out, use_cpu=True, per_device_train_batch_size=8, max_steps=steps,
+            learning_rate=3e-3, logging_steps=1, save_strategy="no", report_to=[],
+            disable_tqdm=True, seed=0, max_length=34, dataset_num_proc=None,
+        )  # fmt: skip
+        trainer = SFTTrainer(
+            model=_tiny_llama(len(tok)),
+            args=args,
+            train_dataset=Dataset.from_dict({"text": _texts()}),
+            processing_class=tok,
+        )
+        callback = None
+        if budget_fraction is not None:
+            callback = SuperNeuronsCallback(trainer, budget_fraction=budget_fraction)
+            trainer.add_callback(callback)
+        meter = _PeakMeter(trainer)
+        trainer.add_callback(meter.callback)
+        trainer.train()
+    record: dict[str, Any] = {
+        "losses": [row["loss"] for row in trainer.state.log_history if "loss" in row],
+        "peak_bytes": max(meter.peaks),
+        "step_peaks_bytes": meter.peaks,
+        "timeline_bytes": meter.timeline_bytes,
+    }
+    if callback is not None and callback.setup is not None and callback.setup.plan is not None:
+        plan = callback.setup.plan
+        record.update(
+            budget_bytes=plan.budget_bytes,
+            predicted_peak_bytes=plan.predicted_peak_bytes,
+            strategy=plan.strategy,
+            actions={a: plan.count(a) for a in ("keep", "recompute", "offload")},
+        )
+    return record
+
+
+def trl_under_budget(steps: int, *, budget_fraction: float) -> dict[str, Any]:
+    """TRL's gradient checkpointing, then the callback under ``budget_fraction`` of the eager
+    peak (raised by 0.1 while the planner refuses it, each refusal recorded): both runs, the
+    peak ratio and whether the losses are identical."""
+    from superneurons.memory.plan import InfeasibleBudgetError
+
+    torch.set_num_threads(1)
+    trl = _sft_run(steps, budget_fraction=None)
+    refused: list[dict[str, Any]] = []
+    while True:
+        try:
+            ours = _sft_run(steps, budget_fraction=budget_fraction)
+            break
+        except InfeasibleBudgetError as exc:
+            if budget_fraction >= 1.0:
+                raise
+            refused.append({"budget_fraction": budget_fraction, "message": str(exc)})
+            budget_fraction = min(1.0, round(budget_fraction + 0.1, 2))
+    return {
+        "model": "tiny LlamaForCausalLM (4 blocks, width 16, MLP 4096), batch 8 x 34 tokens, fp32",
+        "steps": steps,
+        "budget_fraction": budget_fraction,
+        "refused": refused,
+        "trl_checkpointing": trl,
+        "superneurons": ours,
+        "peak_over_trl": ours["peak_bytes"] / trl["peak_bytes"],
+        "within_budget": ours["peak_bytes"] <= ours.get("budget_bytes", 0),
+        "losses_identical": ours["losses"] == trl["losses"],
+    }
+
+
+def language_model_part(config: Any, *, progress: Progress) -> dict[str, Any]:
+    """Both parts for a :class:`~superneurons.demo.run.DemoConfig`."""
+    fits = what_fits(config.lm_models, seq_len=config.lm_seq_len, tunings=config.lm_tunings)
+    for row in fits:
+        progress(
+            f"      {row['model']} ({row['tuning']}) at {row['seq_len']} tokens: eager "
+            f"{row['eager_bytes'] / GIB:.1f} GiB, HF checkpointing "
+            f"{row['hf_checkpointing_bytes'] / GIB:.1f} GiB, superneurons "
+            f"{row['superneurons_bytes'] / GIB:.1f} GiB"
+        )
+    trl = trl_under_budget(config.lm_steps, budget_fraction=config.lm_budget_fraction)
+    progress(
+        f"      TRL SFTTrainer: peak {trl['superneurons']['peak_bytes'] / 2**20:.1f} MiB under "
+        f"the callback vs {trl['trl_checkpointing']['peak_bytes'] / 2**20:.1f} MiB with TRL's "
+        f"checkpointing; losses identical: {trl['losses_identical']}"
+    )
+    return {"what_fits": fits, "cards_gib": list(CARDS_GIB), "trl": trl}
