@@ -23,6 +23,11 @@ the fields to compute) are read from the patched forward's closure (:func:`trl_f
 patch whose closure does not name them (another TRL version) is not chunked: ``head_chunking``
 offers no chunking for it (:func:`patched_by_trl`), and a plan made elsewhere is refused at its
 first fused call.
+
+Accelerate's ``prepare`` wraps a model's forward again under mixed precision (``bf16=True``,
+TRL's default): an autocast decorator, then ``ConvertOutputsToFp32``. Those two wrappers are
+seen through, and the chunked forward runs inside the same ones (same autocast, outputs cast
+to fp32), so its arithmetic stays the trainer's. Any other wrapper hides the patch.
 """
 
 from __future__ import annotations
@@ -52,6 +57,10 @@ _SETTINGS = (
 )
 
 
+# wraps a function as one of Accelerate's wrappers did (a class, or an autocast instance)
+Wrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
 @dataclass(frozen=True)
 class TrlFusedHead:
     """The settings of one model's TRL fused head (read from its patched forward)."""
@@ -63,11 +72,17 @@ class TrlFusedHead:
     logit_scale: float
     backbone_attr: str
     text_config: Any
+    # what Accelerate wrapped around the patch, outermost first: each wraps a function again
+    wrappers: tuple[Wrapper, ...] = ()
 
 
 def patched_by_trl(forward: Callable[..., Any]) -> bool:
-    """``forward`` is a fused LM head TRL patched on (whether or not this module can read it)."""
-    func: Any = getattr(forward, "__func__", None)
+    """``forward`` is a fused LM head TRL patched on (whether or not this module can read it),
+    bare or under Accelerate's mixed-precision wrappers."""
+    return _trl_patch(forward) is not None
+
+
+def _is_trl_patch(func: Any) -> bool:
     # NOTE: TRL wraps it with functools.wraps(type(model).forward), so its __name__ and
     # __module__ are the model's: its code and globals say whose it is
     code = getattr(func, "__code__", None)
@@ -76,12 +91,50 @@ def patched_by_trl(forward: Callable[..., Any]) -> bool:
     return str(getattr(func, "__globals__", {}).get("__name__", "")).startswith("trl.")
 
 
+def _trl_patch(forward: Callable[..., Any]) -> tuple[Any, tuple[Wrapper, ...]] | None:
+    """TRL's patched function under ``forward`` and the wrappers around it (outermost first),
+    or None when ``forward`` is not TRL's patch under wrappers this module knows."""
+    func: Any = getattr(forward, "__func__", forward)
+    wrappers: list[Wrapper] = []
+    while not _is_trl_patch(func):
+        layer = _layer(func)
+        if layer is None:
+            return None
+        wrapper, func = layer
+        wrappers.append(wrapper)
+    return func, tuple(wrappers)
+
+
+def _passes_through(func: Callable[..., Any]) -> Callable[..., Any]:
+    return func
+
+
+def _layer(func: Any) -> tuple[Wrapper, Any] | None:
+    """One wrapper Accelerate's ``prepare`` puts around a forward under mixed precision (how to
+    wrap a function the same way, and the function it wraps), or None."""
+    if type(func).__name__ == "ConvertOutputsToFp32" and hasattr(func, "model_forward"):
+        return type(func), func.model_forward
+    if getattr(func, "__qualname__", "") == "convert_outputs_to_fp32.<locals>.forward":
+        return _passes_through, func.__wrapped__  # a plain function around ConvertOutputsToFp32
+    code = getattr(func, "__code__", None)
+    if code is None or code.co_name != "decorate_autocast":  # torch.autocast used as a decorator
+        return None
+    cells = dict(zip(code.co_freevars, func.__closure__ or (), strict=True))
+    if "autocast_instance" not in cells or "func" not in cells:
+        return None
+    autocast = cells["autocast_instance"].cell_contents
+    if not isinstance(autocast, torch.autocast):
+        return None
+    return autocast, cells["func"].cell_contents
+
+
 def trl_fused_head(forward: Callable[..., Any]) -> TrlFusedHead | None:
     """The settings of TRL's fused LM head when ``forward`` is TRL 1.x's patched forward, else
     None."""
-    if not patched_by_trl(forward):
+    found = _trl_patch(forward)
+    if found is None:
         return None
-    func: Any = getattr(forward, "__func__", None)
+    func, wrappers = found
     code = func.__code__
     cells = dict(zip(code.co_freevars, func.__closure__ or (), strict=True))
     if any(name not in cells for name in _SETTINGS) or not _has_kernel():
@@ -95,6 +148,7 @@ def trl_fused_head(forward: Callable[..., Any]) -> TrlFusedHead | None:
         logit_scale=float(value["logit_scale"]),
         backbone_attr=str(value["backbone_attr"]),
         text_config=value["text_config"],
+        wrappers=wrappers,
     )
 
 
@@ -102,7 +156,21 @@ def fused_forward(
     lm: nn.Module, head: TrlFusedHead, chunk_tokens: int, args: tuple[Any, ...], kwargs: Any
 ) -> Any:
     """``lm(*args, **kwargs, fused_lm_head=True)`` as TRL's fused forward computes it, the
-    head's kernel run on ``chunk_tokens`` tokens at a time (module docstring)."""
+    head's kernel run on ``chunk_tokens`` tokens at a time, inside the wrappers Accelerate put
+    around TRL's patch (module docstring)."""
+
+    def bare(*args: Any, **kwargs: Any) -> Any:
+        return _fused_forward(lm, head, chunk_tokens, args, kwargs)
+
+    call: Callable[..., Any] = bare
+    for wrap in reversed(head.wrappers):
+        call = wrap(call)
+    return call(*args, **kwargs)
+
+
+def _fused_forward(
+    lm: nn.Module, head: TrlFusedHead, chunk_tokens: int, args: tuple[Any, ...], kwargs: Any
+) -> Any:
     from trl.trainer import utils as trl_utils
 
     kwargs = dict(kwargs)
