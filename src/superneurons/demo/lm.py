@@ -114,26 +114,32 @@ def _tokenizer() -> Any:
     )  # fmt: skip
 
 
-def _texts(count: int = 200, chars: int = 30) -> list[str]:
+# The tiny Llama of part (b): a Llama-2-sized vocabulary (its character tokenizer uses the
+# first few ids) over a narrow backbone, batch x tokens as a short fine-tuning batch: as in
+# real fine-tunes of 32k-128k vocabularies, the LM head's logits outweigh a block's activations.
+TINY_VOCAB = 32000
+TINY_SEQ_TOKENS = 256
+TINY_BATCH = 4
+
+
+def _texts(count: int = 200, chars: int = TINY_SEQ_TOKENS - 4) -> list[str]:
     gen = torch.Generator().manual_seed(0)
     words = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "far", "sun", "is", "up"]
     out = []
     for i in range(count):
-        picks = torch.randint(0, len(words), (12,), generator=gen).tolist()
+        picks = torch.randint(0, len(words), (chars // 3,), generator=gen).tolist()
         text = f"{i:03d} " + " ".join(words[k] for k in picks)
         out.append(text[:chars].ljust(chars, "."))  # one length: one batch shape
     return out
 
 
-def _tiny_llama(vocab_size: int) -> Any:
+def _tiny_llama() -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    # NOTE: narrow with a wide MLP, as the TRL integration tests use: activations outweigh TRL's
-    # fused LM head buffer (tiles of 32768 logits per token, whatever the vocabulary)
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=16, intermediate_size=4096, num_hidden_layers=4,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=TINY_SEQ_TOKENS + 8,
         pad_token_id=0, eos_token_id=1, bos_token_id=2,
     )  # fmt: skip
     return LlamaForCausalLM(config)
@@ -193,12 +199,13 @@ def _sft_run(steps: int, *, budget_fraction: float | None) -> dict[str, Any]:
     tok = _tokenizer()
     with tempfile.TemporaryDirectory(prefix="sn-demo-trl-") as out:
         args = SFTConfig(
-            output_dir=out, use_cpu=True, per_device_train_batch_size=8, max_steps=steps,
-            learning_rate=3e-3, logging_steps=1, save_strategy="no", report_to=[],
-            disable_tqdm=True, seed=0, max_length=34, dataset_num_proc=None,
+            output_dir=out, use_cpu=True, per_device_train_batch_size=TINY_BATCH,
+            max_steps=steps, learning_rate=3e-3, logging_steps=1, save_strategy="no",
+            report_to=[], disable_tqdm=True, seed=0, max_length=TINY_SEQ_TOKENS,
+            dataset_num_proc=None,
         )  # fmt: skip
         trainer = SFTTrainer(
-            model=_tiny_llama(len(tok)),
+            model=_tiny_llama(),
             args=args,
             train_dataset=Dataset.from_dict({"text": _texts()}),
             processing_class=tok,
@@ -245,8 +252,12 @@ def trl_under_budget(steps: int, *, budget_fraction: float) -> dict[str, Any]:
                 raise
             refused.append({"budget_fraction": budget_fraction, "message": str(exc)})
             budget_fraction = min(1.0, round(budget_fraction + 0.1, 2))
+    pairs = list(zip(trl["losses"], ours["losses"], strict=True))
     return {
-        "model": "tiny LlamaForCausalLM (4 blocks, width 16, MLP 4096), batch 8 x 34 tokens, fp32",
+        "model": (
+            f"tiny LlamaForCausalLM (4 blocks, width 64, MLP 256, vocabulary {TINY_VOCAB}), "
+            f"batch {TINY_BATCH} x {TINY_SEQ_TOKENS} tokens, TRL's default bf16 autocast"
+        ),
         "steps": steps,
         "budget_fraction": budget_fraction,
         "refused": refused,
@@ -255,11 +266,15 @@ def trl_under_budget(steps: int, *, budget_fraction: float) -> dict[str, Any]:
         "peak_over_trl": ours["peak_bytes"] / trl["peak_bytes"],
         "within_budget": ours["peak_bytes"] <= ours.get("budget_bytes", 0),
         "losses_identical": ours["losses"] == trl["losses"],
+        "first_loss_identical": pairs[0][0] == pairs[0][1],
+        "loss_max_rel_diff": max(abs(a - b) / max(abs(a), 1e-30) for a, b in pairs),
     }
 
 
 def language_model_part(config: Any, *, progress: Progress) -> dict[str, Any]:
     """Both parts for a :class:`~superneurons.demo.run.DemoConfig`."""
+    from superneurons.demo.report import losses_phrase
+
     fits = what_fits(config.lm_models, seq_len=config.lm_seq_len, tunings=config.lm_tunings)
     for row in fits:
         progress(
@@ -272,6 +287,6 @@ def language_model_part(config: Any, *, progress: Progress) -> dict[str, Any]:
     progress(
         f"      TRL SFTTrainer: peak {trl['superneurons']['peak_bytes'] / 2**20:.1f} MiB under "
         f"the callback vs {trl['trl_checkpointing']['peak_bytes'] / 2**20:.1f} MiB with TRL's "
-        f"checkpointing; losses identical: {trl['losses_identical']}"
+        f"checkpointing; losses {losses_phrase(trl)}"
     )
     return {"what_fits": fits, "cards_gib": list(CARDS_GIB), "trl": trl}

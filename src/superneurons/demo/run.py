@@ -93,8 +93,8 @@ class DemoConfig:
     lm_tunings: tuple[str, ...] = ("full", "lora", "qlora")
     lm_seq_len: int = 4096
     lm_steps: int = 4
-    # NOTE: the callback's budget for the tiny Llama, a fraction of its eager peak: 0.4 sits
-    # just above the recompute floor there (which TRL's checkpointing reaches too)
+    # NOTE: the callback's budget for the tiny Llama, a fraction of its eager peak: 0.4 is
+    # below TRL's own checkpointed peak there (its LM head binds, which checkpointing keeps)
     lm_budget_fraction: float = 0.4
     quick: bool = False  # set by as_quick(): the report names the command it came from
 
