@@ -56,8 +56,8 @@ def test_demo_quick_end_to_end_tiny(tmp_path: Path) -> None:
     assert ours["bytes_per_step"] < dense["bytes_per_step"] / 10
     full, qlora = demo["lm"]["what_fits"]
     assert (full["tuning"], qlora["tuning"]) == ("full", "qlora")
-    assert full["superneurons_bytes"] <= full["hf_checkpointing_bytes"] <= full["eager_bytes"]
-    assert qlora["superneurons_bytes"] <= qlora["hf_checkpointing_bytes"] <= qlora["eager_bytes"]
+    assert full["superneurons_bytes"] <= full["hf_checkpointing_bytes"]
+    assert qlora["superneurons_bytes"] <= qlora["hf_checkpointing_bytes"]
     assert "--quantize nf4" in qlora["command"]
     trl = demo["lm"]["trl"]
     assert trl["first_loss_identical"] and trl["loss_max_rel_diff"] < 1e-5

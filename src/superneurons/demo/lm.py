@@ -2,9 +2,15 @@
 
 (a) :func:`what_fits`: ``superneurons plan --model hf:NAME --dtype bf16`` for shipped causal-LM
     configurations (:mod:`superneurons.models.hf_configs`), on fake tensors (no weights, no
-    device): eager PyTorch's modelled peak, HF gradient checkpointing's (every block recomputed:
-    the ``checkpoint`` strategy's floor) and superneurons' floor, each against a 24 GiB and an
+    device): HF gradient checkpointing's modelled peak (every block recomputed: the
+    ``checkpoint`` strategy's floor) and superneurons' floor, each against a 24 GiB and an
     80 GiB card: a full fine-tune, LoRA and QLoRA (``plan --lora/--quantize``), AdamW, batch 1.
+    Each floor is extrapolated in depth from 4- and 8-layer copies of the configuration, as
+    ``plan --fit-depth`` does (:mod:`superneurons.memory.sizing.depth_fit`: a strategy's floor
+    is affine in the depth of a stack of identical decoder layers), so a 32-layer model costs
+    the fake ops of 12 layers. Eager's peak is not in the table: it is the larger of two such
+    lines (the head's working set or the saved activations bind), which two probes cannot
+    tell apart.
 (b) :func:`trl_under_budget`: a tiny Llama trained for a few steps by TRL's ``SFTTrainer``
     twice from the same weights and data: with TRL's own gradient checkpointing (its default),
     and with :class:`~superneurons.integrations.transformers.SuperNeuronsCallback` under a
@@ -13,6 +19,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import string
 import tempfile
@@ -43,8 +50,8 @@ def what_fits(
     names: tuple[str, ...], *, seq_len: int, tunings: tuple[str, ...] = ("full",)
 ) -> list[dict[str, Any]]:
     """One row per shipped configuration and tuning (:data:`TUNINGS`): modelled peaks (bytes)
-    of eager PyTorch, HF gradient checkpointing and superneurons' floor, and which fit each card
-    of :data:`CARDS_GIB`."""
+    of HF gradient checkpointing and superneurons' floor, and which fit each card of
+    :data:`CARDS_GIB`."""
     from superneurons.memory.sizing.llm import load_config
 
     rows = []
@@ -56,11 +63,9 @@ def what_fits(
 
 
 def _fits_row(name: str, config: Any, source: str, *, seq_len: int, tuning: str) -> dict:
-    from superneurons.memory.planner.cost import cost_model
     from superneurons.memory.sizing.adapters import parse_lora, parse_quantize
+    from superneurons.memory.sizing.depth_fit import PROBE_LAYERS, extrapolated, num_layers
     from superneurons.memory.sizing.llm import LMStep, max_positions
-    from superneurons.memory.sizing.model_plan import plan_model
-    from superneurons.memory.sizing.target import LMTarget
 
     lora, quantize = TUNINGS[tuning]
     limit = max_positions(config)
@@ -70,16 +75,12 @@ def _fits_row(name: str, config: Any, source: str, *, seq_len: int, tuning: str)
         lora=None if lora is None else parse_lora(lora),
         quantize=None if quantize is None else parse_quantize(quantize),
     )
-    result = plan_model(
-        LMTarget(name, config, source, step),
-        budget_bytes=max(CARDS_GIB) * GIB,
-        cost=cost_model("h100"),
-    )
-    floors = result.floors
+    peaks_at = functools.partial(_peaks_at, name, config, source, step)
+    found = extrapolated(peaks_at, num_layers(config))
+    floor_strategy = min(found, key=lambda strategy: found[strategy])
     peaks = {
-        "eager_bytes": result.eager_peak_bytes,
-        "hf_checkpointing_bytes": floors["checkpoint"].min_budget_bytes,
-        "superneurons_bytes": floors[result.floor_strategy].min_budget_bytes,
+        "hf_checkpointing_bytes": found["checkpoint"],
+        "superneurons_bytes": found[floor_strategy],
     }
     flags = "".join(
         f" --{flag} {value}" for flag, value in (("lora", lora), ("quantize", quantize)) if value
@@ -91,12 +92,29 @@ def _fits_row(name: str, config: Any, source: str, *, seq_len: int, tuning: str)
         "command": f"superneurons plan --model hf:{name} --seq-len {step.seq_len} --dtype bf16"
         + flags,
         **peaks,
-        "superneurons_strategy": result.floor_strategy,
+        "superneurons_strategy": floor_strategy,
+        "depth_fit_layers": list(PROBE_LAYERS),
     }
     for card in CARDS_GIB:
         for key, value in peaks.items():
             row[f"{key.removesuffix('_bytes')}_fits_{card}gib"] = value <= card * GIB
     return row
+
+
+def _peaks_at(name: str, config: Any, source: str, step: Any, layers: int) -> dict[str, int]:
+    """Every strategy's floor of ``config`` cut to ``layers`` decoder layers (fake tensors, the
+    h100 preset's cost model)."""
+    from superneurons.memory.planner.cost import cost_model
+    from superneurons.memory.sizing.depth_fit import with_layers
+    from superneurons.memory.sizing.model_plan import plan_model
+    from superneurons.memory.sizing.target import LMTarget
+
+    result = plan_model(
+        LMTarget(name, with_layers(config, layers), source, step),
+        budget_bytes=max(CARDS_GIB) * GIB,
+        cost=cost_model("h100"),
+    )
+    return {strategy: f.min_budget_bytes for strategy, f in result.floors.items()}
 
 
 def _tokenizer() -> Any:
@@ -278,8 +296,7 @@ def language_model_part(config: Any, *, progress: Progress) -> dict[str, Any]:
     fits = what_fits(config.lm_models, seq_len=config.lm_seq_len, tunings=config.lm_tunings)
     for row in fits:
         progress(
-            f"      {row['model']} ({row['tuning']}) at {row['seq_len']} tokens: eager "
-            f"{row['eager_bytes'] / GIB:.1f} GiB, HF checkpointing "
+            f"      {row['model']} ({row['tuning']}) at {row['seq_len']} tokens: HF checkpointing "
             f"{row['hf_checkpointing_bytes'] / GIB:.1f} GiB, superneurons "
             f"{row['superneurons_bytes'] / GIB:.1f} GiB"
         )

@@ -253,7 +253,6 @@ def _lm_section(lm: Mapping[str, Any]) -> list[str]:
     for row in lm["what_fits"]:
         record = {"model": row["model"], "tuning": row["tuning"], "tokens": row["seq_len"]}
         for key, label in (
-            ("eager", "eager"),
             ("hf_checkpointing", "HF checkpointing"),
             ("superneurons", "superneurons"),
         ):
@@ -269,8 +268,9 @@ def _lm_section(lm: Mapping[str, Any]) -> list[str]:
         "## The language-model part\n",
         "What fits: `superneurons plan --model hf:NAME --seq-len T --dtype bf16 [--lora "
         "r=16,alpha=32,targets=all-linear [--quantize nf4,double_quant=true]]` (fake tensors, "
-        "AdamW, batch 1), modelled peaks: eager PyTorch, HF gradient checkpointing (every block "
-        "recomputed) and superneurons' floor.\n",
+        "AdamW, batch 1), modelled peaks: HF gradient checkpointing (every block recomputed) and "
+        "superneurons' floor, each extrapolated in depth from 4- and 8-layer copies as `plan "
+        "--fit-depth` does.\n",
         markdown_table(rows, list(rows[0])),
         f"\nTRL's `SFTTrainer`, {trl['model']}, {trl['steps']} steps, measured each step's peak "
         f"of live storage bytes: TRL's own gradient checkpointing "
