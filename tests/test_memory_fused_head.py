@@ -19,8 +19,10 @@ pytest.importorskip("accelerate")
 from superneurons.memory.chunked.fused import fused_forward, patched_by_trl, trl_fused_head
 
 
-def _patched_llama(*, mixed_precision: str) -> torch.nn.Module:
+def _patched_llama(*, bf16: bool) -> torch.nn.Module:
+    """A tiny Llama with TRL's fused head, prepared by Accelerate under bf16 if ``bf16``."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     from transformers import LlamaConfig, LlamaForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
@@ -31,7 +33,14 @@ def _patched_llama(*, mixed_precision: str) -> torch.nn.Module:
     )  # fmt: skip
     model = LlamaForCausalLM(config)
     add_fused_lm_head(model)
-    return Accelerator(cpu=True, mixed_precision=mixed_precision).prepare_model(model)
+    if not bf16:
+        return model
+    # NOTE: Accelerate's state is one per process: reset it around this test's accelerator
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        return Accelerator(cpu=True, mixed_precision="bf16").prepare_model(model)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def _batch() -> dict[str, torch.Tensor]:
@@ -40,17 +49,17 @@ def _batch() -> dict[str, torch.Tensor]:
 
 
 def test_the_patch_is_read_through_accelerates_bf16_wrappers() -> None:
-    model = _patched_llama(mixed_precision="bf16")
+    model = _patched_llama(bf16=True)
     head = trl_fused_head(model.forward)
     assert head is not None and patched_by_trl(model.forward)
     assert len(head.wrappers) == 3  # the plain function, ConvertOutputsToFp32, autocast
-    bare = _patched_llama(mixed_precision="no")
+    bare = _patched_llama(bf16=False)
     bare_head = trl_fused_head(bare.forward)
     assert bare_head is not None and bare_head.wrappers == ()
 
 
 def test_chunked_forward_under_the_wrappers_is_trls_own() -> None:
-    model, batch = _patched_llama(mixed_precision="bf16"), _batch()
+    model, batch = _patched_llama(bf16=True), _batch()
     head = trl_fused_head(model.forward)
     assert head is not None
     tokens = batch["input_ids"].numel()
@@ -66,7 +75,7 @@ def test_chunked_forward_under_the_wrappers_is_trls_own() -> None:
 
 
 def test_an_unknown_wrapper_hides_the_patch() -> None:
-    model = _patched_llama(mixed_precision="no")
+    model = _patched_llama(bf16=False)
     inner = model.forward
 
     @functools.wraps(inner)
