@@ -140,6 +140,52 @@ def test_plan_of_an_adapted_config_agrees_with_a_real_cpu_step(
     assert abs(record["eager_peak_bytes"] - measured) <= 0.01 * measured, (record, measured)
 
 
+@pytest.mark.slow
+def test_qlora_plan_streaming_the_4bit_base_agrees_with_a_real_cpu_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``plan --lora --quantize nf4 --strategy stream-weights`` at that strategy's floor streams
+    the blocks' 4-bit weights (packed data and quantization state: the fake stand-ins' bytes);
+    applied to the same step built by PEFT and bitsandbytes and run for real on the CPU, the
+    host copies are the bytes the plan streams and the peak is within the budget and 1% of the
+    prediction."""
+    pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    from superneurons.bench.memory.adapted_step import adapted_model, measured_peak_bytes
+    from superneurons.memory import Plan
+    from superneurons.memory.sizing.adapters import parse_lora, parse_quantize
+
+    path = tmp_path / "config.json"
+    _llama_config().to_json_file(str(path))  # type: ignore[attr-defined]
+    common = [
+        "--model", f"hf:{path}", "--seq-len", str(SEQ), "--batch", str(BATCH),
+        "--device-preset", "cpu", "--lora", "r=8,alpha=16", "--quantize", "nf4",
+        "--dtype", "bf16", "--below", "off",
+    ]  # fmt: skip
+    floors = _plan_json(capsys, *common, "--budget", "1GiB")["strategies"]
+    floor = floors["stream-weights"]["min_budget_bytes"]
+    assert floor < floors["offload+host-optimizer"]["min_budget_bytes"]
+    record = _plan_json(capsys, *common, "--budget", str(floor), "--strategy", "stream-weights")
+    plan = Plan.from_dict(record["plan"])
+    assert {"model.layers.0", "model.layers.1"} <= set(plan.streamed_units())
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.from_pretrained(str(path))
+    base = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="sdpa", dtype=torch.bfloat16
+    )
+    model = adapted_model(
+        base, parse_lora("r=8,alpha=16"), parse_quantize("nf4"), compute=torch.bfloat16
+    )
+    ids = torch.randint(0, 512, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    hosts: list[int] = []
+    measured = measured_peak_bytes(
+        model, {"input_ids": ids, "labels": ids}, plan=plan, on_apply=hosts.append
+    )
+    assert hosts == [record["weights_host_bytes"]]  # the 4-bit bytes the plan streams, exact
+    assert measured <= plan.budget_bytes
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.01 * plan.predicted_peak_bytes
+
+
 def test_plan_json_carries_the_contract(
     config_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

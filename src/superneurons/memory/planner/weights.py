@@ -153,16 +153,14 @@ def stream_order(profile: Profile, cost: CostModel) -> list[str]:
     """The units whose weights can stream, in ascending exposed seconds per byte they take
     off the device (copies hidden under compute first; a small tie-break by copy time, as host
     bandwidth is not free). A unit sharing a parameter with other units (tied embeddings)
-    is ranked as if they streamed too: it frees those bytes once they all do."""
+    is ranked as if they streamed too: it frees those bytes once they all do. A unit holding a
+    parameter that cannot stream (an LLM.int8() layer's) is left out: the runtime refuses it."""
     ranked = []
     seconds = cost.unit_seconds(profile)
     for unit in profile.units:
-        nbytes = sum(
-            p.nbytes
-            for p in profile.unit_params
-            if unit.fqn in p.units and "" not in p.units and p.streamable
-        )
-        if nbytes == 0:
+        held = [p for p in profile.unit_params if unit.fqn in p.units]
+        nbytes = sum(p.nbytes for p in held if "" not in p.units)
+        if nbytes == 0 or not all(p.streamable for p in held):
             continue
         calls = max(len(unit.calls), 1)
         fetch_s, compute_s = cost.fetch_s(nbytes), seconds[unit.fqn] / calls
