@@ -11,8 +11,20 @@ time from the same profile (``step_compute_s``: the cost model's roofline of the
 x3 for forward + backward, at the a100 preset's rates). Each model is planned for its card
 (``--budget``: 6 GiB for the 8B, 20 GiB for the 70B) with ``--strategy auto``.
 
+``--qlora CASES`` asks the QLoRA question instead: the longest sequence a step fits on a card
+(``plan --max-seq-len --json``, QLoRA r 32 / alpha 64 on all linear layers over an nf4 base with
+double quantisation, bf16, batch 1, outputs freed before backward as HF's ``Trainer`` does,
+H100 kernels and rates modelled; past the configuration's 131,072 positions
+(``--beyond-positions``: ``max_seq_len_memory`` is what memory allows) from 4- and 8-layer
+copies extrapolated in depth (``--fit-depth``)), every strategy searched at once
+(``--strategy auto``): ``stream-weights`` (the 4-bit weights and their quantization state in
+the host pool) beside ``offload+host-optimizer`` and ``offload`` (weights resident). Each case
+runs as its own process and is merged, by case, into ``qlora_max_seq_len.json`` with its own
+command, machine and versions.
+
     .venv/bin/python benchmarks/weights_streaming.py [--cases llama-3-8b,llama-3.3-70b]
         [--out benchmarks/results/weights_streaming]
+    .venv/bin/python benchmarks/weights_streaming.py --qlora llama-3.1-8b@80GiB
 """
 
 from __future__ import annotations
@@ -27,7 +39,7 @@ from typing import Any
 
 import torch
 
-from superneurons.bench.artifacts import markdown_table, write_json, write_markdown
+from superneurons.bench.artifacts import environment, markdown_table, write_json, write_markdown
 
 GIB = 2**30
 # the model and the card each is planned for: the issue's targets (8B on 6 GiB, 70B on 20 GiB)
@@ -37,6 +49,20 @@ CASES: dict[str, list[str]] = {
 }
 COMMON = ["--batch", "1", "--dtype", "bf16", "--optimizer", "adamw", "--strategy"]
 LINKS = ("pcie4-x16", "pcie5-x16")
+# QLoRA: model@budget -> the context it should reach (tokens; 1: any at all)
+QLORA_CASES: dict[str, int] = {
+    "llama-3.1-8b@80GiB": 500_000,
+    "llama-3.1-8b@8GiB": 16_384,
+    "llama-3.3-70b@48GiB": 65_536,
+    "llama-3.3-70b@24GiB": 1,
+}
+QLORA = [
+    "--lora", "r=32,alpha=64,targets=all-linear", "--quantize", "nf4,double_quant=true",
+    "--dtype", "bf16", "--batch", "1", "--no-keep-outputs", "--device-preset", "h100",
+    "--strategy", "auto", "--max-seq-len", "--beyond-positions", "--fit-depth",
+]  # fmt: skip
+QLORA_STRATEGIES = ("stream-weights", "offload+host-optimizer", "offload")
+QLORA_FILE = "qlora_max_seq_len"
 
 
 def _plan(args: list[str]) -> tuple[dict[str, Any], float, list[str]]:
@@ -93,6 +119,77 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return markdown_table(shown, list(shown[0]))
 
 
+def _qlora_case(case: str) -> dict[str, Any]:
+    """One model on one card: the longest sequence each strategy fits."""
+    model, budget = case.split("@")
+    records, wall_s, command = _plan(["--model", f"hf:{model}", "--budget", budget, *QLORA])
+    by_strategy = {r["strategy"]: r for r in (records if isinstance(records, list) else [records])}
+    first = next(iter(by_strategy.values()))
+    row: dict[str, Any] = {
+        "case": case,
+        "model": model,
+        "budget_bytes": first["budget_bytes"],
+        "target_tokens": QLORA_CASES[case],
+        "command": " ".join(["superneurons", *command[3:]]),
+        "wall_s": wall_s,
+        "environment": environment(),
+        "depth_fit_residual": first.get("depth_fit_residual"),
+    }
+    for strategy in QLORA_STRATEGIES:
+        found = by_strategy[strategy]
+        row[strategy] = {
+            "max_seq_len": found["max_seq_len"],
+            "max_seq_len_memory": found.get("max_seq_len_memory", found["max_seq_len"]),
+            "fit_residual": found["fit_residual"],
+        }
+    row["met"] = row["stream-weights"]["max_seq_len_memory"] >= row["target_tokens"]
+    return row
+
+
+def _qlora_table(rows: list[dict[str, Any]]) -> str:
+    def tokens(row: dict[str, Any], strategy: str) -> str:
+        return f"{row[strategy]['max_seq_len_memory']:,}"
+
+    shown = [
+        {
+            "model, budget": f"{r['model']}, {r['budget_bytes'] / GIB:.0f} GiB",
+            "target": f">= {r['target_tokens']:,}" if r["target_tokens"] > 1 else "> 0",
+            "stream-weights": tokens(r, "stream-weights"),
+            "offload+host-optimizer": tokens(r, "offload+host-optimizer"),
+            "offload": tokens(r, "offload"),
+            "met": "yes" if r["met"] else "no",
+            "depth fit residual": f"{r['depth_fit_residual']:.2%}"
+            if r["depth_fit_residual"] is not None
+            else "",
+            "wall": f"{r['wall_s'] / 60:.0f} min",
+        }
+        for r in rows
+    ]
+    return markdown_table(shown, list(shown[0]))
+
+
+def _write_qlora(out: Path, cases: list[str]) -> None:
+    """Run ``cases`` and merge them by case into the saved records."""
+    path = out / f"{QLORA_FILE}.json"
+    saved = json.loads(path.read_text(encoding="utf-8"))["records"] if path.exists() else []
+    rows = {r["case"]: r for r in saved}
+    for case in cases:
+        rows[case] = _qlora_case(case)
+    ordered = [rows[c] for c in QLORA_CASES if c in rows]
+    write_json(path, ordered, command="per record")
+    write_markdown(
+        out / f"{QLORA_FILE}.md",
+        "QLoRA: the longest sequence a step fits, weights streamed or resident (fake tensors)",
+        "Each row's command is in the JSON, with the machine and versions it ran on.\n\n"
+        f"{_qlora_table(ordered)}\n"
+        "Tokens: `max_seq_len_memory` (what memory allows, past the configurations' 131,072 "
+        "positions), per strategy: `stream-weights` keeps the 4-bit weights and their "
+        "quantization state in the host pool; the other two keep them on the device. QLoRA r 32, "
+        "alpha 64, all linear layers, nf4 with double quantisation, bf16, batch 1, H100 kernels "
+        "modelled; extrapolated in depth from 4- and 8-layer copies.\n",
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(CASES))
@@ -100,10 +197,17 @@ def main() -> None:
     parser.add_argument(
         "--table-only", action="store_true", help="rewrite the Markdown table from the JSON"
     )
+    parser.add_argument("--qlora", help=f"QLoRA cases, comma-separated: {', '.join(QLORA_CASES)}")
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.qlora:
+        unknown = sorted(set(args.qlora.split(",")) - set(QLORA_CASES))
+        if unknown:
+            parser.error(f"unknown --qlora cases {unknown}: use {', '.join(QLORA_CASES)}")
+        _write_qlora(out, args.qlora.split(","))
+        return
     if args.table_only:
         saved = json.loads((out / "weights_streaming.json").read_text(encoding="utf-8"))
         rows, command = saved["records"], saved["command"]

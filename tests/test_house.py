@@ -171,7 +171,12 @@ def test_imports_flow_one_way() -> None:
 # shared data it reads and writes (Profile in, Plan out) and the leaf modules. No runtime, no
 # offload execution, no autograd Function, no tracker or process group.
 PLANNER = "superneurons.memory.planner"
-PLANNER_READS = {"superneurons.memory.plan", "superneurons.memory.profile_types"}
+# (param_state: what a parameter holds beside its data, read by profile_types.unit_params)
+PLANNER_READS = {
+    "superneurons.memory.plan",
+    "superneurons.memory.profile_types",
+    "superneurons.memory.param_state",
+}
 
 
 def test_the_planner_is_pure() -> None:

@@ -222,6 +222,48 @@ def test_refusals() -> None:
         UnitDecision("blocks.0", "keep", weights="disk")
 
 
+def test_int8_weights_never_stream_and_a_repacked_4bit_weight_is_refused() -> None:
+    """LLM.int8() layers keep their int8 values and scales in a state of their own: the profile
+    marks them unstreamable (the planner never streams them) and a hand-made plan is refused;
+    a 4-bit weight bitsandbytes repacks for CPU inference inside its window is an error, not
+    a host copy paired with the new layout."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from superneurons.memory.profile_types import unit_params
+
+    torch.manual_seed(0)
+    int8 = bnb.nn.Linear8bitLt(32, 32, bias=False, has_fp16_weights=False, threshold=0.0)
+    int8.weight = bnb.nn.Int8Params(torch.randn(32, 32), requires_grad=False,
+                                    has_fp16_weights=False)  # fmt: skip
+    model = nn.Sequential(nn.Linear(32, 32), int8.to("cpu"))
+    records = {r.fqn: r for r in unit_params(model, ["0", "1"])}
+    assert records["0.weight"].streamable and not records["1.weight"].streamable
+    assert not records["1.weight.SCB"].streamable  # its scales, held beside the weight
+    plan = Plan(
+        units=(UnitDecision("0", "keep"), UnitDecision("1", "keep", weights="host")),
+        strategy="stream-weights", budget_bytes=1 << 30, host_optimizer=True,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="LLM.int8"):
+        apply_plan(model, plan, optimizer_factory=_adamw)
+    assert "forward" not in model[1].__dict__  # no trace left on the model
+    profile = profile_step(
+        model, torch.randn(4, 32), None, lambda out, _: out.square().mean(),
+        _adamw(list(model[0].parameters())), units=["0", "1"],
+    )  # fmt: skip
+    assert stream_order(profile, search_floors(profile).cost) == ["0"]  # the planner agrees
+
+    four = bnb.nn.Linear4bit(32, 32, bias=False, quant_type="nf4", compute_dtype=torch.float32)
+    four.weight = bnb.nn.Params4bit(torch.randn(32, 32), requires_grad=False, quant_type="nf4",
+                                    module=four)  # fmt: skip
+    model = nn.Sequential(nn.Linear(32, 32), four.to("cpu"))
+    handle = apply_plan(model, plan, optimizer_factory=_adamw)
+    model[1].register_forward_pre_hook(  # what Linear4bit.forward does in eval on AVX512-BF16
+        lambda m, _: setattr(m.weight.quant_state, "packing_format_for_cpu", True)
+    )
+    with pytest.raises(ConfigError, match="repacked"):
+        model(torch.randn(2, 32))
+    handle.remove()
+
+
 def test_plan_format_version_4_and_older_plans_read() -> None:
     plan = _plan(("blocks.1",))
     assert Plan.from_json(plan.to_json()) == plan

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from torch import nn
 
+from superneurons.memory.param_state import held_tensors, int8_parameter
 from superneurons.memory.plan import HeadChunking, SeqChunking
 
 __all__ = [
@@ -237,47 +238,66 @@ class UnitProfile:
 
 @dataclass(frozen=True)
 class UnitParam:
-    """One parameter (each storage once) and the units whose modules hold it.
+    """One parameter (each storage once), or a tensor parameters hold beside their data, and
+    the units whose modules hold it.
 
     A unit's weights can stream through the host pool (``Plan`` version 4, ``weights="host"``)
     only as whole parameters: a parameter streams when every module holding it lies inside a
-    streamed unit (tied embeddings stream when both the embedding's unit and the head's do).
+    streamed unit (tied embeddings stream when both the embedding's unit and the head's do); a
+    4-bit weight's quantization state streams with it.
 
     Attributes:
-        fqn: its name in ``model.named_parameters()``.
+        fqn: its name in ``model.named_parameters()``, or for a held tensor the path below its
+            parameter (:func:`superneurons.memory.param_state.held_tensors`).
         nbytes: its storage bytes.
         trainable: it takes a gradient (its optimizer runs on the host when it streams).
-        units: the units whose modules hold it; ``""`` among them when a module outside every
-            unit holds it too (then it never streams).
+        units: the units whose modules hold it (a held tensor: its parameters'); ``""`` among
+            them when a module outside every unit holds it too (then it never streams).
+        streamable: it can stream at all: not an LLM.int8() weight nor its scales
+            (:func:`superneurons.memory.param_state.int8_parameter`).
     """
 
     fqn: str
     nbytes: int
     trainable: bool
     units: tuple[str, ...]
+    streamable: bool = True
 
 
 def unit_params(model: nn.Module, units: Iterable[str]) -> tuple[UnitParam, ...]:
     """Every parameter of ``model`` with the units (of ``units``) that hold it, in
-    ``named_parameters`` order: one definition for the profile (what the planner may stream)
-    and the runtime (what it streams)."""
+    ``named_parameters`` order, then the tensors parameters hold beside their data (a 4-bit
+    weight's quantization state), each with the units of the parameters holding it: one
+    definition for the profile (what the planner may stream) and the runtime (what it
+    streams)."""
     unit_list = sorted(set(units), key=len, reverse=True)  # the innermost unit first
     holders: dict[int, list[str]] = {}
+    int8: set[int] = set()
     for fqn, module in model.named_modules():
         owner = next((u for u in unit_list if u and (fqn == u or fqn.startswith(u + "."))), "")
         for param in module.parameters(recurse=False):
             found = holders.setdefault(id(param), [])
             if owner not in found:
                 found.append(owner)
-    return tuple(
-        UnitParam(
-            fqn,
-            int(p.untyped_storage().nbytes()) if p.device.type != "meta" else p.nbytes,
-            p.requires_grad,
-            tuple(holders.get(id(p), [""])),
+            if int8_parameter(param, module):
+                int8.add(id(param))
+    records = {
+        fqn: UnitParam(
+            fqn, _nbytes(p), p.requires_grad, tuple(holders.get(id(p), [""])), id(p) not in int8
         )
         for fqn, p in model.named_parameters()
-    )
+    }
+    held = []
+    for tensor in held_tensors(model):
+        owners = [records[name] for name in tensor.params]
+        units_of = tuple(dict.fromkeys(u for owner in owners for u in owner.units))
+        streamable = all(owner.streamable for owner in owners)
+        held.append(UnitParam(tensor.fqn, _nbytes(tensor.tensor), False, units_of, streamable))
+    return (*records.values(), *held)
+
+
+def _nbytes(tensor: Any) -> int:
+    return int(tensor.untyped_storage().nbytes()) if tensor.device.type != "meta" else tensor.nbytes
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,14 @@ state bitsandbytes keeps outside parameters and buffers as resident.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from superneurons.bench.memory.meter import allocator_peak_bytes
+from superneurons.memory import Plan, apply_plan
 from superneurons.memory.sizing.adapters import LoraSpec, QuantSpec
 
 __all__ = ["adapted_model", "measured_peak_bytes", "quant_state_tensors"]
@@ -97,11 +99,37 @@ def quant_state_tensors(model: nn.Module) -> list[torch.Tensor]:
     return [t for t in found if isinstance(t, torch.Tensor)]
 
 
-def measured_peak_bytes(model: nn.Module, batch: dict[str, torch.Tensor]) -> int:
+def measured_peak_bytes(
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    *,
+    plan: Plan | None = None,
+    on_apply: Callable[[int], None] | None = None,
+) -> int:
     """The c10 allocator's peak over a steady-state step of HF's ``no_trainer`` loop (the
-    outputs live until the next step replaces them), AdamW over the trainable parameters."""
+    outputs live until the next step replaces them), AdamW over the trainable parameters.
+
+    With ``plan`` (made for the model ``get_peft_model`` wraps: ``model.base_model.model``),
+    the step runs under it, its optimizer the plan's (the host optimizer where the plan has
+    one); what the plan keeps on the host (the host optimizer's state, streamed weights' host
+    copies) is not counted as resident: on the CPU the host is the same memory, so the host
+    optimizer's own allocations during its step are counted (an upper bound of the device's).
+    ``on_apply`` is told the host bytes of the weights the plan streams, once it is applied.
+    """
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=1e-4)  # the cpu default: single tensor
+    handle = None
+    if plan is not None:
+        inner: nn.Module = model.base_model.model  # type: ignore[assignment,union-attr]
+        handle = apply_plan(
+            inner, plan, optimizer_factory=lambda ps: torch.optim.AdamW(ps, lr=1e-4)
+        )
+        if on_apply is not None:
+            on_apply(handle.weights.host_bytes() if handle.weights is not None else 0)
+    opt: Any = (
+        handle.optimizer
+        if handle is not None and handle.optimizer is not None
+        else torch.optim.AdamW(trainable, lr=1e-4)  # the cpu default: single tensor
+    )
     state: dict[str, Any] = {}
 
     def step() -> None:
@@ -112,10 +140,23 @@ def measured_peak_bytes(model: nn.Module, batch: dict[str, torch.Tensor]) -> int
 
     def resident() -> list[torch.Tensor]:
         kept = [v for v in state["outputs"].values() if torch.is_tensor(v)]
-        optimizer = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+        optimizer = (
+            [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+            if handle is None or handle.optimizer is None
+            else []
+        )
         inputs = list(batch.values())
         quantized = quant_state_tensors(model)
-        return [*model.parameters(), *model.buffers(), *quantized, *optimizer, *inputs, *kept]
+        weights = [*model.parameters(), *model.buffers(), *quantized]
+        if handle is not None and handle.weights is not None:
+            host = {id(w.host) for w in handle.weights.weights}
+            streamed = {id(w.param) for w in handle.weights.weights}
+            weights = [t for t in weights if id(t) not in host and id(t) not in streamed]
+        return [*weights, *optimizer, *inputs, *kept]
 
-    step()
-    return allocator_peak_bytes(step, resident=resident)
+    try:
+        step()
+        return allocator_peak_bytes(step, resident=resident)
+    finally:
+        if handle is not None:
+            handle.remove()

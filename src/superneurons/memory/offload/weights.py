@@ -29,8 +29,22 @@ same windows this module opens):
 * **Trainable** streamed parameters need the host optimizer (``plan.host_optimizer``): their
   gradient leaves for the host bucket as any other's, the host step writes the host copy
   (:meth:`~superneurons.memory.offload.host_optimizer.HostOptimizer.retarget`), and the next
-  fetch carries it. **Frozen** ones (an adapter's base) stream with no gradient. bitsandbytes'
-  4-bit parameters (``Params4bit``, whose ``quant_state`` lives beside the data) are refused.
+  fetch carries it. **Frozen** ones (an adapter's base) stream with no gradient.
+* **4-bit weights** (bitsandbytes' ``Params4bit``, QLoRA's nf4 base, Dettmers et al. 2023)
+  stream with their quantization state: the packed ``uint8`` data is the parameter, and each
+  tensor its ``quant_state`` holds (absmax, ``uint8`` under double quantisation with the nested
+  ``state2``'s fp32 absmax and code, the offset, the nf4 code:
+  :func:`superneurons.memory.param_state.held_tensors`) has a host copy and a device copy of
+  its own, the ``QuantState``'s attribute pointed at one or the other with the weight's window.
+  ``MatMul4Bit`` keeps the packed weight for its backward as a ``ctx`` attribute
+  (``ctx.tensors``, bitsandbytes 0.50 ``autograd/_functions.py``), which no saved-tensor hook
+  sees: a forward hook on the layer finds that node, and the view it holds is pointed at the
+  weight's host copy when a window closes and at the device copy when backward's opens, so it
+  dequantizes the device copy of the backward window and pins no forward copy; ``ctx.state``
+  is the ``QuantState`` itself, whose attributes follow the windows. LLM.int8() weights
+  (``Int8Params``, whose layer keeps the int8 values and scales in a ``MatmulLtState`` of its
+  own) are refused, as is a 4-bit weight bitsandbytes has repacked for CPU inference
+  (``packing_format_for_cpu``: eval mode without gradients on an AVX512-BF16 host).
 
 CUDA: copies run on a side stream from pinned memory (``non_blocking``), ordered by events and
 ``record_stream``; no ``torch.cuda.synchronize()``. CPU: the same code, copies synchronous.
@@ -40,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +64,7 @@ from torch import nn
 
 from superneurons.errors import ConfigError
 from superneurons.memory.nodes import on_enter, output_nodes
+from superneurons.memory.param_state import held_tensors
 from superneurons.memory.profile_types import unit_params
 from superneurons.memory.tracker import untracked
 
@@ -71,14 +87,43 @@ class WeightStreamStats:
 
 
 class _Weight:
-    """One streamed parameter: its host copy, its device copy while some window needs it."""
+    """One streamed tensor (a parameter's data, or a tensor a 4-bit parameter holds beside
+    it): its host copy, its device copy while some window needs it."""
 
-    def __init__(self, fqn: str, param: nn.Parameter, host: torch.Tensor) -> None:
+    def __init__(
+        self,
+        fqn: str,
+        param: nn.Parameter,
+        host: torch.Tensor,
+        owners: tuple[tuple[Any, str], ...] | None = None,
+    ) -> None:
         self.fqn, self.param, self.host = fqn, param, host
+        # what points at the copy in use: ``param.data``, or a QuantState's attribute(s)
+        self.owners = owners if owners is not None else ((param, "data"),)
         self.device: torch.Tensor | None = None
         self.event: Any = None  # CUDA event of the copy that made ``device``
         self.users = 0  # open windows
-        self.version = 0  # the parameter's version when its window opened
+        self.version = 0  # the tensor's version when its window opened
+        # bitsandbytes' MatMul4Bit nodes holding a view of the copy (module doc): (node, geometry)
+        self.bound: list[tuple[weakref.ref[Any], tuple[Any, Any, int]]] = []
+
+    def point(self, tensor: torch.Tensor) -> None:
+        """Point the parameter (or the QuantState's attribute) and the MatMul4Bit nodes
+        holding it at ``tensor`` (the host copy or the device copy)."""
+        for owner, attr in self.owners:
+            setattr(owner, attr, tensor)
+        alive = []
+        with untracked():  # views: no storage made
+            for node_ref, geometry in self.bound:
+                node = node_ref()
+                if node is not None:
+                    node.tensors = (node.tensors[0], tensor.as_strided(*geometry))
+                    alive.append((node_ref, geometry))
+        self.bound = alive
+
+    def current_version(self) -> int:
+        owner, attr = self.owners[0]
+        return int(owner._version if attr == "data" else getattr(owner, attr)._version)
 
 
 class WeightRef:
@@ -116,6 +161,10 @@ class WeightStream:
         self.units = list(units)
         self.modules = [model.get_submodule(f) for f in self.units]
         self.weights, self._of_unit = _streamed(model, self.units, all_units)
+        self._hooks = [
+            module.register_forward_hook(lambda _m, _a, out, w=weight: self._bind(w, out))
+            for weight, module in _four_bit_layers(model, self.weights)
+        ]
         self._by_storage: dict[int, _Weight] = {}  # device copy's storage -> its weight
         self._calls: list[int] = []  # unit index of each forward call since the last backward
         self._needs_backward: list[bool] = []
@@ -130,7 +179,7 @@ class WeightStream:
         """Point every streamed parameter at a host copy of its values (pinned on CUDA)."""
         with untracked(), torch.no_grad():
             for weight in self.weights:
-                weight.param.data = weight.host
+                weight.point(weight.host)
         logger.info(
             "weights of %d units stream from the host: %d bytes",
             len(self.units),
@@ -139,10 +188,13 @@ class WeightStream:
 
     def restore(self) -> None:
         """Put every streamed parameter back on the device (``PlanHandle.remove``)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
         with torch.no_grad():
             for weight in self.weights:
-                data = weight.host.to(self.device, copy=True)
-                weight.param.data = data
+                weight.bound.clear()
+                weight.point(weight.host.to(self.device, copy=True))
                 weight.device, weight.users = None, 0
         self._by_storage.clear()
 
@@ -192,19 +244,20 @@ class WeightStream:
         copy = weight.device
         if copy is None:
             return
-        if weight.param._version != weight.version:  # written inside the window: keep it
+        if weight.current_version() != weight.version:  # written inside the window: keep it
             with untracked(), torch.no_grad():
                 weight.host.copy_(copy)
             self._counters["written_back"] += 1
-        weight.param.data = weight.host
+        _check_not_repacked(weight)
+        weight.point(weight.host)
         self._by_storage.pop(_key(copy), None)
         weight.device = weight.event = None
 
     def _open(self, index: int) -> None:
         for weight in self._of_unit[index]:
             if weight.users == 0:
-                weight.param.data = self._ready(weight)
-                weight.version = weight.param._version
+                weight.point(self._ready(weight))
+                weight.version = weight.current_version()
             weight.users += 1
 
     def _close(self, index: int) -> None:
@@ -216,6 +269,19 @@ class WeightStream:
     def _prefetch(self, index: int) -> None:
         for weight in self._of_unit[index] if 0 <= index < len(self.units) else ():
             self._fetch(weight)
+
+    def _bind(self, weight: _Weight, out: Any) -> None:
+        """After a 4-bit layer's forward: the MatMul4Bit node holding a view of ``weight``'s
+        device copy as ``ctx.tensors`` follows its windows from now on (module doc)."""
+        node = _matmul_4bit_node(out)
+        packed = None if node is None else node.tensors[1]
+        if weight.device is None or not isinstance(packed, torch.Tensor):
+            return
+        if _key(packed) != _key(weight.device):
+            return
+        geometry = (packed.size(), packed.stride(), int(packed.storage_offset()))
+        weight.bound = [b for b in weight.bound if b[0]() is not None]
+        weight.bound.append((weakref.ref(node), geometry))
 
     # --- forward ------------------------------------------------------------------------------
     def forward_of(self, index: int, forward: Callable[..., Any]) -> Callable[..., Any]:
@@ -317,41 +383,104 @@ class WeightStream:
 def _streamed(
     model: nn.Module, units: Sequence[str], all_units: Sequence[str]
 ) -> tuple[list[_Weight], list[list[_Weight]]]:
-    """The parameters that stream (every module holding them inside a streamed unit), with host
-    copies made, and each streamed unit's list of them."""
+    """The tensors that stream (parameters whose every module is inside a streamed unit, with
+    what 4-bit ones hold beside their data), with host copies made, and each streamed unit's
+    list of them."""
     streamed = set(units)
     params = dict(model.named_parameters())
+    held = {h.fqn: h for h in held_tensors(model)}
     weights: list[_Weight] = []
     of_unit: list[list[_Weight]] = [[] for _ in units]
     for info in unit_params(model, all_units):
         if not info.units or not all(u in streamed for u in info.units):
             continue
-        param = params[info.fqn]
-        _check_streamable(info.fqn, param)
-        with untracked(), torch.no_grad():
-            host = torch.empty(
-                param.shape, dtype=param.dtype, device="cpu", pin_memory=param.is_cuda
+        if info.fqn in params:
+            param = params[info.fqn]
+            _check_streamable(info.fqn, param, streamable=info.streamable)
+            weight = _Weight(info.fqn, param, _host_copy(param.detach()))
+        else:  # a tensor a 4-bit weight holds (module doc): checked with its parameter
+            state = held[info.fqn]
+            weight = _Weight(
+                info.fqn, params[state.params[0]], _host_copy(state.tensor), state.owners
             )
-            host.copy_(param.detach())
-        weight = _Weight(info.fqn, param, host)
         weights.append(weight)
         for unit in info.units:
             of_unit[units.index(unit)].append(weight)
     return weights, of_unit
 
 
-def _check_streamable(fqn: str, param: nn.Parameter) -> None:
-    if hasattr(param, "quant_state") or type(param).__name__ in ("Params4bit", "Int8Params"):
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy of ``tensor``'s values (pinned when it is on CUDA), made outside every
+    tracker."""
+    with untracked(), torch.no_grad():
+        host = torch.empty(
+            tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=tensor.is_cuda
+        )
+        host.copy_(tensor)
+    return host
+
+
+def _check_streamable(fqn: str, param: nn.Parameter, *, streamable: bool) -> None:
+    if not streamable:
         raise ConfigError(
-            f"parameter {fqn!r} is a bitsandbytes quantized parameter (its quantization state "
-            "lives beside the data): its unit's weights cannot stream; keep them on the device "
-            "(weights='device')"
+            f"parameter {fqn!r} is a bitsandbytes LLM.int8() weight (its layer keeps the int8 "
+            "values and scales in a state of its own): its unit's weights cannot stream; keep "
+            "them on the device (weights='device')"
+        )
+    if getattr(getattr(param, "quant_state", None), "packing_format_for_cpu", False):
+        raise ConfigError(
+            f"parameter {fqn!r} is a 4-bit weight bitsandbytes repacked for CPU inference: "
+            "streaming serves training; keep its unit's weights on the device"
         )
     if type(param.data) is not torch.Tensor or param.layout != torch.strided:
         raise ConfigError(
             f"parameter {fqn!r} is a {type(param.data).__name__} (a tensor subclass or a "
             "sparse layout): its unit's weights cannot stream; keep them on the device"
         )
+
+
+def _check_not_repacked(weight: _Weight) -> None:
+    """bitsandbytes repacks a 4-bit weight for CPU inference inside its forward (eval mode, no
+    gradient, an AVX512-BF16 host: ``Linear4bit.forward``), flagging its ``QuantState``:
+    pointing the parameter back at its host copy would pair the old layout with that flag."""
+    state = getattr(weight.param, "quant_state", None)
+    if weight.owners[0][1] == "data" and getattr(state, "packing_format_for_cpu", False):
+        raise ConfigError(
+            f"bitsandbytes repacked the streamed 4-bit weight {weight.fqn!r} for CPU inference "
+            "(eval mode without gradients): streaming serves training; remove the plan "
+            "(handle.remove()) before inference"
+        )
+
+
+def _four_bit_layers(
+    model: nn.Module, weights: Sequence[_Weight]
+) -> list[tuple[_Weight, nn.Module]]:
+    """The streamed 4-bit weights (parameters with a ``quant_state``) and the layers holding
+    them, whose forward hooks find bitsandbytes' MatMul4Bit nodes."""
+    four_bit = {
+        id(w.param): w
+        for w in weights
+        if w.owners[0][1] == "data" and getattr(w.param, "quant_state", None) is not None
+    }
+    return [
+        (four_bit[id(param)], module)
+        for module in model.modules()
+        for param in module.parameters(recurse=False)
+        if id(param) in four_bit
+    ]
+
+
+def _matmul_4bit_node(out: Any) -> Any:
+    """The ``MatMul4Bit`` node behind a ``Linear4bit``'s output (its product cast back to the
+    input's dtype: at most one node above it), or None (no gradient: ``gemm_4bit`` ran alone)."""
+    node = out.grad_fn if isinstance(out, torch.Tensor) else None
+    for _ in range(2):
+        if node is None:
+            return None
+        if type(node).__name__ == "MatMul4BitBackward":
+            return node
+        node = node.next_functions[0][0] if node.next_functions else None
+    return None
 
 
 def _key(tensor: torch.Tensor) -> int:

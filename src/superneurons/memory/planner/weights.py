@@ -7,6 +7,9 @@ copy after use. This module predicts that, from the profile alone:
 
 * **which bytes stream**: a parameter streams when every unit holding it streams and no module
   outside the units holds it (``Profile.unit_params``; tied embeddings stream with both units);
+  a 4-bit weight's quantization state (absmax, codes, the nested state of double quantisation)
+  streams with its weight; LLM.int8() weights never stream (their layer keeps the int8 values
+  and scales in a state of its own);
 * **where a copy is live** (:func:`weight_windows`): in forward from just before the previous
   streamed unit's first op (its prefetch) to the end of its own forward call; in backward from
   where backward enters the next streamed call in forward order (its prefetch; its own entry
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from superneurons.memory.planner.cost import CostModel
-from superneurons.memory.profile_types import CATEGORIES, Profile
+from superneurons.memory.profile_types import CATEGORIES, Profile, UnitParam
 
 __all__ = ["WeightStreams", "stream_cost", "stream_order", "streamed_params", "weight_windows"]
 
@@ -53,9 +56,15 @@ def streamed_params(profile: Profile, units: Collection[str]) -> dict[str, int]:
     counted with the first of its units in forward order)."""
     owned = dict.fromkeys((u.fqn for u in profile.units if u.fqn in units), 0)
     for param in profile.unit_params:
-        if param.units and all(u in owned for u in param.units):
+        if _streams(param, owned):
             owned[param.units[0]] += param.nbytes
     return owned
+
+
+def _streams(param: UnitParam, units: Collection[str]) -> bool:
+    """Whether ``param`` streams when ``units`` do: it can, and every unit holding it is one of
+    them (a 4-bit weight's quantization state: every unit holding the weight)."""
+    return param.streamable and bool(param.units) and all(u in units for u in param.units)
 
 
 def weight_windows(profile: Profile, units: Collection[str], table: np.ndarray) -> None:
@@ -67,7 +76,7 @@ def weight_windows(profile: Profile, units: Collection[str], table: np.ndarray) 
     held = set(streamed_params(profile, units))
     windows = _windows(profile, held)
     for param in profile.unit_params:
-        if not param.units or not all(u in held for u in param.units):
+        if not _streams(param, held):
             continue
         open_count = np.zeros(profile.num_events + 1, dtype=np.int64)
         for start, end, unit in windows:
@@ -134,7 +143,7 @@ def _held(profile: Profile, units: Collection[str]) -> dict[str, int]:
     of their windows fetches it)."""
     held = dict.fromkeys(units, 0)
     for param in profile.unit_params:
-        if param.units and all(u in held for u in param.units):
+        if _streams(param, held):
             for unit in param.units:
                 held[unit] += param.nbytes
     return held
@@ -144,14 +153,14 @@ def stream_order(profile: Profile, cost: CostModel) -> list[str]:
     """The units whose weights can stream, in ascending exposed seconds per byte they take
     off the device (copies hidden under compute first; a small tie-break by copy time, as host
     bandwidth is not free). A unit sharing a parameter with other units (tied embeddings)
-    is ranked as if they streamed too: it frees those bytes once they all do."""
+    is ranked as if they streamed too: it frees those bytes once they all do. A unit holding a
+    parameter that cannot stream (an LLM.int8() layer's) is left out: the runtime refuses it."""
     ranked = []
     seconds = cost.unit_seconds(profile)
     for unit in profile.units:
-        nbytes = sum(
-            p.nbytes for p in profile.unit_params if unit.fqn in p.units and "" not in p.units
-        )
-        if nbytes == 0:
+        held = [p for p in profile.unit_params if unit.fqn in p.units]
+        nbytes = sum(p.nbytes for p in held if "" not in p.units)
+        if nbytes == 0 or not all(p.streamable for p in held):
             continue
         calls = max(len(unit.calls), 1)
         fetch_s, compute_s = cost.fetch_s(nbytes), seconds[unit.fqn] / calls
