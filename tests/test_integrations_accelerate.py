@@ -154,6 +154,7 @@ def test_planning_leaves_the_prepared_run_as_it_was() -> None:
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # torchrun and two ranks, each importing torch: ~30 s of CPU
 @pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="no accelerate")
 def test_accelerate_example_on_two_gloo_ranks(tmp_path: Path) -> None:
     result = torchrun("examples/accelerate_ddp.py", tmp_path, "--steps", "3")

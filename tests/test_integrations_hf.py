@@ -85,6 +85,7 @@ def test_kv_cache_is_off_while_training_and_restored() -> None:
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # torchrun and two ranks, each importing torch: ~30 s of CPU
 @needs_hf
 def test_trainer_example_plans_and_compresses_on_two_gloo_ranks(tmp_path: Path) -> None:
     result = torchrun(

@@ -56,6 +56,7 @@ def test_resume_continues_exactly(ranks: Ranks, tmp_path: Path, compress: str) -
 
 @needs_data
 @pytest.mark.dist
+@pytest.mark.slow  # the launcher and two ranks start and import torch: ~23 s of CPU
 def test_cli_end_to_end_on_two_ranks(tmp_path: Path) -> None:
     out = tmp_path / "run"
     command = [sys.executable, "-m", "superneurons.cli", "train", "--model", "mlp"]

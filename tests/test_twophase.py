@@ -293,7 +293,8 @@ def _transport_cases(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+# four ranks: ~23 s of CPU (each rank starts and imports torch)
+@pytest.mark.parametrize("world_size", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_transport_on_gloo_ranks(world_size: int) -> None:
     results = shared_ranks(world_size).run(_transport_cases, timeout_s=180)
     for rank, got in enumerate(results):
