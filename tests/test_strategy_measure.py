@@ -56,8 +56,13 @@ def test_measure_codecs_costs_are_consistent() -> None:
     assert low_rank.bits_per_element == pytest.approx(4 * (64 + 256) * 32 / (64 * 256))
     for cost in costs[1:]:
         assert cost.encode_s_per_byte > 0 and cost.decode_s_per_byte > 0
-        # error feedback's own work (add the residual, compute the new one) is measured too
-        assert cost.feedback_s_per_byte > 0
+        # error feedback's own work (add the residual, compute the new one) is measured too;
+        # two-phase's is the difference of two timed encodes (with and without feedback),
+        # clamped at 0: under load that difference can vanish, so only its sign is checked
+        if cost.spec.startswith("twophase"):
+            assert cost.feedback_s_per_byte >= 0
+        else:
+            assert cost.feedback_s_per_byte > 0
     # two-phase: the all-to-all's input per element (codes + a scale per chunk of 512),
     # the owner's stage part of the decode, two collectives, a small error at 4 bits
     for bits, budget in ((4, 0.2), (1, 1.0)):
