@@ -7,8 +7,9 @@ in the report's first line), with test accuracy against time; and the language-m
 fits on a 24 and an 80 GiB card, TRL's SFTTrainer under a budget vs TRL's checkpointing).
 
 Ranks: 2 gloo ranks over the shaped link; on loopback one per GPU (at most 2, NCCL) on a GPU
-machine, else 2 on CPU (gloo); --nproc N chooses. 17.5 minutes measured on a shared 2-core
-machine (--quick: 9, smaller everywhere); --limit-steps makes it a smoke test.
+machine, else 2 on CPU (gloo); --nproc N chooses. 10 minutes measured on a quiet 2-core
+machine (--quick: 3, smaller everywhere; longer on a busy one); --limit-steps makes it a smoke
+test.
 """
 
 from __future__ import annotations
