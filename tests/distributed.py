@@ -131,9 +131,15 @@ class Ranks:
             if remaining_s <= 0:
                 self.close(graceful=False)
                 missing = sorted(set(range(self.world_size)) - set(outcome))
+                # a rank that raised first often leaves the others waiting in a collective
+                details = "".join(
+                    f"\n--- rank {r} raised ---\n{v}"
+                    for r, (s, v) in sorted(outcome.items())
+                    if s == "error"
+                )
                 raise AssertionError(
                     f"ranks {missing} did not finish within {timeout_s:.0f} s "
-                    "(hang or collective mismatch?)"
+                    f"(hang or collective mismatch?){details}"
                 )
             try:
                 rank, status, value = self._results.get(timeout=min(remaining_s, 1.0))
