@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -30,3 +33,14 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(autouse=True)
 def _deterministic() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state() -> Iterator[None]:
+    """Accelerate keeps one state per process: a trainer built with ``bf16=True`` (TRL's
+    default) leaves it in bf16, and a later ``Accelerator(cpu=True)`` in the same worker would
+    silently train in bf16 too. Each test starts from none."""
+    yield
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
