@@ -90,6 +90,15 @@ def test_qlora_under_plans_is_eager_within_the_budget(folder: Path) -> None:
             assert torch.equal(b, base[name]), f"{name} (the 4-bit base) changed"
 
 
+def _assert_adapters_close(eager: torch.nn.Module, other: torch.nn.Module, *, rel: float) -> None:
+    """Trainable parameters within ``rel`` relative error of eager's; frozen ones equal."""
+    for (name, a), b in zip(eager.named_parameters(), other.parameters(), strict=True):
+        if a.requires_grad:
+            assert relative_error(b, a) <= rel, name
+        else:
+            assert torch.equal(a, b), name
+
+
 def _fused_adamw(params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
     # NOTE: fused: the host optimizer steps buckets of the adapters, which the single-tensor
     # loop would round differently from one step over all of them
@@ -211,11 +220,7 @@ def test_qlora_on_cuda_under_a_plan_is_eager_within_the_budget(folder: Path) -> 
         return model
 
     twin, planned = run(planned=False), run(planned=True)
-    for (name, a), b in zip(twin.named_parameters(), planned.parameters(), strict=True):
-        if a.requires_grad:
-            assert relative_error(b, a) <= 1e-6, name
-        else:
-            assert torch.equal(a, b), name
+    _assert_adapters_close(twin, planned, rel=1e-6)
 
 
 @pytest.mark.cuda
@@ -260,8 +265,4 @@ def test_qlora_streaming_on_cuda_is_eager_within_the_budget(folder: Path) -> Non
         return loop.model
 
     twin, streamed = run(streamed=False), run(streamed=True)
-    for (name, a), b in zip(twin.named_parameters(), streamed.parameters(), strict=True):
-        if a.requires_grad:
-            assert relative_error(b, a) <= 1e-5, name
-        else:
-            assert torch.equal(a, b), name
+    _assert_adapters_close(twin, streamed, rel=1e-5)
