@@ -115,40 +115,65 @@ def scratch_recorder(enabled: bool) -> Any:
 
 def op_scratch(recording: Any) -> dict[int, int]:
     """Per event of a recorded CPU step, the scratch its op allocated for itself: the most the
-    c10 allocator held inside the op beyond what it held when the op returned (its outputs).
+    op's own allocations held at once beyond those still live when it returned (its outputs).
 
     Kernels allocate such buffers below the dispatcher (CPU flash attention's per-thread blocks
     of scores, a convolution's im2col), so no live-tensor count sees them. The ops are the
-    ranges :class:`~superneurons.memory.tracker.LiveStorageTracker` marks (``mark_ops``).
+    ranges :class:`~superneurons.memory.tracker.LiveStorageTracker` marks (``mark_ops``). Frees
+    inside a range of memory the op did not allocate (Python's garbage collector can run there,
+    when the range's own objects are created) are not the op's: allocations are matched to
+    frees by address, so the figure does not depend on the process's history.
     """
     if recording is None or not hasattr(recording, "profiler"):
         return {}
-    from torch.autograd import DeviceType
-
-    events = list(recording.profiler.kineto_results.events())
-    memory = sorted(
-        (e.start_ns(), i, e.nbytes())
-        for i, e in enumerate(events)
-        if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
-    )
-    ops = sorted(
-        (e.start_ns(), e.end_ns(), int(e.name()[len(MARKER) :]))
-        for e in events
-        if e.name().startswith(MARKER)
-    )
-    running, at, scratch = 0, 0, {}
-    for start, end, event in ops:
-        while at < len(memory) and memory[at][0] < start:
-            running += memory[at][2]
-            at += 1
-        highest = running
-        while at < len(memory) and memory[at][0] <= end:
-            running += memory[at][2]
-            highest = max(highest, running)
-            at += 1
-        if highest > running:
-            scratch[event] = highest - running
+    scratch = {}
+    for node in _marked_ops(recording.profiler.kineto_results.experimental_event_tree()):
+        extra = _held_beyond_outputs(_cpu_allocations(node))
+        if extra > 0:
+            scratch[int(node.name[len(MARKER) :])] = extra
     return scratch
+
+
+def _marked_ops(roots: Sequence[Any]) -> list[Any]:
+    """The profiler's nodes of the ranges named :data:`MARKER` + an event index."""
+    found, stack = [], list(roots)
+    while stack:
+        node = stack.pop()
+        if node.name.startswith(MARKER):
+            found.append(node)
+        stack.extend(node.children)
+    return found
+
+
+def _cpu_allocations(node: Any) -> list[tuple[int, int]]:
+    """``(address, bytes)`` of every CPU allocator event under ``node``, in time order
+    (negative bytes: a free)."""
+    from torch._C._profiler import _EventType
+
+    events: list[tuple[int, int, int, int]] = []
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current.tag == _EventType.Allocation and current.extra_fields.device.type == "cpu":
+            fields = current.extra_fields
+            events.append((current.start_time_ns, len(events), fields.ptr, fields.alloc_size))
+        stack.extend(current.children)
+    return [(ptr, nbytes) for _, _, ptr, nbytes in sorted(events)]
+
+
+def _held_beyond_outputs(events: Sequence[tuple[int, int]]) -> int:
+    """The most ``events``' own allocations held at once, less what they still hold at the
+    end; a free of an address allocated before the first event is not counted."""
+    live: dict[int, int] = {}
+    held = highest = 0
+    for ptr, nbytes in events:
+        if nbytes > 0:
+            live[ptr] = live.get(ptr, 0) + nbytes
+            held += nbytes
+            highest = max(highest, held)
+        else:
+            held -= live.pop(ptr, 0)
+    return highest - held
 
 
 class WorkspaceLimit:
