@@ -15,7 +15,13 @@ from distributed import Ranks, shared_ranks
 from superneurons.cli import main
 from superneurons.train.checkpoint import checkpoint_path
 from superneurons.train.config import TrainConfig
-from train_support import load_checkpoint, mlp_config, needs_data, run_rank
+from train_support import (
+    load_checkpoint,
+    mlp_config,
+    needs_data,
+    run_rank,
+    run_rank_planning_fails_on,
+)
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +139,17 @@ def test_budget_seam_applies_a_memory_plan() -> None:
         assert all(p.grad is not None for p in model.parameters())
     finally:
         handle.remove()
+
+
+@needs_data
+@pytest.mark.dist
+def test_a_plan_that_fails_on_one_rank_fails_on_every_rank(ranks: Ranks, tmp_path: Path) -> None:
+    """Ranks plan from their own profiles; one rank's failure reaches all of them (alone it
+    left the others waiting in a collective until the harness's timeout)."""
+    config = mlp_config(tmp_path, budget_bytes=1 << 30)
+    raised = ranks.run(run_rank_planning_fails_on, config, 1, timeout_s=60)
+    assert raised[1] == ("InfeasibleBudgetError", "injected: no plan fits")
+    assert raised[0] == ("InfeasibleBudgetError", "injected: no plan fits (rank 1 planned it)")
 
 
 def test_torchrun_command_passes_multi_node_flags_through(tmp_path: Path) -> None:

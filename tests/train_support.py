@@ -65,6 +65,29 @@ def run_rank_stated(rank: int, world_size: int, config: TrainConfig) -> dict[str
         autoadam.measure_compute = measure
 
 
+def run_rank_planning_fails_on(
+    rank: int, world_size: int, config: TrainConfig, failing_rank: int
+) -> tuple[str, str]:
+    """:func:`run_rank` where only ``failing_rank``'s planner finds the budget infeasible;
+    returns ``(exception type, message)`` of what the run raised on this rank."""
+    from superneurons.memory.plan import InfeasibleBudgetError
+    from superneurons.memory.planner import decide
+
+    def infeasible(*_args: Any, **_kwargs: Any) -> Any:
+        raise InfeasibleBudgetError("injected: no plan fits", min_budget_bytes=7, strategy="auto")
+
+    make_plan = decide.make_plan
+    if rank == failing_rank:
+        decide.make_plan = infeasible  # type: ignore[assignment]
+    try:
+        run_rank(rank, world_size, config)
+    except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+        return type(exc).__name__, str(exc)
+    finally:
+        decide.make_plan = make_plan
+    return "", ""
+
+
 def load_checkpoint(out_dir: Path, rank: int) -> dict[str, Any]:
     return torch.load(checkpoint_path(out_dir, rank), weights_only=True)
 
