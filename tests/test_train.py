@@ -143,13 +143,17 @@ def test_budget_seam_applies_a_memory_plan() -> None:
 
 @needs_data
 @pytest.mark.dist
-def test_a_plan_that_fails_on_one_rank_fails_on_every_rank(ranks: Ranks, tmp_path: Path) -> None:
-    """Ranks plan from their own profiles; one rank's failure reaches all of them (alone it
-    left the others waiting in a collective until the harness's timeout)."""
+def test_rank_zero_plans_for_every_rank_and_its_failure_fails_them_all(
+    ranks: Ranks, tmp_path: Path
+) -> None:
+    """Rank 0 plans for every rank, and its failure reaches all of them: a rank raising alone
+    leaves the others waiting in a collective until the harness's timeout."""
     config = mlp_config(tmp_path, budget_bytes=1 << 30)
-    raised = ranks.run(run_rank_planning_fails_on, config, 1, timeout_s=60)
-    assert raised[1] == ("InfeasibleBudgetError", "injected: no plan fits")
-    assert raised[0] == ("InfeasibleBudgetError", "injected: no plan fits (rank 1 planned it)")
+    raised = ranks.run(run_rank_planning_fails_on, config, 0, timeout_s=60)
+    assert raised[0] == ("InfeasibleBudgetError", "injected: no plan fits")
+    assert raised[1] == ("InfeasibleBudgetError", "rank 0 could not plan: injected: no plan fits")
+    # a failure injected where no plan is made changes nothing: rank 1 applies rank 0's plan
+    assert ranks.run(run_rank_planning_fails_on, config, 1, timeout_s=60) == [("", "")] * 2
 
 
 def test_torchrun_command_passes_multi_node_flags_through(tmp_path: Path) -> None:

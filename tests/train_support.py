@@ -68,7 +68,8 @@ def run_rank_stated(rank: int, world_size: int, config: TrainConfig) -> dict[str
 def run_rank_planning_fails_on(
     rank: int, world_size: int, config: TrainConfig, failing_rank: int
 ) -> tuple[str, str]:
-    """:func:`run_rank` where only ``failing_rank``'s planner finds the budget infeasible;
+    """:func:`run_rank` where ``failing_rank``'s planner finds the budget infeasible (if it
+    plans);
     returns ``(exception type, message)`` of what the run raised on this rank."""
     from superneurons.memory.plan import InfeasibleBudgetError
     from superneurons.memory.planner import decide

@@ -34,11 +34,10 @@ do their own gradient reduction: compression is refused there too.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import ExitStack
 from typing import Any
 
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -62,6 +61,7 @@ from superneurons.memory import Plan, PlanHandle, apply_plan
 from superneurons.memory.offload.handover import factory_like
 from superneurons.memory.offload.host_optimizer import HostOptimizerView
 from superneurons.memory.profiling.isolate import unwrapped
+from superneurons.memory.runtime.ranks import planned_on_rank_zero
 from superneurons.replicas import check_replicas
 
 __all__ = ["SuperNeuronsSetup", "ddp_reserved_bytes", "prepare_superneurons"]
@@ -233,7 +233,7 @@ def _apply_memory_plan(
     host = budget["strategy"] == HOST_OPTIMIZER  # under DDP, the host optimizer by name only
     if ddp is not None:  # DDP's buckets, or those of its one parameter once rebuilt
         setup.reserved_bytes = host_reserved_bytes(ddp) if host else ddp_reserved_bytes(ddp)
-    setup.plan = _planned_on_rank_zero(
+    setup.plan = planned_on_rank_zero(
         lambda: plan_for_batch(
             inner,
             batch,
@@ -312,25 +312,3 @@ def _check_can_compress(accelerator: Any, ddp: DistributedDataParallel | None) -
             f"accelerate already registered DDP comm hook {hook}; a DDP model takes one hook: "
             "drop comm_hook from DistributedDataParallelKwargs, or pass compression='torch-fp16'"
         )
-
-
-def _planned_on_rank_zero(make: Callable[[], Plan]) -> Plan:
-    """``make()`` on rank 0, its plan (or its error) on every rank; local without a group."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return make()
-    box: list[Any] = [None]
-    error: BaseException | None = None
-    if dist.get_rank() == 0:
-        try:
-            box = [make().to_json()]
-        except Exception as exc:  # tell the other ranks instead of leaving them waiting
-            error, box = exc, [f"error: {exc}"]
-    # NOTE: broadcast_object_list sends a pickled byte tensor, on the device the backend wants.
-    dist.broadcast_object_list(box, src=0)
-    if error is not None:
-        raise error
-    text = box[0]
-    assert isinstance(text, str)
-    if text.startswith("error: "):
-        raise ConfigError(f"rank 0 could not plan: {text[len('error: ') :]}")
-    return Plan.from_json(text)

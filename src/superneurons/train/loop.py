@@ -459,15 +459,16 @@ def _apply_budget(
         from superneurons.memory.planner.decide import make_plan
         from superneurons.memory.profiling.step import profile_step
         from superneurons.memory.runtime.apply import apply_plan
+        from superneurons.memory.runtime.ranks import planned_on_rank_zero
     except ImportError as exc:
         raise ConfigError(f"--budget needs the memory runtime ({exc})") from exc
     inputs, targets = batch
-    plan, failure = None, None
-    try:
+
+    def plan_on_this_rank() -> Any:
         optimizer = optimizer_factory(list(model.parameters())) if optimizer_factory else None
         profile = profile_step(model, inputs, targets, loss_fn, optimizer)
         # NOTE: no optimizer-in-backward under DDP: it would step before the all-reduce.
-        plan = make_plan(
+        return make_plan(
             profile,
             budget_bytes=budget_bytes,
             allow_optimizer_in_backward=False,
@@ -477,43 +478,7 @@ def _apply_budget(
             allow_weight_streaming=False,
             step=TrainingStep(max_grad_norm=max_grad_norm) if max_grad_norm else None,
         )
-    except Exception as exc:  # noqa: BLE001 - every rank must learn of it (_agreed_plan)
-        failure = exc
-    plan = _agreed_plan(plan, failure)
+
+    plan = planned_on_rank_zero(plan_on_this_rank)  # one plan for all ranks, or one error
     logger.info("memory plan for a budget of %d bytes: %s", budget_bytes, plan)
     return apply_plan(model, plan, optimizer_factory=optimizer_factory)
-
-
-def _agreed_plan(plan: Any, failure: Exception | None) -> Any:
-    """One plan for every rank: each rank's planning outcome is gathered, rank 0's plan is
-    applied everywhere (measured timings can tip ``auto`` differently on each rank, and ranks
-    that step differently cannot share DDP's buckets), and the first rank's failure is raised on
-    every rank (one rank raising alone would leave the others waiting in the next collective):
-    its own exception where it failed, the same type and message elsewhere.
-    """
-    from superneurons.memory.plan import InfeasibleBudgetError
-
-    outcome: tuple[Any, ...] = ("plan", plan)
-    if isinstance(failure, InfeasibleBudgetError):
-        outcome = ("infeasible", str(failure), failure.min_budget_bytes, failure.strategy)
-    elif isinstance(failure, ConfigError):
-        outcome = ("config", str(failure))
-    elif failure is not None:
-        outcome = ("failed", f"planning failed: {type(failure).__name__}: {failure}")
-    outcomes: list[Any] = [outcome]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        outcomes = [None] * dist.get_world_size()
-        dist.all_gather_object(outcomes, outcome)
-    for rank, (kind, *details) in enumerate(outcomes):
-        if kind == "plan":
-            continue
-        if failure is not None:
-            raise failure
-        where = f" (rank {rank} planned it)"
-        if kind == "infeasible":
-            message, min_budget_bytes, strategy = details
-            raise InfeasibleBudgetError(
-                message + where, min_budget_bytes=min_budget_bytes, strategy=strategy
-            )
-        raise (ConfigError if kind == "config" else RuntimeError)(details[0] + where)
-    return outcomes[0][1]
