@@ -148,14 +148,12 @@ def _marked_ops(roots: Sequence[Any]) -> list[Any]:
 def _cpu_allocations(node: Any) -> list[tuple[int, int]]:
     """``(address, bytes)`` of every CPU allocator event under ``node``, in time order
     (negative bytes: a free)."""
-    from torch._C._profiler import _EventType
-
     events: list[tuple[int, int, int, int]] = []
     stack = [node]
     while stack:
         current = stack.pop()
-        if current.tag == _EventType.Allocation and current.extra_fields.device.type == "cpu":
-            fields = current.extra_fields
+        fields = current.extra_fields  # allocator events carry an address and a size
+        if hasattr(fields, "alloc_size") and fields.device.type == "cpu":
             events.append((current.start_time_ns, len(events), fields.ptr, fields.alloc_size))
         stack.extend(current.children)
     return [(ptr, nbytes) for _, _, ptr, nbytes in sorted(events)]
