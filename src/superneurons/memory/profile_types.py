@@ -255,6 +255,8 @@ class UnitParam:
             them when a module outside every unit holds it too (then it never streams).
         streamable: it can stream at all: not an LLM.int8() weight nor its scales
             (:func:`superneurons.memory.param_state.int8_parameter`).
+        rows: its size along dimension 0 (a slice of ``r`` rows holds ``r / rows`` of its
+            bytes: the LM head's weight in vocabulary slices); 0 for a scalar or a held tensor.
     """
 
     fqn: str
@@ -262,6 +264,7 @@ class UnitParam:
     trainable: bool
     units: tuple[str, ...]
     streamable: bool = True
+    rows: int = 0
 
 
 def unit_params(model: nn.Module, units: Iterable[str]) -> tuple[UnitParam, ...]:
@@ -283,7 +286,12 @@ def unit_params(model: nn.Module, units: Iterable[str]) -> tuple[UnitParam, ...]
                 int8.add(id(param))
     records = {
         fqn: UnitParam(
-            fqn, _nbytes(p), p.requires_grad, tuple(holders.get(id(p), [""])), id(p) not in int8
+            fqn,
+            _nbytes(p),
+            p.requires_grad,
+            tuple(holders.get(id(p), [""])),
+            id(p) not in int8,
+            int(p.shape[0]) if p.dim() else 0,
         )
         for fqn, p in model.named_parameters()
     }

@@ -64,6 +64,7 @@ from torch import nn
 
 from superneurons.errors import ConfigError
 from superneurons.memory.nodes import on_enter, output_nodes
+from superneurons.memory.offload.slices import StreamedRows
 from superneurons.memory.param_state import held_tensors
 from superneurons.memory.profile_types import unit_params
 from superneurons.memory.tracker import untracked
@@ -145,6 +146,9 @@ class WeightStream:
         all_units: every unit of the plan: a parameter streams when every module holding it is
             inside a streamed unit.
         device: where the units compute.
+        sliced: parameters read in slices of rows by their unit's forward and backward (the LM
+            head's weight under the vocabulary-sliced loss): hosted as the others, never
+            fetched whole; :meth:`rows_of` serves their slices (:mod:`.slices`).
     """
 
     def __init__(
@@ -154,6 +158,7 @@ class WeightStream:
         *,
         all_units: Sequence[str],
         device: torch.device,
+        sliced: Sequence[nn.Parameter] = (),
     ) -> None:
         self.device = device
         self._cuda = device.type == "cuda"
@@ -161,10 +166,6 @@ class WeightStream:
         self.units = list(units)
         self.modules = [model.get_submodule(f) for f in self.units]
         self.weights, self._of_unit = _streamed(model, self.units, all_units)
-        self._hooks = [
-            module.register_forward_hook(lambda _m, _a, out, w=weight: self._bind(w, out))
-            for weight, module in _four_bit_layers(model, self.weights)
-        ]
         self._by_storage: dict[int, _Weight] = {}  # device copy's storage -> its weight
         self._calls: list[int] = []  # unit index of each forward call since the last backward
         self._needs_backward: list[bool] = []
@@ -173,6 +174,40 @@ class WeightStream:
         self._counters = dict.fromkeys(
             ("h2d_bytes", "fetches", "prefetch_hits", "demand_fetches", "written_back"), 0
         )
+        self._sliced: dict[int, StreamedRows] = {}
+        for param in sliced:  # before any hook: a refusal leaves no trace on the model
+            self._slice(param)
+        self._hooks = [
+            module.register_forward_hook(lambda _m, _a, out, w=weight: self._bind(w, out))
+            for weight, module in _four_bit_layers(model, self.weights)
+        ]
+
+    def _slice(self, param: nn.Parameter) -> None:
+        """Serve ``param`` in slices of rows instead of whole in its unit's windows."""
+        weight = next(
+            (w for w in self.weights if w.param is param and w.owners[0][1] == "data"), None
+        )
+        if weight is None:
+            raise ConfigError(
+                "the plan streams the LM head's weight in vocabulary slices, but the head's "
+                "unit does not stream it (a module outside the streamed units holds it, e.g. an "
+                "input embedding tied to it): re-plan this model"
+            )
+        held = [i for i, of_unit in enumerate(self._of_unit) if weight in of_unit]
+        if len(held) != 1:
+            raise ConfigError(
+                f"{weight.fqn!r} is tied to another streamed unit's weight (an input embedding "
+                "shared with the LM head): a tied head cannot stream in vocabulary slices, "
+                "since the other unit reads it whole; plan without vocab_rows, or untie it"
+            )
+        self._of_unit[held[0]].remove(weight)
+        self._sliced[id(param)] = StreamedRows(
+            weight.host, self.device, stream=self._stream, counters=self._counters
+        )
+
+    def rows_of(self, param: nn.Parameter) -> StreamedRows | None:
+        """The slices of ``param`` when it streams in slices (``sliced``), else None."""
+        return self._sliced.get(id(param))
 
     # --- set-up / undo ------------------------------------------------------------------------
     def move_to_host(self) -> None:

@@ -15,6 +15,12 @@ copy after use. This module predicts that, from the profile alone:
   where backward enters the next streamed call in forward order (its prefetch; its own entry
   when none) to where backward enters the previous one (its release; the end of backward when
   none), at the same autograd-node edges the runtime hooks (``memory.nodes``);
+* **the LM head in vocabulary slices** (:func:`sliced_head`; a head plan with ``vocab_rows``,
+  :mod:`superneurons.memory.chunked.vocab`): a streamed head's weight is never on the device
+  whole: the loss fetches one slice and the next inside the head's forward call and again
+  inside its backward (two slices live), and each slice's gradient (one slice, in backward)
+  goes to the host, so the weight's whole gradient is not on the device at all
+  (:func:`host_gradients`); the slice's logits are in the profile's own head working set;
 * **what it costs** (:func:`stream_cost`): each streamed byte crosses the host link twice per
   step; a fetch overlaps the unit's forward (forward) and twice that (backward): only the
   excess is exposed. :func:`stream_order` ranks units by exposed seconds per byte saved, so the
@@ -31,7 +37,15 @@ import numpy as np
 from superneurons.memory.planner.cost import CostModel
 from superneurons.memory.profile_types import CATEGORIES, Profile, UnitParam
 
-__all__ = ["WeightStreams", "stream_cost", "stream_order", "streamed_params", "weight_windows"]
+__all__ = [
+    "WeightStreams",
+    "host_gradients",
+    "sliced_head",
+    "stream_cost",
+    "stream_order",
+    "streamed_params",
+    "weight_windows",
+]
 
 
 @dataclass(frozen=True)
@@ -67,16 +81,55 @@ def _streams(param: UnitParam, units: Collection[str]) -> bool:
     return param.streamable and bool(param.units) and all(u in units for u in param.units)
 
 
+@dataclass(frozen=True)
+class SlicedHead:
+    """The LM head's weight streamed in vocabulary slices (module docstring)."""
+
+    unit: str  # the unit holding the head
+    param: UnitParam  # its weight
+    slice_bytes: int  # bytes of one full slice
+    slices: int  # how many
+
+
+def sliced_head(profile: Profile, units: Collection[str]) -> SlicedHead | None:
+    """The head's weight when the profile's head runs in vocabulary slices (``vocab_rows``) and
+    it streams with ``units``, held by the head's unit alone (a tied one is not sliced)."""
+    head = profile.head
+    if head is None or not head.vocab_rows:
+        return None
+    unit = next((u for u in units if head.fqn == u or head.fqn.startswith(u + ".")), None)
+    name = f"{head.fqn}.weight"
+    param = next((p for p in profile.unit_params if p.fqn == name), None)
+    if unit is None or param is None or param.units != (unit,) or param.rows < 1:
+        return None
+    if not _streams(param, units):
+        return None
+    rows = min(head.vocab_rows, param.rows)
+    return SlicedHead(unit, param, param.nbytes // param.rows * rows, -(-param.rows // rows))
+
+
+def host_gradients(profile: Profile, units: Collection[str]) -> frozenset[str]:
+    """Parameters whose gradient is accumulated on the host when ``units`` stream: the
+    trainable head weight in vocabulary slices."""
+    sliced = sliced_head(profile, units)
+    return frozenset([sliced.param.fqn] if sliced and sliced.param.trainable else [])
+
+
 def weight_windows(profile: Profile, units: Collection[str], table: np.ndarray) -> None:
     """Move the streamed parameters' bytes in ``table``'s params row (in place): absent
     everywhere, live in the windows of the module docstring. A parameter held by two streamed
-    units (tied embeddings) has one device copy, live while either window is open."""
+    units (tied embeddings) has one device copy, live while either window is open. The head's
+    weight in vocabulary slices: two slices in the head's forward and backward, and one slice
+    of its gradient in the grads row in backward."""
     params = CATEGORIES.index("params")
     table[params] -= sum(streamed_params(profile, units).values())
     held = set(streamed_params(profile, units))
     windows = _windows(profile, held)
+    sliced = sliced_head(profile, held)
+    if sliced is not None:
+        _slice_windows(profile, sliced, table)
     for param in profile.unit_params:
-        if not _streams(param, held):
+        if not _streams(param, held) or (sliced is not None and param is sliced.param):
             continue
         open_count = np.zeros(profile.num_events + 1, dtype=np.int64)
         for start, end, unit in windows:
@@ -85,6 +138,22 @@ def weight_windows(profile: Profile, units: Collection[str], table: np.ndarray) 
                 open_count[start] += 1
                 open_count[end] -= 1
         table[params] += (np.cumsum(open_count[:-1]) > 0) * param.nbytes
+
+
+def _slice_windows(profile: Profile, sliced: SlicedHead, table: np.ndarray) -> None:
+    """The head's slices (the one computing and the next being fetched) inside each of its
+    calls' forward and backward, and its gradient's slice inside the backward."""
+    unit = next(u for u in profile.units if u.fqn == sliced.unit)
+    live = min(2, sliced.slices) * sliced.slice_bytes
+    for call in range(max(len(unit.calls), 1)):
+        fwd_start, fwd_end, bwd_start, bwd_end = unit.window(call)
+        spans = [(fwd_start, fwd_end)] + ([(bwd_start, bwd_end)] if bwd_start >= 0 else [])
+        for start, end in spans:
+            start, end = max(start, 0), min(end + 1, profile.num_events)
+            table[CATEGORIES.index("params"), start:end] += live
+        if bwd_start >= 0 and sliced.param.trainable:
+            start, end = max(bwd_start, 0), min(bwd_end + 1, profile.num_events)
+            table[CATEGORIES.index("grads"), start:end] += sliced.slice_bytes
 
 
 def _windows(profile: Profile, held: Collection[str]) -> list[tuple[int, int, str]]:
