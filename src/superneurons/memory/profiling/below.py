@@ -15,7 +15,8 @@ first, the smallest last:
    same FLOPs as 3; what it buys is for a plan that streams the head's weights from the host
    (``stream-weights``), which then fetches one slice at a time and sends each slice's
    gradient to the host (``memory.planner.weights``); not offered for a head whose weight is
-   tied to the input embedding.
+   tied to the input embedding, nor under ``impl="exact"`` (its gradients are the unchunked
+   loss's within 1e-6, not bit for bit).
 
 Chunk sizes come from bytes (:func:`.headloss.chunk_tokens_for`, :func:`.seqchunk.
 sequence_splits`), so the same rule serves a 32k-vocabulary toy and Llama-3-8B at 128k tokens.
@@ -55,7 +56,8 @@ def head_chunking(
     ``mode``: ``impl="exact"`` and TRL's fused head (whose kernel recomputes its tiles in
     backward, chunk by chunk too) recompute only. ``vocab``: the head's weight in vocabulary
     slices (:func:`.chunked.vocab.vocab_rows_for`; recompute, the project's loop), None for TRL's
-    fused head and for a weight tied to another module's."""
+    fused head, for a weight tied to another module's and under ``impl="exact"`` (the online
+    log-sum-exp is not the unchunked loss's bit for bit)."""
     fqn = find_output_embedding(model)
     if fqn is None:
         return None
@@ -68,8 +70,8 @@ def head_chunking(
     weight = cast(nn.Linear, model.get_submodule(fqn)).weight  # (V, H)
     size, hidden = int(weight.shape[0]), int(weight.shape[1])
     chunk = chunk_tokens_for(tokens, hidden, size)
-    if vocab:
-        if mode != "recompute" or _tied(model, weight):
+    if vocab:  # NOTE: not bitwise the unchunked loss's gradients: never under impl="exact"
+        if mode != "recompute" or impl == "exact" or _tied(model, weight):
             return None
         rows = vocab_rows_for(tokens, hidden, size, weight.element_size())
         return HeadChunking(fqn, chunk, "recompute", "pure", vocab_rows=rows)
@@ -128,7 +130,7 @@ def below_profiles(
             chosen.append((head, ()))
     if splits and "recompute+split" in variants:
         chosen.append((head_chunking(model, tokens=tokens, mode="recompute", impl=impl), splits))
-    sliced = head_chunking(model, tokens=tokens, mode="recompute", vocab=True)
+    sliced = head_chunking(model, tokens=tokens, mode="recompute", impl=impl, vocab=True)
     if sliced is not None and "vocab" in variants:
         chosen.append((sliced, splits))
     options: dict[str, Any] = dict(

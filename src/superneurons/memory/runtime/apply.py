@@ -243,11 +243,9 @@ def apply_plan(
     pool = TensorPool(config, device=device, excluded=model_state)
     handle = PlanHandle(model, plan, pool)
     trace = _CallTrace()
-    head: HeadHandle | None = None
+    head = chunk_head(model, plan.head) if plan.head is not None else None  # checks, then patches
+    handle._hooks += [head] if head is not None else []
     try:
-        if plan.head is not None:
-            head = chunk_head(model, plan.head)
-            handle._hooks.append(head)
         if plan.seq_chunks:
             handle._hooks.append(split_sequence(model, plan.seq_chunks))
         handle._hooks += guard_compiled_calls(model, plan, mode=compile)
