@@ -9,6 +9,7 @@ host optimizer's and the measured peak against the prediction."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -207,6 +208,41 @@ def test_tiny_llama_streaming_every_unit_and_the_head_in_slices_trains_bitwise()
         assert _relative(fresh(**_batch(0)).loss.detach(), reference.detach()) <= 1e-6
 
 
+def test_clipping_and_accumulation_see_the_head_gradient_on_the_host() -> None:
+    """Two micro-batches summed and clipped: the head's host gradient gets the first one's sum
+    and its norm on the host, bitwise as eager ``.grad`` and ``clip_grad_norm_``."""
+    from superneurons.memory.plan import TrainingStep
+
+    torch.set_num_threads(1)
+    step = TrainingStep(max_grad_norm=0.5, accumulation_steps=2)
+    eager, ours = _llama(), _llama()
+    opt = _adamw(list(eager.parameters()))
+    resident = chunk_head(eager, _HEAD)
+    handle = apply_plan(ours, replace(_streamed_plan(), step=step), optimizer_factory=_adamw)
+    assert handle.optimizer is not None and handle.buckets is not None
+    micro = [0]
+    handle.buckets.sync = lambda: micro[0] == 1
+    norms = []
+    for s in range(2):
+        opt.zero_grad()
+        handle.optimizer.zero_grad()
+        for m in range(2):
+            micro[0] = m
+            (eager(**_batch(2 * s + m)).loss / 2).backward()
+            (ours(**_batch(2 * s + m)).loss / 2).backward()
+            assert ours.lm_head.weight.grad is None  # taken by its bucket, on the host
+        norms.append((
+            torch.nn.utils.clip_grad_norm_(eager.parameters(), 0.5),
+            handle.optimizer.clip_grad_norm_(0.5, 2.0, ours.parameters()),
+        ))  # fmt: skip
+        opt.step()
+        handle.optimizer.step()
+    resident.remove()
+    handle.remove()
+    assert all(torch.equal(a, b) for a, b in norms), norms
+    _assert_equal(eager, ours)
+
+
 def test_lora_on_a_frozen_base_streams_the_head_slices_with_no_gradient() -> None:
     peft = pytest.importorskip("peft")
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
@@ -237,6 +273,29 @@ def test_a_tied_head_is_refused_and_leaves_no_trace() -> None:
         apply_plan(model, _streamed_plan(), optimizer_factory=_adamw)
     assert all(p.device.type == "cpu" for p in model.parameters())
     assert "forward" not in model.lm_head.__dict__ and "forward" not in model.__dict__
+
+
+@pytest.mark.cuda
+def test_streaming_the_head_in_slices_on_cuda_equals_the_resident_plan_bitwise() -> None:
+    """Side stream, pinned host copy and gradient buffer, events: the same bits as the same
+    plan with every weight resident."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    resident, streamed = _llama().cuda(), _llama().cuda()
+    handles = [
+        apply_plan(resident, _streamed_plan(streamed=()), optimizer_factory=_adamw),
+        apply_plan(streamed, _streamed_plan(), optimizer_factory=_adamw),
+    ]
+    for step in range(3):
+        batch = {k: v.cuda() for k, v in _batch(step).items()}
+        for model, handle in zip((resident, streamed), handles, strict=True):
+            model(**batch).loss.backward()
+            handle.optimizer.step()  # type: ignore[union-attr]
+    assert streamed.lm_head.weight.device.type == "cpu"  # between steps: the host copy
+    assert streamed.lm_head.weight.is_pinned()
+    for handle in handles:
+        handle.remove()
+    _assert_equal(resident, streamed)
 
 
 # --- the floor and the measured peak (five profiles of the step) ------------------------------
