@@ -3,9 +3,10 @@ slice at a time (memory.offload.slices): loss and gradients equal to the unchunk
 1e-6 relative (ignored tokens, a masked span, an uneven last slice, a bias); the streamed source
 bitwise equal to the resident one; a tiny Llama (vocabulary 32000) with every unit's weights
 streamed and the head in vocabulary slices training bitwise as the same loss on resident weights
-with the device's AdamW (prompt tokens labelled -100); LoRA on a frozen base whose head's slices
-stream with no gradient; a tied head refused; the plan field; and (slow) the floor against the
-host optimizer's and the measured peak against the prediction."""
+with the device's AdamW (prompt tokens labelled -100), also clipping and accumulating; LoRA on a
+frozen base whose head's slices stream with no gradient; a tied head refused; the plan field; and
+the stream-weights floor against the host optimizer's, with the measured peak against the
+prediction."""
 
 from __future__ import annotations
 
@@ -95,6 +96,13 @@ def test_the_streamed_source_is_bitwise_the_resident_one() -> None:
     # the host buffer itself, not a copy of it
     assert leaves[1].grad.data_ptr() == source.last_gradient.buffer_ptr
     assert source.counters["fetches"] == 2 * 4  # four slices, forward and backward
+    # under a plan the host optimizer takes the buffer instead of autograd
+    delivered: list[torch.Tensor] = []
+    source.deliver = delivered.append
+    leaves = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
+    vocab_cross_entropy(*leaves, targets, vocab_rows=300, source=source).backward()
+    assert leaves[1].grad is None and torch.equal(delivered[0], grads[1])
+    assert delivered[0].data_ptr() == source.last_gradient.buffer_ptr
 
 
 def test_slices_come_from_bytes() -> None:
@@ -190,14 +198,14 @@ def _assert_equal(eager: nn.Module, ours: nn.Module) -> None:
 def test_tiny_llama_streaming_every_unit_and_the_head_in_slices_trains_bitwise() -> None:
     torch.set_num_threads(1)
     eager, ours = _llama(), _llama()
-    seen: list[int] = []  # where the head's gradient is when autograd has accumulated it
+    seen: list[int] = []  # the head's .grad when autograd's hook runs: the host buffer itself
     ours.lm_head.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.data_ptr()))
     handle = _train_both(eager, ours, _streamed_plan())
     stream = handle.weights
-    assert stream is not None
+    assert stream is not None and handle.buckets is not None
     rows = stream.rows_of(ours.lm_head.weight)
     assert rows is not None and rows.last_gradient is not None
-    assert seen[-1] == rows.last_gradient.buffer_ptr  # the host buffer itself: never copied
+    assert len(seen) == 5 and seen[-1] == rows.last_gradient.buffer_ptr  # never copied
     assert stream.stats().device_bytes == 0
     handle.remove()
     _assert_equal(eager, ours)
@@ -342,8 +350,10 @@ def test_tiny_llama_floor_against_the_host_optimizer_and_measured_peak() -> None
         f"{host_before} B = {ratio_before:.3f}; / its floor with them "
         f"{floors['offload+host-optimizer']} B = {ratio_now:.3f}"
     )
-    assert ratio_before <= 0.5, message
-    assert ratio_now < 0.65, message  # the host optimizer gains from the slices too
+    print(message)  # shown with pytest -s
+    # the host optimizer's floor falls with the slices too (a slice's logits are smaller than
+    # a chunk of tokens'): the target holds against both
+    assert ratio_before <= 0.5 and ratio_now <= 0.5, message
 
     plan = make_plan(plain, budget_bytes=stream, strategy="stream-weights", chunked=chunked)
     assert (

@@ -312,7 +312,8 @@ class Plan:
         weights_host_bytes: pinned host bytes of the streamed units' parameters (their host
             copies; the host optimizer's fp32 masters are ``optimizer_host_bytes``).
         streamed_bytes: weight bytes copied host -> device per step (each streamed parameter
-            twice: ahead of its unit's forward and of its backward).
+            twice: ahead of its unit's forward and of its backward; once for a unit whose
+            backward reads none of its weights, an embedding that is not recomputed).
         weights_exposed_s: predicted time per step the weight copies add beyond the compute
             they overlap (the device preset's host link).
         exposed_transfer_s: predicted time per step all the plan's copies (activations,

@@ -34,6 +34,7 @@ __all__ = [
     "is_head_storage",
     "layer_units",
     "unit_params",
+    "weightless_backward",
 ]
 
 # The unit sets a profile can be made with: blocks (``default_units``), every layer
@@ -267,6 +268,20 @@ class UnitParam:
     rows: int = 0
 
 
+def weightless_backward(module: nn.Module) -> bool:
+    """``module``'s backward reads none of its weights: a plain ``nn.Embedding`` (its backward,
+    ``embedding_dense_backward``, scatters the output's gradient by the saved indices into a
+    weight-sized gradient; ``max_norm`` renormalises the weight in forward, so it is left
+    out, as is any subclass with a forward of its own). One definition for the profile
+    (:attr:`Profile.weightless_backward`) and the runtime (:mod:`superneurons.memory.offload.
+    weights`): a streamed unit that is one opens no backward window."""
+    return (
+        isinstance(module, nn.Embedding)
+        and type(module).forward is nn.Embedding.forward
+        and module.max_norm is None
+    )
+
+
 def unit_params(model: nn.Module, units: Iterable[str]) -> tuple[UnitParam, ...]:
     """Every parameter of ``model`` with the units (of ``units``) that hold it, in
     ``named_parameters`` order, then the tensors parameters hold beside their data (a 4-bit
@@ -376,6 +391,9 @@ class Profile:
     # every parameter with the units holding it (:func:`unit_params`; () when not recorded:
     # no unit's weights can stream)
     unit_params: tuple[UnitParam, ...] = ()
+    # the units whose backward reads none of their weights (:func:`weightless_backward`): a
+    # streamed one is fetched for its forward only, unless it is recomputed
+    weightless_backward: tuple[str, ...] = ()
 
     @property
     def scratch_bytes(self) -> int:

@@ -88,8 +88,9 @@ class RowGradient(Protocol):
     def put(self, v0: int, v1: int, grad: torch.Tensor) -> None:
         """Take ``grad`` (``(v1 - v0, H)``), the gradient of rows ``v0:v1``."""
 
-    def result(self) -> torch.Tensor:
-        """The weight's whole gradient, once every slice was put (what autograd receives)."""
+    def result(self) -> torch.Tensor | None:
+        """The weight's whole gradient, once every slice was put (what autograd receives; None:
+        the gradient went elsewhere, e.g. to a host optimizer)."""
 
 
 class RowSource(Protocol):

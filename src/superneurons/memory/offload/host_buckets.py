@@ -213,13 +213,26 @@ class GradientBuckets:
         self._rebuild_ddp: Callable[[], None] | None = None  # undoes attach(rebuild=True)
         self._previous_ignored: Any = None  # DDP's ignore list before install_host_optimizer
 
-    def grads_on_host(self, fqn: str, ready: Callable[[], Any]) -> None:
-        """Parameter ``fqn``'s gradient is accumulated on the host (its ``.grad`` a host
-        tensor, whole after the CUDA event ``ready()`` returns, or at once where that is
-        None): its bucket takes it from there, with no copy and no device byte."""
+    def grads_on_host(self, fqn: str, ready: Callable[[], Any]) -> Callable[[torch.Tensor], None]:
+        """Parameter ``fqn``'s gradient is made on the host (whole after the CUDA event
+        ``ready()`` returns, or at once where that is None): returns what takes each backward's
+        gradient (a host tensor) in place of autograd; its bucket steps it from there, with no
+        copy and no device byte."""
         if fqn not in self._params:
             raise ConfigError(f"{fqn!r} is not a trainable parameter of the planned model")
         self._on_host[fqn] = ready
+        return functools.partial(self._receive, fqn)
+
+    def _receive(self, fqn: str, grad: torch.Tensor) -> None:
+        """A host gradient arrived: it becomes the parameter's ``.grad`` (added to one there:
+        autograd's ``grad += new``), as its post-accumulate-grad hook would see it."""
+        param = self._params[fqn]
+        if param.grad is None:
+            param.grad = grad
+        else:
+            with untracked(), torch.no_grad():
+                param.grad.add_(grad)
+        self._on_grad(fqn)
 
     # --- data parallel ---------------------------------------------------------------------
     def attach(self, ddp: nn.parallel.DistributedDataParallel, *, rebuild: bool = False) -> None:

@@ -11,10 +11,12 @@ time, so :class:`StreamedRows` serves it from the weight's host copy:
   between slices;
 * **a slice's gradient** ``dW_c`` (``(r, H)``, on the device) is copied into its rows of a
   host gradient buffer as soon as it is computed, so the whole ``(V, H)`` gradient exists only
-  on the host: the buffer is what autograd accumulates into the parameter's ``.grad`` (which
-  is a host tensor between windows), and the host optimizer's gradient buckets take it from
-  there without a copy (:meth:`~superneurons.memory.offload.host_buckets.GradientBuckets.
-  grads_on_host`), waiting for the last copy's event.
+  on the host. Under a plan the buffer is handed to the host optimizer's gradient buckets
+  (``deliver``: :meth:`~superneurons.memory.offload.host_buckets.GradientBuckets.
+  grads_on_host`), which step it from there without a copy, waiting for the last copy's
+  event; autograd then gets no gradient for the weight (``AccumulateGrad`` would only re-wrap
+  the host buffer, and the parameter's post-accumulate-grad hooks do not run for it). With no
+  ``deliver`` the buffer is the weight's gradient for autograd to accumulate.
 
 CUDA: the slices come from the pinned host copy on the weight stream's side stream, their
 gradients go out on a stream of their own (the two directions use separate copy engines),
@@ -26,6 +28,7 @@ outside every tracker (only the device copies count).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,6 +47,10 @@ class StreamedRows:
         device: where the loss computes.
         stream: the side stream of the host -> device copies (None on CPU).
         counters: the weight stream's counters (``h2d_bytes``, ``fetches``), updated here.
+
+    Attributes:
+        deliver: takes each backward's host gradient instead of autograd (module docstring);
+            None: autograd gets it.
     """
 
     def __init__(
@@ -60,6 +67,7 @@ class StreamedRows:
         self._d2h: Any = torch.cuda.Stream(device) if self._cuda else None
         self.counters = counters if counters is not None else {}
         self.last_gradient: HostRowGradient | None = None
+        self.deliver: Callable[[torch.Tensor], None] | None = None
 
     def fetch(self, v0: int, v1: int) -> tuple[torch.Tensor, Any]:
         """Start copying rows ``v0:v1`` to the device (on the side stream on CUDA)."""
@@ -86,7 +94,7 @@ class StreamedRows:
     def gradient(self) -> HostRowGradient:
         """A host buffer for this backward's gradient (a new one each backward: the host
         optimizer's buckets may still hold the last one, e.g. summing micro-batches)."""
-        self.last_gradient = HostRowGradient(self.host, self.device, self._d2h)
+        self.last_gradient = HostRowGradient(self.host, self.device, self._d2h, self.deliver)
         return self.last_gradient
 
     def ready_event(self) -> Any:
@@ -98,9 +106,16 @@ class StreamedRows:
 class HostRowGradient:
     """One backward's gradient of a streamed weight, assembled on the host slice by slice."""
 
-    def __init__(self, like: torch.Tensor, device: torch.device, stream: Any) -> None:
+    def __init__(
+        self,
+        like: torch.Tensor,
+        device: torch.device,
+        stream: Any,
+        deliver: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
         self._cuda = device.type == "cuda"
         self._stream = stream
+        self._deliver = deliver
         with untracked():
             self.buffer: torch.Tensor | None = torch.empty(
                 like.shape, dtype=like.dtype, device="cpu", pin_memory=self._cuda
@@ -123,13 +138,16 @@ class HostRowGradient:
             grad.record_stream(self._stream)  # not reused before the copy has read it
             self.event = self._stream.record_event()
 
-    def result(self) -> torch.Tensor:
-        """The buffer, given away: no reference stays here, so autograd takes it as the
-        parameter's ``.grad`` without a copy (``AccumulateGrad`` steals a gradient nobody else
-        holds, and clones one that is held)."""
+    def result(self) -> torch.Tensor | None:
+        """The buffer, given away: to ``deliver`` (then None for autograd), or to autograd with
+        no reference left here, so it becomes the parameter's ``.grad`` without a copy
+        (``AccumulateGrad`` steals a gradient nobody else holds, and clones one that is)."""
         buffer, self.buffer = self.buffer, None
         assert buffer is not None, "result() twice"
-        return buffer
+        if self._deliver is None:
+            return buffer
+        self._deliver(buffer)
+        return None
 
 
 def _on(stream: Any) -> contextlib.AbstractContextManager[Any]:

@@ -22,7 +22,9 @@ same windows this module opens):
 * **Backward**: when backward enters a streamed call's outputs (autograd-node pre-hooks,
   ``memory.nodes``) the windows of later calls close, the call's weights are fetched (or were
   prefetched) and the previous call's (forward order) are prefetched; the end of backward
-  closes everything.
+  closes everything. A unit whose backward reads none of its weights (an ``nn.Embedding``
+  that is not recomputed: ``forward_only``) opens no backward window and is not prefetched
+  for it; entering its backward still closes the windows of later calls.
 * A parameter held by several streamed units (tied embeddings) has one host copy and at most
   one device copy, open while any of its units' windows is. A module called twice opens its
   window twice.
@@ -55,7 +57,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,6 +151,9 @@ class WeightStream:
         sliced: parameters read in slices of rows by their unit's forward and backward (the LM
             head's weight under the vocabulary-sliced loss): hosted as the others, never
             fetched whole; :meth:`rows_of` serves their slices (:mod:`.slices`).
+        forward_only: streamed units whose backward reads none of their weights (an embedding
+            that is not recomputed: ``profile_types.weightless_backward``): no backward window
+            (a saved weight one unpacks all the same is fetched on demand).
     """
 
     def __init__(
@@ -159,6 +164,7 @@ class WeightStream:
         all_units: Sequence[str],
         device: torch.device,
         sliced: Sequence[nn.Parameter] = (),
+        forward_only: Collection[str] = (),
     ) -> None:
         self.device = device
         self._cuda = device.type == "cuda"
@@ -166,6 +172,7 @@ class WeightStream:
         self.units = list(units)
         self.modules = [model.get_submodule(f) for f in self.units]
         self.weights, self._of_unit = _streamed(model, self.units, all_units)
+        self._reads = [f not in forward_only for f in self.units]  # backward opens a window
         self._by_storage: dict[int, _Weight] = {}  # device copy's storage -> its weight
         self._calls: list[int] = []  # unit index of each forward call since the last backward
         self._needs_backward: list[bool] = []
@@ -385,12 +392,17 @@ class WeightStream:
         for later in sorted(c for c in self._open_backward if c > call):
             self._open_backward.discard(later)
             self._close(self._calls[later])
-        if call not in self._open_backward:
+        if call not in self._open_backward and self._reads[self._calls[call]]:
             self._open_backward.add(call)
             self._open(self._calls[call])
         previous = next(
-            (c for c in range(call - 1, -1, -1) if self._needs_backward[c]), None
-        )  # the call before it in forward order that backward will enter
+            (
+                c
+                for c in range(call - 1, -1, -1)
+                if self._needs_backward[c] and self._reads[self._calls[c]]
+            ),
+            None,
+        )  # the call before it in forward order that backward will enter and read weights in
         if previous is not None:
             self._prefetch(self._calls[previous])
 

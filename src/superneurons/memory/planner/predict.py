@@ -129,9 +129,9 @@ def evaluate(
         step,
         host_gradients(profile, streamed) if host_optimizer else frozenset(),
     )
-    weights = stream_cost(profile, streamed, cost)
+    weights = stream_cost(profile, streamed, cost, actions)
     if streamed:
-        weight_windows(profile, streamed, timeline.table)
+        weight_windows(profile, streamed, timeline.table, actions)
     host_bytes = _move_saved(plan, timeline) + _keep_checkpoint_inputs(plan, timeline)
     if profile.rng_state_bytes:
         _stash_rng_states(profile, actions, plan.segments, plan.members, timeline.change)

@@ -14,7 +14,9 @@ copy after use. This module predicts that, from the profile alone:
   streamed unit's first op (its prefetch) to the end of its own forward call; in backward from
   where backward enters the next streamed call in forward order (its prefetch; its own entry
   when none) to where backward enters the previous one (its release; the end of backward when
-  none), at the same autograd-node edges the runtime hooks (``memory.nodes``);
+  none), at the same autograd-node edges the runtime hooks (``memory.nodes``); a unit whose
+  backward reads none of its weights (an embedding: ``Profile.weightless_backward``) and is not
+  recomputed has no backward copy;
 * **the LM head in vocabulary slices** (:func:`sliced_head`; a head plan with ``vocab_rows``,
   :mod:`superneurons.memory.chunked.vocab`): a streamed head's weight is never on the device
   whole: the loss fetches one slice and the next inside the head's forward call and again
@@ -29,11 +31,12 @@ copy after use. This module predicts that, from the profile alone:
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
+from superneurons.memory.plan import RECOMPUTING
 from superneurons.memory.planner.cost import CostModel
 from superneurons.memory.profile_types import CATEGORIES, Profile, UnitParam
 
@@ -115,7 +118,25 @@ def host_gradients(profile: Profile, units: Collection[str]) -> frozenset[str]:
     return frozenset([sliced.param.fqn] if sliced and sliced.param.trainable else [])
 
 
-def weight_windows(profile: Profile, units: Collection[str], table: np.ndarray) -> None:
+def _forward_only(
+    profile: Profile, units: Collection[str], actions: Mapping[str, str] | None
+) -> frozenset[str]:
+    """The streamed units fetched for their forward only: their backward reads none of their
+    weights (``Profile.weightless_backward``: an embedding) and they are not recomputed."""
+    actions = actions or {}
+    return frozenset(
+        u
+        for u in profile.weightless_backward
+        if u in units and actions.get(u, "keep") not in RECOMPUTING
+    )
+
+
+def weight_windows(
+    profile: Profile,
+    units: Collection[str],
+    table: np.ndarray,
+    actions: Mapping[str, str] | None = None,
+) -> None:
     """Move the streamed parameters' bytes in ``table``'s params row (in place): absent
     everywhere, live in the windows of the module docstring. A parameter held by two streamed
     units (tied embeddings) has one device copy, live while either window is open. The head's
@@ -124,7 +145,7 @@ def weight_windows(profile: Profile, units: Collection[str], table: np.ndarray) 
     params = CATEGORIES.index("params")
     table[params] -= sum(streamed_params(profile, units).values())
     held = set(streamed_params(profile, units))
-    windows = _windows(profile, held)
+    windows = _windows(profile, held, _forward_only(profile, held, actions))
     sliced = sliced_head(profile, held)
     if sliced is not None:
         _slice_windows(profile, sliced, table)
@@ -156,9 +177,12 @@ def _slice_windows(profile: Profile, sliced: SlicedHead, table: np.ndarray) -> N
             table[CATEGORIES.index("grads"), start:end] += sliced.slice_bytes
 
 
-def _windows(profile: Profile, held: Collection[str]) -> list[tuple[int, int, str]]:
+def _windows(
+    profile: Profile, held: Collection[str], forward_only: Collection[str] = ()
+) -> list[tuple[int, int, str]]:
     """``(start, end, unit)``: each streamed call's forward and backward copy, live on events
-    ``[start, end)``."""
+    ``[start, end)``; the units of ``forward_only`` have no backward copy (entering their
+    backward still closes the windows of later calls, as the runtime does)."""
     units = {u.fqn: u for u in profile.units}
     calls = sorted(
         ((u.fqn, c) for u in profile.units if u.fqn in held for c in range(max(len(u.calls), 1))),
@@ -177,6 +201,8 @@ def _windows(profile: Profile, held: Collection[str]) -> list[tuple[int, int, st
         own = _entry(units[key[0]], key[1])
         start = _entry(units[entered[i + 1][0]], entered[i + 1][1]) if i + 1 < len(entered) else own
         end = _entry(units[entered[i - 1][0]], entered[i - 1][1]) + 1 if i > 0 else None
+        if key[0] in forward_only:
+            continue
         windows.append(
             (min(start, own), profile.backward_end_event + 1 if end is None else end, key[0])
         )
@@ -189,21 +215,31 @@ def _entry(unit: object, call: int) -> int:
     return int(edges[call][0]) if call < len(edges) else -1
 
 
-def stream_cost(profile: Profile, units: Collection[str], cost: CostModel) -> WeightStreams:
-    """Host bytes, bytes streamed per step and their copy time, total and exposed."""
+def stream_cost(
+    profile: Profile,
+    units: Collection[str],
+    cost: CostModel,
+    actions: Mapping[str, str] | None = None,
+) -> WeightStreams:
+    """Host bytes, bytes streamed per step and their copy time, total and exposed (a unit
+    fetched for its forward only: once per call)."""
     owned = streamed_params(profile, units)
     if not any(owned.values()):
         return WeightStreams()
     seconds = cost.unit_seconds(profile)
     by_fqn = {u.fqn: u for u in profile.units}
+    forward_only = _forward_only(profile, owned, actions)
     transfer_s = exposed_s = 0.0
     streamed = 0
     for fqn, nbytes in _held(profile, owned).items():
         calls = max(len(by_fqn[fqn].calls), 1)
         fetch_s, compute_s = cost.fetch_s(nbytes), seconds[fqn] / calls
-        streamed += 2 * calls * nbytes
-        transfer_s += 2 * calls * fetch_s
-        exposed_s += calls * (max(0.0, fetch_s - compute_s) + max(0.0, fetch_s - 2 * compute_s))
+        copies = 1 if fqn in forward_only else 2
+        streamed += copies * calls * nbytes
+        transfer_s += copies * calls * fetch_s
+        exposed_s += calls * max(0.0, fetch_s - compute_s)
+        if copies == 2:
+            exposed_s += calls * max(0.0, fetch_s - 2 * compute_s)
     return WeightStreams(sum(owned.values()), streamed, transfer_s, exposed_s)
 
 

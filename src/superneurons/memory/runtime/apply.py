@@ -56,7 +56,8 @@ from superneurons.memory.offload.optim_host import HostOptimizerState
 from superneurons.memory.offload.plan_optimizer import attach_optimizer
 from superneurons.memory.offload.pool import PoolConfig, PoolStats, TensorPool
 from superneurons.memory.offload.weights import WeightStream
-from superneurons.memory.plan import OFFLOADING, Plan
+from superneurons.memory.plan import OFFLOADING, RECOMPUTING, Plan
+from superneurons.memory.profile_types import weightless_backward
 from superneurons.memory.runtime.compiled import CompileMode, guard_compiled_calls
 from superneurons.memory.runtime.recompute import RecomputeStats, checkpointed_forward
 from superneurons.memory.runtime.stateful import guard_stateful_forwards
@@ -312,12 +313,20 @@ def _stream_weights(
             "first unit runs them past their windows: give them segment -1"
         )
     sliced = _sliced_head(model, plan)
+    forward_only = [
+        u.fqn
+        for u in plan.units
+        if u.weights == "host"
+        and u.action not in RECOMPUTING
+        and weightless_backward(model.get_submodule(u.fqn))
+    ]
     stream = WeightStream(
         model,
         plan.streamed_units(),
         all_units=[u.fqn for u in plan.units],
         device=device,
         sliced=sliced,
+        forward_only=forward_only,
     )
     trainable = [w.fqn for w in stream.weights if w.param.requires_grad]
     if trainable and handle.buckets is None:
@@ -333,8 +342,8 @@ def _stream_weights(
         assert head is not None and rows is not None  # _sliced_head: a head plan
         head.rows = rows
         fqns = [w.fqn for w in stream.weights if w.param is param and param.requires_grad]
-        if fqns and handle.buckets is not None:  # its gradient arrives on the host
-            handle.buckets.grads_on_host(fqns[0], rows.ready_event)
+        if fqns and handle.buckets is not None:  # its gradient is made on the host
+            rows.deliver = handle.buckets.grads_on_host(fqns[0], rows.ready_event)
     stream.move_to_host()
     handle.weights = stream
     handle.pool.weights = stream
