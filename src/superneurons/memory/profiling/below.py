@@ -12,9 +12,9 @@ first, the smallest last:
 2. the head + loss in chunks recomputing its logits in backward (+33% of the head's FLOPs);
 3. that, and each block's MLP run over pieces of the sequence (one more forward of the MLP);
 4. that, with the head's weight read in slices of the vocabulary (:mod:`.chunked.vocab`): the
-   same FLOPs as 3; what it buys is for a plan that streams the head's weights from the host
-   (``stream-weights``), which then fetches one slice at a time and sends each slice's
-   gradient to the host (``memory.planner.weights``); not offered for a head whose weight is
+   same FLOPs as 3, for a plan that streams the head's weights from the host (only
+   ``stream-weights`` searches it), which then fetches one slice at a time and sends each
+   slice's gradient to the host (``memory.planner.weights``); not offered for a head whose weight is
    tied to the input embedding, nor under ``impl="exact"`` (its gradients are the unchunked
    loss's within 1e-6, not bit for bit).
 
