@@ -206,9 +206,9 @@ class GradientBuckets:
             for fqn, p in params.items()
         ]
         self.launched_bytes = 0  # gradient bytes sent to the host (counters for stats)
-        # parameters whose gradient autograd accumulates on the host (the LM head's weight
+        # parameters whose gradient is made on the host and handed over (the LM head's weight
         # read in vocabulary slices: memory.offload.slices), with the CUDA event after which
-        # it is whole (None: whole when it is accumulated)
+        # it is whole (None: whole when it arrives)
         self._on_host: dict[str, Callable[[], Any]] = {}
         self._rebuild_ddp: Callable[[], None] | None = None  # undoes attach(rebuild=True)
         self._previous_ignored: Any = None  # DDP's ignore list before install_host_optimizer
@@ -403,7 +403,7 @@ class GradientBuckets:
             copied.append(event)
         for grad in on_host.values():
             self.launched_bytes += grad.numel() * grad.element_size()
-        work = functools.partial(self._work, grads, on_host)
+        work = functools.partial(self._work, grads, on_host, final=self._final)
         if self._worker is None:
             work()  # CPU: here, in order (bitwise reproducible)
         else:  # CUDA: the host works beside backward once the copies have landed
@@ -436,20 +436,22 @@ class GradientBuckets:
         self.launched_bytes += host.numel() * host.element_size()
         return grads, copied
 
-    def _work(self, grads: dict[str, torch.Tensor], on_host: dict[str, torch.Tensor]) -> None:
-        """The host's part of one bucket, once its gradients are there: the gradients that
-        were accumulated on the host get the sums of earlier micro-batches (on the last one)
-        and their norms here; then the bucket is stepped, or landed where the step waits."""
+    def _work(
+        self, grads: dict[str, torch.Tensor], on_host: dict[str, torch.Tensor], *, final: bool
+    ) -> None:
+        """The host's part of one bucket, once its gradients are there: the gradients made on
+        the host get the sums of earlier micro-batches (on the last one) and their norms here;
+        then the bucket is stepped, or landed where the step waits."""
         if on_host:
             with untracked(), torch.no_grad():
-                if self.waits and self._final:
+                if self.waits and final:
                     for fqn, sums in self.landed.pending(on_host).items():
                         on_host[fqn].add_(sums)
-                if self._final:
+                if final:
                     self._record_norms(on_host, next(iter(on_host.values())).dtype)
         grads = {**grads, **on_host}
         if self.waits:
-            self.landed.land(grads, final=self._final)
+            self.landed.land(grads, final=final)
         else:
             self.optimizer.step(grads)
 
