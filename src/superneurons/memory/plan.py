@@ -150,12 +150,19 @@ class HeadChunking:
         impl: ``"native"`` (PyTorch's ``F.linear_cross_entropy``), ``"pure"`` or ``"exact"``
             (``recompute`` only: the hidden states' gradients bit for bit those of the
             unchunked loss): the one the plan was profiled with.
+        vocab_rows: 0, or rows of the output embedding's weight per *vocabulary slice*: the
+            loss runs over slices ``W[v0:v1]`` with an online log-sum-exp, recomputing each
+            slice's logits in backward (``memory.chunked.vocab``; mode ``recompute``, impl
+            ``pure``), so a head whose unit streams its weights (``weights="host"``) fetches
+            one slice at a time and writes each slice's gradient to the host. Written to JSON
+            only when set (older builds read the rest).
     """
 
     fqn: str
     chunk_tokens: int
     mode: str = "recompute"
     impl: str = "pure"
+    vocab_rows: int = 0
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:
@@ -166,6 +173,13 @@ class HeadChunking:
             raise ConfigError(f"head {self.fqn!r}: impl must be one of {IMPLEMENTATIONS}")
         if self.impl == "exact" and self.mode != "recompute":
             raise ConfigError(f"head {self.fqn!r}: impl 'exact' recomputes (mode 'recompute')")
+        if self.vocab_rows < 0:
+            raise ConfigError(f"head {self.fqn!r}: vocab_rows must be >= 0 (0: no slices)")
+        if self.vocab_rows and (self.mode, self.impl) != ("recompute", "pure"):
+            raise ConfigError(
+                f"head {self.fqn!r}: vocabulary slices recompute their logits in the project's "
+                "loop: use mode 'recompute' and impl 'pure' with vocab_rows"
+            )
 
 
 @dataclass(frozen=True)
@@ -298,7 +312,8 @@ class Plan:
         weights_host_bytes: pinned host bytes of the streamed units' parameters (their host
             copies; the host optimizer's fp32 masters are ``optimizer_host_bytes``).
         streamed_bytes: weight bytes copied host -> device per step (each streamed parameter
-            twice: ahead of its unit's forward and of its backward).
+            twice: ahead of its unit's forward and of its backward; once for a unit whose
+            backward reads none of its weights, an embedding that is not recomputed).
         weights_exposed_s: predicted time per step the weight copies add beyond the compute
             they overlap (the device preset's host link).
         exposed_transfer_s: predicted time per step all the plan's copies (activations,
@@ -394,6 +409,8 @@ class Plan:
         body = asdict(self)
         if self.step is None:  # a plan made for the plain step reads as it always has
             del body["step"]
+        if self.head is not None and not self.head.vocab_rows:
+            del body["head"]["vocab_rows"]  # a head without slices reads as it always has
         if self.version < 4:  # the version 3 record, key for key
             for unit in body["units"]:
                 del unit["weights"]

@@ -34,6 +34,7 @@ __all__ = [
     "is_head_storage",
     "layer_units",
     "unit_params",
+    "weightless_backward",
 ]
 
 # The unit sets a profile can be made with: blocks (``default_units``), every layer
@@ -255,6 +256,8 @@ class UnitParam:
             them when a module outside every unit holds it too (then it never streams).
         streamable: it can stream at all: not an LLM.int8() weight nor its scales
             (:func:`superneurons.memory.param_state.int8_parameter`).
+        rows: its size along dimension 0 (a slice of ``r`` rows holds ``r / rows`` of its
+            bytes: the LM head's weight in vocabulary slices); 0 for a scalar or a held tensor.
     """
 
     fqn: str
@@ -262,6 +265,21 @@ class UnitParam:
     trainable: bool
     units: tuple[str, ...]
     streamable: bool = True
+    rows: int = 0
+
+
+def weightless_backward(module: nn.Module) -> bool:
+    """``module``'s backward reads none of its weights: a plain ``nn.Embedding`` (its backward,
+    ``embedding_dense_backward``, scatters the output's gradient by the saved indices into a
+    weight-sized gradient; ``max_norm`` renormalises the weight in forward, so it is left
+    out, as is any subclass with a forward of its own). One definition for the profile
+    (:attr:`Profile.weightless_backward`) and the runtime (:mod:`superneurons.memory.offload.
+    weights`): a streamed unit that is one opens no backward window."""
+    return (
+        isinstance(module, nn.Embedding)
+        and type(module).forward is nn.Embedding.forward
+        and module.max_norm is None
+    )
 
 
 def unit_params(model: nn.Module, units: Iterable[str]) -> tuple[UnitParam, ...]:
@@ -283,7 +301,12 @@ def unit_params(model: nn.Module, units: Iterable[str]) -> tuple[UnitParam, ...]
                 int8.add(id(param))
     records = {
         fqn: UnitParam(
-            fqn, _nbytes(p), p.requires_grad, tuple(holders.get(id(p), [""])), id(p) not in int8
+            fqn,
+            _nbytes(p),
+            p.requires_grad,
+            tuple(holders.get(id(p), [""])),
+            id(p) not in int8,
+            int(p.shape[0]) if p.dim() else 0,
         )
         for fqn, p in model.named_parameters()
     }
@@ -368,6 +391,9 @@ class Profile:
     # every parameter with the units holding it (:func:`unit_params`; () when not recorded:
     # no unit's weights can stream)
     unit_params: tuple[UnitParam, ...] = ()
+    # the units whose backward reads none of their weights (:func:`weightless_backward`): a
+    # streamed one is fetched for its forward only, unless it is recomputed
+    weightless_backward: tuple[str, ...] = ()
 
     @property
     def scratch_bytes(self) -> int:

@@ -40,6 +40,7 @@ from torch import nn
 from superneurons.errors import ConfigError
 from superneurons.memory.chunked.fused import fused_forward, trl_fused_head
 from superneurons.memory.chunked.headloss import linear_cross_entropy
+from superneurons.memory.chunked.vocab import RowSource, vocab_cross_entropy
 from superneurons.memory.forwards import ForwardPatches
 from superneurons.memory.plan import HeadChunking
 
@@ -110,7 +111,16 @@ class _Call:
 
 
 class HeadHandle(ForwardPatches):
-    """Undoes :func:`chunk_head` (``remove()``, idempotent)."""
+    """Undoes :func:`chunk_head` (``remove()``, idempotent).
+
+    Attributes:
+        rows: under a head plan with ``vocab_rows``, where the weight's slices come from when
+            its weights stream (set by ``apply_plan``); None: the resident weight's views.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: RowSource | None = None
 
 
 def chunk_head(model: nn.Module, decision: HeadChunking) -> HeadHandle:
@@ -137,7 +147,7 @@ def chunk_head(model: nn.Module, decision: HeadChunking) -> HeadHandle:
     call = _Call()
     handle = HeadHandle()
     handle.patch(lm, _model_forward(lm, lm.forward, call, style, decision))
-    handle.patch(head, _head_forward(head, head.forward, call, decision))
+    handle.patch(head, _head_forward(head, head.forward, call, decision, handle))
     return handle
 
 
@@ -156,10 +166,11 @@ def _model_forward(
         if kwargs.get(key) is None or not torch.is_grad_enabled():
             return forward(*args, **kwargs)  # no loss asked, or no backward
         if kwargs.get("fused_lm_head"):  # TRL's fused head (``add_fused_lm_head``), in chunks
-            if fused is None:
+            if fused is None or decision.vocab_rows:
                 raise ConfigError(
                     f"{name} was called with fused_lm_head=True, but its forward is not TRL's "
-                    "fused LM head as TRL 1.x patches it: plan without head chunking"
+                    "fused LM head as TRL 1.x patches it, or the plan slices the vocabulary "
+                    "(TRL's kernel reads the whole weight): plan without head chunking"
                 )
             return fused_forward(lm, fused, decision.chunk_tokens, args, kwargs)
         kwargs = dict(kwargs)
@@ -188,7 +199,11 @@ def _model_forward(
 
 
 def _head_forward(
-    head: nn.Module, forward: Callable[..., Any], call: _Call, decision: HeadChunking
+    head: nn.Module,
+    forward: Callable[..., Any],
+    call: _Call,
+    decision: HeadChunking,
+    handle: HeadHandle,
 ) -> Callable[..., Any]:
     def wrapped(hidden: torch.Tensor) -> torch.Tensor:
         if call.labels is None:
@@ -197,6 +212,18 @@ def _head_forward(
         if not call.shifted:  # Hugging Face's shift: position t predicts token t + 1
             labels = F.pad(labels, (0, 1), value=call.ignore_index)[..., 1:]
         linear = cast(nn.Linear, head)
+        if decision.vocab_rows:  # the weight in vocabulary slices (streamed: handle.rows)
+            call.loss = vocab_cross_entropy(
+                hidden.reshape(-1, hidden.shape[-1]),  # (B*T, H)
+                linear.weight,  # (V, H)
+                labels.reshape(-1),  # (B*T,)
+                vocab_rows=decision.vocab_rows,
+                source=handle.rows,
+                bias=linear.bias,
+                ignore_index=call.ignore_index,
+                num_items=call.num_items,
+            )
+            return call.loss
         call.loss = linear_cross_entropy(
             hidden.reshape(-1, hidden.shape[-1]),  # (B*T, H)
             linear.weight,  # (V, H)

@@ -187,7 +187,8 @@ class GradientBuckets:
         self._bucket_of = {f: i for i, b in enumerate(self.buckets) for f in b}
         self._ready: list[set[str]] = [set() for _ in self.buckets]
         self._next = 0  # the next bucket to launch
-        self._inflight: tuple[int, Any, list[str]] | None = None
+        # (the flat buffer's names, its reduction or None, those landing, host gradients)
+        self._inflight: tuple[list[str], Any, list[str], dict[str, torch.Tensor]] | None = None
         self._callback_queued = False
         self.group: Any = None
         self.world_size = 1
@@ -205,8 +206,33 @@ class GradientBuckets:
             for fqn, p in params.items()
         ]
         self.launched_bytes = 0  # gradient bytes sent to the host (counters for stats)
+        # parameters whose gradient is made on the host and handed over (the LM head's weight
+        # read in vocabulary slices: memory.offload.slices), with the CUDA event after which
+        # it is whole (None: whole when it arrives)
+        self._on_host: dict[str, Callable[[], Any]] = {}
         self._rebuild_ddp: Callable[[], None] | None = None  # undoes attach(rebuild=True)
         self._previous_ignored: Any = None  # DDP's ignore list before install_host_optimizer
+
+    def grads_on_host(self, fqn: str, ready: Callable[[], Any]) -> Callable[[torch.Tensor], None]:
+        """Parameter ``fqn``'s gradient is made on the host (whole after the CUDA event
+        ``ready()`` returns, or at once where that is None): returns what takes each backward's
+        gradient (a host tensor) in place of autograd; its bucket steps it from there, with no
+        copy and no device byte."""
+        if fqn not in self._params:
+            raise ConfigError(f"{fqn!r} is not a trainable parameter of the planned model")
+        self._on_host[fqn] = ready
+        return functools.partial(self._receive, fqn)
+
+    def _receive(self, fqn: str, grad: torch.Tensor) -> None:
+        """A host gradient arrived: it becomes the parameter's ``.grad`` (added to one there:
+        autograd's ``grad += new``), as its post-accumulate-grad hook would see it."""
+        param = self._params[fqn]
+        if param.grad is None:
+            param.grad = grad
+        else:
+            with untracked(), torch.no_grad():
+                param.grad.add_(grad)
+        self._on_grad(fqn)
 
     # --- data parallel ---------------------------------------------------------------------
     def attach(self, ddp: nn.parallel.DistributedDataParallel, *, rebuild: bool = False) -> None:
@@ -281,8 +307,10 @@ class GradientBuckets:
 
     def _launch(self, index: int) -> None:
         """Flatten bucket ``index``'s gradients (with the sums of earlier micro-batches, on the
-        last one), drop them, start its reduction; then drain the bucket launched before it."""
-        names = self.buckets[index]
+        last one), drop them, start its reduction; then drain the bucket launched before it.
+        Gradients already on the host (:meth:`grads_on_host`) are taken as they are."""
+        names = [f for f in self.buckets[index] if f not in self._on_host]
+        on_host = self._take_host_grads(index)
         params = [self._params[f] for f in names]
         grads = [p.grad for p in params]
         sums = self.landed.pending(names) if self.waits and self._final else {}
@@ -291,6 +319,8 @@ class GradientBuckets:
         reduce = self.world_size > 1 and self._final
         if not landing and not reduce:
             self._drain()
+            if on_host:
+                self._inflight = (names, None, [], on_host)
             return
         flat = self._flatten(params, grads)
         if sums:
@@ -308,7 +338,22 @@ class GradientBuckets:
             future.set_result(flat)
         del flat
         self._drain()
-        self._inflight = (index, future, landing)
+        self._inflight = (names, future, landing, on_host)
+
+    def _take_host_grads(self, index: int) -> dict[str, torch.Tensor]:
+        """The host gradients of bucket ``index`` (their ``.grad`` dropped)."""
+        taken = {}
+        for fqn in (f for f in self.buckets[index] if f in self._on_host):
+            param = self._params[fqn]
+            if param.grad is not None:
+                taken[fqn], param.grad = param.grad, None
+        if taken and self.world_size > 1:
+            raise ConfigError(
+                f"{sorted(taken)[:3]} have their gradients on the host (a streamed LM head in "
+                "vocabulary slices), which runs on one device: plan without weight streaming "
+                "under data parallelism"
+            )
+        return taken
 
     def _flatten(self, params: list[nn.Parameter], grads: list[Any]) -> torch.Tensor:
         """The bucket's gradients in one flat buffer, zeros where a parameter has none (a lone
@@ -349,12 +394,30 @@ class GradientBuckets:
         (or land them in the host buffers, where the step waits)."""
         if self._inflight is None:
             return
-        index, future, names = self._inflight
+        flat_names, future, names, on_host = self._inflight
         self._inflight = None
+        grads: dict[str, torch.Tensor] = {}
+        copied = [self._on_host[f]() for f in on_host]
+        if future is not None:
+            grads, event = self._drain_flat(flat_names, future, names)
+            copied.append(event)
+        for grad in on_host.values():
+            self.launched_bytes += grad.numel() * grad.element_size()
+        work = functools.partial(self._work, grads, on_host, final=self._final)
+        if self._worker is None:
+            work()  # CPU: here, in order (bitwise reproducible)
+        else:  # CUDA: the host works beside backward once the copies have landed
+            self._steps.append(self._worker.submit(self._when_copied, copied, work))
+
+    def _drain_flat(
+        self, flat_names: list[str], future: Any, names: list[str]
+    ) -> tuple[dict[str, torch.Tensor], Any]:
+        """The reduced flat buffer's gradients of ``names`` copied to the host (and the CUDA
+        event of that copy), their norms recorded on the device."""
         reduced = future.wait()
         reduced = reduced[0] if isinstance(reduced, list) else reduced  # (numel,)
         views, offset = {}, 0
-        for fqn in self.buckets[index]:
+        for fqn in flat_names:
             numel = self._params[fqn].numel()
             if fqn in names:
                 views[fqn] = reduced[offset : offset + numel].view_as(self._params[fqn])
@@ -364,20 +427,33 @@ class GradientBuckets:
         host, copied = self._to_host(reduced)
         del reduced, future, views
         grads, offset = {}, 0
-        for fqn in self.buckets[index]:
-            numel = self._params[fqn].numel()
-            if fqn in names:
-                grads[fqn] = host[offset : offset + numel].view_as(self._params[fqn])
-            offset += numel
+        with untracked():  # views of host memory: on a CPU-only build no tracker may count them
+            for fqn in flat_names:
+                numel = self._params[fqn].numel()
+                if fqn in names:
+                    grads[fqn] = host[offset : offset + numel].view_as(self._params[fqn])
+                offset += numel
         self.launched_bytes += host.numel() * host.element_size()
+        return grads, copied
+
+    def _work(
+        self, grads: dict[str, torch.Tensor], on_host: dict[str, torch.Tensor], *, final: bool
+    ) -> None:
+        """The host's part of one bucket, once its gradients are there: the gradients made on
+        the host get the sums of earlier micro-batches (on the last one) and their norms here;
+        then the bucket is stepped, or landed where the step waits."""
+        if on_host:
+            with untracked(), torch.no_grad():
+                if self.waits and final:
+                    for fqn, sums in self.landed.pending(on_host).items():
+                        on_host[fqn].add_(sums)
+                if final:
+                    self._record_norms(on_host, next(iter(on_host.values())).dtype)
+        grads = {**grads, **on_host}
         if self.waits:
-            work = functools.partial(self.landed.land, grads, final=self._final)
+            self.landed.land(grads, final=final)
         else:
-            work = functools.partial(self.optimizer.step, grads)
-        if self._worker is None:
-            work()  # CPU: here, in order (bitwise reproducible)
-        else:  # CUDA: the host works beside backward once the copy has landed
-            self._steps.append(self._worker.submit(self._when_copied, copied, work))
+            self.optimizer.step(grads)
 
     def _record_norms(self, views: dict[str, torch.Tensor], dtype: Any) -> None:
         """Each final gradient's norm, as ``clip_grad_norm_`` computes it (a 0-dim tensor per
@@ -389,9 +465,10 @@ class GradientBuckets:
             norms = torch._foreach_norm(list(views.values()), norm_type)
         self.landed.record_norms(dict(zip(views, norms, strict=True)), dtype, norm_type)
 
-    def _when_copied(self, copied: Any, work: Callable[[], None]) -> None:
+    def _when_copied(self, copied: list[Any], work: Callable[[], None]) -> None:
         with torch.cuda.device(self._device):
-            copied.synchronize()  # this worker thread waits, not backward's
+            for event in (e for e in copied if e is not None):
+                event.synchronize()  # this worker thread waits, not backward's
             work()
 
     def _to_host(self, reduced: torch.Tensor) -> tuple[torch.Tensor, Any]:

@@ -22,7 +22,9 @@ same windows this module opens):
 * **Backward**: when backward enters a streamed call's outputs (autograd-node pre-hooks,
   ``memory.nodes``) the windows of later calls close, the call's weights are fetched (or were
   prefetched) and the previous call's (forward order) are prefetched; the end of backward
-  closes everything.
+  closes everything. A unit whose backward reads none of its weights (an ``nn.Embedding``
+  that is not recomputed: ``forward_only``) opens no backward window and is not prefetched
+  for it; entering its backward still closes the windows of later calls.
 * A parameter held by several streamed units (tied embeddings) has one host copy and at most
   one device copy, open while any of its units' windows is. A module called twice opens its
   window twice.
@@ -55,7 +57,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +66,7 @@ from torch import nn
 
 from superneurons.errors import ConfigError
 from superneurons.memory.nodes import on_enter, output_nodes
+from superneurons.memory.offload.slices import StreamedRows
 from superneurons.memory.param_state import held_tensors
 from superneurons.memory.profile_types import unit_params
 from superneurons.memory.tracker import untracked
@@ -145,6 +148,12 @@ class WeightStream:
         all_units: every unit of the plan: a parameter streams when every module holding it is
             inside a streamed unit.
         device: where the units compute.
+        sliced: parameters read in slices of rows by their unit's forward and backward (the LM
+            head's weight under the vocabulary-sliced loss): hosted as the others, never
+            fetched whole; :meth:`rows_of` serves their slices (:mod:`.slices`).
+        forward_only: streamed units whose backward reads none of their weights (an embedding
+            that is not recomputed: ``profile_types.weightless_backward``): no backward window
+            (a saved weight one unpacks all the same is fetched on demand).
     """
 
     def __init__(
@@ -154,6 +163,8 @@ class WeightStream:
         *,
         all_units: Sequence[str],
         device: torch.device,
+        sliced: Sequence[nn.Parameter] = (),
+        forward_only: Collection[str] = (),
     ) -> None:
         self.device = device
         self._cuda = device.type == "cuda"
@@ -161,10 +172,7 @@ class WeightStream:
         self.units = list(units)
         self.modules = [model.get_submodule(f) for f in self.units]
         self.weights, self._of_unit = _streamed(model, self.units, all_units)
-        self._hooks = [
-            module.register_forward_hook(lambda _m, _a, out, w=weight: self._bind(w, out))
-            for weight, module in _four_bit_layers(model, self.weights)
-        ]
+        self._reads = [f not in forward_only for f in self.units]  # backward opens a window
         self._by_storage: dict[int, _Weight] = {}  # device copy's storage -> its weight
         self._calls: list[int] = []  # unit index of each forward call since the last backward
         self._needs_backward: list[bool] = []
@@ -173,6 +181,40 @@ class WeightStream:
         self._counters = dict.fromkeys(
             ("h2d_bytes", "fetches", "prefetch_hits", "demand_fetches", "written_back"), 0
         )
+        self._sliced: dict[int, StreamedRows] = {}
+        for param in sliced:  # before any hook: a refusal leaves no trace on the model
+            self._slice(param)
+        self._hooks = [
+            module.register_forward_hook(lambda _m, _a, out, w=weight: self._bind(w, out))
+            for weight, module in _four_bit_layers(model, self.weights)
+        ]
+
+    def _slice(self, param: nn.Parameter) -> None:
+        """Serve ``param`` in slices of rows instead of whole in its unit's windows."""
+        weight = next(
+            (w for w in self.weights if w.param is param and w.owners[0][1] == "data"), None
+        )
+        if weight is None:
+            raise ConfigError(
+                "the plan streams the LM head's weight in vocabulary slices, but the head's "
+                "unit does not stream it (a module outside the streamed units holds it, e.g. an "
+                "input embedding tied to it): re-plan this model"
+            )
+        held = [i for i, of_unit in enumerate(self._of_unit) if weight in of_unit]
+        if len(held) != 1:
+            raise ConfigError(
+                f"{weight.fqn!r} is tied to another streamed unit's weight (an input embedding "
+                "shared with the LM head): a tied head cannot stream in vocabulary slices, "
+                "since the other unit reads it whole; plan without vocab_rows, or untie it"
+            )
+        self._of_unit[held[0]].remove(weight)
+        self._sliced[id(param)] = StreamedRows(
+            weight.host, self.device, stream=self._stream, counters=self._counters
+        )
+
+    def rows_of(self, param: nn.Parameter) -> StreamedRows | None:
+        """The slices of ``param`` when it streams in slices (``sliced``), else None."""
+        return self._sliced.get(id(param))
 
     # --- set-up / undo ------------------------------------------------------------------------
     def move_to_host(self) -> None:
@@ -350,12 +392,17 @@ class WeightStream:
         for later in sorted(c for c in self._open_backward if c > call):
             self._open_backward.discard(later)
             self._close(self._calls[later])
-        if call not in self._open_backward:
+        if call not in self._open_backward and self._reads[self._calls[call]]:
             self._open_backward.add(call)
             self._open(self._calls[call])
         previous = next(
-            (c for c in range(call - 1, -1, -1) if self._needs_backward[c]), None
-        )  # the call before it in forward order that backward will enter
+            (
+                c
+                for c in range(call - 1, -1, -1)
+                if self._needs_backward[c] and self._reads[self._calls[c]]
+            ),
+            None,
+        )  # the call before it in forward order that backward will enter and read weights in
         if previous is not None:
             self._prefetch(self._calls[previous])
 

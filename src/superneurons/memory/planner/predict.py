@@ -33,7 +33,12 @@ from superneurons.memory.planner.predict_steps import (
     step_in_backward,
     step_on_host,
 )
-from superneurons.memory.planner.weights import WeightStreams, stream_cost, weight_windows
+from superneurons.memory.planner.weights import (
+    WeightStreams,
+    host_gradients,
+    stream_cost,
+    weight_windows,
+)
 from superneurons.memory.planner.where import locate
 from superneurons.memory.profile_types import CATEGORIES, Profile, StorageLife
 
@@ -116,11 +121,17 @@ def evaluate(
     plan = _Plan(profile, actions, segments or {}, min_offload_bytes)
     step = step or TrainingStep()
     timeline, host_state = _optimizer_rows(
-        profile, optimizer_in_backward, optimizer_on_host, host_optimizer, buckets, step
+        profile,
+        optimizer_in_backward,
+        optimizer_on_host,
+        host_optimizer,
+        buckets,
+        step,
+        host_gradients(profile, streamed) if host_optimizer else frozenset(),
     )
-    weights = stream_cost(profile, streamed, cost)
+    weights = stream_cost(profile, streamed, cost, actions)
     if streamed:
-        weight_windows(profile, streamed, timeline.table)
+        weight_windows(profile, streamed, timeline.table, actions)
     host_bytes = _move_saved(plan, timeline) + _keep_checkpoint_inputs(plan, timeline)
     if profile.rng_state_bytes:
         _stash_rng_states(profile, actions, plan.segments, plan.members, timeline.change)
@@ -214,6 +225,7 @@ def _optimizer_rows(
     host_optimizer: bool,
     buckets: tuple[tuple[str, ...], ...] | None,
     step: TrainingStep,
+    host_grads: frozenset[str] = frozenset(),
 ) -> tuple[_Timeline, HostStateModel | None]:
     """The step's eager rows with the optimizer where the plan steps it: in backward (each
     gradient freed once applied), its state in the host pool, or on the host; gradients
@@ -226,7 +238,7 @@ def _optimizer_rows(
     if in_backward:
         step_in_backward(table, head, profile, step)
     if host_optimizer:
-        step_on_host(table, head, profile, buckets, step)
+        step_on_host(table, head, profile, buckets, step, host_grads)
     host_state = None
     if in_backward and on_host:
         # NOTE: timed by the gradients' births, not their hooks: measured here, the fetched state

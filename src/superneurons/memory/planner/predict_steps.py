@@ -124,15 +124,23 @@ def step_on_host(
     profile: Profile,
     buckets: tuple[tuple[str, ...], ...] | None,
     step: TrainingStep = _PLAIN,
+    host_grads: frozenset[str] = frozenset(),
 ) -> None:
     """The optimizer on the host: no state on the device, gradients live as ``buckets``
     (default :func:`~superneurons.memory.planner.buckets.assign_buckets`) are launched and
     drained; with accumulation the last micro-batch also brings each bucket's accumulated sum
     back for the moment it is added (:func:`~superneurons.memory.planner.buckets.
-    bucket_timeline` ``staged``)."""
+    bucket_timeline` ``staged``). The gradients of ``host_grads`` (parameter fqns) are
+    accumulated on the host: no device byte (``memory.planner.weights.host_gradients``)."""
     _after_backward(table, head, profile)
     table[CATEGORIES.index("optimizer")] = 0
     gradients = profile.gradients
+    if host_grads:
+        names = profile.grad_params
+        gradients = tuple(
+            (b, r, 0 if i < len(names) and names[i] in host_grads else n)
+            for i, (b, r, n) in enumerate(gradients)
+        )
     if buckets is None:
         buckets = assign_buckets(gradients, profile.grad_params)
     table[CATEGORIES.index("grads")] = bucket_timeline(

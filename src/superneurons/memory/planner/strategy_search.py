@@ -143,7 +143,16 @@ def usable(profiles: Sequence[Profile], strategy: str) -> list[Profile]:
     # forward to backward, which stepping in backward exists to avoid, and the state timeline
     # (by gradient births) would fetch its state in the forward: not combined
     in_backward = strategy in IN_BACKWARD
-    return [p for p in profiles if not (in_backward and p.head and p.head.mode != "recompute")]
+    # NOTE: a head in vocabulary slices serves a streamed head (one slice on the device, its
+    # gradient on the host); with the weight resident it only trades the token chunks' logits
+    # for a slice's, at gradients no longer bit for bit the unchunked loss's: streaming only
+    sliced = strategy != STREAM_WEIGHTS
+    return [
+        p
+        for p in profiles
+        if not (in_backward and p.head and p.head.mode != "recompute")
+        and not (sliced and p.head and p.head.vocab_rows)
+    ]
 
 
 def _search(

@@ -10,7 +10,13 @@ first, the smallest last:
 1. the head + loss in chunks computing its gradients in the forward (no extra FLOPs; holds
    ``dW`` and ``dh`` from forward to backward);
 2. the head + loss in chunks recomputing its logits in backward (+33% of the head's FLOPs);
-3. that, and each block's MLP run over pieces of the sequence (one more forward of the MLP).
+3. that, and each block's MLP run over pieces of the sequence (one more forward of the MLP);
+4. that, with the head's weight read in slices of the vocabulary (:mod:`.chunked.vocab`): the
+   same FLOPs as 3, for a plan that streams the head's weights from the host (only
+   ``stream-weights`` searches it), which then fetches one slice at a time and sends each
+   slice's gradient to the host (``memory.planner.weights``); not offered for a head whose weight is
+   tied to the input embedding, nor under ``impl="exact"`` (its gradients are the unchunked
+   loss's within 1e-6, not bit for bit).
 
 Chunk sizes come from bytes (:func:`.headloss.chunk_tokens_for`, :func:`.seqchunk.
 sequence_splits`), so the same rule serves a 32k-vocabulary toy and Llama-3-8B at 128k tokens.
@@ -30,36 +36,53 @@ from superneurons.memory.chunked.fused import patched_by_trl, trl_fused_head
 from superneurons.memory.chunked.headloss import chunk_tokens_for, resolve_implementation
 from superneurons.memory.chunked.lmhead import chunk_head, find_output_embedding
 from superneurons.memory.chunked.seqchunk import sequence_splits, split_sequence
+from superneurons.memory.chunked.vocab import vocab_rows_for
 from superneurons.memory.plan import HeadChunking, SeqChunking
 from superneurons.memory.profile_types import Profile
 from superneurons.memory.profiling.step import profile_step
 
 __all__ = ["VARIANTS", "below_profiles", "head_chunking"]
 
-VARIANTS: tuple[str, ...] = ("grad-in-forward", "recompute", "recompute+split")
+VARIANTS: tuple[str, ...] = ("grad-in-forward", "recompute", "recompute+split", "vocab")
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 
 def head_chunking(
-    model: nn.Module, *, tokens: int, mode: str, impl: str = "auto"
+    model: nn.Module, *, tokens: int, mode: str, impl: str = "auto", vocab: bool = False
 ) -> HeadChunking | None:
     """The head chunking of ``model`` (or of the causal LM inside it, PEFT's wrappers passed
     over) for ``tokens`` tokens a step, None when it has no chunkable head or cannot run
     ``mode``: ``impl="exact"`` and TRL's fused head (whose kernel recomputes its tiles in
-    backward, chunk by chunk too) recompute only."""
+    backward, chunk by chunk too) recompute only. ``vocab``: the head's weight in vocabulary
+    slices (:func:`.chunked.vocab.vocab_rows_for`; recompute, the project's loop), None for TRL's
+    fused head, for a weight tied to another module's and under ``impl="exact"`` (the online
+    log-sum-exp is not the unchunked loss's bit for bit)."""
     fqn = find_output_embedding(model)
     if fqn is None:
         return None
     lm = model.get_submodule(fqn.rpartition(".")[0])
-    if patched_by_trl(lm.forward) and (mode != "recompute" or trl_fused_head(lm.forward) is None):
+    trl = patched_by_trl(lm.forward)
+    if trl and (mode != "recompute" or vocab or trl_fused_head(lm.forward) is None):
         return None  # TRL's fused head: its kernel in chunks, recomputing, when it can be read
     if mode != "recompute" and impl == "exact":
         return None
     weight = cast(nn.Linear, model.get_submodule(fqn)).weight  # (V, H)
-    vocab, hidden = int(weight.shape[0]), int(weight.shape[1])
+    size, hidden = int(weight.shape[0]), int(weight.shape[1])
+    chunk = chunk_tokens_for(tokens, hidden, size)
+    if vocab:  # NOTE: not bitwise the unchunked loss's gradients: never under impl="exact"
+        if mode != "recompute" or impl == "exact" or _tied(model, weight):
+            return None
+        rows = vocab_rows_for(tokens, hidden, size, weight.element_size())
+        return HeadChunking(fqn, chunk, "recompute", "pure", vocab_rows=rows)
     impl = resolve_implementation(impl, dtype=weight.dtype, device=weight.device)
-    return HeadChunking(fqn, chunk_tokens_for(tokens, hidden, vocab), mode, impl)
+    return HeadChunking(fqn, chunk, mode, impl)
+
+
+def _tied(model: nn.Module, weight: torch.Tensor) -> bool:
+    """``weight`` is held by more than one module (an input embedding tied to the head)."""
+    holders = [m for m in model.modules() if any(p is weight for p in m.parameters(False))]
+    return len(holders) > 1
 
 
 def below_profiles(
@@ -107,6 +130,9 @@ def below_profiles(
             chosen.append((head, ()))
     if splits and "recompute+split" in variants:
         chosen.append((head_chunking(model, tokens=tokens, mode="recompute", impl=impl), splits))
+    sliced = head_chunking(model, tokens=tokens, mode="recompute", impl=impl, vocab=True)
+    if sliced is not None and "vocab" in variants:
+        chosen.append((sliced, splits))
     options: dict[str, Any] = dict(
         units=unit_fqns,
         fake_mode=fake_mode,

@@ -45,6 +45,7 @@ from superneurons.memory.profile_types import (
     default_units,
     head_unit,
     unit_params,
+    weightless_backward,
 )
 from superneurons.memory.profiling.from_recording import build_profile
 from superneurons.memory.profiling.isolate import IsolationError, isolated, unwrapped
@@ -270,7 +271,8 @@ def _run(
         param_numel=sum(p.numel() for p in model.parameters() if p.requires_grad),
         frozen_bytes=_frozen_bytes(model),
     )
-    return replace(owned, unit_params=unit_params(model, unit_fqns))
+    weightless = tuple(f for f in unit_fqns if weightless_backward(model.get_submodule(f)))
+    return replace(owned, unit_params=unit_params(model, unit_fqns), weightless_backward=weightless)
 
 
 def _frozen_bytes(model: nn.Module) -> int:

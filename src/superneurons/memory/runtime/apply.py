@@ -38,13 +38,13 @@ import functools
 import logging
 from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from superneurons.errors import ConfigError
-from superneurons.memory.chunked.lmhead import chunk_head
+from superneurons.memory.chunked.lmhead import HeadHandle, chunk_head
 from superneurons.memory.chunked.seqchunk import split_sequence
 from superneurons.memory.forwards import ForwardPatches
 from superneurons.memory.fsdp import check_sharded_plan, is_fully_sharded
@@ -56,7 +56,8 @@ from superneurons.memory.offload.optim_host import HostOptimizerState
 from superneurons.memory.offload.plan_optimizer import attach_optimizer
 from superneurons.memory.offload.pool import PoolConfig, PoolStats, TensorPool
 from superneurons.memory.offload.weights import WeightStream
-from superneurons.memory.plan import OFFLOADING, Plan
+from superneurons.memory.plan import OFFLOADING, RECOMPUTING, Plan
+from superneurons.memory.profile_types import weightless_backward
 from superneurons.memory.runtime.compiled import CompileMode, guard_compiled_calls
 from superneurons.memory.runtime.recompute import RecomputeStats, checkpointed_forward
 from superneurons.memory.runtime.stateful import guard_stateful_forwards
@@ -243,9 +244,9 @@ def apply_plan(
     pool = TensorPool(config, device=device, excluded=model_state)
     handle = PlanHandle(model, plan, pool)
     trace = _CallTrace()
+    head = chunk_head(model, plan.head) if plan.head is not None else None  # checks, then patches
+    handle._hooks += [head] if head is not None else []
     try:
-        if plan.head is not None:
-            handle._hooks.append(chunk_head(model, plan.head))
         if plan.seq_chunks:
             handle._hooks.append(split_sequence(model, plan.seq_chunks))
         handle._hooks += guard_compiled_calls(model, plan, mode=compile)
@@ -272,7 +273,7 @@ def apply_plan(
         if plan.optimizer_in_backward or plan.host_optimizer:
             attach_optimizer(handle, model, optimizer_factory)
         if plan.streams_weights:
-            _stream_weights(handle, model, device)
+            _stream_weights(handle, model, device, head)
         handle._hooks += guard_stateful_forwards(model, plan)  # HF cache, state in forward
     except BaseException:
         handle.remove()
@@ -296,10 +297,14 @@ _STREAMING_ONE_DEVICE = (
 )
 
 
-def _stream_weights(handle: PlanHandle, model: nn.Module, device: torch.device) -> None:
+def _stream_weights(
+    handle: PlanHandle, model: nn.Module, device: torch.device, head: HeadHandle | None
+) -> None:
     """Keep the streamed units' parameters in the host pool, with device copies around their
     forward and backward (:mod:`superneurons.memory.offload.weights`); the host optimizer reads
-    and writes the trainable ones there."""
+    and writes the trainable ones there. A head plan with ``vocab_rows`` whose unit streams
+    reads the head's weight in slices (:mod:`superneurons.memory.offload.slices`), and its
+    gradient reaches the host optimizer on the host."""
     plan = handle.plan
     in_segment = [u.fqn for u in plan.units if u.weights == "host" and u.segment >= 0]
     if in_segment:
@@ -307,8 +312,21 @@ def _stream_weights(handle: PlanHandle, model: nn.Module, device: torch.device) 
             f"units {in_segment[:3]} stream their weights and sit in a recompute segment, whose "
             "first unit runs them past their windows: give them segment -1"
         )
+    sliced = _sliced_head(model, plan)
+    forward_only = [
+        u.fqn
+        for u in plan.units
+        if u.weights == "host"
+        and u.action not in RECOMPUTING
+        and weightless_backward(model.get_submodule(u.fqn))
+    ]
     stream = WeightStream(
-        model, plan.streamed_units(), all_units=[u.fqn for u in plan.units], device=device
+        model,
+        plan.streamed_units(),
+        all_units=[u.fqn for u in plan.units],
+        device=device,
+        sliced=sliced,
+        forward_only=forward_only,
     )
     trainable = [w.fqn for w in stream.weights if w.param.requires_grad]
     if trainable and handle.buckets is None:
@@ -319,12 +337,30 @@ def _stream_weights(handle: PlanHandle, model: nn.Module, device: torch.device) 
     for weight in stream.weights:
         if weight.param.requires_grad and handle.buckets is not None:
             handle.buckets.optimizer.retarget(weight.fqn, weight.host)
+    for param in sliced:
+        rows = stream.rows_of(param)
+        assert head is not None and rows is not None  # _sliced_head: a head plan
+        head.rows = rows
+        fqns = [w.fqn for w in stream.weights if w.param is param and param.requires_grad]
+        if fqns and handle.buckets is not None:  # its gradient is made on the host
+            rows.deliver = handle.buckets.grads_on_host(fqns[0], rows.ready_event)
     stream.move_to_host()
     handle.weights = stream
     handle.pool.weights = stream
     for index, fqn in enumerate(stream.units):
         module = model.get_submodule(fqn)
         handle._wrap(module, stream.forward_of(index, module.forward))
+
+
+def _sliced_head(model: nn.Module, plan: Plan) -> list[nn.Parameter]:
+    """The LM head's weight when the plan reads it in vocabulary slices and its unit streams."""
+    if plan.head is None or not plan.head.vocab_rows:
+        return []
+    streamed = set(plan.streamed_units())
+    fqn = plan.head.fqn
+    if not any(fqn == u or fqn.startswith(u + ".") for u in streamed):
+        return []  # resident: the loss reads views of the weight
+    return [cast(nn.Parameter, cast(nn.Linear, model.get_submodule(fqn)).weight)]
 
 
 def _resolve_units(model: nn.Module, plan: Plan) -> list[tuple[str, str, nn.Module]]:
