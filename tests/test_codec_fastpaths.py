@@ -11,7 +11,13 @@ import torch
 from superneurons.codecs.coding import noise
 from superneurons.codecs.coding.bitpack import byte_codes, pack_bits, unpack_bits
 from superneurons.codecs.coding.indexcode import decode_gap, encode_gap, gap_low_bits
-from superneurons.codecs.coding.rangefloat import read_codes, write_codes
+from superneurons.codecs.coding.rangefloat import (
+    dequantize,
+    quantize,
+    read_codes,
+    read_values,
+    write_codes,
+)
 from superneurons.compress import Payload, QSGDCodec, SignSGDCodec, TernGradCodec, TopKCodec
 
 
@@ -142,3 +148,19 @@ def test_gap_decode_on_the_cpu_equals_the_sync_free_path(universe: int, count: i
 
 def test_gap_low_widths_are_all_covered() -> None:
     assert {gap_low_bits(u, c) for u, c in _GAP_CASES} == {0, 1, 2, 4, 8, 16}
+
+
+@pytest.mark.parametrize("bits", [4, 8, 16])
+@pytest.mark.parametrize("finite", [True, False])
+def test_table_decode_of_range_floats_equals_the_element_wise_one(bits: int, finite: bool) -> None:
+    """``read_values`` (a table of every code on the CPU) gives the bits of ``dequantize``,
+    for an odd count (half a byte at 4 bits), values below the window and a NaN header."""
+    gen = torch.Generator().manual_seed(bits)
+    values = torch.randn(1001, generator=gen) * torch.logspace(-12, 0, 1001)
+    if not finite:
+        values[7] = float("nan")
+    codes, header = quantize(values, bits, threshold=1e-6)
+    data = write_codes(codes, bits)
+    want = dequantize(read_codes(data, bits, values.numel()), header, bits)
+    got = read_values(data, header, bits, values.numel())
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
