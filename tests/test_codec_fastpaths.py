@@ -10,7 +10,14 @@ import torch
 
 from superneurons.codecs.coding import noise
 from superneurons.codecs.coding.bitpack import byte_codes, pack_bits, unpack_bits
-from superneurons.codecs.coding.rangefloat import read_codes, write_codes
+from superneurons.codecs.coding.indexcode import decode_gap, encode_gap, gap_low_bits
+from superneurons.codecs.coding.rangefloat import (
+    dequantize,
+    quantize,
+    read_codes,
+    read_values,
+    write_codes,
+)
 from superneurons.compress import Payload, QSGDCodec, SignSGDCodec, TernGradCodec, TopKCodec
 
 
@@ -119,3 +126,41 @@ def test_rangefloat_byte_codes_skip_the_mask_but_keep_the_bytes() -> None:
     packed = write_codes(codes, 8)
     assert torch.equal(packed, pack_bits((codes & 0xFF).long(), 8))
     assert torch.equal(read_codes(packed, 8, 1001), (codes & 0xFF))
+
+
+# (universe, count) pairs whose Elias-Fano low parts take each fast width: 0, 1, 2, 4, 8, 16
+_GAP_CASES = [
+    (1000, 1000), (1000, 450), (10_000, 2_000), (100_000, 6_000), (1 << 20, 3_000), (1 << 24, 200)
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("universe", "count"), _GAP_CASES)
+def test_gap_decode_on_the_cpu_equals_the_sync_free_path(universe: int, count: int) -> None:
+    """The numpy decode of the CPU and the scatter of other devices, at every low-bit width."""
+    gen = torch.Generator().manual_seed(count)
+    indices = torch.randperm(universe, generator=gen)[:count].sort().values
+    code = encode_gap(indices, universe)
+    cpu = decode_gap(code, universe, count, sync_free=False)
+    assert torch.equal(cpu, indices)
+    assert torch.equal(decode_gap(code, universe, count, sync_free=True), indices)
+    assert cpu.dtype == torch.int64
+
+
+def test_gap_low_widths_are_all_covered() -> None:
+    assert {gap_low_bits(u, c) for u, c in _GAP_CASES} == {0, 1, 2, 4, 8, 16}
+
+
+@pytest.mark.parametrize("bits", [4, 8, 16])
+@pytest.mark.parametrize("finite", [True, False])
+def test_table_decode_of_range_floats_equals_the_element_wise_one(bits: int, finite: bool) -> None:
+    """``read_values`` (a table of every code on the CPU) gives the bits of ``dequantize``,
+    for an odd count (half a byte at 4 bits), values below the window and a NaN header."""
+    gen = torch.Generator().manual_seed(bits)
+    values = torch.randn(1001, generator=gen) * torch.logspace(-12, 0, 1001)
+    if not finite:
+        values[7] = float("nan")
+    codes, header = quantize(values, bits, threshold=1e-6)
+    data = write_codes(codes, bits)
+    want = dequantize(read_codes(data, bits, values.numel()), header, bits)
+    got = read_values(data, header, bits, values.numel())
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))

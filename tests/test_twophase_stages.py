@@ -135,3 +135,44 @@ def test_a_non_finite_value_makes_the_message_nan_and_keeps_no_error(
     heads = message[:, : 4 * layout.rows].view(torch.float32)
     assert torch.isnan(heads).all()
     assert torch.equal(message[:, 4 * layout.rows :], want[:, 4 * layout.rows :])
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("with_error", [True, False])
+def test_the_owners_decode_of_its_slice_equals_the_decode_of_its_segment(
+    bits: int, rounding: str, with_error: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``owner_reduce(decoded=...)`` writes the bits ``decode_slices`` would write for the owned
+    segment (so the hook skips it there), and the same error and message as without it."""
+    monkeypatch.setattr(stages, "BLOCK_VALUES", 3 * 64)
+    config = TwoPhase(bits=bits, chunk=64, rounding=rounding)
+    layout = config.layout(64 * 40, _WORLD)
+    gen = torch.Generator().manual_seed(bits)
+    x = torch.randn(layout.padded_numel, generator=gen)
+    scratch = stages.StageScratch.make(layout, _fresh, torch.device("cpu"))
+    message = torch.zeros(_WORLD, layout.slice_bytes, dtype=torch.uint8)
+    rows = x.view(-1, layout.cols)
+    stages.worker_encode(rows, message, layout, config, scratch, residual=None, error=None)
+    residual = torch.randn(layout.rows, layout.cols, generator=gen) * 0.1
+    results = []
+    for decoded in (None, torch.full((layout.rows, layout.cols), 7.0)):
+        owned = torch.zeros(1, layout.slice_bytes, dtype=torch.uint8)
+        error = torch.empty(layout.rows, layout.cols) if with_error else None
+        assert stages.owner_reduce(
+            message, owned, layout, config, scratch, residual=residual, error=error,
+            generator=torch.Generator().manual_seed(6), decoded=decoded,
+        )  # fmt: skip
+        results.append((owned, error, decoded))
+    (owned, error, _), (owned_too, error_too, decoded) = results
+    assert torch.equal(owned, owned_too) and decoded is not None
+    if error is not None and error_too is not None:
+        assert torch.equal(error.view(torch.int32), error_too.view(torch.int32))
+    gathered = owned.expand(_WORLD, -1).contiguous()  # every owner's segment: this one
+    want = torch.empty(_WORLD * layout.rows, layout.cols)
+    stages.decode_slices(gathered, want, layout, config, scratch)
+    assert torch.equal(decoded.view(torch.int32), want[: layout.rows].view(torch.int32))
+    skipped = torch.full_like(want, 5.0)
+    stages.decode_slices(gathered, skipped, layout, config, scratch, skip=0)
+    assert (skipped[: layout.rows] == 5.0).all()
+    assert torch.equal(skipped[layout.rows :], want[layout.rows :])

@@ -21,9 +21,8 @@ from superneurons.codecs.coding.rangefloat import (
     HEADER_BYTES,
     RangeFloatHeader,
     check_bits,
-    dequantize,
     quantize,
-    read_codes,
+    read_values,
     write_codes,
 )
 from superneurons.errors import ConfigError
@@ -80,8 +79,7 @@ class RangeFloatCodec(Canonical):
         if self.bits == 32:
             return data.clone().view(torch.float32)
         header = RangeFloatHeader.from_bytes(data[:HEADER_BYTES])
-        codes = read_codes(data[HEADER_BYTES:], self.bits, n)
-        return dequantize(codes, header, self.bits)
+        return read_values(data[HEADER_BYTES:], header, self.bits, n)
 
     def decode_sum(self, payloads: Sequence[Payload]) -> torch.Tensor:
         return sum_of_decodes(self, payloads)

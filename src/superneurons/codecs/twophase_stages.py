@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from superneurons.codecs.coding.bitpack import pack_rows_
@@ -57,6 +58,7 @@ class StageScratch:
     copies: torch.Tensor  # float32 (P * block,)
     levels: torch.Tensor  # uint8 (P * block,)
     scales: torch.Tensor  # float32 (>= P * rows,): every chunk's scale before it is written
+    per_row: torch.Tensor  # float32 (3 * block rows,): a block's row maxima, minima, factors
 
     @classmethod
     def make(cls, layout: SliceLayout, take: Take, device: torch.device) -> StageScratch:
@@ -72,6 +74,7 @@ class StageScratch:
             copies=take("copies", world * block, torch.float32),
             levels=take("levels", world * block, torch.uint8),
             scales=take("scales", world * layout.rows, torch.float32),
+            per_row=take("per_row", 3 * (block // layout.cols), torch.float32),
         )
 
 
@@ -115,10 +118,14 @@ def _quantize_block(
     scratch: StageScratch,
     key: object,
     start: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes and scales of rows ``x`` (``(n, cols)``), and ``error = x - decode`` if given."""
+    scales: torch.Tensor,
+) -> torch.Tensor:
+    """Codes of rows ``x`` (``(n, cols)``, into ``scratch.codes``), their scales into
+    ``scales`` (``(n,)``), and ``error = x - decode`` if given."""
     values = x.numel()
-    codes, scales = quantize_rows(
+    if _fast(config, x.device):
+        return _quantize_nearest_cpu(x, error, config.bits, scratch, scales, scratch.work)
+    codes, made = quantize_rows(
         x,
         bits=config.bits,
         rounding=config.rounding,
@@ -128,9 +135,64 @@ def _quantize_block(
         noise_start=start,
     )
     if error is not None:
-        decoded = dequantize_rows(codes, scales, bits=config.bits, out=error)
+        decoded = dequantize_rows(codes, made, bits=config.bits, out=error)
         torch.sub(x, decoded, out=decoded)
-    return codes, scales
+    scales.copy_(made)
+    return codes
+
+
+def _fast(config: TwoPhase, device: torch.device) -> bool:
+    """The CPU's nearest rounding at 2, 4 or 8 bits: :func:`_quantize_nearest_cpu`."""
+    return device.type == "cpu" and config.rounding == "nearest" and config.bits > 1
+
+
+def _quantize_nearest_cpu(
+    x: torch.Tensor,
+    error: torch.Tensor | None,
+    bits: int,
+    scratch: StageScratch,
+    scales: torch.Tensor,
+    work: torch.Tensor,
+    decoded: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`~.coding.chunkquant.quantize_rows` (nearest) then ``x - dequantize_rows``, the
+    same bits in fewer calls: ~15 torch and ~8 numpy calls per block instead of ~35 torch
+    calls. The per-row arithmetic runs in numpy on ``(n,)`` views, the add and the conversion
+    to uint8 are one numpy call (one pass less), the scales land in ``scales`` directly.
+    ``work``: a float32 scratch of ``x``'s size, not ``x``'s storage; ``decoded``: where the
+    dequantised rows go (else into ``error``, before it becomes the error). Measured on a 16.7M
+    tensor (one thread, thread CPU time, best of 5, 4 alternations at load ~3.3 on 2 cores):
+    worker stage 46-50 ms against 51-54 ms.
+
+    The same operations per element as the general path: ``max(amax, -amin)`` (torch's
+    ``maximum``, whose sign of zero numpy's does not share), ``reciprocal(s) * m/2`` (what
+    ``m/2 / s`` computes), ``trunc(x * factor + (m/2 + 0.5))``, ``q * (s * 2/m) - s``."""
+    count, cols = x.shape
+    levels = (1 << bits) - 1
+    half = levels / 2.0
+    row = scratch.per_row
+    top = torch.amax(x, dim=1, out=row[:count])
+    bottom = torch.amin(x, dim=1, out=row[count : 2 * count]).neg_()
+    torch.maximum(top, bottom, out=scales)
+    factor = row[2 * count : 3 * count]
+    s, f = scales.numpy(), factor.numpy()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        np.reciprocal(s, out=f)
+        np.multiply(f, half, out=f)
+        np.copyto(f, 0.0, where=~(s > 0))  # torch.where(s > 0, ., 0): NaN and 0 give 0
+    y = torch.mul(x, factor.unsqueeze(1), out=work[: count * cols].view(count, cols))
+    codes = scratch.codes[: count * cols].view(count, cols)
+    with np.errstate(invalid="ignore"):  # NaN (non-finite input) casts as torch's does
+        np.add(y.numpy(), half + 0.5, out=codes.numpy(), casting="unsafe")
+    target = decoded if decoded is not None else error
+    if target is not None:
+        np.multiply(s, 2.0 / levels, out=f)  # the step, s * 2/m (factor is no longer needed)
+        target.copy_(codes)
+        target.mul_(factor.unsqueeze(1)).sub_(scales.unsqueeze(1))
+    if error is not None:
+        assert target is not None
+        torch.sub(x, target, out=error)
+    return codes
 
 
 def worker_encode(
@@ -159,8 +221,8 @@ def worker_encode(
             if residual is not None:  # g + r into the cached block, not back to memory
                 x = torch.add(x, residual[at : at + count], out=scratch.x[: x.numel()].view_as(x))
             block_error = error[at : at + count] if error is not None else None
-            codes, scales = _quantize_block(x, block_error, config, scratch, key, at * cols)
-            scratch.scales[at : at + count].copy_(scales)
+            scales = scratch.scales[at : at + count]
+            codes = _quantize_block(x, block_error, config, scratch, key, at * cols, scales)
             body = part[owner : owner + 1, _body(layout, first, count)]
             pack_rows_(codes.view(1, -1), config.bits, out=body)
     return _finish(part, scratch.scales[: layout.world_size * layout.rows], layout)
@@ -176,10 +238,16 @@ def owner_reduce(
     residual: torch.Tensor | None,
     error: torch.Tensor | None,
     generator: torch.Generator | None = None,
+    decoded: torch.Tensor | None = None,
 ) -> bool:
     """Owner side: decode the ``P`` copies of the owned slice (``received``: uint8 ``(P, >=
     slice_bytes)``), average them in fp32, add ``residual`` (``(rows, cols)``), re-quantise
-    into ``owned`` (uint8 ``(1, >= slice_bytes)``), the new residual into ``error``."""
+    into ``owned`` (uint8 ``(1, >= slice_bytes)``), the new residual into ``error``.
+
+    ``decoded`` (``(rows, cols)`` float32, optional): the owned slice as every rank will decode
+    it from ``owned`` (:func:`decode_slices`' bits: the same dequantisation of the same codes
+    and scales), written here on the way, so this rank need not decode its own segment of the
+    all-gather (``decode_slices(skip=rank)``). Meaningless when this returns False."""
     per, cols, world = _block_rows(layout, received.device), layout.cols, layout.world_size
     key = _key(config, generator, received.device)
     for first in range(0, layout.rows, per):
@@ -194,20 +262,31 @@ def owner_reduce(
         if residual is not None:
             average.add_(residual[first : first + count])
         block_error = error[first : first + count] if error is not None else None
-        # NOTE: the codes' work buffer is `copies` (free now): `work` holds the average.
-        codes, scales = quantize_rows(
-            average,
-            bits=config.bits,
-            rounding=config.rounding,
-            codes=scratch.codes[:values],
-            work=scratch.copies[:values],
-            noise_key=key,  # type: ignore[arg-type]
-            noise_start=first * cols,
-        )
-        if block_error is not None:
-            decoded = dequantize_rows(codes, scales, bits=config.bits, out=block_error)
-            torch.sub(average, decoded, out=decoded)
-        scratch.scales[first : first + count].copy_(scales)
+        block_decoded = decoded[first : first + count] if decoded is not None else None
+        scales = scratch.scales[first : first + count]
+        if _fast(config, received.device):
+            # NOTE: the work buffer is `copies` (free now): `work` holds the average.
+            codes = _quantize_nearest_cpu(
+                average, block_error, config.bits, scratch, scales, scratch.copies, block_decoded
+            )
+        else:
+            # NOTE: the codes' work buffer is `copies` (free now): `work` holds the average.
+            codes, made = quantize_rows(
+                average,
+                bits=config.bits,
+                rounding=config.rounding,
+                codes=scratch.codes[:values],
+                work=scratch.copies[:values],
+                noise_key=key,  # type: ignore[arg-type]
+                noise_start=first * cols,
+            )
+            target = block_decoded if block_decoded is not None else block_error
+            if target is not None:
+                dequantize_rows(codes, made, bits=config.bits, out=target)
+            if block_error is not None:
+                assert target is not None
+                torch.sub(average, target, out=block_error)
+            scales.copy_(made)
         pack_rows_(codes.view(1, -1), config.bits, out=owned[:, _body(layout, first, count)])
     return _finish(owned, scratch.scales[: layout.rows], layout)
 
@@ -227,11 +306,16 @@ def decode_slices(
     layout: SliceLayout,
     config: TwoPhase,
     scratch: StageScratch,
+    *,
+    skip: int | None = None,
 ) -> torch.Tensor:
     """Every rank: decode every owner's segment (``gathered``: uint8 ``(P, >= slice_bytes)``)
-    into ``rows`` (float32 ``(P * rows, cols)``), block by block."""
+    into ``rows`` (float32 ``(P * rows, cols)``), block by block; ``skip``: an owner whose rows
+    hold their decode already (:func:`owner_reduce`'s ``decoded``)."""
     per, cols = _block_rows(layout, rows.device), layout.cols
     for owner in range(layout.world_size):
+        if owner == skip:
+            continue
         segment = gathered[owner : owner + 1]
         for first in range(0, layout.rows, per):
             count = min(per, layout.rows - first)

@@ -168,19 +168,30 @@ def complete(started: Started) -> Exchange:
     re-quantise the owned slices, issue the all-gather (asynchronous)."""
     state, segment, key = started.state, started.segment, started.key
     world_size = dist.get_world_size(started.group)
+    rank = dist.get_rank(started.group)
     started.work.wait()
     device = started.received.device
     owned = state.buffer(("owned", *key), segment, torch.uint8, device)
+    decoded = []  # per item: its own slice already decoded in place (the owner's stage)
     for item in started.items:
         received = started.received.view(world_size, segment)
-        _reduce_owned(item, state, received, owned, started.error_feedback, started.generators)
+        # NOTE: only where the decode writes into the tensor itself: the other items of an
+        # exchange share one decode buffer, which their decodes fill one after another.
+        mine = slice(rank * item.layout.rows, (rank + 1) * item.layout.rows)
+        own_rows = item.flat.view(-1, item.layout.cols)[mine] if _in_place(item) else None
+        decoded.append(
+            _reduce_owned(
+                item, state, received, owned, started.error_feedback, started.generators,
+                own_rows=own_rows,
+            )
+        )  # fmt: skip
     gathered = state.buffer(("gathered", *key), world_size * segment, torch.uint8, device)
     work = all_gather_into_tensor(gathered, owned, group=started.group, async_op=True)
 
     def finish() -> None:
         table = gathered.view(world_size, segment)
-        for item in started.items:
-            _decode(item, state, table, key)
+        for item, skip in zip(started.items, decoded, strict=True):
+            _decode(item, state, table, key, skip=rank if skip else None)
 
     return Exchange(work.get_future(), finish, started.bytes_sent)
 
@@ -274,8 +285,17 @@ def _reduce_owned(
     owned: torch.Tensor,
     error_feedback: bool,
     generators: Generators | None,
-) -> None:
-    """Owner side: average the P copies of this rank's slice, compensate, re-quantise."""
+    *,
+    own_rows: torch.Tensor | None,
+) -> bool:
+    """Owner side: average the P copies of this rank's slice, compensate, re-quantise. The
+    re-quantised slice is also decoded into ``own_rows`` when given (this rank's rows of the
+    tensor, which the decode writes in place); returns whether it was (given, finite,
+    quantised), so that the decode skips this rank's segment.
+
+    NOTE: the decode of one's own segment of the all-gather is then a copy never made: at
+    P = 2 half of the decode stage (the same bits: the same dequantisation of the same codes
+    and scales, see :func:`~superneurons.codecs.twophase_stages.owner_reduce`)."""
     layout, config, name = item.layout, item.config, item.name
     world_size, device = layout.world_size, received.device
     parts = _part(received, item)
@@ -290,7 +310,7 @@ def _reduce_owned(
         if residual is not None:
             average.add_(residual)
         out.view(torch.float32).copy_(average.view(1, -1))
-        return
+        return False
     error = state.spare("owner", name, layout.slice_numel, device) if error_feedback else None
     shape = (layout.rows, layout.cols)
     finite = owner_reduce(
@@ -302,25 +322,48 @@ def _reduce_owned(
         residual=residual.view(shape) if residual is not None else None,
         error=error.view(shape) if error is not None else None,
         generator=_generator(generators, name + "/owner"),
+        decoded=own_rows,
     )
     if error is not None and finite:
         state.owner[name] = error
+    return finite and own_rows is not None
 
 
-def _decode(item: _Item, state: TwoPhaseState, table: torch.Tensor, key: tuple[Any, ...]) -> None:
-    """Every rank: decode every owner's slice, undo the transform, write the average."""
-    layout, config, name = item.layout, item.config, item.name
-    parts, device = _part(table, item), item.flat.device
-    in_place = layout.padded_numel == layout.numel and config.transform == "none"
-    if in_place:
+def _in_place(item: _Item) -> bool:
+    return item.layout.padded_numel == item.layout.numel and item.config.transform == "none"
+
+
+def _decode_rows(item: _Item, state: TwoPhaseState, key: tuple[Any, ...]) -> torch.Tensor:
+    """Where the decode writes every owner's slice: ``(P * rows, cols)`` rows of the tensor
+    itself, or of a kept buffer (padding, a transform to undo)."""
+    layout = item.layout
+    if _in_place(item):
         x = item.flat
     else:
-        x = state.buffer(("decode", *key), layout.padded_numel, torch.float32, device)
-    rows = x.view(-1, layout.cols)
+        x = state.buffer(("decode", *key), layout.padded_numel, torch.float32, item.flat.device)
+    return x.view(-1, layout.cols)
+
+
+def _decode(
+    item: _Item,
+    state: TwoPhaseState,
+    table: torch.Tensor,
+    key: tuple[Any, ...],
+    *,
+    skip: int | None,
+) -> None:
+    """Every rank: decode every owner's slice (but ``skip``'s, decoded by the owner's stage),
+    undo the transform, write the average."""
+    layout, config, name = item.layout, item.config, item.name
+    parts, device = _part(table, item), item.flat.device
+    in_place = _in_place(item)
+    rows = _decode_rows(item, state, key)
+    x = rows.view(-1)
     if config.bits == 32:
         x.view(layout.world_size, -1).copy_(parts.view(torch.float32))
     else:
-        decode_slices(parts, rows, layout, config, _scratch(state, layout, f"decode {key}", device))
+        scratch = _scratch(state, layout, f"decode {key}", device)
+        decode_slices(parts, rows, layout, config, scratch, skip=skip)
     if config.transform != "none":
         rows = inverse_(rows, config.transform, state.signs(name, layout.cols, x.device))
     if not in_place:

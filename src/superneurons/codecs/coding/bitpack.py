@@ -22,6 +22,7 @@ __all__ = [
     "pack_sextets",
     "packed_bytes",
     "unpack_bits",
+    "unpack_codes_numpy",
     "unpack_rows",
     "unpack_sextets",
 ]
@@ -274,3 +275,27 @@ def unpack_rows(data: torch.Tensor, bits: int, *, out: torch.Tensor) -> torch.Te
         if j < per - 1:  # the top code needs no mask: the shift left nothing above it
             slots[..., j].bitwise_and_(mask)
     return out
+
+
+def unpack_codes_numpy(data: np.ndarray, bits: int, count: int) -> np.ndarray:
+    """``unpack_bits(data, bits, count)`` on the CPU for ``bits`` in 1, 2, 4, 8, 16, as unsigned
+    numpy codes (uint8; uint16 for 16 bits), without int64 temporaries: one table gather or
+    byte operation per byte (2 bits: ~3x faster than the torch shifts on 1.5M codes, one
+    thread). ``data``: contiguous uint8, at least ``packed_bytes(count, bits)`` of it."""
+    need = packed_bytes(count, bits)
+    data = data[:need]
+    if bits == 8:
+        return data
+    if bits == 16:
+        return data.view(np.uint16)
+    if bits == 1:
+        return np.unpackbits(data, count=count, bitorder="little")
+    if bits == 2:
+        return np.take(_byte_table_2bit(), data).view(np.uint8)[:count]
+    if bits == 4:  # as unpack_rows: (b | b << 4) & 0x0F0F holds both nibbles, low one first
+        words = np.empty(need, dtype=np.uint16)
+        np.copyto(words, data, casting="unsafe")
+        np.bitwise_or(words, words << 4, out=words)
+        np.bitwise_and(words, 0x0F0F, out=words)
+        return words.view(np.uint8)[:count]
+    raise ConfigError(f"unpack_codes_numpy unpacks 1, 2, 4, 8 or 16 bits, got {bits}")

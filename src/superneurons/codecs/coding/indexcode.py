@@ -20,7 +20,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from superneurons.codecs.coding.bitpack import pack_bits, packed_bytes, unpack_bits
+from superneurons.codecs.coding.bitpack import (
+    pack_bits,
+    packed_bytes,
+    unpack_bits,
+    unpack_codes_numpy,
+)
 from superneurons.errors import ConfigError
 
 __all__ = [
@@ -177,6 +182,8 @@ def decode_gap(
     upper_bits = _upper_bits(universe, count, low)
     if sync_free is None:
         sync_free = data.device.type != "cpu"
+    if not sync_free and data.device.type == "cpu":
+        return _decode_gap_numpy(data, count, low, low_bytes, upper_bits)
     if not sync_free:
         high = bitmap_positions(data[low_bytes:], upper_bits)
         high -= torch.arange(count, device=data.device)
@@ -192,6 +199,26 @@ def decode_gap(
     if not low:
         return high
     return (high << low) | unpack_bits(data[:low_bytes], low, count)
+
+
+def _decode_gap_numpy(
+    data: torch.Tensor, count: int, low: int, low_bytes: int, upper_bits: int
+) -> torch.Tensor:
+    """:func:`decode_gap` on the CPU in numpy, in place on one int64 array (no torch int64
+    temporaries): 9 against 30 ms for 1.5M indices in 15M (one thread), the same indices."""
+    need = bitmap_bytes(upper_bits)
+    if data.dtype != torch.uint8 or data.numel() < low_bytes + need:
+        raise ConfigError(f"gap code: need {low_bytes + need} uint8 bytes for {count} positions")
+    body = data.detach().contiguous().numpy()
+    bits = np.unpackbits(body[low_bytes : low_bytes + need], count=upper_bits, bitorder="little")
+    high = np.flatnonzero(bits.view(np.bool_))  # (count,) int64: high part + rank
+    if high.size != count:
+        raise ConfigError(f"gap code: {high.size} positions set, the layout has {count}")
+    high -= np.arange(count)
+    if low:
+        np.left_shift(high, low, out=high)
+        np.bitwise_or(high, unpack_codes_numpy(body[:low_bytes], low, count), out=high)
+    return torch.from_numpy(high)
 
 
 def index_bytes(kind: str, universe: int, count: int) -> int:

@@ -35,9 +35,10 @@ import math
 from dataclasses import dataclass
 from typing import Self
 
+import numpy as np
 import torch
 
-from superneurons.codecs.coding.bitpack import pack_bits, unpack_bits
+from superneurons.codecs.coding.bitpack import pack_bits, packed_bytes, unpack_bits
 from superneurons.codecs.coding.finite import nan_unless_
 from superneurons.errors import ConfigError
 
@@ -50,6 +51,7 @@ __all__ = [
     "exponent_bits_for_range",
     "quantize",
     "read_codes",
+    "read_values",
     "write_codes",
 ]
 
@@ -285,3 +287,24 @@ def read_codes(data: torch.Tensor, bits: int, count: int) -> torch.Tensor:
         # NOTE: bitpack's 16-bit path views the bytes as int16, which needs an even offset.
         data = data.clone()
     return unpack_bits(data, bits, count).to(torch.int32)
+
+
+def read_values(
+    data: torch.Tensor, header: RangeFloatHeader, bits: int, count: int
+) -> torch.Tensor:
+    """``dequantize(read_codes(data, bits, count), header, bits)``: ``count`` float32 values.
+
+    NOTE: on the CPU at 4 and 8 bits, through a table: :func:`dequantize` of every one of the
+    ``2**bits`` codes, then one gather per byte (a pair of values per byte at 4 bits). The
+    dequantisation is element-wise, so every value has the bits it had (a NaN header makes
+    the whole table NaN); 2.8M codes: one pass instead of ~12 int32 passes over them."""
+    if data.device.type != "cpu" or bits not in (4, 8):
+        return dequantize(read_codes(data, bits, count), header, bits)
+    table = dequantize(torch.arange(1 << bits, dtype=torch.int32), header, bits).numpy()
+    body = data.contiguous().numpy()[: packed_bytes(count, bits)]
+    if bits == 8:
+        return torch.from_numpy(np.take(table, body))
+    byte = np.arange(256)
+    pairs = np.stack([table[byte & 15], table[byte >> 4]], axis=1)  # (256, 2): low nibble first
+    both = np.take(pairs.view(np.uint64).reshape(256), body)  # (bytes,) two float32 each
+    return torch.from_numpy(both.view(np.float32)[:count])

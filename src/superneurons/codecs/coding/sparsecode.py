@@ -53,9 +53,8 @@ from superneurons.codecs.coding.indexcode import (
 from superneurons.codecs.coding.rangefloat import (
     HEADER_BYTES,
     RangeFloatHeader,
-    dequantize,
     quantize,
-    read_codes,
+    read_values,
     write_codes,
 )
 from superneurons.codecs.coding.streaming import (
@@ -281,7 +280,7 @@ def _kept_values(body: torch.Tensor, header: RangeFloatHeader, layout: KeptLayou
     if layout.bits == 32:
         values = body.clone().view(torch.float32)
     else:
-        values = dequantize(read_codes(body, layout.bits, count), header, layout.bits)
+        values = read_values(body, header, layout.bits, count)
     return values.view(layout.kept, layout.width)
 
 
