@@ -49,8 +49,10 @@ __all__ = [
     "HEAD_MODES",
     "IMPLEMENTATIONS",
     "MIN_CHUNK_TOKENS",
+    "check_head_shapes",
     "chunk_tokens_for",
     "linear_cross_entropy",
+    "mean_over_items",
     "resolve_implementation",
 ]
 
@@ -114,13 +116,7 @@ def linear_cross_entropy(
         The fp32 scalar ``sum of token losses / num_items`` (the mean over non-ignored tokens
         by default: ``F.cross_entropy(..., ignore_index=...)``'s, NaN when none is left).
     """
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ConfigError(
-            f"expected hidden (N, H) and weight (V, H), got {tuple(hidden.shape)} and "
-            f"{tuple(weight.shape)}"
-        )
-    if targets.shape != hidden.shape[:1] or targets.dtype != torch.int64:
-        raise ConfigError(f"targets must be int64 of shape ({hidden.shape[0]},)")
+    check_head_shapes(hidden, weight, targets)
     if mode not in HEAD_MODES:
         raise ConfigError(f"unknown head mode {mode!r}: use {' or '.join(HEAD_MODES)}")
     if chunk_tokens < 1:
@@ -137,6 +133,25 @@ def linear_cross_entropy(
         total = _RecomputeSum.apply(hidden, weight, bias, targets, chunk, ignore_index)
     else:
         total = _GradInForwardSum.apply(hidden, weight, bias, targets, chunk, ignore_index)
+    return mean_over_items(total, targets, ignore_index, num_items)
+
+
+def check_head_shapes(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> None:
+    """Raise a :class:`ConfigError` unless ``hidden`` is ``(N, H)``, ``weight`` ``(V, H)`` and
+    ``targets`` int64 ``(N,)``."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ConfigError(
+            f"expected hidden (N, H) and weight (V, H), got {tuple(hidden.shape)} and "
+            f"{tuple(weight.shape)}"
+        )
+    if targets.shape != hidden.shape[:1] or targets.dtype != torch.int64:
+        raise ConfigError(f"targets must be int64 of shape ({hidden.shape[0]},)")
+
+
+def mean_over_items(
+    total: torch.Tensor, targets: torch.Tensor, ignore_index: int, num_items: Any
+) -> torch.Tensor:
+    """``total / num_items``; None: over the tokens ``targets`` does not ignore."""
     if num_items is None:
         return total / (targets != ignore_index).sum()
     if isinstance(num_items, torch.Tensor):

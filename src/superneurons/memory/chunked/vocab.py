@@ -40,6 +40,7 @@ from typing import Any, Protocol
 import torch
 
 from superneurons.errors import ConfigError
+from superneurons.memory.chunked.headloss import check_head_shapes, mean_over_items
 
 __all__ = [
     "MIN_VOCAB_ROWS",
@@ -162,21 +163,11 @@ def vocab_cross_entropy(
     Returns:
         The fp32 scalar ``sum of token losses / num_items``.
     """
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ConfigError(
-            f"expected hidden (N, H) and weight (V, H), got {tuple(hidden.shape)} and "
-            f"{tuple(weight.shape)}"
-        )
-    if targets.shape != hidden.shape[:1] or targets.dtype != torch.int64:
-        raise ConfigError(f"targets must be int64 of shape ({hidden.shape[0]},)")
+    check_head_shapes(hidden, weight, targets)
     bounds = slice_bounds(int(weight.shape[0]), vocab_rows)
     rows = source if source is not None else ResidentRows(weight)
     total = _VocabSlicedSum.apply(hidden, weight, bias, targets, rows, bounds, ignore_index)
-    if num_items is None:
-        return total / (targets != ignore_index).sum()
-    if isinstance(num_items, torch.Tensor):
-        num_items = num_items.to(total.device)
-    return total / num_items
+    return mean_over_items(total, targets, ignore_index, num_items)
 
 
 def _slices(
