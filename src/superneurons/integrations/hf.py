@@ -363,5 +363,6 @@ def _relative(plan: Plan) -> Plan:
         tensors=tensors,
         head=head,
         seq_chunks=tuple(replace(c, fqn=strip(c.fqn)) for c in plan.seq_chunks),
+        adapter_inputs=tuple(strip(f) for f in plan.adapter_inputs),
         grad_buckets=tuple(tuple(strip(f) for f in bucket) for bucket in plan.grad_buckets),
     )

@@ -25,6 +25,7 @@ process, another machine) can execute a plan made here. It is made by
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -42,6 +43,7 @@ __all__ = [
     "InfeasibleBudgetError",
     "Plan",
     "SeqChunking",
+    "mlp_pieces",
     "StrategyFloor",
     "TensorDecision",
     "TrainingStep",
@@ -196,6 +198,11 @@ class SeqChunking:
             raise ConfigError(f"{self.fqn!r}: a sequence split needs >= 2 chunks")
 
 
+def mlp_pieces(splits: Sequence[SeqChunking]) -> int:
+    """The most pieces any block MLP of ``splits`` runs in (1: none split; norms not counted)."""
+    return max((c.chunks for c in splits if c.fqn.rsplit(".", 1)[-1] == "mlp"), default=1)
+
+
 @dataclass(frozen=True)
 class TensorDecision:
     """The action a plan implies for one saved tensor of the profile.
@@ -301,6 +308,9 @@ class Plan:
             backward; ``resident_bytes + largest_unit_bytes`` is the largest-layer bound.
         head: the LM head + loss in chunks (None: as the model computes it).
         seq_chunks: sub-layers run over pieces of the sequence.
+        adapter_inputs: fqns of PEFT LoRA layers whose adapters keep their input at the base's
+            precision (:mod:`superneurons.memory.chunked.adapter_inputs`); ``to_dict`` leaves
+            the key out when empty.
         host_optimizer: the optimizer runs on the host: its state and fp32 master weights live
             there, each bucket of gradients goes to the host once ready (after its all-reduce
             under DDP) and the updated parameters come back; no gradient, state or master byte
@@ -341,6 +351,7 @@ class Plan:
     optimizer_copy_s: float = 0.0
     head: HeadChunking | None = None
     seq_chunks: tuple[SeqChunking, ...] = ()
+    adapter_inputs: tuple[str, ...] = ()
     host_optimizer: bool = False
     grad_buckets: tuple[tuple[str, ...], ...] = ()
     peak_at: dict[str, Any] = field(default_factory=dict)
@@ -411,6 +422,8 @@ class Plan:
             del body["step"]
         if self.head is not None and not self.head.vocab_rows:
             del body["head"]["vocab_rows"]  # a head without slices reads as it always has
+        if not self.adapter_inputs:
+            del body["adapter_inputs"]  # nor does a plan that keeps no adapter input
         if self.version < 4:  # the version 3 record, key for key
             for unit in body["units"]:
                 del unit["weights"]
@@ -435,6 +448,7 @@ class Plan:
             if data.get("head") is not None:
                 data["head"] = HeadChunking(**data["head"])
             data["seq_chunks"] = tuple(SeqChunking(**c) for c in data.get("seq_chunks", ()))
+            data["adapter_inputs"] = tuple(data.get("adapter_inputs", ()))
             data["grad_buckets"] = tuple(tuple(b) for b in data.get("grad_buckets", ()))
             if data.get("step") is not None:
                 data["step"] = TrainingStep(**data["step"])

@@ -355,9 +355,11 @@ class Profile:
     # the fqn of the parameter each entry of ``grad_births`` belongs to ("" when not recorded)
     grad_params: tuple[str, ...] = ()
     # how the step was profiled below the largest layer: the LM head + loss in chunks, sub-layers
-    # split over the sequence (a plan made from this profile carries them: memory.plan)
+    # split over the sequence, LoRA layers whose adapters keep their input at the base's
+    # precision (a plan made from this profile carries them: memory.plan)
     head: HeadChunking | None = None
     seq_chunks: tuple[SeqChunking, ...] = ()
+    adapter_inputs: tuple[str, ...] = ()
     # elements of the parameters that train (the host optimizer's fp32 masters), and the bytes of
     # those that take no gradient (frozen base weights of adapters, quantized weights and their
     # quantization state): resident, never stepped nor copied

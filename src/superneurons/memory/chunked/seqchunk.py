@@ -1,4 +1,4 @@
-"""Memory-centric blocks: a position-wise sub-layer run over pieces of the sequence.
+"""Memory-centric blocks: position-wise sub-layers run over pieces of the sequence.
 
 At long sequences one transformer block's backward binds the peak: recomputed, it holds every
 tensor its forward saved, and its MLP's are the widest (Llama-3-8B at ``T = 8192``: four
@@ -8,11 +8,13 @@ recomputation, Wang et al., PPoPP'18 §3.3). A position-wise layer (it mixes no 
 across positions) splits exactly along the sequence: each piece runs under its own
 non-reentrant checkpoint, which saves only the piece's input (a view of the layer's input: no
 copy), so the layer's intermediates exist for one piece at a time, in forward and again in
-backward. The cost is one more forward of the layer.
+backward. The cost is one more forward of the layer. The same holds for a block's RMS norms where
+they compute in fp32 on a bf16 stream: whole, each keeps an fp32 copy of its input (twice the
+input's bytes) for backward; in pieces, one piece's copy at a time.
 
 :func:`sequence_splits` proposes the split from bytes (the profile's saved tensors of each
-block's ``mlp``); :func:`split_sequence` installs it (instance ``forward`` attributes, removed
-by the handle).
+block's ``mlp`` and norms); :func:`split_sequence` installs it (instance ``forward`` attributes,
+removed by the handle).
 """
 
 from __future__ import annotations
@@ -32,8 +34,14 @@ from superneurons.memory.profile_types import Profile
 __all__ = ["MIN_PIECE_TOKENS", "SplitHandle", "sequence_splits", "split_sequence"]
 
 # position-wise sub-layers by name: Hugging Face's decoder layers (Llama, Qwen2, Mistral, GPT-2)
-# and the zoo GPT call their feed-forward ``mlp``
-POSITION_WISE = ("mlp",)
+# and the zoo GPT call their feed-forward ``mlp``; Llama, Qwen2 and Mistral call their RMS norms
+# ``input_layernorm`` and ``post_attention_layernorm``
+POSITION_WISE = ("mlp", "input_layernorm", "post_attention_layernorm")
+# NOTE: a norm that computes in its input's dtype saves about its input, which a piece's
+# checkpoint keeps anyway; one that computes wider (HF's RMSNorm upcasts bf16 to fp32) saves the
+# wide copy, twice its input. Only a norm that saves a cast of its input is split.
+NORMS = ("input_layernorm", "post_attention_layernorm")
+CAST = "_to_copy"
 # NOTE: a piece of fewer tokens turns the layer's GEMMs skinny (M < 128) and the loop
 # launch-bound; the split never goes below it.
 MIN_PIECE_TOKENS = 128
@@ -49,12 +57,15 @@ def sequence_splits(
     unit's input are left whole."""
     chosen = set(units) if units is not None else None
     saved: dict[str, int] = {}
+    widened: set[str] = set()
     for tensor in profile.saved:
         for name in POSITION_WISE:
             marker = f".{name}"
             head, found, tail = tensor.module.partition(marker)
             if found and (tail == "" or tail.startswith(".")) and tensor.unit == head:
                 saved[head + marker] = saved.get(head + marker, 0) + tensor.nbytes
+                if tensor.op == CAST and tensor.nbytes:
+                    widened.add(head + marker)
     splits = []
     for unit in profile.units:
         if chosen is not None and unit.fqn not in chosen:
@@ -62,6 +73,8 @@ def sequence_splits(
         input_bytes = max(unit.input_bytes, unit.unsaved_input_bytes, 1)
         for name in POSITION_WISE:
             fqn = f"{unit.fqn}.{name}"
+            if name in NORMS and fqn not in widened:
+                continue  # saves about its input: pieces would keep as much
             pieces = 1
             while saved.get(fqn, 0) > pieces * input_bytes:
                 pieces *= 2

@@ -55,6 +55,7 @@ from superneurons.memory.plan import (
     TensorDecision,
     TrainingStep,
     UnitDecision,
+    mlp_pieces,
 )
 from superneurons.memory.planner.bounds import head_loss_bytes, largest_unit_bytes, resident_bytes
 from superneurons.memory.planner.cost import CostModel
@@ -316,7 +317,7 @@ def describe_floors(
             optimizer_host_bytes=outcome.optimizer_host_bytes,
             head_loss_working_set_bytes=head_loss,
             head_chunk_tokens=used.head.chunk_tokens if used.head else None,
-            mlp_pieces=max((c.chunks for c in used.seq_chunks), default=1),
+            mlp_pieces=mlp_pieces(used.seq_chunks),
             streamed_bytes=outcome.weights.streamed_bytes,
             weights_host_bytes=outcome.weights.host_bytes,
             exposed_transfer_s=outcome.exposed_s,
@@ -444,6 +445,7 @@ def _plan_of(chosen: Choice, used: Profile, budget_bytes: int, min_budget_bytes:
         optimizer_copy_s=outcome.optimizer_copy_s,
         head=used.head,
         seq_chunks=used.seq_chunks,
+        adapter_inputs=used.adapter_inputs,
         host_optimizer=chosen.host_optimizer,
         grad_buckets=chosen.buckets,
         peak_at=outcome.peak_at,

@@ -18,6 +18,9 @@ first, the smallest last:
    tied to the input embedding, nor under ``impl="exact"`` (its gradients are the unchunked
    loss's within 1e-6, not bit for bit).
 
+Every one of them also keeps LoRA adapters' inputs at the base's precision where PEFT would
+save an fp32 copy (:mod:`.chunked.adapter_inputs`; bit for bit eager's gradients).
+
 Chunk sizes come from bytes (:func:`.headloss.chunk_tokens_for`, :func:`.seqchunk.
 sequence_splits`), so the same rule serves a 32k-vocabulary toy and Llama-3-8B at 128k tokens.
 """
@@ -32,6 +35,7 @@ import torch
 from torch import nn
 
 from superneurons.errors import ConfigError
+from superneurons.memory.chunked.adapter_inputs import adapter_inputs, keep_adapter_inputs
 from superneurons.memory.chunked.fused import patched_by_trl, trl_fused_head
 from superneurons.memory.chunked.headloss import chunk_tokens_for, resolve_implementation
 from superneurons.memory.chunked.lmhead import chunk_head, find_output_embedding
@@ -123,6 +127,7 @@ def below_profiles(
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         raise ConfigError(f"unknown variants {sorted(unknown)}: use some of {', '.join(VARIANTS)}")
+    kept = adapter_inputs(model)
     chosen: list[tuple[HeadChunking | None, tuple[SeqChunking, ...]]] = []
     for mode in ("grad-in-forward", "recompute"):
         head = head_chunking(model, tokens=tokens, mode=mode, impl=impl)
@@ -144,9 +149,15 @@ def below_profiles(
     profiles = []
     for head, split in chosen:
         prepared = profile_step(
-            model, inputs, targets, loss_fn, optimizer, prepare=_chunker(head, split), **options
+            model,
+            inputs,
+            targets,
+            loss_fn,
+            optimizer,
+            prepare=_chunker(head, split, kept),
+            **options,
         )
-        profiles.append(replace(prepared, head=head, seq_chunks=split))
+        profiles.append(replace(prepared, head=head, seq_chunks=split, adapter_inputs=kept))
     return profiles
 
 
@@ -160,13 +171,15 @@ class _Undo:
 
 
 def _chunker(
-    head: HeadChunking | None, splits: tuple[SeqChunking, ...]
+    head: HeadChunking | None, splits: tuple[SeqChunking, ...], kept: tuple[str, ...]
 ) -> Callable[[nn.Module], _Undo]:
-    """Install ``head`` and ``splits`` on the model a profile runs (the copy)."""
+    """Install ``head``, ``splits`` and the ``kept`` adapter inputs on the model a profile runs
+    (the copy)."""
 
     def prepare(model: nn.Module) -> _Undo:
         handles: list[Any] = [chunk_head(model, head)] if head is not None else []
         handles.append(split_sequence(model, splits))
+        handles.append(keep_adapter_inputs(model, kept))
         return _Undo(handles)
 
     return prepare

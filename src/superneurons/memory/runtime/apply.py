@@ -19,7 +19,8 @@ wrapping and ``handle.attach(ddp_model)`` called after.
 
 With ``plan.head`` the model's head + loss runs in chunks of tokens (:mod:`.lmhead`; under
 such a plan a causal LM called with labels returns ``logits=None``), and ``plan.seq_chunks``
-runs sub-layers over pieces of the sequence (:mod:`.seqchunk`).
+runs sub-layers over pieces of the sequence (:mod:`.seqchunk`), ``plan.adapter_inputs`` keeps
+LoRA adapters' inputs at the base's precision (:mod:`.adapter_inputs`).
 
 The runtime only replaces the ``forward`` attribute of the unit modules (instance attributes,
 so the FQNs, ``state_dict`` and module hooks are unchanged) and :meth:`PlanHandle.remove`
@@ -44,6 +45,7 @@ import torch
 from torch import nn
 
 from superneurons.errors import ConfigError
+from superneurons.memory.chunked.adapter_inputs import keep_adapter_inputs
 from superneurons.memory.chunked.lmhead import HeadHandle, chunk_head
 from superneurons.memory.chunked.seqchunk import split_sequence
 from superneurons.memory.forwards import ForwardPatches
@@ -249,6 +251,8 @@ def apply_plan(
     try:
         if plan.seq_chunks:
             handle._hooks.append(split_sequence(model, plan.seq_chunks))
+        if plan.adapter_inputs:
+            handle._hooks.append(keep_adapter_inputs(model, plan.adapter_inputs))
         handle._hooks += guard_compiled_calls(model, plan, mode=compile)
         for unit in plan.units:  # every unit call, keep units included, in forward order
             hook = model.get_submodule(unit.fqn).register_forward_pre_hook(

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from superneurons.memory.plan import InfeasibleBudgetError, Plan, StrategyFloor
+from superneurons.memory.plan import InfeasibleBudgetError, Plan, StrategyFloor, mlp_pieces
 from superneurons.memory.planner.cost import CostModel
 from superneurons.memory.planner.decide import (
     Floors,
@@ -133,7 +133,7 @@ class ModelPlan:
             "segments": len({u.segment for u in plan.units if u.segment >= 0}),
             "head_chunk_tokens": plan.head.chunk_tokens if plan.head else None,
             "head_mode": plan.head.mode if plan.head else None,
-            "mlp_pieces": max((c.chunks for c in plan.seq_chunks), default=1),
+            "mlp_pieces": mlp_pieces(plan.seq_chunks),
             # the host link: weights streamed, copies no compute hides, pinned host memory
             "units_streamed": len(plan.streamed_units()),
             "streamed_bytes_per_step": plan.streamed_bytes,
