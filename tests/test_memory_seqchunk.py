@@ -86,3 +86,47 @@ def test_split_comes_from_bytes_and_lowers_the_block_working_set() -> None:
     before, after = working_sets(profile), working_sets(split)
     for unit in units:
         assert after[unit] < 0.6 * before[unit]
+
+
+def test_norms_that_compute_wider_than_their_input_split() -> None:
+    """HF's RMSNorm on a bf16 stream saves an fp32 copy of its input (twice its bytes): such
+    norms are split; in fp32 the copy is the input itself and they stay whole. Split, the loss
+    and every gradient but the norms' own weights' are eager's bit for bit (with the weights
+    frozen, as under LoRA, everything is); those add one sum per piece in bf16."""
+    units = ["model.model.layers.0", "model.model.layers.1"]
+    ids = torch.randint(0, 64, (1, SEQ))
+
+    def wide_llama() -> nn.Module:  # wide enough that the norms outweigh the causal mask
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(
+            hidden_size=512, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=1, vocab_size=64, max_position_embeddings=SEQ, use_cache=False,
+        )  # fmt: skip
+        return transformers.LlamaForCausalLM(config).train()
+
+    def loss_fn(out: torch.Tensor, _t: object) -> torch.Tensor:
+        return out
+
+    def norms(dtype: torch.dtype) -> set[str]:
+        step = _Step(wide_llama().to(dtype))
+        profile = profile_step(step, ids, None, loss_fn, units=units, fake=True, keep_output=False)
+        splits = sequence_splits(profile, seq_len=SEQ, units=units)
+        return {s.fqn for s in splits if not s.fqn.endswith(".mlp")}
+
+    assert norms(torch.float32) == set()
+    wide = {f"{u}.{n}" for u in units for n in ("input_layernorm", "post_attention_layernorm")}
+    assert norms(torch.bfloat16) == wide
+    eager = wide_llama().to(torch.bfloat16)
+    split = copy.deepcopy(eager)
+    reference = _step(eager, ids)
+    reference.backward()
+    handle = split_sequence(split, [SeqChunking(f[len("model.") :], 4) for f in sorted(wide)])
+    loss = _step(split, ids)
+    loss.backward()
+    handle.remove()
+    assert torch.equal(loss, reference)
+    for (fqn, a), b in zip(eager.named_parameters(), split.parameters(), strict=True):
+        if "layernorm" in fqn:  # a sum over tokens, added piece by piece in bf16
+            torch.testing.assert_close(b.grad, a.grad, rtol=2**-6, atol=2**-14, msg=fqn)
+        else:  # every per-token result is the whole norm's, bit for bit
+            assert torch.equal(b.grad, a.grad), fqn

@@ -126,15 +126,19 @@ def test_gradients_equal_eager_with_frozen_and_trainable_streamed_weights() -> N
     _assert_equal(eager, ours)
 
 
-def test_lora_on_a_frozen_streamed_base_equals_eager() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-base"])
+def test_lora_on_a_frozen_streamed_base_equals_eager(dtype: torch.dtype) -> None:
+    """On a bf16 base the fp32 adapters also keep their input at the base's precision."""
     peft = pytest.importorskip("peft")
+    from superneurons.memory.chunked.adapter_inputs import adapter_inputs
+
     config = peft.LoraConfig(
         r=4, lora_alpha=8, target_modules=r".*blocks\.\d\.(0|2)", lora_dropout=0.0
     )
 
     def lora() -> nn.Module:
         torch.manual_seed(0)
-        return peft.get_peft_model(_Net(), config)
+        return peft.get_peft_model(_Net().to(dtype), config)
 
     eager, ours = lora(), lora()
     prefix = "base_model.model."
@@ -142,7 +146,12 @@ def test_lora_on_a_frozen_streamed_base_equals_eager() -> None:
         UnitDecision(prefix + f, "keep", weights="host" if f.startswith("blocks") else "device")
         for f in _UNITS
     )
-    plan = Plan(units=units, strategy="stream-weights", budget_bytes=1 << 30, host_optimizer=True)
+    kept = adapter_inputs(ours)
+    assert bool(kept) == (dtype == torch.bfloat16)
+    plan = Plan(
+        units=units, strategy="stream-weights", budget_bytes=1 << 30, host_optimizer=True,
+        adapter_inputs=kept,
+    )  # fmt: skip
     base = {n: p.detach().clone() for n, p in ours.named_parameters() if not p.requires_grad}
     _, handle = _train_both(eager, ours, plan)
     assert handle.weights is not None and any(

@@ -64,7 +64,7 @@ def sequence_splits(
             head, found, tail = tensor.module.partition(marker)
             if found and (tail == "" or tail.startswith(".")) and tensor.unit == head:
                 saved[head + marker] = saved.get(head + marker, 0) + tensor.nbytes
-                if tensor.op == CAST and tensor.nbytes:
+                if tensor.op == CAST:
                     widened.add(head + marker)
     splits = []
     for unit in profile.units:
