@@ -302,6 +302,12 @@ def _print_plan(record: dict[str, Any], plan: Plan) -> None:
             f"  chunked           LM head + loss in chunks of {plan.head.chunk_tokens} tokens "
             f"({plan.head.mode}), block MLPs in {record['mlp_pieces']} sequence pieces"
         )
+    norms = sum(1 for c in plan.seq_chunks if not c.fqn.endswith(".mlp"))
+    if norms or plan.adapter_inputs:
+        print(
+            f"  narrow saves      {norms} fp32-computing norms in sequence pieces, "
+            f"{len(plan.adapter_inputs)} LoRA layers keeping their input at the base's precision"
+        )
     print(f"  host bytes        {format_bytes(plan.host_bytes)}")
     print(f"  pinned host       {format_bytes(record['pinned_host_bytes'])} in all")
     if plan.streams_weights:
