@@ -190,6 +190,22 @@ class PlanHandle:
         self.remove()
 
 
+def _narrower_saves(model: nn.Module, plan: Plan) -> list[Any]:
+    """Install the plan's sub-layers over pieces of the sequence and its kept adapter inputs:
+    their handles."""
+    handles: list[Any] = []
+    try:
+        if plan.seq_chunks:
+            handles.append(split_sequence(model, plan.seq_chunks))
+        if plan.adapter_inputs:
+            handles.append(keep_adapter_inputs(model, plan.adapter_inputs))
+    except BaseException:
+        for handle in reversed(handles):
+            handle.remove()
+        raise
+    return handles
+
+
 def apply_plan(
     model: nn.Module,
     plan: Plan,
@@ -249,10 +265,7 @@ def apply_plan(
     head = chunk_head(model, plan.head) if plan.head is not None else None  # checks, then patches
     handle._hooks += [head] if head is not None else []
     try:
-        if plan.seq_chunks:
-            handle._hooks.append(split_sequence(model, plan.seq_chunks))
-        if plan.adapter_inputs:
-            handle._hooks.append(keep_adapter_inputs(model, plan.adapter_inputs))
+        handle._hooks += _narrower_saves(model, plan)
         handle._hooks += guard_compiled_calls(model, plan, mode=compile)
         for unit in plan.units:  # every unit call, keep units included, in forward order
             hook = model.get_submodule(unit.fqn).register_forward_pre_hook(
