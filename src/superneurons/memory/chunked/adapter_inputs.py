@@ -28,7 +28,7 @@ from torch import nn
 from superneurons.errors import ConfigError
 from superneurons.memory.forwards import ForwardPatches
 
-__all__ = ["AdapterInputsHandle", "adapter_inputs", "keep_adapter_inputs"]
+__all__ = ["AdapterInputsHandle", "adapter_inputs", "base_compute_dtype", "keep_adapter_inputs"]
 
 
 def adapter_inputs(model: nn.Module) -> tuple[str, ...]:
@@ -95,7 +95,7 @@ def _eligible(module: Any) -> bool:
     adapters = module.lora_A
     if not isinstance(adapters, nn.ModuleDict) or not adapters or module.lora_variant:
         return False
-    base = _base_dtype(module.get_base_layer())
+    base = base_compute_dtype(module.get_base_layer())
     for name, linear in adapters.items():
         plain = type(linear) is nn.Linear and linear.bias is None
         if not plain or type(module.lora_dropout[name]) is not nn.Identity:
@@ -105,7 +105,7 @@ def _eligible(module: Any) -> bool:
     return True
 
 
-def _base_dtype(base: nn.Module) -> torch.dtype | None:
+def base_compute_dtype(base: nn.Module) -> torch.dtype | None:
     """The dtype the base layer computes in (bitsandbytes' ``compute_dtype``, else its weight's
     when floating); None when unknown."""
     compute = getattr(base, "compute_dtype", None)

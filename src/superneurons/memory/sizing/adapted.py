@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from superneurons.errors import ConfigError
+from superneurons.memory.chunked.adapter_inputs import base_compute_dtype
 from superneurons.memory.sizing.adapters import LoraSpec, QuantSpec
 from superneurons.memory.sizing.quantized import quantized_linear
 
@@ -171,10 +172,5 @@ def _materialize(model: nn.Module, lora: LoraSpec) -> None:
 
 
 def _base_dtype(base: nn.Module) -> torch.dtype:
-    compute = getattr(base, "compute_dtype", None)
-    if isinstance(compute, torch.dtype):
-        return compute
-    dtype = base.weight.dtype
-    assert isinstance(dtype, torch.dtype)
     # PEFT never casts adapters to an integer dtype (int8 weights): they stay as created
-    return dtype if dtype.is_floating_point else torch.get_default_dtype()
+    return base_compute_dtype(base) or torch.get_default_dtype()
