@@ -20,11 +20,13 @@ copies extrapolated in depth (``--fit-depth``)), every strategy searched at once
 (``--strategy auto``): ``stream-weights`` (the 4-bit weights and their quantization state in
 the host pool) beside ``offload+host-optimizer`` and ``offload`` (weights resident). Each case
 runs as its own process and is merged, by case, into ``qlora_max_seq_len.json`` with its own
-command, machine and versions.
+command, machine and versions. ``--qlora-links CASES`` then plans the streamed step of a searched
+case at its length, the whole depth directly, at each link: what the link costs there.
 
     .venv/bin/python benchmarks/weights_streaming.py [--cases llama-3-8b,llama-3.3-70b]
         [--out benchmarks/results/weights_streaming]
     .venv/bin/python benchmarks/weights_streaming.py --qlora llama-3.1-8b@80GiB
+    .venv/bin/python benchmarks/weights_streaming.py --qlora-links llama-3.1-8b@80GiB
 """
 
 from __future__ import annotations
@@ -68,11 +70,15 @@ QLORA_FILE = "qlora_max_seq_len"
 
 
 def _plan(args: list[str]) -> tuple[dict[str, Any], float, list[str]]:
-    """``superneurons plan ... --json``: its record, its wall seconds and the command."""
+    """``superneurons plan ... --json``: its record (also where the budget fits no plan:
+    ``feasible`` false), its wall seconds and the command."""
     command = [sys.executable, "-m", "superneurons.cli", "plan", *args, "--json"]
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
+    # exit 2 with a record saying feasible: false: the budget fits no plan (the record says
+    # what it would take); any other failure is one
+    infeasible = done.returncode == 2 and '"feasible": false' in done.stdout
+    if done.returncode != 0 and not infeasible:
         raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-400:]}")
     return json.loads(done.stdout), time.perf_counter() - start, command
 
@@ -170,14 +176,75 @@ def _qlora_table(rows: list[dict[str, Any]]) -> str:
     return markdown_table(shown, list(shown[0]))
 
 
-def _write_qlora(out: Path, cases: list[str]) -> None:
-    """Run ``cases`` and merge them by case into the saved records."""
+def _qlora_links(row: dict[str, Any]) -> dict[str, Any]:
+    """The streamed plan at a row's longest sequence, one plan per link: what the link costs
+    a step there (``plan --seq-len N --beyond-positions --strategy stream-weights``, the
+    whole depth planned directly: no extrapolation)."""
+    tokens = row["stream-weights"]["max_seq_len_memory"]
+    flags = QLORA[: QLORA.index("--strategy")]
+    args = ["--model", f"hf:{row['model']}", "--budget", row["case"].split("@")[1], *flags]
+    args += ["--seq-len", str(tokens), "--beyond-positions", "--strategy", "stream-weights"]
+    links: dict[str, Any] = {"seq_len": tokens}
+    for link in LINKS:
+        record, wall_s, command = _plan([*args, "--host-link", link])
+        found = {"command": " ".join(["superneurons", *command[3:]]), "wall_s": wall_s}
+        found["feasible"] = record["feasible"]
+        found["compute_s"] = record["step_compute_s"]
+        if record["feasible"]:
+            for key in ("predicted_peak_bytes", "units_streamed", "streamed_bytes_per_step"):
+                found[key] = record[key]
+            found.update(exposed_s=record["exposed_transfer_s"])
+            found.update(pinned_host_bytes=record["pinned_host_bytes"])
+        else:  # the line through the shallow copies was a little short of the full depth
+            found["min_budget_bytes"] = record["min_budget_bytes"]
+        links[link] = found
+    return links
+
+
+def _qlora_links_table(rows: list[dict[str, Any]]) -> str:
+    def exposed(row: dict[str, Any], link: str) -> str:
+        found = row["links"][link]
+        if not found["feasible"]:
+            return f"does not fit ({found['min_budget_bytes'] / GIB:.2f} GiB)"
+        return f"{found['exposed_s']:.2f} s"
+
+    shown = []
+    for r in rows:
+        if "links" not in r:
+            continue
+        first = r["links"][LINKS[0]]
+        shown.append(
+            {
+                "model, budget": f"{r['model']}, {r['budget_bytes'] / GIB:.0f} GiB",
+                "tokens": f"{r['links']['seq_len']:,}",
+                "plan's peak": f"{first['predicted_peak_bytes'] / GIB:.2f} GiB"
+                if first["feasible"]
+                else "",
+                "streamed / step": f"{first['streamed_bytes_per_step'] / GIB:.1f} GiB"
+                if first["feasible"]
+                else "",
+                "exposed, PCIe 4.0": exposed(r, "pcie4-x16"),
+                "exposed, PCIe 5.0": exposed(r, "pcie5-x16"),
+                "compute / step": f"{first['compute_s']:.1f} s",
+            }
+        )
+    return markdown_table(shown, list(shown[0])) if shown else ""
+
+
+def _write_qlora(out: Path, cases: list[str], links: list[str] | None = None) -> None:
+    """Run ``cases`` (and the link plans of ``links``) and merge them by case into the saved
+    records."""
     path = out / f"{QLORA_FILE}.json"
     saved = json.loads(path.read_text(encoding="utf-8"))["records"] if path.exists() else []
     rows = {r["case"]: r for r in saved}
     for case in cases:
         rows[case] = _qlora_case(case)
+    for case in links or []:
+        if case not in rows:
+            raise SystemExit(f"--qlora-links {case}: no saved row; run --qlora {case} first")
+        rows[case]["links"] = _qlora_links(rows[case])
     ordered = [rows[c] for c in QLORA_CASES if c in rows]
+    links_table = _qlora_links_table(ordered)
     write_json(path, ordered, command="per record")
     write_markdown(
         out / f"{QLORA_FILE}.md",
@@ -188,7 +255,15 @@ def _write_qlora(out: Path, cases: list[str]) -> None:
         "positions), per strategy: `stream-weights` keeps the 4-bit weights and their "
         "quantization state in the host pool; the other two keep them on the device. QLoRA r 32, "
         "alpha 64, all linear layers, nf4 with double quantisation, bf16, batch 1, H100 kernels "
-        "modelled; extrapolated in depth from 4- and 8-layer copies.\n",
+        "modelled; extrapolated in depth from 4- and 8-layer copies.\n"
+        + (
+            "\nWhat the link costs at the streamed length (`--qlora-links`): the streamed plan "
+            "of the whole depth at that length, per step, at PCIe 4.0 x16 and PCIe 5.0 x16; "
+            "exposed: copies no compute hides (cost model); compute: 3x the units' forward at "
+            f"the h100 preset's rates.\n\n{links_table}\n"
+            if links_table
+            else ""
+        ),
     )
 
 
@@ -200,15 +275,21 @@ def main() -> None:
         "--table-only", action="store_true", help="rewrite the Markdown table from the JSON"
     )
     parser.add_argument("--qlora", help=f"QLoRA cases, comma-separated: {', '.join(QLORA_CASES)}")
+    parser.add_argument(
+        "--qlora-links",
+        help="QLoRA cases already searched: plan the streamed step at their length at each link",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.qlora:
-        unknown = sorted(set(args.qlora.split(",")) - set(QLORA_CASES))
+    if args.qlora or args.qlora_links:
+        cases = args.qlora.split(",") if args.qlora else []
+        links = args.qlora_links.split(",") if args.qlora_links else []
+        unknown = sorted(set(cases + links) - set(QLORA_CASES))
         if unknown:
-            parser.error(f"unknown --qlora cases {unknown}: use {', '.join(QLORA_CASES)}")
-        _write_qlora(out, args.qlora.split(","))
+            parser.error(f"unknown QLoRA cases {unknown}: use {', '.join(QLORA_CASES)}")
+        _write_qlora(out, cases, links)
         return
     if args.table_only:
         saved = json.loads((out / "weights_streaming.json").read_text(encoding="utf-8"))

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from superneurons.cli import main
+from superneurons.commands.plan import _print_floors as print_floors
 from superneurons.errors import ConfigError
 from superneurons.memory.sizing.adapters import LoraSpec, QuantSpec, parse_lora, parse_quantize
 from superneurons.memory.sizing.depth_fit import extrapolated, with_layers
@@ -97,13 +98,19 @@ def test_bad_flags_are_one_line_exit_2(
     # a target the model does not have: the layers it has are named
     message = _error(capsys, *model, "--budget", "1GiB", "--lora", "r=8,targets=c_attn")
     assert "q_proj" in message and "c_attn" in message
-    # searches' options: only for searches; positions past a table of them cannot run
-    assert "--max-seq-len" in _error(capsys, *model, "--beyond-positions")
+    # searches' options: depth fits only for searches; positions past a table cannot run
+    assert "--max-seq-len" in _error(capsys, *model, "--fit-depth")
+    assert "--beyond-positions" in _error(capsys, *model[:2], "--seq-len", "256")
     gpt2 = config_path.parent / "gpt2.json"
     transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=128).to_json_file(str(gpt2))
     message = _error(
         capsys, "--model", f"hf:{gpt2}", "--max-seq-len", "--beyond-positions",
         "--strategy", "eager", "--device-preset", "cpu", "--budget", "1GiB",
+    )  # fmt: skip
+    assert "table of 128 rows" in message
+    message = _error(
+        capsys, "--model", f"hf:{gpt2}", "--seq-len", "256", "--beyond-positions",
+        "--device-preset", "cpu", "--budget", "1GiB",
     )  # fmt: skip
     assert "table of 128 rows" in message
 
@@ -221,6 +228,27 @@ def test_json_keys_are_added_only_with_adapters(
     base = transformers.AutoModelForCausalLM.from_config(config)
     assert lora["frozen_bytes"] == sum(p.numel() * p.element_size() for p in base.parameters())
     assert lora["eager_peak_bytes"] < full["eager_peak_bytes"]
+
+
+def test_one_plan_past_the_positions_is_the_plan_of_a_longer_configuration(
+    config_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # rotary positions are computed, so memory does not depend on max_position_embeddings:
+    # 256 tokens past a configuration of 128 plan exactly as a configuration of 256
+    longer = config_path.parent / "longer.json"
+    _tiny_llama(max_position_embeddings=256).to_json_file(str(longer))  # type: ignore[attr-defined]
+    flags = ["--seq-len", "256", "--device-preset", "cpu", "--budget", "1GiB", "--lora", "r=8"]
+    flags += ["--json"]
+    assert main(["plan", "--model", f"hf:{config_path}", *flags, "--beyond-positions"]) == 0
+    past = json.loads(capsys.readouterr().out)
+    assert main(["plan", "--model", f"hf:{longer}", *flags]) == 0
+    within = json.loads(capsys.readouterr().out)
+    assert past["beyond_positions"] is True and "beyond_positions" not in within
+    assert past["seq_len"] == 256 and past["max_positions"] == 128
+    assert past["strategies"] == within["strategies"]
+    assert past["predicted_peak_bytes"] == within["predicted_peak_bytes"]
+    print_floors(past)  # the text report says so
+    assert "past the configuration's 128 positions" in capsys.readouterr().out
 
 
 def test_depth_extrapolation_is_the_line_through_the_probes() -> None:

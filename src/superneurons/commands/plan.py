@@ -158,9 +158,10 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     lm.add_argument(
         "--beyond-positions",
         action="store_true",
-        help="--max-seq-len of a model with rotary positions: also search what memory allows "
-        "past the configuration's max_position_embeddings (max_seq_len_memory); max_seq_len "
-        "still stops at them",
+        help="a model with rotary positions: --max-seq-len also searches what memory allows "
+        "past the configuration's max_position_embeddings (max_seq_len_memory; max_seq_len "
+        "still stops at them); one plan at a --seq-len past them is planned (what memory it "
+        "takes) instead of refused",
     )
     lm.add_argument(
         "--fit-depth",
@@ -255,6 +256,8 @@ def _print_floors(record: dict[str, Any]) -> None:
         what += f" x {record['seq_len']} tokens, {record['dtype']}"
         what += f" (autocast {record['autocast']})" if record["autocast"] else ""
         what += f", {record['optimizer']} ({record['optimizer_impl']}), {record['target_device']}"
+        if record.get("beyond_positions"):
+            what += f" (past the configuration's {record['max_positions']} positions)"
     print(f"{what}: eager peak {format_bytes(record['eager_peak_bytes'])}")
     print(
         f"  {'strategy':<26}{'floor':>12}  {'peak at':<30}{'host':>12}{'overhead':>12}"

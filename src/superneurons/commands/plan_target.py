@@ -19,6 +19,7 @@ from superneurons.memory.sizing.llm import (
     default_optimizer_impl,
     load_config,
     max_positions,
+    rotary_positions,
 )
 from superneurons.memory.sizing.search import LMSearch
 from superneurons.memory.sizing.target import BELOW, HF, LMTarget, Target, ZooTarget
@@ -62,6 +63,8 @@ def request_of(args: argparse.Namespace) -> PlanRequest:
         if args.max_seq_len else None
     )  # fmt: skip
     lm_search = lm_search_of(args, search)
+    if search is None and lm_search.beyond_positions:  # one plan past the positions
+        target, lm_search = past_positions(target), LMSearch()
     budget_bytes = budget_bytes_of(args, target, cost)
     host_budget = getattr(args, "host_budget", None)
     return PlanRequest(
@@ -76,15 +79,31 @@ def request_of(args: argparse.Namespace) -> PlanRequest:
 
 
 def lm_search_of(args: argparse.Namespace, search: str | None) -> LMSearch:
-    """``--beyond-positions`` and ``--fit-depth``: options of ``--max-seq-len`` /
-    ``--max-batch``."""
+    """``--beyond-positions`` (of ``--max-seq-len``, or of one plan at ``--seq-len``) and
+    ``--fit-depth`` (of ``--max-seq-len`` / ``--max-batch``)."""
     options = LMSearch(
         beyond_positions=getattr(args, "beyond_positions", False),
         fit_depth=getattr(args, "fit_depth", False),
     )
-    if options != LMSearch() and search not in ("seq_len", "batch"):
-        raise ConfigError("--beyond-positions and --fit-depth apply to --max-seq-len / --max-batch")
+    if options.fit_depth and search not in ("seq_len", "batch"):
+        raise ConfigError("--fit-depth applies to --max-seq-len / --max-batch")
+    if options.beyond_positions and search not in ("seq_len", "batch", None):
+        raise ConfigError("--beyond-positions applies to --max-seq-len or one plan at --seq-len")
     return options
+
+
+def past_positions(target: Target) -> LMTarget:
+    """``target`` planned at its ``--seq-len`` even past the configuration's positions:
+    a causal LM with rotary positions only (a table of positions cannot run a longer
+    sequence at all)."""
+    if not isinstance(target, LMTarget):
+        raise ConfigError("--beyond-positions applies to --model hf:... only")
+    if not rotary_positions(target.config):
+        raise ConfigError(
+            "--beyond-positions: this configuration looks its positions up in a table of "
+            f"{target.max_positions} rows; a longer sequence cannot run at all"
+        )
+    return replace(target, beyond_positions=True)
 
 
 def target_of(args: argparse.Namespace) -> Target:

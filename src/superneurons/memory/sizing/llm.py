@@ -219,7 +219,8 @@ def profile_causal_lm_below(
     if check_positions and limit is not None and step.seq_len > limit:
         raise ConfigError(
             f"seq_len {step.seq_len} is beyond the {limit} positions of this configuration "
-            "(max_position_embeddings): use --seq-len <= that"
+            "(max_position_embeddings): use --seq-len <= that, or --beyond-positions (rotary "
+            "positions only) for what memory a longer sequence takes"
         )
     model, mode = _build(transformers, config, step)
     with mode:

@@ -159,7 +159,10 @@ def plan_model(
     step = training_step(target)
     if isinstance(target, LMTarget):
         plain, chunked = profile_causal_lm_below(
-            target.config, target.step, variants=target.variants
+            target.config,
+            target.step,
+            variants=target.variants,
+            check_positions=not target.beyond_positions,
         )
         profile, granularity = plain, "block"
         floors = search_floors(plain, cost=cost, chunked=chunked, step=step)

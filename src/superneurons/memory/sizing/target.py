@@ -91,6 +91,8 @@ class LMTarget:
         step: the training step (:class:`~superneurons.memory.sizing.llm.LMStep`).
         below: a key of :data:`BELOW`: the profiles below the largest layer a plan searches.
         max_grad_norm: the loop clips gradients to this global norm (0: it does not).
+        beyond_positions: the step's sequence may be longer than the configuration's
+            positions (rotary positions only): what memory it would take.
     """
 
     name: str
@@ -99,6 +101,7 @@ class LMTarget:
     step: LMStep
     below: str = "floor"
     max_grad_norm: float = 0.0
+    beyond_positions: bool = False
 
     def __post_init__(self) -> None:
         if self.below not in BELOW:
@@ -166,6 +169,10 @@ def training_step(target: Target) -> TrainingStep | None:
 
 
 def _step_fields(target: Target) -> dict[str, Any]:
-    """``plan --json``'s key for clipping, where the target clips (absent otherwise: the
-    records of targets without it read as they always have)."""
-    return {"max_grad_norm": target.max_grad_norm} if target.max_grad_norm else {}
+    """``plan --json``'s keys for clipping, where the target clips, and ``beyond_positions``,
+    where a causal LM's one plan runs past its positions (absent otherwise: the records of
+    other targets read as they always have)."""
+    fields: dict[str, Any] = {"max_grad_norm": target.max_grad_norm} if target.max_grad_norm else {}
+    if isinstance(target, LMTarget) and target.beyond_positions:
+        fields["beyond_positions"] = True
+    return fields
