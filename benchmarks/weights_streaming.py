@@ -294,14 +294,26 @@ def main() -> None:
     if args.table_only:
         saved = json.loads((out / "weights_streaming.json").read_text(encoding="utf-8"))
         rows, command = saved["records"], saved["command"]
-    else:
-        rows = [_case(name) for name in args.cases.split(",")]
-        command = " ".join([sys.executable, *sys.argv])
-        write_json(out / "weights_streaming.json", rows, command=command)
+    else:  # each case merged, by case, into the saved records, with its own environment
+        path = out / "weights_streaming.json"
+        data = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+        saved = data.get("records", [])
+        for row in saved:  # rows written before each kept its own: the file's
+            row.setdefault("environment", data.get("environment"))
+        merged = {r["case"]: r for r in saved}
+        unknown = sorted(set(args.cases.split(",")) - set(CASES))
+        if unknown:
+            parser.error(f"unknown --cases {unknown}: use {', '.join(CASES)}")
+        for name in args.cases.split(","):
+            merged[name] = {**_case(name), "environment": environment()}
+        rows = [merged[c] for c in CASES if c in merged]
+        command = "per record"
+        write_json(path, rows, command=command)
     write_markdown(
         out / "weights_streaming.md",
         "Weights streamed from the host: floors and the link's cost (fake tensors)",
-        f"Command: `{command}`\n\n{_table(rows)}\n"
+        "Each row's commands are in the JSON, with the machine and versions it ran on.\n\n"
+        f"{_table(rows)}\n"
         "Exposed: the plan's copies (activations, the optimizer's gradients and parameters, "
         "weights) and the host optimizer's step beyond the compute they overlap, per step, "
         "cost model; compute: 3x the units' forward at the a100 preset's fp32 roofline.\n",
