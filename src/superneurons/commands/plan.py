@@ -153,8 +153,11 @@ def add_link_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_search_arguments(parser: argparse.ArgumentParser) -> None:
-    """How ``--max-seq-len`` / ``--max-batch`` search a causal LM."""
-    lm = parser.add_argument_group("searches of hf: models (--max-seq-len, --max-batch)")
+    """How a causal LM is planned past its positions and searched (``--max-seq-len`` /
+    ``--max-batch``)."""
+    lm = parser.add_argument_group(
+        "hf: models past their positions, and their searches (--max-seq-len, --max-batch)"
+    )
     lm.add_argument(
         "--beyond-positions",
         action="store_true",
