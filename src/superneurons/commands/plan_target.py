@@ -19,7 +19,7 @@ from superneurons.memory.sizing.llm import (
     default_optimizer_impl,
     load_config,
     max_positions,
-    rotary_positions,
+    require_rotary_positions,
 )
 from superneurons.memory.sizing.search import LMSearch
 from superneurons.memory.sizing.target import BELOW, HF, LMTarget, Target, ZooTarget
@@ -98,11 +98,7 @@ def past_positions(target: Target) -> LMTarget:
     sequence at all)."""
     if not isinstance(target, LMTarget):
         raise ConfigError("--beyond-positions applies to --model hf:... only")
-    if not rotary_positions(target.config):
-        raise ConfigError(
-            "--beyond-positions: this configuration looks its positions up in a table of "
-            f"{target.max_positions} rows; a longer sequence cannot run at all"
-        )
+    require_rotary_positions(target.config)
     return replace(target, beyond_positions=True)
 
 

@@ -63,6 +63,7 @@ __all__ = [
     "max_positions",
     "profile_causal_lm",
     "profile_causal_lm_below",
+    "require_rotary_positions",
     "rotary_positions",
 ]
 
@@ -177,6 +178,15 @@ def rotary_positions(config: Any) -> bool:
     past the positions trained is the rotary scaling's matter, never memory's)."""
     fields = ("rope_parameters", "rope_theta", "rope_scaling", "rotary_dim", "rotary_pct")
     return any(getattr(config, name, None) is not None for name in fields)
+
+
+def require_rotary_positions(config: Any) -> None:
+    """Raise :class:`ConfigError` for ``--beyond-positions`` unless :func:`rotary_positions`."""
+    if not rotary_positions(config):
+        raise ConfigError(
+            "--beyond-positions: this configuration looks its positions up in a table of "
+            f"{max_positions(config)} rows; a longer sequence cannot run at all"
+        )
 
 
 def profile_causal_lm(config: Any, step: LMStep, *, units: list[str] | None = None) -> Profile:

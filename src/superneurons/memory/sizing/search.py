@@ -38,7 +38,11 @@ from superneurons.memory.sizing.depth_fit import (
     num_layers,
     with_layers,
 )
-from superneurons.memory.sizing.llm import LMStep, profile_causal_lm_below, rotary_positions
+from superneurons.memory.sizing.llm import (
+    LMStep,
+    profile_causal_lm_below,
+    require_rotary_positions,
+)
 from superneurons.memory.sizing.simulate import profile_zoo
 from superneurons.memory.sizing.target import LMTarget, Target, ZooTarget
 
@@ -341,11 +345,7 @@ def _beyond_positions(target: LMTarget, axis: str, lm: LMSearch) -> bool:
         return False
     if axis != "seq_len":
         raise ConfigError("--beyond-positions applies to --max-seq-len only")
-    if not rotary_positions(target.config):
-        raise ConfigError(
-            "--beyond-positions: this configuration looks its positions up in a table of "
-            f"{target.max_positions} rows; a longer sequence cannot run at all"
-        )
+    require_rotary_positions(target.config)
     return target.max_positions is not None
 
 
