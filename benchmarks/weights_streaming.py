@@ -221,9 +221,10 @@ def _qlora_links_table(rows: list[dict[str, Any]]) -> str:
             {
                 "model, budget": f"{r['model']}, {r['budget_bytes'] / GIB:.0f} GiB",
                 "tokens": f"{r['links']['seq_len']:,}",
-                "plan's peak": f"{first['predicted_peak_bytes'] / GIB:.2f} GiB"
+                "plan's peak": f"{first['predicted_peak_bytes'] / GIB:.3f} GiB"
                 if first["feasible"]
                 else "",
+                "units streamed": first["units_streamed"] if first["feasible"] else "",
                 "streamed / step": f"{first['streamed_bytes_per_step'] / GIB:.1f} GiB"
                 if first["feasible"]
                 else "",
