@@ -149,16 +149,36 @@ def weight_windows(
     sliced = sliced_head(profile, held)
     if sliced is not None:
         _slice_windows(profile, sliced, table)
+    # parameters grouped by the units holding them: a group's bytes are live on the union of
+    # its units' windows (one copy however many windows are open), one pass over the events
+    groups: dict[tuple[str, ...], int] = {}
     for param in profile.unit_params:
         if not _streams(param, held) or (sliced is not None and param is sliced.param):
             continue
-        open_count = np.zeros(profile.num_events + 1, dtype=np.int64)
-        for start, end, unit in windows:
-            start, end = max(start, 0), min(end, profile.num_events)
-            if unit in param.units and start < end:
-                open_count[start] += 1
-                open_count[end] -= 1
-        table[params] += (np.cumsum(open_count[:-1]) > 0) * param.nbytes
+        groups[param.units] = groups.get(param.units, 0) + param.nbytes
+    by_unit: dict[str, list[tuple[int, int]]] = {}
+    for start, end, unit in windows:
+        start, end = max(start, 0), min(end, profile.num_events)
+        if start < end:
+            by_unit.setdefault(unit, []).append((start, end))
+    delta = np.zeros(profile.num_events + 1, dtype=np.int64)
+    for holders, nbytes in groups.items():
+        spans = [span for unit in set(holders) for span in by_unit.get(unit, ())]
+        for start, end in _union(spans):
+            delta[start] += nbytes
+            delta[end] -= nbytes
+    table[params] += np.cumsum(delta[:-1])
+
+
+def _union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``[start, end)`` spans merged where they overlap or touch, in order."""
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
 
 
 def _slice_windows(profile: Profile, sliced: SlicedHead, table: np.ndarray) -> None:
