@@ -68,6 +68,8 @@ def torchrun(
         "c10d",
         "--rdzv-endpoint",
         "localhost:0",
+        "--log-dir",  # torchrun's own folder would stay in the system's temporary directory
+        str(out / "torchrun"),
         script,
         "--out",
         str(out),

@@ -21,7 +21,7 @@ def _run(args: list[str], timeout_s: int = 240) -> subprocess.CompletedProcess[s
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_ddp_compression_example_runs_on_two_gloo_ranks() -> None:
+def test_ddp_compression_example_runs_on_two_gloo_ranks(tmp_path: Path) -> None:
     result = _run(
         [
             sys.executable,
@@ -33,6 +33,8 @@ def test_ddp_compression_example_runs_on_two_gloo_ranks() -> None:
             "c10d",
             "--rdzv-endpoint",
             "localhost:0",
+            "--log-dir",
+            str(tmp_path),
             "examples/ddp_compression.py",
             "--steps",
             "5",

@@ -149,6 +149,7 @@ def _trainer_params(tmp_path: Path, *, callback: bool) -> tuple[list[torch.Tenso
 def test_trainer_resume_restores_compression_state_bit_exactly(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     command += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]
+    command += ["--log-dir", str(tmp_path / "torchrun")]
     command += ["tests/hf_resume_run.py", str(tmp_path)]
     result = subprocess.run(
         command, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False

@@ -175,6 +175,28 @@ def test_torchrun_command_passes_multi_node_flags_through(tmp_path: Path) -> Non
         Launch(nnodes=2)
 
 
+def test_torchrun_leaves_no_log_folder_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchrun's agent makes a ``torchelastic_*`` folder in the temporary directory per launch
+    and never removes it: the launcher gives it a folder of its own and removes that."""
+    import subprocess
+
+    from superneurons.train import launch
+
+    seen: list[tuple[Path, bool]] = []
+
+    def fake_run(command: list[str], **_: object) -> subprocess.CompletedProcess[str]:
+        log_dir = Path(command[command.index("--log-dir") + 1])
+        seen.append((log_dir, log_dir.is_dir()))
+        return subprocess.CompletedProcess(command, 3)
+
+    monkeypatch.setattr(launch.subprocess, "run", fake_run)
+    assert launch.run_torchrun(launch.Launch(nproc=2), tmp_path / "config.json") == 3
+    [(log_dir, existed)] = seen
+    assert existed and not log_dir.exists()
+
+
 def test_checkpoint_rotation_keeps_the_last_complete_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

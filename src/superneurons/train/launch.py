@@ -19,6 +19,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,11 +108,17 @@ def check_launch(launch: Launch, backend: str) -> BackendChoice:
     return choose_backend(backend, local_world_size=launch.nproc)
 
 
-def torchrun_command(launch: Launch, config_path: Path) -> list[str]:
-    """The torchrun command line that runs every rank of this node on ``config_path``."""
+def torchrun_command(
+    launch: Launch, config_path: Path, *, log_dir: Path | None = None
+) -> list[str]:
+    """The torchrun command line that runs every rank of this node on ``config_path``;
+    ``log_dir``: the folder torchrun's agent makes its per-attempt folders in (None: a new
+    ``torchelastic_*`` folder under the system's temporary directory, never removed)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(launch.nproc)]
     command += ["--nnodes", str(launch.nnodes), "--node-rank", str(launch.node_rank)]
     command += ["--max-restarts", str(launch.max_restarts)]
+    if log_dir is not None:
+        command += ["--log-dir", str(log_dir)]
     if launch.master_addr is not None:
         command += ["--master-addr", launch.master_addr, "--master-port", str(launch.master_port)]
     else:
@@ -121,8 +128,10 @@ def torchrun_command(launch: Launch, config_path: Path) -> list[str]:
 
 
 def run_torchrun(launch: Launch, config_path: Path) -> int:
-    """Run the ranks of this node; their exit status (0 when all succeeded)."""
-    command = torchrun_command(launch, config_path)
-    logger.info("launching: %s", " ".join(command))
+    """Run the ranks of this node; their exit status (0 when all succeeded). The agent's
+    per-attempt folders go to a temporary folder removed when the ranks end (also on Ctrl-C)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run(command, env=env, check=False).returncode
+    with tempfile.TemporaryDirectory(prefix="superneurons-torchrun-") as logs:
+        command = torchrun_command(launch, config_path, log_dir=Path(logs))
+        logger.info("launching: %s", " ".join(command))
+        return subprocess.run(command, env=env, check=False).returncode
