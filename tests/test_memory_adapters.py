@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -249,6 +250,23 @@ def test_one_plan_past_the_positions_is_the_plan_of_a_longer_configuration(
     assert past["predicted_peak_bytes"] == within["predicted_peak_bytes"]
     print_floors(past)  # the text report says so
     assert "past the configuration's 128 positions" in capsys.readouterr().out
+
+
+def test_a_plan_says_on_stderr_as_each_phase_ends(
+    config_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a 70B plan profiles for minutes: each phase's end is a line with its time
+    flags = ["--device-preset", "cpu", "--budget", "1GiB", "--lora", "r=8", "--json"]
+    assert main(["plan", "--model", f"hf:{config_path}", "--seq-len", "64", *flags]) == 0
+    captured = capsys.readouterr()
+    json.loads(captured.out)  # stdout holds the record alone
+    lines = captured.err.strip().splitlines()
+    assert all(line.startswith("[plan] ") for line in lines), lines
+    phases = [line.removeprefix("[plan] ") for line in lines]
+    assert phases[0].startswith("profiling hf:") and len(phases) == 4, phases
+    assert re.fullmatch(r"profiled the step: \d+ events in \d+\.\d s", phases[1])
+    assert re.fullmatch(r"profiled the step below the largest layer in \d+\.\d s", phases[2])
+    assert re.fullmatch(r"searched every strategy's floor in \d+\.\d s", phases[3])
 
 
 def test_depth_extrapolation_is_the_line_through_the_probes() -> None:

@@ -219,7 +219,11 @@ def run(args: argparse.Namespace) -> int:
         size = f"batch {target.batch_size}"
     progress(f"profiling {args.model} {size} on fake tensors")
     found = plan_model(
-        target, budget_bytes=request.budget_bytes, strategy=request.strategy, cost=request.cost
+        target,
+        budget_bytes=request.budget_bytes,
+        strategy=request.strategy,
+        cost=request.cost,
+        progress=progress,
     )
     record = found.to_dict()
     if args.json:

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -209,6 +211,7 @@ def profile_causal_lm_below(
     units: list[str] | None = None,
     variants: tuple[str, ...] = BELOW_FLOOR,
     check_positions: bool = True,
+    progress: Callable[[str], None] | None = None,
 ) -> tuple[Profile, list[Profile]]:
     """The plain profile of :func:`profile_causal_lm` and the profiles of the same step below
     the largest layer (:func:`superneurons.memory.profiling.below.below_profiles`: the LM head +
@@ -218,6 +221,7 @@ def profile_causal_lm_below(
     profile); ``()``: none. Pass both to ``make_plan(profile, chunked=...)`` / ``strategy_floors``.
     ``check_positions=False`` profiles a sequence beyond the configuration's positions (what
     memory it would take; :func:`rotary_positions` says whether the model can run it).
+    ``progress``: called with a line as each profile ends (a large model's take minutes).
 
     Raises:
         ConfigError: as :func:`profile_causal_lm`.
@@ -246,16 +250,25 @@ def profile_causal_lm_below(
         carry_output=step.keep_outputs,
         autocast=DTYPES[step.autocast] if step.autocast else None,
     )
+    report = progress or (lambda _: None)
     with kernels, _unpacked_rows(transformers):
+        start_s = time.perf_counter()
         plain = profile_step(model, batch, None, output_loss, optimizer, **options)
+        report(f"profiled the step: {plain.num_events} events in {_since(start_s)}")
         if not variants:
             return plain, []
         tokens = step.batch_size * step.seq_len
+        start_s = time.perf_counter()
         chunked = below_profiles(
             model, batch, None, output_loss, optimizer, profile=plain, tokens=tokens,
             seq_len=step.seq_len, variants=variants, **options,
         )  # fmt: skip
+        report(f"profiled the step below the largest layer in {_since(start_s)}")
     return plain, chunked
+
+
+def _since(start_s: float) -> str:
+    return f"{time.perf_counter() - start_s:.1f} s"
 
 
 class FusedAttention(TorchFunctionMode):

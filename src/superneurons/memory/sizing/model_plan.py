@@ -7,6 +7,8 @@ searches; :meth:`ModelPlan.to_dict` is ``plan --json``.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,10 +146,16 @@ class ModelPlan:
 
 
 def plan_model(
-    target: Target, *, budget_bytes: int, strategy: str = "auto", cost: CostModel
+    target: Target,
+    *,
+    budget_bytes: int,
+    strategy: str = "auto",
+    cost: CostModel,
+    progress: Callable[[str], None] | None = None,
 ) -> ModelPlan:
     """Profile ``target``'s step on fake tensors, search every strategy's floor once and plan
-    for ``budget_bytes`` from those searches.
+    for ``budget_bytes`` from those searches. ``progress``: called with a line as each phase
+    ends (a language model's profiles and searches take minutes at 70B).
 
     A budget below every plan of ``strategy`` is no error here: the result carries the
     :class:`~superneurons.memory.plan.InfeasibleBudgetError` (``infeasible``) beside the floors.
@@ -163,9 +171,13 @@ def plan_model(
             target.step,
             variants=target.variants,
             check_positions=not target.beyond_positions,
+            progress=progress,
         )
         profile, granularity = plain, "block"
+        start_s = time.perf_counter()
         floors = search_floors(plain, cost=cost, chunked=chunked, step=step)
+        if progress is not None:
+            progress(f"searched every strategy's floor in {time.perf_counter() - start_s:.1f} s")
         ops = attention_ops(plain)
         parameters = parameter_fields(plain) if target.lora is not None else {}
     else:
