@@ -165,6 +165,7 @@ def plan_model(
     """
     ops, parameters = None, {}
     step = training_step(target)
+    report = progress or (lambda _: None)
     if isinstance(target, LMTarget):
         plain, chunked = profile_causal_lm_below(
             target.config,
@@ -176,8 +177,7 @@ def plan_model(
         profile, granularity = plain, "block"
         start_s = time.perf_counter()
         floors = search_floors(plain, cost=cost, chunked=chunked, step=step)
-        if progress is not None:
-            progress(f"searched every strategy's floor in {time.perf_counter() - start_s:.1f} s")
+        report(f"searched every strategy's floor in {time.perf_counter() - start_s:.1f} s")
         ops = attention_ops(plain)
         parameters = parameter_fields(plain) if target.lora is not None else {}
     else:
