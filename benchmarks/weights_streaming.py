@@ -265,7 +265,9 @@ def _write_qlora(out: Path, cases: list[str], links: list[str] | None = None) ->
             "\nWhat the link costs at the streamed length (`--qlora-links`): the streamed plan "
             "of the whole depth at that length, per step, at PCIe 4.0 x16 and PCIe 5.0 x16; "
             "exposed: copies no compute hides (cost model); compute: 3x the units' forward at "
-            f"the h100 preset's rates.\n\n{links_table}\n"
+            "the h100 preset's rates, each unit's time on the planner's quarter-octave grid "
+            "(a step of 19%, so lengths within about 9% can show the same compute).\n\n"
+            f"{links_table}\n"
             if links_table
             else ""
         ),
@@ -321,7 +323,8 @@ def main() -> None:
         f"{_table(rows)}\n"
         "Exposed: the plan's copies (activations, the optimizer's gradients and parameters, "
         "weights) and the host optimizer's step beyond the compute they overlap, per step, "
-        "cost model; compute: 3x the units' forward at the a100 preset's fp32 roofline.\n",
+        "cost model; compute: 3x the units' forward at the a100 preset's fp32 roofline, each "
+        "unit's time on the planner's quarter-octave grid (a step of 19%).\n",
     )
 
 
