@@ -348,3 +348,16 @@ def test_codec_labels_are_parsed_once_per_process(
     worker = WorkerConfig(0, 2, "127.0.0.1", 1, "mlp", config.codecs)
     assert counts == dict.fromkeys(config.codecs, 2)
     assert worker.compressions == config.compressions
+
+
+def test_the_load_note_says_whether_other_processes_shared_the_cores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from superneurons.bench.network import report
+
+    monkeypatch.setattr(report.os, "cpu_count", lambda: 2)
+    quiet = report._load_note([{"load_avg_1m": 1.3}, {"load_avg_1m": 1.9}])
+    assert quiet.endswith("1.3 to 1.9 on 2 cores (at or below the core count).")
+    busy = report._load_note([{"load_avg_1m": 1.3}, {"load_avg_1m": 4.0}])
+    assert "above the core count: other processes shared the CPU" in busy
+    assert report._load_note([{"load_avg_1m": None}]) == ""

@@ -108,10 +108,16 @@ def _load_note(records: Sequence[dict[str, Any]]) -> str:
     loads = [r["load_avg_1m"] for r in records if r.get("load_avg_1m") is not None]
     if not loads:
         return ""
+    cores = os.cpu_count() or 1
+    verdict = (
+        "above the core count: other processes shared the CPU, and compute-bound parts "
+        "(compute, encode/decode) are inflated"
+        if max(loads) > cores
+        else "at or below the core count"
+    )
     return (
         f"1-minute load average while measuring: {min(loads):.1f} to {max(loads):.1f} on "
-        f"{os.cpu_count()} cores (above the core count, other processes shared the CPU and "
-        "compute-bound parts (compute, encode/decode) are inflated)."
+        f"{cores} cores ({verdict})."
     )
 
 
