@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -180,21 +181,66 @@ def test_torchrun_leaves_no_log_folder_behind(
 ) -> None:
     """torchrun's agent makes a ``torchelastic_*`` folder in the temporary directory per launch
     and never removes it: the launcher gives it a folder of its own and removes that."""
-    import subprocess
-
     from superneurons.train import launch
 
     seen: list[tuple[Path, bool]] = []
 
-    def fake_run(command: list[str], **_: object) -> subprocess.CompletedProcess[str]:
-        log_dir = Path(command[command.index("--log-dir") + 1])
+    def fake_agent(arguments: list[str]) -> int:
+        log_dir = Path(arguments[arguments.index("--log-dir") + 1])
         seen.append((log_dir, log_dir.is_dir()))
-        return subprocess.CompletedProcess(command, 3)
+        return 3
 
-    monkeypatch.setattr(launch.subprocess, "run", fake_run)
+    monkeypatch.setattr(launch, "_run_agent", fake_agent)
     assert launch.run_torchrun(launch.Launch(nproc=2), tmp_path / "config.json") == 3
     [(log_dir, existed)] = seen
     assert existed and not log_dir.exists()
+
+
+def test_the_agent_runs_in_the_launcher_and_leaves_its_signals_and_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchrun's agent runs in the launcher's process (no second interpreter importing torch):
+    the handlers it installs for its death signals and the OMP_NUM_THREADS it gives the ranks
+    end with the launch; a failed rank's status comes back; Ctrl-C stays a KeyboardInterrupt."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+    from torch.distributed.launcher import api
+
+    from superneurons.train import launch
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = signal.getsignal(signal.SIGINT)
+    seen: list[tuple[str | None, int, list[str]]] = []
+
+    def fake_launch(config: object, entrypoint: object) -> object:
+        def run(*args: str) -> None:
+            seen.append((os.environ.get("OMP_NUM_THREADS"), config.nproc_per_node, list(args)))
+            signal.signal(signal.SIGINT, lambda *_: None)  # as the agent's PContext.start does
+            outcome = outcomes.pop(0)
+            if outcome is not None:
+                raise outcome
+
+        return run
+
+    failure = ProcessFailure(local_rank=1, pid=1, exitcode=7, error_file="")
+    outcomes: list[BaseException | None] = [
+        None,
+        ChildFailedError("superneurons.commands.rank", {1: failure}),
+        SignalException("stopped", signal.SIGTERM),
+        SignalException("stopped", signal.SIGINT),
+    ]
+    monkeypatch.setattr(api, "elastic_launch", fake_launch)
+    config_path = tmp_path / "config.json"
+    assert launch.run_torchrun(launch.Launch(nproc=2), config_path) == 0
+    assert seen == [("1", 2, ["-u", "-m", "superneurons.commands.rank", str(config_path)])]
+    assert launch.run_torchrun(launch.Launch(nproc=2), config_path) == 7
+    assert launch.run_torchrun(launch.Launch(nproc=2), config_path) == 128 + signal.SIGTERM
+    with pytest.raises(KeyboardInterrupt):
+        launch.run_torchrun(launch.Launch(nproc=2), config_path)
+    assert signal.getsignal(signal.SIGINT) is before
+    assert "OMP_NUM_THREADS" not in os.environ
 
 
 def test_checkpoint_rotation_keeps_the_last_complete_file(

@@ -1,8 +1,9 @@
 """Starting ranks: re-launch through torchrun.
 
 ``superneurons train`` (the launcher) validates its flags, checks the backend against this
-node's GPUs (:func:`check_launch`), writes ``OUT/config.json`` and runs
-``python -m torch.distributed.run ... -m superneurons.commands.rank OUT/config.json``; each rank
+node's GPUs (:func:`check_launch`), writes ``OUT/config.json`` and runs torchrun's elastic
+agent in its own process (no second interpreter) on ``... -m superneurons.commands.rank
+OUT/config.json`` (:func:`torchrun_command`: also the command line to run by hand); each rank
 then joins the process group (:func:`superneurons.train.rank.init_distributed`) and calls
 :func:`superneurons.train.loop.train`. Single node by default (c10d rendezvous on a free
 localhost port); ``--nnodes/--node-rank/--rdzv-endpoint`` or ``--master-addr/--master-port``
@@ -13,14 +14,17 @@ restarted ranks resume from the newest common checkpoint (:mod:`superneurons.tra
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
+import signal
 import socket
-import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,10 +132,74 @@ def torchrun_command(
 
 
 def run_torchrun(launch: Launch, config_path: Path) -> int:
-    """Run the ranks of this node; their exit status (0 when all succeeded). The agent's
-    per-attempt folders go to a temporary folder removed when the ranks end (also on Ctrl-C)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    """Run the ranks of this node; their exit status (0 when all succeeded, else the first
+    failed rank's, or 1). The agent's per-attempt folders go to a temporary folder removed
+    when the ranks end (also on Ctrl-C).
+
+    NOTE: torchrun's elastic agent runs in this process (what ``torchrun``'s own ``main``
+    does), not in a fresh interpreter: that one would import torch again before any rank
+    starts (about 3.5 s of CPU per launch here). The agent's signal handlers and the
+    ``OMP_NUM_THREADS`` it gives the ranks are this call's only: both are restored after.
+    """
     with tempfile.TemporaryDirectory(prefix="superneurons-torchrun-") as logs:
         command = torchrun_command(launch, config_path, log_dir=Path(logs))
         logger.info("launching: %s", " ".join(command))
-        return subprocess.run(command, env=env, check=False).returncode
+        with _environ(OMP_NUM_THREADS="1"), _signal_handlers_kept():
+            return _run_agent(command[3:])
+
+
+def _run_agent(torchrun_args: list[str]) -> int:
+    """torchrun's agent on ``torchrun_args`` in this process: 0, or a failed rank's status."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
+
+    config, entrypoint, entry_args = config_from_args(parse_args(torchrun_args))
+    try:
+        elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
+    except ChildFailedError as failed:
+        logger.error("%s", failed.format_msg())
+        codes = [f.exitcode for _, f in sorted(failed.failures.items()) if f.exitcode]
+        return codes[0] if codes and codes[0] > 0 else 1
+    except SignalException as stopped:  # the agent has stopped every rank by now
+        if stopped.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from stopped
+        return 128 + int(stopped.sigval)
+    return 0
+
+
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    """``os.environ`` with ``values`` set inside the block, as it was after."""
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+_AGENT_SIGNALS = tuple(
+    getattr(signal, name)
+    for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    if hasattr(signal, name)
+)
+
+
+@contextlib.contextmanager
+def _signal_handlers_kept() -> Iterator[None]:
+    """The agent installs handlers for its death signals and never restores them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # the agent installs none off the main thread
+        return
+    before = {sig: signal.getsignal(sig) for sig in _AGENT_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
