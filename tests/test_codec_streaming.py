@@ -186,3 +186,25 @@ def test_work_per_value_does_not_grow_from_1m_to_30m_values(spec: str) -> None:
             step()
         per_value.append(work.touched / numel)
     assert per_value[1] <= 1.2 * per_value[0], per_value
+
+
+@pytest.mark.parametrize("numel", [513, 1 << 20])
+@pytest.mark.parametrize("spec", ["ctopk", "ctopk:bits=32", "ctopk:select=exact,index=bitmap"])
+def test_the_payload_records_exactly_whether_every_value_was_finite(spec: str, numel: int) -> None:
+    """The hook reads finiteness from a ``ctopk`` message instead of a pass over the values:
+    the flag must equal ``all_finite`` of the encoded gradient, also where the bad value is
+    not kept and where a finite value's square overflows."""
+    from superneurons.codecs.coding.finite import all_finite
+
+    codec = parse_spec(spec)
+    gen = torch.Generator().manual_seed(numel)
+    cases = {"finite": torch.randn(numel, generator=gen)}
+    for name, bad in [("nan", float("nan")), ("inf", float("inf")), ("-inf", float("-inf"))]:
+        cases[name] = cases["finite"].clone()
+        cases[name][numel // 3] = bad
+    cases["square overflows"] = cases["finite"].clone()
+    cases["square overflows"][7] = 3e38
+    cases["tiny among huge"] = cases["finite"] * 1e30
+    for name, vector in cases.items():
+        payload = codec.encode(vector)
+        assert codec.payload_finite(payload) is all_finite(vector), name

@@ -292,6 +292,16 @@ def _powersgd(
     return fut.then(scatter)
 
 
+def _finite(codec: Codec, payload: Payload, encoded: torch.Tensor) -> bool:
+    """Whether ``encoded`` (what made ``payload``) is all finite: read from the payload where
+    the codec records it exactly (``payload_finite``: no pass over the values), else one
+    min/max pass."""
+    recorded = getattr(codec, "payload_finite", None)
+    if recorded is not None:
+        return bool(recorded(payload))
+    return all_finite(encoded)
+
+
 def _corrected(state: CompressionState, piece: Piece, spec: str) -> torch.Tensor:
     """``grad + residual`` as flat contiguous fp32 for a gathered route. Under error feedback it
     is written into the one of two kept slabs that does not hold the residual (one pass, and
@@ -326,11 +336,11 @@ def _gathered_reduce(
     world_size = state.world_size
     codecs = {i: typing.cast(Codec, routes[i]) for i in gathered}
     compensated = {i: _corrected(state, pieces[i], codecs[i].spec) for i in gathered}
-    finite = all(all_finite(flat) for flat in compensated.values())
     payloads: dict[int, Payload] = {}
     for i in gathered:
         generator = state.generator_for(pieces[i].name)
         payloads[i] = codecs[i].encode(compensated[i], generator=generator)
+    finite = all(_finite(codecs[i], payloads[i], compensated[i]) for i in gathered)
     blocks = [block.encode(pieces[block.index], state) for block in rows]
     widths = [payloads[i].nbytes for i in gathered] + [b.numel() for b in blocks]
     offsets = [0]

@@ -17,6 +17,8 @@ Bitmaps use LSB-first bit order inside each byte (as :mod:`superneurons.codecs.c
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -131,8 +133,12 @@ def bitmap_positions(data: torch.Tensor, universe: int) -> torch.Tensor:
     return torch.from_numpy(np.flatnonzero(bits.view(np.bool_)).astype(np.int64, copy=False))
 
 
+@functools.lru_cache(maxsize=4096)
 def gap_low_bits(universe: int, count: int) -> int:
-    """Elias-Fano low-bit width among the fast widths that minimises the size."""
+    """Elias-Fano low-bit width among the fast widths that minimises the size.
+
+    NOTE: cached (a pure function of two integers): every encode, decode and layout of a
+    sparse message asks for it, and the search over widths cost ~1 ms of Python per DDP bucket."""
     return min(_LOW_WIDTHS, key=lambda low: _gap_bits(universe, count, low))
 
 
@@ -221,6 +227,7 @@ def _decode_gap_numpy(
     return torch.from_numpy(high)
 
 
+@functools.lru_cache(maxsize=4096)
 def index_bytes(kind: str, universe: int, count: int) -> int:
     """Bytes of the index code ``kind`` ("bitmap" or "gap")."""
     if kind == "bitmap":

@@ -28,7 +28,7 @@ import torch
 from superneurons.codecs.canonical import Canonical
 from superneurons.codecs.codec import Payload, check_gradient, common_numel
 from superneurons.codecs.coding.finite import finite_flag, nan_unless_
-from superneurons.codecs.coding.rangefloat import check_bits
+from superneurons.codecs.coding.rangefloat import HEADER_BYTES, RangeFloatHeader, check_bits
 from superneurons.codecs.coding.sparsecode import (
     KeptLayout,
     add_kept,
@@ -117,6 +117,12 @@ class CompactTopKCodec(Canonical):
 
     def decode(self, payload: Payload) -> torch.Tensor:
         return self.decode_sum([payload])
+
+    def payload_finite(self, payload: Payload) -> bool:
+        """Whether the encoded gradient was all finite, read from the header's flag (exact:
+        ``encode`` sets it from every value, not from the kept ones)."""
+        header = self._check(payload, self._layout(payload.numel))[:HEADER_BYTES]
+        return bool(RangeFloatHeader.from_bytes(header).finite)
 
     def decode_sum(self, payloads: Sequence[Payload]) -> torch.Tensor:
         """Add every payload's kept elements into one dense float32 tensor."""
