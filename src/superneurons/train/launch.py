@@ -37,6 +37,7 @@ __all__ = [
     "check_launch",
     "free_port",
     "run_torchrun",
+    "torchrun_arguments",
     "torchrun_command",
     "under_torchrun",
 ]
@@ -118,22 +119,34 @@ def torchrun_command(
     """The torchrun command line that runs every rank of this node on ``config_path``;
     ``log_dir``: the folder torchrun's agent makes its per-attempt folders in (None: a new
     ``torchelastic_*`` folder under the system's temporary directory, never removed)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(launch.nproc)]
-    command += ["--nnodes", str(launch.nnodes), "--node-rank", str(launch.node_rank)]
-    command += ["--max-restarts", str(launch.max_restarts)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *torchrun_arguments(launch, config_path, log_dir=log_dir),
+    ]
+
+
+def torchrun_arguments(
+    launch: Launch, config_path: Path, *, log_dir: Path | None = None
+) -> list[str]:
+    """:func:`torchrun_command`'s arguments after ``python -m torch.distributed.run``."""
+    arguments = ["--nproc-per-node", str(launch.nproc)]
+    arguments += ["--nnodes", str(launch.nnodes), "--node-rank", str(launch.node_rank)]
+    arguments += ["--max-restarts", str(launch.max_restarts)]
     if log_dir is not None:
-        command += ["--log-dir", str(log_dir)]
+        arguments += ["--log-dir", str(log_dir)]
     if launch.master_addr is not None:
-        command += ["--master-addr", launch.master_addr, "--master-port", str(launch.master_port)]
+        arguments += ["--master-addr", launch.master_addr, "--master-port", str(launch.master_port)]
     else:
         endpoint = launch.rdzv_endpoint or f"localhost:{free_port()}"
-        command += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
-    return [*command, "-m", RANK_ENTRY, str(config_path)]
+        arguments += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
+    return [*arguments, "-m", RANK_ENTRY, str(config_path)]
 
 
 def run_torchrun(launch: Launch, config_path: Path) -> int:
-    """Run the ranks of this node; their exit status (0 when all succeeded, else the first
-    failed rank's, or 1). The agent's per-attempt folders go to a temporary folder removed
+    """Run the ranks of this node; their exit status (0 when all succeeded; else the lowest
+    failed rank's positive status, or 1 when the ranks died of signals). The agent's per-attempt folders go to a temporary folder removed
     when the ranks end (also on Ctrl-C).
 
     NOTE: torchrun's elastic agent runs in this process (what ``torchrun``'s own ``main``
@@ -142,10 +155,10 @@ def run_torchrun(launch: Launch, config_path: Path) -> int:
     ``OMP_NUM_THREADS`` it gives the ranks are this call's only: both are restored after.
     """
     with tempfile.TemporaryDirectory(prefix="superneurons-torchrun-") as logs:
-        command = torchrun_command(launch, config_path, log_dir=Path(logs))
-        logger.info("launching: %s", " ".join(command))
+        arguments = torchrun_arguments(launch, config_path, log_dir=Path(logs))
+        logger.info("launching: torchrun %s", " ".join(arguments))
         with _environ(OMP_NUM_THREADS="1"), _signal_handlers_kept():
-            return _run_agent(command[3:])
+            return _run_agent(arguments)
 
 
 def _run_agent(torchrun_args: list[str]) -> int:
