@@ -63,6 +63,7 @@ def _torchrun() -> list[str]:
 
 def ddp_example(index: int, logs: Path, _: argparse.Namespace) -> dict[str, Any]:
     command = [*_torchrun(), "--nproc-per-node", "2", "--master-port", str(29600 + index % 300)]
+    command += ["--log-dir", str(logs / f"torchrun{index}")]  # not a torchelastic_* in /tmp
     command += [str(ROOT / "examples" / "ddp_compression.py"), "--steps", "5"]
     return _run(index, command, logs)
 

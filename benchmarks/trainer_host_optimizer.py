@@ -49,7 +49,7 @@ def _runs(out: Path, ranks: int) -> list[dict[str, Any]]:
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                    str(ranks), "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
-                   *script]  # fmt: skip
+                   "--log-dir", str(out / "torchrun"), *script]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True, text=True)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
