@@ -200,8 +200,10 @@ def test_the_agent_runs_in_the_launcher_and_leaves_its_signals_and_environment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """torchrun's agent runs in the launcher's process (no second interpreter importing torch):
-    the handlers it installs for its death signals and the OMP_NUM_THREADS it gives the ranks
-    end with the launch; a failed rank's status comes back; Ctrl-C stays a KeyboardInterrupt."""
+    the handlers it installs for its death signals, the environment it sets and the Python
+    random numbers it draws end with the launch; a failed rank's status comes back; Ctrl-C
+    stays a KeyboardInterrupt."""
+    import random
     import signal
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -211,13 +213,17 @@ def test_the_agent_runs_in_the_launcher_and_leaves_its_signals_and_environment(
     from superneurons.train import launch
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_SIGNALS_TO_HANDLE", raising=False)
     before = signal.getsignal(signal.SIGINT)
+    random_state = random.getstate()
     seen: list[tuple[str | None, int, list[str]]] = []
 
     def fake_launch(config: object, entrypoint: object) -> object:
         def run(*args: str) -> None:
             seen.append((os.environ.get("OMP_NUM_THREADS"), config.nproc_per_node, list(args)))
             signal.signal(signal.SIGINT, lambda *_: None)  # as the agent's PContext.start does
+            os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGTERM"  # as launch_agent does
+            random.uniform(0.0, 0.3)  # as the rendezvous's delays do
             outcome = outcomes.pop(0)
             if outcome is not None:
                 raise outcome
@@ -241,6 +247,8 @@ def test_the_agent_runs_in_the_launcher_and_leaves_its_signals_and_environment(
         launch.run_torchrun(launch.Launch(nproc=2), config_path)
     assert signal.getsignal(signal.SIGINT) is before
     assert "OMP_NUM_THREADS" not in os.environ
+    assert "TORCHELASTIC_SIGNALS_TO_HANDLE" not in os.environ
+    assert random.getstate() == random_state
 
 
 def test_checkpoint_rotation_keeps_the_last_complete_file(

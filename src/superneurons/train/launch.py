@@ -146,18 +146,21 @@ def torchrun_arguments(
 
 def run_torchrun(launch: Launch, config_path: Path) -> int:
     """Run the ranks of this node; their exit status (0 when all succeeded; else the lowest
-    failed rank's positive status, or 1 when the ranks died of signals). The agent's per-attempt folders go to a temporary folder removed
-    when the ranks end (also on Ctrl-C).
+    failed rank's positive status, or 1 when the ranks died of signals). The agent's
+    per-attempt folders go to a temporary folder removed when the ranks end (also on Ctrl-C).
 
     NOTE: torchrun's elastic agent runs in this process (what ``torchrun``'s own ``main``
     does), not in a fresh interpreter: that one would import torch again before any rank
-    starts (about 3.5 s of CPU per launch here). The agent's signal handlers and the
-    ``OMP_NUM_THREADS`` it gives the ranks are this call's only: both are restored after.
+    starts (about 3.5 s of CPU per launch here). What the agent changes in this process is
+    this call's only and restored after: its signal handlers, the ``OMP_NUM_THREADS`` it gives
+    the ranks and the ``TORCHELASTIC_SIGNALS_TO_HANDLE`` it sets, and Python's global random
+    state (its rendezvous draws delays from it).
     """
     with tempfile.TemporaryDirectory(prefix="superneurons-torchrun-") as logs:
         arguments = torchrun_arguments(launch, config_path, log_dir=Path(logs))
         logger.info("launching: torchrun %s", " ".join(arguments))
-        with _environ(OMP_NUM_THREADS="1"), _signal_handlers_kept():
+        agent_sets = dict.fromkeys(_AGENT_ENVIRON, None)
+        with _environ(**agent_sets, OMP_NUM_THREADS="1"), _signal_handlers_kept(), _random_kept():
             return _run_agent(arguments)
 
 
@@ -182,11 +185,15 @@ def _run_agent(torchrun_args: list[str]) -> int:
     return 0
 
 
+# NOTE: torch.distributed.launcher.api.launch_agent sets it in the launching process.
+_AGENT_ENVIRON = ("TORCHELASTIC_SIGNALS_TO_HANDLE",)
+
+
 @contextlib.contextmanager
-def _environ(**values: str) -> Iterator[None]:
-    """``os.environ`` with ``values`` set inside the block, as it was after."""
+def _environ(**values: str | None) -> Iterator[None]:
+    """``os.environ`` with ``values`` set inside the block (None: as it is), as it was after."""
     before = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
+    os.environ.update({key: value for key, value in values.items() if value is not None})
     try:
         yield
     finally:
@@ -195,6 +202,16 @@ def _environ(**values: str) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _random_kept() -> Iterator[None]:
+    """Python's global random state as it was before the block."""
+    state = random.getstate()
+    try:
+        yield
+    finally:
+        random.setstate(state)
 
 
 _AGENT_SIGNALS = tuple(
