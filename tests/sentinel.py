@@ -85,7 +85,35 @@ def training_state(
     return record
 
 
+def first_difference(before: Any, after: Any, path: str = "") -> str | None:
+    """Where two fingerprints first differ, as a dotted path with both sides (short), or None
+    when they are equal. A failure then names what changed instead of printing both records."""
+    if isinstance(before, dict) and isinstance(after, dict):
+        for key in [*before, *(k for k in after if k not in before)]:
+            if key not in before or key not in after:
+                return f"{path}{key}: only {'after' if key in after else 'before'}"
+            found = first_difference(before[key], after[key], f"{path}{key}.")
+            if found is not None:
+                return found
+        return None
+    sequences = isinstance(before, (list, tuple)) and isinstance(after, (list, tuple))
+    if sequences and len(before) == len(after):
+        for i, (b, a) in enumerate(zip(before, after, strict=True)):
+            found = first_difference(b, a, f"{path}{i}.")
+            if found is not None:
+                return found
+        return None
+    if before == after:
+        return None
+    return f"{path.rstrip('.')}: {_short(before)} before, {_short(after)} after"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else f"{text[:117]}..."
+
+
 def assert_same(before: dict[str, Any], after: dict[str, Any]) -> None:
     """Equal fingerprints, or an assertion naming the first part that differs."""
-    for key in before.keys() | after.keys():
-        assert before.get(key) == after.get(key), f"{key} changed"
+    difference = first_difference(before, after)
+    assert difference is None, f"changed: {difference}"

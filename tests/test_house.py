@@ -24,6 +24,7 @@ LAYERS: dict[str, float] = {
     "compat": 0,
     "device": 0,
     "version": 0,
+    "randomness": 0,
     "models": 1,
     "data": 1,
     # memory/: the shared data at its top (Plan, Profile and its units, the autograd nodes, the

@@ -19,7 +19,7 @@ import torch
 
 import trl_run
 from integrations_support import ROOT, TinyLM, batch, torchrun
-from sentinel import training_state
+from sentinel import assert_same, training_state
 from superneurons.errors import ConfigError
 from superneurons.integrations.hf import plan_for_batch
 
@@ -70,7 +70,7 @@ def test_trl_planning_leaves_the_run_as_it_was(tmp_path: Path) -> None:
     callback = SuperNeuronsCallback(trainer, budget_fraction=0.6)
     before, after = _sentinel_run(trainer, callback)
     assert before["optimizer"]["state"]  # there was state to keep
-    assert before == after
+    assert_same(before, after)
 
 
 @needs_trl
@@ -97,7 +97,7 @@ def test_hf_trainer_planning_leaves_the_run_as_it_was(tmp_path: Path) -> None:
     callback = SuperNeuronsCallback(trainer, budget_fraction=0.8, strategy="checkpoint")
     before, after = _sentinel_run(trainer, callback)
     assert before["optimizer"]["state"]
-    assert before == after
+    assert_same(before, after)
 
 
 @needs_trl

@@ -60,6 +60,7 @@ from superneurons.integrations.accelerate import SuperNeuronsSetup, prepare_supe
 from superneurons.integrations.hf import LossOf, model_loss
 from superneurons.integrations.no_trace import no_trace
 from superneurons.memory.profiling.isolate import unwrapped
+from superneurons.randomness import python_random_kept
 from superneurons.train.safeload import load_weights_only, refusal
 
 __all__ = ["SuperNeuronsCallback"]
@@ -156,7 +157,8 @@ class SuperNeuronsCallback(TrainerCallback):  # type: ignore[misc]
         # A second train() keeps the DDP model, which takes one comm hook: keep the first.
         hooked = previous is not None and previous.compression is not None
         hooked = hooked and trainer.model_wrapped is self._hooked_model
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), python_random_kept():
             if self._wants_plan:
                 batch = _to_device(self.sample_batch or _first_batch(trainer), device)
             self.setup = prepare_superneurons(

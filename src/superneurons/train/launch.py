@@ -30,6 +30,7 @@ from pathlib import Path
 
 from superneurons.device import BackendChoice, choose_backend
 from superneurons.errors import ConfigError
+from superneurons.randomness import python_random_kept
 
 __all__ = [
     "RANK_ENTRY",
@@ -160,7 +161,11 @@ def run_torchrun(launch: Launch, config_path: Path) -> int:
         arguments = torchrun_arguments(launch, config_path, log_dir=Path(logs))
         logger.info("launching: torchrun %s", " ".join(arguments))
         agent_sets = dict.fromkeys(_AGENT_ENVIRON, None)
-        with _environ(**agent_sets, OMP_NUM_THREADS="1"), _signal_handlers_kept(), _random_kept():
+        with (
+            _environ(**agent_sets, OMP_NUM_THREADS="1"),
+            _signal_handlers_kept(),
+            python_random_kept(),
+        ):
             return _run_agent(arguments)
 
 
@@ -202,16 +207,6 @@ def _environ(**values: str | None) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-
-
-@contextlib.contextmanager
-def _random_kept() -> Iterator[None]:
-    """Python's global random state as it was before the block."""
-    state = random.getstate()
-    try:
-        yield
-    finally:
-        random.setstate(state)
 
 
 _AGENT_SIGNALS = tuple(
