@@ -25,13 +25,13 @@ the folder given to ``train(resume_from_checkpoint=...)``, whatever ``output_dir
 weights-only (a file that would import anything but tensors and plain data is refused).
 
 The profile is isolated (:mod:`superneurons.memory.profiling.isolate`): it runs the forward the
-trainer runs (accelerate's autocast under ``bf16=True``; TRL's fused LM head for ``SFTTrainer``), in
-training mode, with the trainer's optimizer state, and leaves parameters, gradients,
-optimizer, LR scheduler and random-number states as they were, so training is the same as
-without the callback. HF's own activation checkpointing (``activation_checkpointing=True``,
-formerly ``gradient_checkpointing=True``, on by default in TRL's ``SFTConfig``) recomputes
-every block; with a budget the plan takes recomputation over, per block: HF's is off while
-the plan runs (one log line), and restored at ``on_train_end``.
+trainer runs (accelerate's autocast under ``bf16=True``; TRL's fused LM head for
+``SFTTrainer``), in training mode, with the trainer's optimizer state, and leaves parameters,
+gradients, optimizer, LR scheduler and random-number states (torch's and Python's) as they were,
+so training is the same as without the callback. HF's own activation checkpointing
+(``activation_checkpointing=True``, formerly ``gradient_checkpointing=True``, on by default in
+TRL's ``SFTConfig``) recomputes every block; with a budget the plan takes recomputation over,
+per block: HF's is off while the plan runs (one log line), and restored at ``on_train_end``.
 
 The plan is made for the trainer's step: ``max_grad_norm`` and ``gradient_accumulation_steps``
 are passed on. Where it steps the optimizer on the host (``strategy="offload+host-optimizer"``,
