@@ -49,17 +49,22 @@ if installed && versions="$("$VENV/bin/python" -c "$READY" "$ROOT" 2>/dev/null)"
   log "torch $versions; superneurons and its dev extras installed"
 else
   # NOTE: pip byte-compiles every installed file on one core (about 15,000 files here: a
-  # third of the install's time). Installing with --no-compile and compiling the venv's
-  # site-packages afterwards on every core does the same work in parallel.
+  # third of the install's time). Everything is installed with --no-compile and compiled on
+  # every core instead: torch's files while pip (one core) installs the rest, then the rest.
+  SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  compile_all() { "$VENV/bin/python" -m compileall -q -j 0 "$@" >/dev/null 2>&1 || true; }
   if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     log "no torch importable: installing the CPU build torch==2.13.0"
     "$VENV/bin/pip" install -q --no-compile "torch==2.13.0"
   fi
   log "torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__, "CUDA" if torch.cuda.is_available() else "CPU")')"
+  compile_all "$SITE/torch" &
+  COMPILE_PID=$!
   log "installing superneurons (editable) with dev extras"
   "$VENV/bin/pip" install -q --no-compile -e "$ROOT[dev]"
+  wait "$COMPILE_PID"
   log "byte-compiling the environment's packages on every core"
-  "$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true
+  compile_all "$SITE"
   echo "$DIGEST" > "$MARKER"
 fi
 
