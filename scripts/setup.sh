@@ -48,8 +48,8 @@ print(torch.__version__, "CUDA" if torch.cuda.is_available() else "CPU")'
 if installed && versions="$("$VENV/bin/python" -c "$READY" "$ROOT" 2>/dev/null)"; then
   log "torch $versions; superneurons and its dev extras installed"
 else
-  # NOTE: pip byte-compiles every installed file on one core (about 15,000 files here: a
-  # third of the install's time). Everything is installed with --no-compile and compiled on
+  # NOTE: pip byte-compiles every installed file on one core (about 15,000 files here: almost
+  # half of the install's time). Everything is installed with --no-compile and compiled on
   # every core instead: torch's files while pip (one core) installs the rest, then the rest.
   SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
   compile_all() { "$VENV/bin/python" -m compileall -q -j 0 "$@" >/dev/null 2>&1 || true; }
