@@ -106,8 +106,11 @@ def test_kth_smallest_equals_kthvalue_with_ties_and_nan() -> None:
         (got,) = kth_smallest(values, rank)
         assert torch.equal(got.reshape(1).view(torch.int32), want.reshape(1).view(torch.int32))
         assert got.shape == () and got.dtype == values.dtype
-    both = kth_smallest(values, 10, 4000)
-    assert [float(x) for x in both] == [float(torch.kthvalue(values, r).values) for r in (10, 4000)]
+    for ranks in ((10, 4000), (4999, 7, 2500, 7), (5000, 4940)):  # any order, repeats, NaN
+        got_all = kth_smallest(values, *ranks)
+        want_all = [torch.kthvalue(values, r).values for r in ranks]
+        for got, want in zip(got_all, want_all, strict=True):
+            assert got.reshape(1).view(torch.int32) == want.reshape(1).view(torch.int32)
 
 
 def test_set_positions_equals_index_fill() -> None:

@@ -84,11 +84,21 @@ def kth_smallest(values: torch.Tensor, *ranks: int) -> tuple[torch.Tensor, ...]:
     ranks above every number, as there). NOTE: on the CPU one ``numpy.partition`` for all
     ranks: 0.07 against 0.5-1.0 ms for one rank of 65,536 (the adaptive codec's Lagrangian
     threshold; one thread), the same values (of a tie of -0 and +0 either zero may
-    come back: the codecs rank squares, never -0); other devices keep ``kthvalue``."""
+    come back: the codecs rank squares, never -0); other devices keep ``kthvalue``.
+
+    NOTE: several ranks are found one after another, each in what lies above the previous one
+    (a partition leaves only larger values there): numpy's own multi-rank ``partition`` took
+    0.81 ms for two ranks of 65,792 scores against 0.12 ms this way (one thread)."""
     if values.device.type != "cpu":
         return tuple(torch.kthvalue(values, rank).values for rank in ranks)
-    parted = np.partition(values.detach().contiguous().numpy(), [rank - 1 for rank in ranks])
-    return tuple(torch.from_numpy(parted[rank - 1 : rank]).reshape(()) for rank in ranks)
+    rest = values.detach().contiguous().numpy()
+    below = 0  # values of the full array that lie before `rest`
+    found: dict[int, np.ndarray] = {}
+    for rank in sorted(set(ranks)):
+        rest = np.partition(rest, rank - 1 - below)
+        found[rank] = rest[rank - 1 - below : rank - below]
+        rest, below = rest[rank - below :], rank
+    return tuple(torch.from_numpy(found[rank].copy()).reshape(()) for rank in ranks)
 
 
 def sample_stride(universe: int, period: int = 1) -> int:
