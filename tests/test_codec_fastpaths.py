@@ -146,6 +146,24 @@ def test_gap_decode_on_the_cpu_equals_the_sync_free_path(universe: int, count: i
     assert cpu.dtype == torch.int64
 
 
+@pytest.mark.parametrize(("universe", "count"), [*_GAP_CASES, (1001, 1), (12_345, 4_321)])
+def test_gap_encode_on_the_cpu_equals_the_torch_path(universe: int, count: int) -> None:
+    """The numpy encode of the CPU writes the bytes of the torch ops other devices run."""
+    from superneurons.codecs.coding.indexcode import (
+        _encode_gap_numpy,
+        _encode_gap_torch,
+        gap_bytes,
+    )
+
+    gen = torch.Generator().manual_seed(universe + count)
+    indices = torch.randperm(universe, generator=gen)[:count].sort().values
+    low = gap_low_bits(universe, count)
+    cpu = _encode_gap_numpy(indices, universe, count, low)
+    assert torch.equal(cpu, _encode_gap_torch(indices, universe, count, low))
+    assert cpu.dtype == torch.uint8 and cpu.numel() == gap_bytes(universe, count)
+    assert torch.equal(encode_gap(indices, universe), cpu)
+
+
 def test_gap_low_widths_are_all_covered() -> None:
     assert {gap_low_bits(u, c) for u, c in _GAP_CASES} == {0, 1, 2, 4, 8, 16}
 

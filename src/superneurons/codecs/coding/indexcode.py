@@ -28,6 +28,7 @@ from superneurons.codecs.coding.bitpack import (
     unpack_bits,
     unpack_codes_numpy,
 )
+from superneurons.codecs.coding.workspace import workspace
 from superneurons.errors import ConfigError
 
 __all__ = [
@@ -161,6 +162,13 @@ def encode_gap(indices: torch.Tensor, universe: int) -> torch.Tensor:
     """Elias-Fano code of sorted, distinct int64 ``indices`` in ``[0, universe)``."""
     count = indices.numel()
     low = gap_low_bits(universe, count)
+    if indices.device.type == "cpu":
+        return _encode_gap_numpy(indices, universe, count, low)
+    return _encode_gap_torch(indices, universe, count, low)
+
+
+def _encode_gap_torch(indices: torch.Tensor, universe: int, count: int, low: int) -> torch.Tensor:
+    """:func:`encode_gap` in torch operations (every device but the CPU)."""
     parts = []
     if low:
         parts.append(pack_bits(indices & ((1 << low) - 1), low))
@@ -170,6 +178,54 @@ def encode_gap(indices: torch.Tensor, universe: int) -> torch.Tensor:
     set_positions(upper, (indices >> low) + torch.arange(count, device=device))
     parts.append(encode_bitmap(upper))
     return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _encode_gap_numpy(indices: torch.Tensor, universe: int, count: int, low: int) -> torch.Tensor:
+    """:func:`encode_gap` on the CPU in numpy, written into one output array, its temporaries
+    kept buffers (:mod:`.workspace`: a fresh 12 MB int64 array page-faults for longer than
+    the arithmetic takes); the same bytes (tested)."""
+    low_bytes = packed_bytes(count, low) if low else 0
+    upper_bits = _upper_bits(universe, count, low)
+    out = np.empty(low_bytes + bitmap_bytes(upper_bits), dtype=np.uint8)
+    positions = indices.detach().contiguous().numpy()
+    cpu = torch.device("cpu")
+    if low:
+        wide = torch.uint16 if low == 16 else torch.uint8
+        codes = workspace("indexcode.low", (count,), wide, cpu).numpy()
+        np.bitwise_and(positions, (1 << low) - 1, out=codes, casting="unsafe")
+        _pack_codes_numpy(codes, low, out[:low_bytes])
+    high = workspace("indexcode.high", (count,), torch.int64, cpu).numpy()
+    np.right_shift(positions, low, out=high)  # the high parts
+    high += _ranks(count)  # the i-th set bit of the unary code sits at high part + i
+    upper = workspace("indexcode.upper", (upper_bits,), torch.bool, cpu).numpy()
+    upper[:] = False
+    upper[high] = True
+    np.copyto(out[low_bytes:], np.packbits(upper, bitorder="little"))
+    return torch.from_numpy(out)
+
+
+def _ranks(count: int) -> np.ndarray:
+    """``np.arange(count)`` (int64) from a kept buffer, refilled only when it grows."""
+    ranks = getattr(_ranks, "kept", np.empty(0, dtype=np.int64))
+    if ranks.size < count:
+        ranks = np.arange(max(count, 2 * ranks.size), dtype=np.int64)
+        _ranks.kept = ranks  # type: ignore[attr-defined]
+    return ranks[:count]
+
+
+def _pack_codes_numpy(codes: np.ndarray, bits: int, out: np.ndarray) -> None:
+    """``pack_bits(codes, bits)`` into ``out`` for the gap code's low widths (1, 2, 4, 8, 16):
+    the code-to-bit layout of :mod:`.bitpack` (little-endian, consecutive)."""
+    if bits in (8, 16):
+        out[:] = codes.view(np.uint8)  # uint16 little-endian, as bitpack's 16-bit path
+        return
+    per = 8 // bits
+    padded = np.zeros(out.size * per, dtype=np.uint8)
+    padded[: codes.size] = codes
+    lanes = padded.reshape(out.size, per)  # one output byte's codes, least significant first
+    np.copyto(out, lanes[:, 0])
+    for j in range(1, per):
+        out |= lanes[:, j] << np.uint8(j * bits)
 
 
 def decode_gap(
