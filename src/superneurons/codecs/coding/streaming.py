@@ -81,14 +81,12 @@ class Candidates:
 
 def kth_smallest(values: torch.Tensor, *ranks: int) -> tuple[torch.Tensor, ...]:
     """0-d ``torch.kthvalue(values, rank).values`` of a 1-D tensor for each ``rank`` (NaN
-    ranks above every number, as there). NOTE: on the CPU one ``numpy.partition`` for all
-    ranks: 0.07 against 0.5-1.0 ms for one rank of 65,536 (the adaptive codec's Lagrangian
-    threshold; one thread), the same values (of a tie of -0 and +0 either zero may
-    come back: the codecs rank squares, never -0); other devices keep ``kthvalue``.
-
-    NOTE: several ranks are found one after another, each in what lies above the previous one
-    (a partition leaves only larger values there): numpy's own multi-rank ``partition`` took
-    0.81 ms for two ranks of 65,792 scores against 0.12 ms this way (one thread)."""
+    ranks above every number, as there). NOTE: on the CPU ``numpy.partition``: 0.07 against
+    0.5-1.0 ms for one rank of 65,536 (the adaptive codec's Lagrangian threshold; one thread),
+    the same values (of a tie of -0 and +0 either zero may come back: the codecs rank squares,
+    never -0); other devices keep ``kthvalue``. Several ranks are found one after another,
+    each among the values above the previous one (where a partition leaves them): numpy's own
+    multi-rank ``partition`` took 0.81 ms for two ranks of 65,792 scores, this 0.12 ms."""
     if values.device.type != "cpu":
         return tuple(torch.kthvalue(values, rank).values for rank in ranks)
     rest = values.detach().contiguous().numpy()
