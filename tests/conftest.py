@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -44,3 +48,31 @@ def _fresh_accelerate_state() -> Iterator[None]:
     state = sys.modules.get("accelerate.state")
     if state is not None:
         state.AcceleratorState._reset_state(reset_partial_state=True)
+
+
+class TwoRankRuns:
+    """The records of tests/two_rank_runs.py's parts, launched once under torchrun."""
+
+    def __init__(self, out: Path, result: subprocess.CompletedProcess[str]) -> None:
+        self.out = out
+        self.result = result
+
+    def part(self, name: str) -> list[dict[str, Any]]:
+        """Part ``name``'s records by rank; fails with the launch's output where it has none."""
+        files = [self.out / name / f"rank{r}.json" for r in (0, 1)]
+        missing = [str(f) for f in files if not f.exists()]
+        assert not missing, (
+            f"tests/two_rank_runs.py (rc {self.result.returncode}) wrote no {missing}:\n"
+            f"{self.result.stderr[-3000:]}"
+        )
+        return [json.loads(f.read_text()) for f in files]
+
+
+@pytest.fixture(scope="session")
+def two_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> TwoRankRuns:
+    """One torchrun launch of tests/two_rank_runs.py for every test that reads its parts.
+    Those tests share ``xdist_group("two-rank-runs")``: one worker, one launch."""
+    from integrations_support import torchrun
+
+    out = tmp_path_factory.mktemp("two-rank-runs")
+    return TwoRankRuns(out, torchrun("tests/two_rank_runs.py", out, timeout_s=1500))

@@ -1,5 +1,7 @@
-"""Run by test_integrations_host_step, alone (one rank) or under torchrun (two gloo ranks): the
-optimizer on the host under a trainer's own loop, against the same loop without superneurons.
+"""The runs of test_integrations_host_step: ``records`` in the test's process (one rank) or under
+torchrun through two_rank_runs.py (two gloo ranks; the script alone is what
+benchmarks/trainer_host_optimizer.py runs): the optimizer on the host under a trainer's own
+loop, against the same loop without superneurons.
 
 * TRL's ``SFTTrainer`` (tests/trl_support.py) with ``max_grad_norm=1.0``,
   ``gradient_accumulation_steps=2``, a cosine schedule with warm-up, weight decay (Trainer's
@@ -179,16 +181,21 @@ def accelerate_runs() -> dict[str, Any]:
     return {"eager": eager, "host": host, "resumed": resumed}
 
 
+def records(out: Path) -> dict[str, Any]:
+    """This process's record (its rank's when under torchrun): both loops, as ``main`` writes."""
+    two = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    record: dict[str, Any] = {"trl": trl_runs(out), "accelerate": accelerate_runs()}
+    record["world_size"] = 2 if two else 1
+    return record
+
+
 def main() -> None:
     torch.set_num_threads(1)
     out = Path(sys.argv[sys.argv.index("--out") + 1])
     if "--model" in sys.argv and sys.argv[sys.argv.index("--model") + 1] == "full":
         trl_support.use_full_model()
     rank = int(os.environ.get("RANK", "0"))
-    two = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    record: dict[str, Any] = {"trl": trl_runs(out), "accelerate": accelerate_runs()}
-    record["world_size"] = 2 if two else 1
-    (out / f"rank{rank}.json").write_text(json.dumps(record) + "\n")
+    (out / f"rank{rank}.json").write_text(json.dumps(records(out)) + "\n")
 
 
 if __name__ == "__main__":

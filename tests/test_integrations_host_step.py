@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -18,8 +16,9 @@ from typing import Any
 import pytest
 import torch
 
+import host_step_run
 import trl_support
-from integrations_support import ROOT, TinyLM, batch, torchrun
+from integrations_support import TinyLM, batch
 from superneurons.errors import ConfigError
 from superneurons.integrations.accelerate import prepare_superneurons
 from superneurons.integrations.host_step import training_step_of
@@ -57,23 +56,17 @@ def _check(record: dict[str, Any]) -> None:
 @pytest.mark.slow
 @needs_trl
 def test_trainer_and_accelerate_step_on_the_host_bitwise_on_one_process(tmp_path: Path) -> None:
-    command = [sys.executable, "tests/host_step_run.py", "--out", str(tmp_path)]
-    result = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    _check(json.loads((tmp_path / "rank0.json").read_text()))
+    _check(json.loads(json.dumps(host_step_run.records(tmp_path))))  # as a rank writes it
 
 
 @pytest.mark.dist
 @pytest.mark.slow
+@pytest.mark.xdist_group("two-rank-runs")
 @needs_trl
 def test_trainer_and_accelerate_step_on_the_host_bitwise_on_two_gloo_ranks(
-    tmp_path: Path,
+    two_rank_runs: Any,
 ) -> None:
-    result = torchrun("tests/host_step_run.py", tmp_path, timeout_s=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = two_rank_runs.part("host-step")
     for record in ranks:
         _check(record)
     for key in ("trl", "accelerate"):

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 import types
 from pathlib import Path
 from typing import Any
@@ -18,7 +16,7 @@ import pytest
 import torch
 
 import trl_run
-from integrations_support import ROOT, TinyLM, batch, torchrun
+from integrations_support import TinyLM, batch
 from sentinel import assert_same, training_state
 from superneurons.errors import ConfigError
 from superneurons.integrations.hf import plan_for_batch
@@ -188,12 +186,7 @@ def _check_matrix(ranks: list[dict[str, Any]], matrix: tuple[tuple[bool, bool], 
 @pytest.mark.slow
 @needs_trl
 def test_sft_trainer_under_a_budget_is_bit_identical_on_one_rank(tmp_path: Path) -> None:
-    command = [sys.executable, "tests/trl_run.py", "--out", str(tmp_path)]
-    result = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    record = json.loads((tmp_path / "rank0.json").read_text())
+    record = json.loads(json.dumps(trl_run.records(tmp_path)))  # as a rank writes it
     _check_matrix([record], trl_run.ONE_RANK)
     for name, planned in record.items():
         if name.endswith(",planned"):  # fp32 and bf16 (accelerate's autocast) alike
@@ -203,11 +196,10 @@ def test_sft_trainer_under_a_budget_is_bit_identical_on_one_rank(tmp_path: Path)
 
 @pytest.mark.dist
 @pytest.mark.slow
+@pytest.mark.xdist_group("two-rank-runs")
 @needs_trl
-def test_sft_trainer_on_two_gloo_ranks(tmp_path: Path) -> None:
-    result = torchrun("tests/trl_run.py", tmp_path, timeout_s=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+def test_sft_trainer_on_two_gloo_ranks(two_rank_runs: Any) -> None:
+    ranks = two_rank_runs.part("trl")
     planned = [{k: v for k, v in r.items() if "packing" in k} for r in ranks]
     _check_matrix(planned, trl_run.TWO_RANKS)
     for record in ranks:
@@ -222,12 +214,11 @@ def test_sft_trainer_on_two_gloo_ranks(tmp_path: Path) -> None:
 
 @pytest.mark.dist
 @pytest.mark.slow
+@pytest.mark.xdist_group("two-rank-runs")
 @needs_trl
-def test_sft_trainer_with_lora_on_two_gloo_ranks(tmp_path: Path) -> None:
+def test_sft_trainer_with_lora_on_two_gloo_ranks(two_rank_runs: Any) -> None:
     pytest.importorskip("peft")
-    result = torchrun("tests/trl_run.py", tmp_path, "--peft", timeout_s=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = two_rank_runs.part("trl-peft")
     for rank, record in enumerate(ranks):
         _check_adapters(record["peft,eager"], record["peft,planned"], f"rank {rank}")
     assert ranks[0]["peft,planned"]["params"] == ranks[1]["peft,planned"]["params"]

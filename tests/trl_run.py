@@ -1,4 +1,5 @@
-"""Run by test_integrations_trl, alone (one rank) or under torchrun (two gloo ranks): TRL's
+"""The runs of test_integrations_trl: ``records`` in the test's process (one rank) or under
+torchrun through two_rank_runs.py (two gloo ranks; also runnable alone as a script): TRL's
 SFTTrainer with and without SuperNeuronsCallback(budget_fraction=0.6) for packing off/on x
 fp32/bf16 (on one rank, the path without DDP, each value of each knob once: packed fp32 and
 unpacked bf16; on two ranks the other two: unpacked fp32 and packed bf16); on two ranks also
@@ -42,22 +43,20 @@ def _nudge_rank_one() -> Any:
     return _Nudge()
 
 
-def main() -> None:
+def records(out: Path, *, peft: bool = False) -> dict[str, Any]:
+    """This process's record (its rank's when under torchrun), as ``main`` writes it: the
+    matrix of its world size, or with ``peft`` the LoRA runs."""
     from superneurons.errors import ReplicaMismatchError
 
-    torch.set_num_threads(1)
-    out = Path(sys.argv[sys.argv.index("--out") + 1])
-    rank = int(os.environ.get("RANK", "0"))
     two = int(os.environ.get("WORLD_SIZE", "1")) > 1
     record: dict[str, Any] = {}
-    if "--peft" in sys.argv:  # LoRA adapters (peft_config), TRL alone and under a 0.6 budget
+    if peft:  # LoRA adapters (peft_config), TRL alone and under a 0.6 budget
         kw: dict[str, Any] = {"packing": False, "bf16": False, "peft": True, "examples": 32}
         record["peft,eager"] = trl_support.run(out / "peft-eager", **kw)
         record["peft,planned"] = trl_support.run(
             out / "peft-planned", budget_fraction=0.6, meter=True, **kw
         )
-        (out / f"rank{rank}.json").write_text(json.dumps(record) + "\n")
-        return
+        return record
     matrix = TWO_RANKS if two else ONE_RANK
     for packing, bf16 in matrix:
         name = f"packing={packing},bf16={bf16}"
@@ -78,6 +77,14 @@ def main() -> None:
             record["nudged"] = "no error"
         except ReplicaMismatchError as exc:
             record["nudged"] = str(exc)
+    return record
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    out = Path(sys.argv[sys.argv.index("--out") + 1])
+    rank = int(os.environ.get("RANK", "0"))
+    record = records(out, peft="--peft" in sys.argv)
     (out / f"rank{rank}.json").write_text(json.dumps(record) + "\n")
 
 

@@ -2,7 +2,8 @@
 (no downloads): one training run per configuration, with or without SuperNeuronsCallback, and
 what it leaves (losses, a hash of the final parameters, the plan, each step's measured peak).
 
-Used in-process by test_integrations_trl (one rank) and by trl_run.py under torchrun (two).
+Used in-process by test_integrations_trl and test_integrations_host_step (one rank), and by
+trl_run.py, host_step_run.py and two_rank_runs.py under torchrun (two).
 """
 
 from __future__ import annotations
