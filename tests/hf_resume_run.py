@@ -1,4 +1,5 @@
-"""Run by test_integrations_hf under torchrun (2 gloo ranks): Trainer + SuperNeuronsCallback
+"""The run of test_integrations_hf, under torchrun through two_rank_runs.py (2 gloo ranks; also
+runnable alone as a script): Trainer + SuperNeuronsCallback
 with FFT compression and error feedback, uninterrupted vs stopped at step 2 and resumed from
 its checkpoint (with and without the saved compression state). Writes rank<R>.json."""
 
@@ -9,6 +10,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
@@ -57,11 +59,10 @@ def _run(out: Path, *, stop: bool = False, resume: Path | None = None) -> str:
     return sha.hexdigest()
 
 
-def main() -> None:
-    torch.set_num_threads(1)
-    out = Path(sys.argv[1])
+def records(out: Path) -> dict[str, Any]:
+    """This rank's record, as ``main`` writes it."""
     rank = int(os.environ["RANK"])
-    record = {"uninterrupted": _run(out / "a")}
+    record: dict[str, Any] = {"uninterrupted": _run(out / "a")}
     _run(out / "b", stop=True)
     checkpoint = out / "b" / f"checkpoint-{STOP}"
     record["saved"] = sorted(p.name for p in checkpoint.glob("superneurons-*"))
@@ -72,7 +73,14 @@ def main() -> None:
             path.unlink()
     torch.distributed.barrier()
     record["resumed_without_state"] = _run(out / "c", resume=checkpoint)
-    (out / f"rank{rank}.json").write_text(json.dumps(record) + "\n")
+    return record
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    out = Path(sys.argv[1])
+    rank = int(os.environ["RANK"])
+    (out / f"rank{rank}.json").write_text(json.dumps(records(out)) + "\n")
 
 
 if __name__ == "__main__":

@@ -4,16 +4,13 @@ example on 2 gloo ranks."""
 from __future__ import annotations
 
 import importlib.util
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from integrations_support import ROOT, TinyLM, batch, check_example_ranks, torchrun
+from integrations_support import TinyLM, batch, check_example_ranks, torchrun
 from superneurons.errors import ConfigError
 from superneurons.integrations.hf import plan_for_batch, training_without_kv_cache
 from superneurons.memory import apply_plan
@@ -145,17 +142,10 @@ def _trainer_params(tmp_path: Path, *, callback: bool) -> tuple[list[torch.Tenso
 
 @pytest.mark.dist
 @pytest.mark.slow
+@pytest.mark.xdist_group("two-rank-runs")
 @needs_hf
-def test_trainer_resume_restores_compression_state_bit_exactly(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    command += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]
-    command += ["--log-dir", str(tmp_path / "torchrun")]
-    command += ["tests/hf_resume_run.py", str(tmp_path)]
-    result = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+def test_trainer_resume_restores_compression_state_bit_exactly(two_rank_runs: Any) -> None:
+    ranks = two_rank_runs.part("hf-resume")
     assert ranks[0] == ranks[1]
     record = ranks[0]
     assert record["saved"] == [f"superneurons-compression-rank{r}.pt" for r in (0, 1)]
