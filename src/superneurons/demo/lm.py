@@ -152,7 +152,7 @@ def _texts(count: int = 200, chars: int = TINY_SEQ_TOKENS - 4) -> list[str]:
 
 
 def _tiny_llama() -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(

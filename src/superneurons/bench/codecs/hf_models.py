@@ -40,7 +40,7 @@ class _Logits(nn.Module):
 
 def _gpt2(*, vocab_size: int, block_size: int = 64, n_layer: int = 4, n_head: int = 4,
           n_embd: int = 192) -> nn.Module:  # fmt: skip
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.models.gpt2 import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
         vocab_size=vocab_size,
@@ -56,7 +56,7 @@ def _gpt2(*, vocab_size: int, block_size: int = 64, n_layer: int = 4, n_head: in
 
 
 def _resnet(*, in_channels: int = 1, num_classes: int = 10) -> nn.Module:
-    from transformers import ResNetConfig, ResNetForImageClassification
+    from transformers.models.resnet import ResNetConfig, ResNetForImageClassification
 
     config = ResNetConfig(
         num_channels=in_channels,

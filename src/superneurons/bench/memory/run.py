@@ -181,14 +181,14 @@ def _build(config: MemoryBenchConfig) -> tuple[nn.Module, torch.Tensor, torch.Te
 
 def _hf_gpt2(config: MemoryBenchConfig) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Any]:
     try:
-        import transformers
+        from transformers.models.gpt2 import GPT2Config, GPT2LMHeadModel
     except ImportError as exc:
         raise ConfigError("--model hf-gpt2 needs transformers: pip install transformers") from exc
     shape: dict[str, Any] = {"n_positions": max(config.block_size, 1024)}
     if config.tiny:
         shape.update(_TINY_GPT2, bos_token_id=0, eos_token_id=0)
-    hf_config = transformers.GPT2Config(**shape)  # HF defaults otherwise: use_cache=True
-    model = transformers.GPT2LMHeadModel(hf_config)
+    hf_config = GPT2Config(**shape)  # HF defaults otherwise: use_cache=True
+    model = GPT2LMHeadModel(hf_config)
     gen = torch.Generator().manual_seed(config.seed)
     size = (config.batch_size, config.block_size)
     inputs = torch.randint(0, hf_config.vocab_size, size, generator=gen)
