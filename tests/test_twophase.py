@@ -43,6 +43,22 @@ def test_nearest_rounding_error_is_at_most_half_a_step(bits: int) -> None:
     assert bool(((decoded - x).abs() <= step[:, None] / 2 * (1 + 1e-5)).all())
 
 
+def test_one_bit_scales_sum_magnitudes_closer_than_a_sequential_sum() -> None:
+    """The scaled sign's scale is torch's sum of ``|x|`` over the row / cols (bitwise), and
+    its codes are ``x >= 0`` (-0.0 is non-negative); that sum is nearer the float64 sum than
+    adding the row's values one after another (``vector_norm(ord=1)``'s order)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2048, 512, generator=gen) * torch.exp(2 * torch.randn(2048, 512, generator=gen))
+    x[0, :5] = torch.tensor([-0.0, 0.0, -1e-30, 1e-30, -5.0])
+    codes, scales = quantize_rows(x, bits=1, rounding="nearest")
+    assert torch.equal(codes.bool(), x >= 0) and bool(codes[0, 0])
+    assert torch.equal(scales, x.abs().sum(dim=1) / 512)
+    exact = x.double().abs().sum(dim=1)
+    ours = (scales.double() * 512 - exact).abs().mean()
+    sequential = (torch.linalg.vector_norm(x, ord=1, dim=1).double() - exact).abs().mean()
+    assert ours < sequential / 2
+
+
 @pytest.mark.parametrize("bits", [1, 2, 4])
 def test_stochastic_rounding_is_unbiased(bits: int) -> None:
     x = torch.randn(4, 32)

@@ -99,10 +99,7 @@ def quantize_rows(
     rows, cols = x.shape
     codes = _buffer(codes, x, torch.uint8)
     if bits == 1 and rounding == "nearest":
-        # NOTE: the L1 norm over the row, not x.abs().mean(): no (rows, cols) temporary.
-        scales = torch.linalg.vector_norm(x, ord=1, dim=1).div_(cols)
-        torch.ge(x, 0, out=codes.view(torch.bool))
-        return codes, scales
+        return codes, _scaled_sign(x, codes, _buffer(work, x, torch.float32))
     scales = torch.maximum(x.amax(dim=1), x.amin(dim=1).neg_())  # (rows,) largest magnitude
     half = m / 2.0
     factor = torch.where(scales > 0, half / scales, 0.0).unsqueeze(1)  # (rows, 1)
@@ -131,6 +128,23 @@ def quantize_rows(
     if rounding == "stochastic":
         codes.clamp_(max=m)  # u close to 1 on the top level
     return codes, scales
+
+
+def _scaled_sign(x: torch.Tensor, codes: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
+    """One-bit nearest rounding: ``codes = x >= 0`` and the rows' scales ``mean |x|``.
+
+    NOTE: ``|x|`` into ``work`` then torch's sum, not ``vector_norm(x, ord=1)``: the norm
+    adds a row's values one after another (a chain of dependent adds: ~5x slower on a CPU
+    thread, 2**18 values) and rounds more (mean relative error of a 512-value row's sum
+    against float64: 2.7e-7 sequential, 3.9e-8 torch's sum). On the CPU the sign test is
+    numpy's (~6x faster than torch's into a bool view; the same booleans)."""
+    scales = torch.sum(torch.abs(x, out=work), dim=1).div_(x.shape[1])
+    flags = codes.view(torch.bool)
+    if x.device.type == "cpu":
+        np.greater_equal(x.numpy(), 0, out=flags.numpy())
+    else:
+        torch.ge(x, 0, out=flags)
+    return scales
 
 
 def dequantize_rows(
