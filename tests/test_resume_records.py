@@ -114,6 +114,16 @@ def _train_crash_in_save(rank: int, world_size: int, config: TrainConfig, at_ste
     return "finished"
 
 
+def _straight_as_the_cli(ranks: Ranks, argv: list[str], out: Path) -> None:
+    """The uninterrupted reference of a CLI run, on the shared ranks: ``superneurons train
+    ARGV --out OUT``'s own parse (every CLI rank runs that config), without launching it."""
+    from superneurons.cli import build_parser
+    from superneurons.commands.train import config_from_args
+
+    config = config_from_args(build_parser().parse_args([*argv, "--out", str(out)]))
+    ranks.run(_train, config, timeout_s=180)
+
+
 def _records(out: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -233,16 +243,19 @@ def test_a_fresh_run_removes_an_earlier_runs_checkpoint(ranks: Ranks, straight: 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc")
-def test_sigkill_during_a_checkpoint_write_then_resume_is_bit_exact(tmp_path: Path) -> None:
+def test_sigkill_during_a_checkpoint_write_then_resume_is_bit_exact(
+    ranks: Ranks, tmp_path: Path
+) -> None:
     """The real thing, through the CLI and torchrun: SIGKILL rank 1 while its checkpoint's
-    temporary file is being written, then ``--resume``."""
+    temporary file is being written, then ``--resume``; it ends where the uninterrupted run
+    (the same arguments, :func:`_straight_as_the_cli`) ends."""
     data = write_fashion_mnist(tmp_path / "data", n_train=256, n_test=32)
-    command = [sys.executable, "-m", "superneurons.cli", "train", "--model", "mlp"]
-    command += ["--data", "fashion-mnist", "--data-dir", str(data), "--batch-size", "16"]
-    command += ["--nproc", "2", "--epochs", "4", "--compress", "qsgd"]
+    argv = ["train", "--model", "mlp", "--data", "fashion-mnist", "--data-dir", str(data)]
+    argv += ["--batch-size", "16", "--nproc", "2", "--epochs", "4", "--compress", "qsgd"]
+    command = [sys.executable, "-m", "superneurons.cli", *argv]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
     straight, out = tmp_path / "straight", tmp_path / "killed"
-    subprocess.run([*command, "--out", str(straight)], env=env, capture_output=True, check=True)
+    _straight_as_the_cli(ranks, argv, straight)
 
     launcher = subprocess.Popen(
         [*command, "--out", str(out)],
@@ -275,26 +288,28 @@ def test_sigkill_during_a_checkpoint_write_then_resume_is_bit_exact(tmp_path: Pa
 
 
 def kill_one_rank_and_check(
-    tmp_path: Path, *, rank: int, at_step: int, compress: str = "qsgd"
+    ranks: Ranks, tmp_path: Path, *, rank: int, at_step: int, compress: str = "qsgd"
 ) -> dict[str, Any]:
     """``superneurons train --max-restarts 3 --checkpoint-every 3`` on 2 ranks (16 steps);
     SIGKILL ``rank`` once ``metrics.jsonl`` shows step ``at_step``. The run must finish by
-    itself, end bit for bit where an uninterrupted run ends, count each step once and redo
-    at most 3 steps. Returns the resume record."""
+    itself, end bit for bit where an uninterrupted run of the same arguments ends
+    (:func:`_straight_as_the_cli`), count each step once and redo at most 3 steps. Returns
+    the resume record."""
     from superneurons.train.metrics import last_logged_step
 
     data = tmp_path / "data"
     if not data.exists():
         write_fashion_mnist(data, n_train=256, n_test=32)
-    command = [sys.executable, "-m", "superneurons.cli", "train", "--model", "mlp"]
-    command += ["--data", "fashion-mnist", "--data-dir", str(data), "--batch-size", "16"]
+    argv = ["train", "--model", "mlp", "--data", "fashion-mnist", "--data-dir", str(data)]
     # the peer of a killed rank must not complete the step: its failed collective raises
     # through the hook's callbacks (superneurons.ddp.callbacks), as PyTorch's all-reduce does
-    command += ["--nproc", "2", "--epochs", "2", "--compress", compress, "--log-every", "1"]
+    argv += ["--batch-size", "16", "--nproc", "2", "--epochs", "2", "--compress", compress]
+    argv += ["--log-every", "1"]
+    command = [sys.executable, "-m", "superneurons.cli", *argv]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
     straight = tmp_path / f"straight-{compress}"
     if not (straight / "summary.json").exists():  # uninterrupted, no mid-epoch checkpoints
-        subprocess.run([*command, "--out", str(straight)], env=env, capture_output=True, check=True)
+        _straight_as_the_cli(ranks, argv, straight)
     out = tmp_path / f"killed-{compress}-rank{rank}-step{at_step}"
     elastic = ["--max-restarts", "3", "--checkpoint-every", "3", "--out", str(out)]
     with (tmp_path / f"{out.name}.log").open("wb") as log:
@@ -330,9 +345,11 @@ def kill_one_rank_and_check(
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc")
-def test_a_killed_rank_is_restarted_and_the_run_ends_bit_exact(tmp_path: Path) -> None:
+def test_a_killed_rank_is_restarted_and_the_run_ends_bit_exact(
+    ranks: Ranks, tmp_path: Path
+) -> None:
     """A lost rank needs nobody: torchrun restarts the workers, they resume from the newest
     common checkpoint (at most --checkpoint-every steps back), the model ends bit for bit."""
     chooser = random.Random()
     rank, at_step = chooser.randrange(2), chooser.randrange(1, 16)
-    kill_one_rank_and_check(tmp_path, rank=rank, at_step=at_step)
+    kill_one_rank_and_check(ranks, tmp_path, rank=rank, at_step=at_step)

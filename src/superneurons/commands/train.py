@@ -47,7 +47,7 @@ from superneurons.bytesize import parse_bytes
 from superneurons.errors import ConfigError
 from superneurons.train.config import TrainConfig
 
-__all__ = ["HELP", "add_arguments", "run"]
+__all__ = ["HELP", "add_arguments", "config_from_args", "run"]
 
 HELP = "data-parallel training with compressed gradients (torchrun, checkpoint/resume)"
 
@@ -150,12 +150,9 @@ def _say_backend(nproc: int, backend: str, *, first: bool) -> None:
         print(f"superneurons: {note}", file=sys.stderr, flush=True)
 
 
-def run(args: argparse.Namespace) -> int:
-    from superneurons.train.launch import Launch, run_torchrun, under_torchrun
-    from superneurons.train.precheck import check_before_launch
-    from superneurons.train.task import check_task
-
-    config = TrainConfig(
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The run these parsed arguments describe (what every rank reads back)."""
+    return TrainConfig(
         model=args.model,
         data=args.data,
         out_dir=str(Path(args.out).resolve()),
@@ -179,6 +176,14 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         max_grad_norm=args.max_grad_norm,
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    from superneurons.train.launch import Launch, run_torchrun, under_torchrun
+    from superneurons.train.precheck import check_before_launch
+    from superneurons.train.task import check_task
+
+    config = config_from_args(args)
     launch = Launch(
         nproc=args.nproc,
         nnodes=args.nnodes,

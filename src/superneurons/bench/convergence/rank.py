@@ -1,6 +1,6 @@
 """One rank of the convergence benchmark: every (task, label) in turn, the curve on rank 0.
 
-A rank process runs :func:`rank_main` (spawned on loopback by :mod:`.run`, or started inside its
+A rank process runs :func:`rank_main` (forked on loopback by :mod:`.run`, or started inside its
 network namespace by :mod:`.shaped` as ``python -m superneurons.bench.convergence.rank``).
 Each label's reading for the task's optimizer (:class:`.labels.Label`) decides how it trains:
 plain DDP (dense), a gradient hook (``register_compression`` with its defaults: error feedback
@@ -237,9 +237,9 @@ def rank_main(
                     with open(out, "a", encoding="utf-8") as handle:
                         handle.write(json.dumps(record) + "\n")
     except BaseException:
-        leave_process_group(barrier=False)  # the spawner reports the traceback
+        leave_process_group(barrier=False)  # the launcher reports the traceback
         raise
-    exit_rank(0)  # this function is the rank's whole process (spawned, or _shaped_rank)
+    exit_rank(0)  # this function is the rank's whole process (forked, or _shaped_rank)
 
 
 def _shaped_rank(argv: list[str]) -> None:

@@ -1,10 +1,11 @@
 """The convergence benchmark: does a codec reach dense DDP's accuracy in the same steps?
 
 :func:`run_convergence_bench` trains every (task, label) of a :class:`.config.ConvergenceConfig`
-on ``nproc`` gloo ranks (:mod:`.rank`), spawned on loopback or, with ``bandwidth_bit_s``, each in
-its own network namespace behind a shaped link (:mod:`.shaped`), and returns rank 0's records
-with ``delta_vs_dense`` filled in. Each record holds the final metric, its delta to dense, the
-bytes vs dense, step times and the curve for the plot; labels are described in :mod:`.labels`.
+on ``nproc`` gloo ranks (:mod:`.rank`), forked on loopback from a server that imported torch
+once (:data:`RANK_PRELOAD`) or, with ``bandwidth_bit_s``, each in its own network namespace
+behind a shaped link (:mod:`.shaped`), and returns rank 0's records with ``delta_vs_dense``
+filled in. Each record holds the final metric, its delta to dense, the bytes vs dense, step
+times and the curve for the plot; labels are described in :mod:`.labels`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,18 @@ from superneurons.bench.convergence.config import ConvergenceConfig
 from superneurons.bench.convergence.rank import rank_main
 from superneurons.train.launch import free_port
 
-__all__ = ["add_deltas", "run_convergence_bench"]
+__all__ = ["RANK_PRELOAD", "add_deltas", "run_convergence_bench"]
+
+# NOTE: loopback ranks start by multiprocessing's "forkserver" method: one server process
+# imports these modules, then forks every rank (CUDA-safe, as "spawn": the server touches no
+# device). Under "spawn" each rank imported them itself, about 5.5 CPU-s a rank on a 2-core
+# machine, half of it the compiler stack that constructing any torch optimizer imports.
+RANK_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "superneurons.bench.convergence.rank",
+)
 
 log = logging.getLogger("superneurons.bench.convergence")
 
@@ -31,6 +43,8 @@ def run_convergence_bench(
     config: ConvergenceConfig, *, progress: Progress | None = None
 ) -> list[dict[str, Any]]:
     """Train every (task, codec); returns records with ``delta_vs_dense`` filled in."""
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
     say = progress or log.info
@@ -51,12 +65,13 @@ def run_convergence_bench(
 
             run_ranks_shaped(config, out, poll)
         else:
+            multiprocessing.get_context("forkserver").set_forkserver_preload(list(RANK_PRELOAD))
             ctx = mp.start_processes(
                 rank_main,
                 args=(config, free_port(), str(out)),
                 nprocs=config.nproc,
                 join=False,
-                start_method="spawn",
+                start_method="forkserver",
             )
             while not ctx.join(timeout=1.0):
                 poll()
