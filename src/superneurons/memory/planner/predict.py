@@ -18,6 +18,7 @@ keeps no optimizer state on the device and each gradient only until its bucket i
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +41,7 @@ from superneurons.memory.planner.weights import (
     weight_windows,
 )
 from superneurons.memory.planner.where import locate
-from superneurons.memory.profile_types import CATEGORIES, Profile, StorageLife
+from superneurons.memory.profile_types import CATEGORIES, Profile, StorageLife, UnitProfile
 
 __all__ = ["BREAKDOWN", "CostModel", "Outcome", "evaluate"]
 
@@ -189,11 +190,19 @@ class _Timeline:
     spikes: np.ndarray  # (E,)
     head_spikes: np.ndarray  # (E,)
 
-    def live(self, nbytes: int, start: int, end: int, *, head: bool) -> None:
-        """``nbytes`` more live from event ``start`` to ``end`` (exclusive)."""
-        for row in (self.change, self.head_change) if head else (self.change,):
-            row[start] += nbytes
-            row[end] -= nbytes
+    def live(self, intervals: list[tuple[int, int, int, bool]]) -> None:
+        """Each ``(nbytes, start, end, head)``: ``nbytes`` more live from event ``start`` to
+        ``end`` (exclusive), in the LM head's rows too where ``head``. One unbuffered add per
+        row for them all (integers: the order of the adds changes no bit)."""
+        if not intervals:
+            return
+        nbytes, starts, ends, heads = np.array(intervals, dtype=np.int64).T
+        heads = heads.astype(bool)
+        np.add.at(self.change, starts, nbytes)
+        np.add.at(self.change, ends, -nbytes)
+        if heads.any():
+            np.add.at(self.head_change, starts[heads], nbytes[heads])
+            np.add.at(self.head_change, ends[heads], -nbytes[heads])
 
     def total(self) -> np.ndarray:
         return self.table.sum(axis=0) + np.cumsum(self.change[:-1]) + self.spikes
@@ -259,6 +268,66 @@ def _optimizer_rows(
     return timeline, host_state
 
 
+@dataclass(frozen=True)
+class _Shared:
+    """What every evaluation of one profile shares, whatever the actions (:func:`_shared`):
+    the unit calls, their forward order, the saved storages a plan may move and the saved
+    bytes born inside each unit."""
+
+    units: dict[str, UnitProfile]
+    # one window per forward call of each unit, in forward order (a module called several
+    # times saves, releases and gets back each call's tensors separately: one pool group each)
+    calls: dict[tuple[str, int], tuple[int, int, int, int]]
+    next_call: dict[tuple[str, int], tuple[str, int]]
+    # saved only by units, not held by the caller (an input, an output: moving it frees nothing)
+    movable: tuple[StorageLife, ...]
+    # per unit, the saved bytes born inside it (its recompute re-creates them) and those born
+    # before it (its checkpoint)
+    born_inside: tuple[dict[str, int], dict[str, int]]
+
+    @classmethod
+    def of(cls, profile: Profile) -> _Shared:
+        units = {u.fqn: u for u in profile.units}
+        calls = {
+            (u.fqn, c): u.window(c) for u in profile.units for c in range(max(len(u.calls), 1))
+        }
+        order = sorted(calls, key=lambda k: calls[k][0])
+        movable = tuple(
+            life
+            for life in profile.storages
+            if "" not in life.units and not life.from_caller and life.death < profile.num_events - 1
+        )
+        internal: dict[str, int] = {}
+        inputs: dict[str, int] = {}
+        for life in profile.storages:
+            for f in life.units:
+                if f and life.birth >= units[f].window(life.call_of(f))[0]:
+                    internal[f] = internal.get(f, 0) + life.nbytes
+                elif f:
+                    inputs[f] = inputs.get(f, 0) + life.nbytes
+        return cls(
+            units,
+            calls,
+            dict(zip(order, order[1:], strict=False)),
+            movable,
+            (internal, inputs),
+        )
+
+
+_SHARED: dict[int, _Shared] = {}
+
+
+def _shared(profile: Profile) -> _Shared:
+    """:class:`_Shared` of ``profile``, made at its first evaluation and dropped with it (a
+    search evaluates one profile about a thousand times)."""
+    key = id(profile)
+    shared = _SHARED.get(key)
+    if shared is None:
+        shared = _SHARED[key] = _Shared.of(profile)
+        weakref.finalize(profile, _SHARED.pop, key, None)
+    return shared
+
+
 class _Plan:
     """The actions being evaluated, with the unit calls they act on: each call's window, the
     next call in forward order, and where backward enters and leaves it (what the runtime's
@@ -273,14 +342,10 @@ class _Plan:
     ) -> None:
         self.profile, self.actions, self.segments = profile, actions, segments
         self.min_offload_bytes = min_offload_bytes
-        self.units = {u.fqn: u for u in profile.units}
-        # one window per forward call of each unit, in forward order (a module called several
-        # times saves, releases and gets back each call's tensors separately: one pool group each)
-        self.calls = {
-            (u.fqn, c): u.window(c) for u in profile.units for c in range(max(len(u.calls), 1))
-        }
-        order = sorted(self.calls, key=lambda k: self.calls[k][0])
-        self.next_call = {a: b for a, b in zip(order, order[1:], strict=False)}
+        self.shared = _shared(profile)
+        self.units, self.calls = self.shared.units, self.shared.calls
+        self.next_call = self.shared.next_call
+        self.born_inside = self.shared.born_inside
         self.members: dict[int, list[str]] = {}  # segment id -> its units, in forward order
         for fqn in (u.fqn for u in profile.units):
             if fqn in segments:
@@ -309,31 +374,15 @@ class _Plan:
             bwd = ahead if 0 <= ahead < bwd else bwd
         return bwd
 
-    @functools.cached_property
-    def born_inside(self) -> tuple[dict[str, int], dict[str, int]]:
-        """Per unit, the saved bytes born inside it (its recompute re-creates them) and those
-        born before it (its checkpoint)."""
-        internal: dict[str, int] = {}
-        inputs: dict[str, int] = {}
-        for life in self.profile.storages:
-            for f in life.units:
-                if f and life.birth >= self.units[f].window(life.call_of(f))[0]:
-                    internal[f] = internal.get(f, 0) + life.nbytes
-                elif f:
-                    inputs[f] = inputs.get(f, 0) + life.nbytes
-        return internal, inputs
-
 
 def _move_saved(plan: _Plan, timeline: _Timeline) -> int:
     """Release each saved storage that only non-keep units saved after their forward, and
     make it live again where it comes back (prefetched, or re-created by a recompute). Returns
     the host bytes the copies take (units saving one storage share a copy)."""
-    profile, host_bytes = plan.profile, 0
-    for life in profile.storages:
-        if "" in life.units or any(plan.actions.get(f, "keep") == "keep" for f in life.units):
+    profile, host_bytes, intervals = plan.profile, 0, []
+    for life in plan.shared.movable:
+        if any(plan.actions.get(f, "keep") == "keep" for f in life.units):
             continue
-        if life.from_caller or life.death >= profile.num_events - 1:
-            continue  # the caller holds it (an input, an output): moving it frees nothing
         moved = _comes_back(plan, life)
         if moved is None:
             continue
@@ -345,14 +394,15 @@ def _move_saved(plan: _Plan, timeline: _Timeline) -> int:
             release = max(release, profile.forward_end_event + 1)
         if release >= death:
             continue
-        timeline.live(-life.nbytes, release, death, head=life.head)
+        intervals.append((-life.nbytes, release, death, life.head))
         live_until = release
         for start, end in sorted((max(s, release), min(e, death)) for s, e in windows):
             start = max(start, live_until)
             if start < end:
-                timeline.live(life.nbytes, start, end, head=life.head)
+                intervals.append((life.nbytes, start, end, life.head))
                 live_until = end
         host_bytes += life.nbytes if copies else 0
+    timeline.live(intervals)
     return host_bytes
 
 
@@ -399,7 +449,7 @@ def _keep_checkpoint_inputs(plan: _Plan, timeline: _Timeline) -> int:
     several units, HF's position ids), over the union of its recomputing holders' windows,
     beyond where eager holds it anyway. Returns the host bytes of those recompute+offload
     sends to the host pool."""
-    profile, host_bytes = plan.profile, 0
+    profile, host_bytes, intervals = plan.profile, 0, []
     for life in profile.unsaved_inputs or _per_unit_inputs(profile):
         windows, offloaded = [], False
         for fqn in life.units:
@@ -418,8 +468,9 @@ def _keep_checkpoint_inputs(plan: _Plan, timeline: _Timeline) -> int:
         for start, end in sorted(windows):
             start = max(start, covered)
             if start < end:
-                timeline.live(life.nbytes, start, end, head=profile.head_unit in life.units)
+                intervals.append((life.nbytes, start, end, profile.head_unit in life.units))
                 covered = end
+    timeline.live(intervals)
     return host_bytes
 
 
