@@ -8,9 +8,10 @@ makes it fail after ``timeout_s`` instead of blocking the test run.
 
 Starting ranks costs seconds (each imports torch), so ranks fork from one server per test
 process that imported torch once (multiprocessing's ``forkserver`` start method, CUDA-safe:
-the server never touches a device), and :class:`Ranks` keeps a group alive across calls: ``with Ranks(2) as ranks: ranks.run(fn_a); ranks.run(fn_b)``, and
-:func:`shared_ranks` shares one group across test modules. After a failed or
-timed-out call the group is torn down and the next call starts a fresh one. ``fn`` must be a
+the server never touches a device), :class:`Ranks` keeps a group alive across calls (``with
+Ranks(2) as ranks: ranks.run(fn_a); ranks.run(fn_b)``) and :func:`shared_ranks` shares one
+group across test modules. After a failed or timed-out call the group is torn down and the
+next call starts a fresh one. ``fn`` must be a
 module-level function (it is pickled by name); results travel as ``torch.save`` bytes.
 """
 
@@ -41,7 +42,8 @@ PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "superneurons.train.ra
 def _context() -> Any:
     """The forkserver context, preloading :data:`PRELOAD` (a rank then starts in about 0.1 s
     instead of 5 CPU-s; the server starts with the first group and serves this process's
-    later groups). The server keeps the environment of its start: a rank reads none."""
+        later groups). Ranks inherit the server's environment as it was when the server
+    started: a later change to ``os.environ`` does not reach them."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))
     return ctx
