@@ -40,9 +40,9 @@ PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "superneurons.train.ra
 
 
 def _context() -> Any:
-    """The forkserver context, preloading :data:`PRELOAD` (a rank then starts in about 0.1 s
-    instead of 5 CPU-s; the server starts with the first group and serves this process's
-    later groups). Ranks inherit the server's environment as it was when the server
+    """The forkserver context, preloading :data:`PRELOAD` (a rank forks from the server
+    instead of importing them itself; the server starts with the first group and serves this
+    process's later groups). Ranks inherit the server's environment as it was when the server
     started: a later change to ``os.environ`` does not reach them."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))
