@@ -1,26 +1,24 @@
-"""Run functions on N gloo ranks (spawned processes, free port, hard timeout).
+"""Run functions on N gloo ranks (forked processes, free port, hard timeout).
 
-``run_ranks(fn, *args, world_size=2)`` spawns ``world_size`` processes that set one torch
+``run_ranks(fn, *args, world_size=2)`` starts ``world_size`` processes that set one torch
 thread, join a gloo process group on a free localhost port and call
 ``fn(rank, world_size, *args)``; it returns the results ordered by rank. A rank that raises
 makes the call fail with that rank's traceback; a rank that hangs (e.g. a collective mismatch)
 makes it fail after ``timeout_s`` instead of blocking the test run.
 
 Starting ranks costs seconds (each imports torch), so ranks fork from one server per test
-process that imported torch once (multiprocessing's ``forkserver`` start method, CUDA-safe:
-the server never touches a device), :class:`Ranks` keeps a group alive across calls (``with
-Ranks(2) as ranks: ranks.run(fn_a); ranks.run(fn_b)``) and :func:`shared_ranks` shares one
-group across test modules. After a failed or timed-out call the group is torn down and the
-next call starts a fresh one. ``fn`` must be a
-module-level function (it is pickled by name); results travel as ``torch.save`` bytes.
-"""
+process that imported torch once (:func:`superneurons.train.launch.forkserver_for_ranks`),
+:class:`Ranks` keeps a group alive across calls (``with Ranks(2) as ranks: ranks.run(fn_a);
+ranks.run(fn_b)``) and :func:`shared_ranks` shares one group across test modules. After a
+failed or timed-out call the group is torn down and the next call starts a fresh one. ``fn``
+must be a module-level function (it is pickled by name); results travel as ``torch.save``
+bytes."""
 
 from __future__ import annotations
 
 import atexit
 import datetime
 import io
-import multiprocessing as mp
 import os
 import queue
 import time
@@ -29,24 +27,9 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from superneurons.train.launch import free_port
+from superneurons.train.launch import forkserver_for_ranks, free_port
 
 __all__ = ["Ranks", "free_port", "run_ranks", "shared_ranks"]
-
-# What the ranks' server imports before it forks them: torch, its process groups, the
-# compiler stack that constructing any torch optimizer imports (about half of a rank's start:
-# 3 of 5.5 CPU-s here) and this package's rank life cycle.
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "superneurons.train.rank")
-
-
-def _context() -> Any:
-    """The forkserver context, preloading :data:`PRELOAD` (a rank forks from the server
-    instead of importing them itself; the server starts with the first group and serves this
-    process's later groups). Ranks inherit the server's environment as it was when the server
-    started: a later change to ``os.environ`` does not reach them."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))
-    return ctx
 
 
 def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
@@ -102,7 +85,7 @@ class Ranks:
         self.close()
 
     def _start(self) -> None:
-        ctx = _context()
+        ctx = forkserver_for_ranks("superneurons.train.rank")
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         port = free_port()

@@ -2,10 +2,11 @@
 
 :func:`run_convergence_bench` trains every (task, label) of a :class:`.config.ConvergenceConfig`
 on ``nproc`` gloo ranks (:mod:`.rank`), forked on loopback from a server that imported torch
-once (:data:`RANK_PRELOAD`) or, with ``bandwidth_bit_s``, each in its own network namespace
-behind a shaped link (:mod:`.shaped`), and returns rank 0's records with ``delta_vs_dense``
-filled in. Each record holds the final metric, its delta to dense, the bytes vs dense, step
-times and the curve for the plot; labels are described in :mod:`.labels`.
+once (:func:`~superneurons.train.launch.forkserver_for_ranks`) or, with ``bandwidth_bit_s``,
+each in its own network namespace behind a shaped link (:mod:`.shaped`), and returns rank 0's
+records with ``delta_vs_dense`` filled in. Each record holds the final metric, its delta to
+dense, the bytes vs dense, step times and the curve for the plot; labels are described in
+:mod:`.labels`.
 """
 
 from __future__ import annotations
@@ -19,20 +20,9 @@ from typing import Any
 
 from superneurons.bench.convergence.config import ConvergenceConfig
 from superneurons.bench.convergence.rank import rank_main
-from superneurons.train.launch import free_port
+from superneurons.train.launch import forkserver_for_ranks, free_port
 
-__all__ = ["RANK_PRELOAD", "add_deltas", "run_convergence_bench"]
-
-# NOTE: loopback ranks start by multiprocessing's "forkserver" method: one server process
-# imports these modules, then forks every rank (CUDA-safe, as "spawn": the server touches no
-# device). Under "spawn" each rank imported them itself, about 5.5 CPU-s a rank on a 2-core
-# machine, half of it the compiler stack that constructing any torch optimizer imports.
-RANK_PRELOAD = (
-    "torch",
-    "torch.distributed",
-    "torch._dynamo",
-    "superneurons.bench.convergence.rank",
-)
+__all__ = ["add_deltas", "run_convergence_bench"]
 
 log = logging.getLogger("superneurons.bench.convergence")
 
@@ -43,8 +33,6 @@ def run_convergence_bench(
     config: ConvergenceConfig, *, progress: Progress | None = None
 ) -> list[dict[str, Any]]:
     """Train every (task, codec); returns records with ``delta_vs_dense`` filled in."""
-    import multiprocessing
-
     import torch.multiprocessing as mp
 
     say = progress or log.info
@@ -65,7 +53,7 @@ def run_convergence_bench(
 
             run_ranks_shaped(config, out, poll)
         else:
-            multiprocessing.get_context("forkserver").set_forkserver_preload(list(RANK_PRELOAD))
+            forkserver_for_ranks("superneurons.bench.convergence.rank")  # ranks fork from it
             ctx = mp.start_processes(
                 rank_main,
                 args=(config, free_port(), str(out)),
