@@ -36,9 +36,9 @@ from superneurons.randomness import python_random_kept
 
 __all__ = [
     "RANK_ENTRY",
+    "RANK_PRELOAD",
     "Launch",
     "check_launch",
-    "RANK_PRELOAD",
     "forkserver_for_ranks",
     "free_port",
     "run_torchrun",
