@@ -11,7 +11,7 @@ times exactly them:
   owner's residual, re-quantise, keep its residual, pack the owned segment;
 * :func:`decode_slices`: decode every owner's segment into the result.
 
-Each stage walks the rows in blocks of ~64k values and does all of its element-wise steps
+Each stage walks the rows in blocks of 2**18 values and does all of its element-wise steps
 while a block is in cache: a 25 MiB gradient is read and written about once per stage, where
 the unblocked sequence (add, two reductions, scale, convert, dequantise, subtract, pack) swept
 memory ~12 times. The operations per element, and so every bit, are those of the unblocked
@@ -39,9 +39,15 @@ from superneurons.codecs.twophase import SliceLayout, TwoPhase
 
 __all__ = ["BLOCK_VALUES", "StageScratch", "decode_slices", "owner_reduce", "worker_encode"]
 
-# NOTE: ~64k values per block (256 KiB of fp32, with the codes and the uint8/fp32 scratch
-# ~0.6 MiB): one core's L2 on the 2-core AMD EPYC this was tuned on is 512 KiB; 2**18 values
-# ran 10-20% slower (L3) and 2**14 paid the per-block calls (~12 torch calls of ~5 us each).
+# NOTE: 2**18 values per block (1 MiB of fp32). Each block costs ~25 torch and numpy calls,
+# so small blocks pay the calls, not the memory: the stage times of `measure_codecs` (one
+# thread, 30M values, 2-core AMD EPYC, two rounds each) at 1 bit, worker + owner stage,
+# 2**15: 337-434 ms, 2**16: 187-214 ms, 2**17: 135-162 ms, 2**18: 96-128 ms, 2**19: 90-103
+# ms, 2**20: 101-113 ms, 2**21 and up: 133-146 ms (the owner's copies of every rank's block
+# leave the caches); 4 bits alike. L2-sized blocks (2**16, 256 KiB) were chosen first and
+# ran slower once the per-call work was cut. 2**19, 3-20% faster than 2**18 in `measure_codecs` (one
+# process), cost more in the hook itself (two ranks on two cores, 30M values, three
+# alternations, hook CPU per step at 1 bit: 181-230 ms against 170-178 ms).
 BLOCK_VALUES = 1 << 18
 
 Take = Callable[[str, int, torch.dtype], torch.Tensor]
