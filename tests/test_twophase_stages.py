@@ -1,6 +1,7 @@
 """The two-phase stages in row blocks (codecs/twophase_stages.py) give the bits of the unblocked
 sequence they replaced (quantise everything, dequantise, subtract, pack; read, sum, average,
-re-quantise), at every width and rounding, across many blocks, and with a non-finite value."""
+re-quantise), at every width and rounding, across many blocks, and with a non-finite value; by
+the fused kernels and by the torch path alike."""
 
 from __future__ import annotations
 
@@ -17,6 +18,17 @@ from superneurons.codecs.coding.chunkquant import (
 from superneurons.codecs.twophase import TwoPhase
 
 _WORLD = 2
+
+
+@pytest.fixture(params=["kernels", "torch"], autouse=True)
+def quantiser_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test on both CPU paths: the fused kernels (codecs/coding/native.py) and the torch
+    sequence they stand in for where they cannot be built."""
+    if request.param == "torch":
+        monkeypatch.setattr(stages.native, "kernels", lambda: None)
+    elif stages.native.kernels() is None:
+        pytest.skip("no C compiler here: the kernels cannot be built")
+    return str(request.param)
 
 
 def _fresh(_: str, numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -26,12 +26,14 @@ written to a separate buffer).
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from superneurons.codecs.coding import native
 from superneurons.codecs.coding.bitpack import pack_rows_
 from superneurons.codecs.coding.chunkquant import dequantize_rows, quantize_rows, read_block
 from superneurons.codecs.coding.noise import draw_key
@@ -125,12 +127,20 @@ def _quantize_block(
     key: object,
     start: int,
     scales: torch.Tensor,
-) -> torch.Tensor:
-    """Codes of rows ``x`` (``(n, cols)``, into ``scratch.codes``), their scales into
-    ``scales`` (``(n,)``), and ``error = x - decode`` if given."""
+    body: torch.Tensor,
+) -> None:
+    """The codes of rows ``x`` (``(n, cols)``) packed into ``body`` (uint8 ``(1, n * cols *
+    bits / 8)``), their scales into ``scales`` (``(n,)``), and ``error = x - decode`` if
+    given."""
     values = x.numel()
+    library = _native(config, x.device)
+    if library is not None:
+        _quantize_native(library, x, error, config.bits, scratch, scales, scratch.work, body)
+        return
     if _fast(config, x.device):
-        return _quantize_nearest_cpu(x, error, config.bits, scratch, scales, scratch.work)
+        codes = _quantize_nearest_cpu(x, error, config.bits, scratch, scales, scratch.work)
+        pack_rows_(codes.view(1, -1), config.bits, out=body)
+        return
     codes, made = quantize_rows(
         x,
         bits=config.bits,
@@ -144,7 +154,73 @@ def _quantize_block(
         decoded = dequantize_rows(codes, made, bits=config.bits, out=error)
         torch.sub(x, decoded, out=decoded)
     scales.copy_(made)
-    return codes
+    pack_rows_(codes.view(1, -1), config.bits, out=body)
+
+
+def _native(config: TwoPhase, device: torch.device) -> ctypes.CDLL | None:
+    """The fused kernels (:mod:`.coding.native`) where they apply: the CPU's nearest rounding,
+    where they could be built."""
+    if device.type != "cpu" or config.rounding != "nearest":
+        return None
+    return native.kernels()
+
+
+def _quantize_native(
+    library: ctypes.CDLL,
+    x: torch.Tensor,
+    error: torch.Tensor | None,
+    bits: int,
+    scratch: StageScratch,
+    scales: torch.Tensor,
+    work: torch.Tensor,
+    body: torch.Tensor,
+    decoded: torch.Tensor | None = None,
+) -> None:
+    """:func:`_quantize_block`'s nearest rounding by the kernels, the same bits: at 1 bit the
+    codes with ``|x|`` in one pass (into ``work``, a float32 scratch of ``x``'s size), torch's
+    sum of it over ``cols`` for the scales (as :func:`~.coding.chunkquant.quantize_rows`), then
+    the dequantised rows and residual where wanted; at 2, 4 and 8 bits the scales and factors
+    of :func:`_grid_factors`, then one pass. The step is ``s * 2/m`` as ``dequantize_rows``
+    computes it."""
+    count, cols = x.shape
+    step = scratch.per_row[:count]
+    if bits == 1:
+        magnitude = work[: count * cols].view(count, cols)
+        native.sign_rows_into(library, x, packed=body.view(-1), magnitude=magnitude)
+        torch.sum(magnitude, dim=1, out=scales).div_(cols)
+        if decoded is None and error is None:
+            return  # the codes do not depend on the scales
+        torch.mul(scales, 2.0, out=step)
+        factor, offset = None, 0.0
+    else:
+        levels = (1 << bits) - 1
+        factor = _grid_factors(x, levels, scratch, scales)
+        np.multiply(scales.numpy(), 2.0 / levels, out=step.numpy())
+        offset = levels / 2.0 + 0.5
+    native.quantize_rows_into(
+        library, x, bits=bits, packed=body.view(-1), scale=scales, step=step, factor=factor,
+        offset=offset, decoded=decoded, error=error,
+    )  # fmt: skip
+
+
+def _grid_factors(
+    x: torch.Tensor, levels: int, scratch: StageScratch, scales: torch.Tensor
+) -> torch.Tensor:
+    """Each row's scale ``max(amax, -amin)`` into ``scales`` and its factor ``m/2 / s`` (0
+    where ``s`` is not positive), in ``scratch.per_row[2n : 3n]`` (see
+    :func:`_quantize_nearest_cpu` for the operations)."""
+    count = x.shape[0]
+    row = scratch.per_row
+    top = torch.amax(x, dim=1, out=row[:count])
+    bottom = torch.amin(x, dim=1, out=row[count : 2 * count]).neg_()
+    torch.maximum(top, bottom, out=scales)
+    factor = row[2 * count : 3 * count]
+    s, f = scales.numpy(), factor.numpy()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        np.reciprocal(s, out=f)
+        np.multiply(f, levels / 2.0, out=f)
+        np.copyto(f, 0.0, where=~(s > 0))  # torch.where(s > 0, ., 0): NaN and 0 give 0
+    return factor
 
 
 def _fast(config: TwoPhase, device: torch.device) -> bool:
@@ -176,16 +252,8 @@ def _quantize_nearest_cpu(
     count, cols = x.shape
     levels = (1 << bits) - 1
     half = levels / 2.0
-    row = scratch.per_row
-    top = torch.amax(x, dim=1, out=row[:count])
-    bottom = torch.amin(x, dim=1, out=row[count : 2 * count]).neg_()
-    torch.maximum(top, bottom, out=scales)
-    factor = row[2 * count : 3 * count]
+    factor = _grid_factors(x, levels, scratch, scales)
     s, f = scales.numpy(), factor.numpy()
-    with np.errstate(divide="ignore", invalid="ignore"):
-        np.reciprocal(s, out=f)
-        np.multiply(f, half, out=f)
-        np.copyto(f, 0.0, where=~(s > 0))  # torch.where(s > 0, ., 0): NaN and 0 give 0
     y = torch.mul(x, factor.unsqueeze(1), out=work[: count * cols].view(count, cols))
     codes = scratch.codes[: count * cols].view(count, cols)
     with np.errstate(invalid="ignore"):  # NaN (non-finite input) casts as torch's does
@@ -228,9 +296,8 @@ def worker_encode(
                 x = torch.add(x, residual[at : at + count], out=scratch.x[: x.numel()].view_as(x))
             block_error = error[at : at + count] if error is not None else None
             scales = scratch.scales[at : at + count]
-            codes = _quantize_block(x, block_error, config, scratch, key, at * cols, scales)
             body = part[owner : owner + 1, _body(layout, first, count)]
-            pack_rows_(codes.view(1, -1), config.bits, out=body)
+            _quantize_block(x, block_error, config, scratch, key, at * cols, scales, body)
     return _finish(part, scratch.scales[: layout.world_size * layout.rows], layout)
 
 
@@ -254,22 +321,28 @@ def owner_reduce(
     it from ``owned`` (:func:`decode_slices`' bits: the same dequantisation of the same codes
     and scales), written here on the way, so this rank need not decode its own segment of the
     all-gather (``decode_slices(skip=rank)``). Meaningless when this returns False."""
-    per, cols, world = _block_rows(layout, received.device), layout.cols, layout.world_size
+    per, cols = _block_rows(layout, received.device), layout.cols
     key = _key(config, generator, received.device)
     for first in range(0, layout.rows, per):
         count = min(per, layout.rows - first)
         values = count * cols
-        copies = scratch.copies[: world * values].view(world, count, cols)
         heads = received[:, 4 * first : 4 * (first + count)].view(torch.float32)
         body = received[:, _body(layout, first, count)]
-        read_block(heads, body, bits=config.bits, out=copies, levels=scratch.levels)
         average = scratch.work[:values].view(count, cols)
-        _sum_rows(copies.view(world, values), average.view(-1)).div_(world)
-        if residual is not None:
-            average.add_(residual[first : first + count])
+        block_residual = residual[first : first + count] if residual is not None else None
+        _average(heads, body, config, scratch, block_residual, out=average)
         block_error = error[first : first + count] if error is not None else None
         block_decoded = decoded[first : first + count] if decoded is not None else None
         scales = scratch.scales[first : first + count]
+        body_out = owned[:, _body(layout, first, count)]
+        library = _native(config, received.device)
+        if library is not None:
+            # NOTE: the |x| scratch is `copies` (free now): `work` holds the average.
+            _quantize_native(
+                library, average, block_error, config.bits, scratch, scales, scratch.copies,
+                body_out, block_decoded,
+            )  # fmt: skip
+            continue
         if _fast(config, received.device):
             # NOTE: the work buffer is `copies` (free now): `work` holds the average.
             codes = _quantize_nearest_cpu(
@@ -293,8 +366,36 @@ def owner_reduce(
                 assert target is not None
                 torch.sub(average, target, out=block_error)
             scales.copy_(made)
-        pack_rows_(codes.view(1, -1), config.bits, out=owned[:, _body(layout, first, count)])
+        pack_rows_(codes.view(1, -1), config.bits, out=body_out)
     return _finish(owned, scratch.scales[: layout.rows], layout)
+
+
+def _average(
+    heads: torch.Tensor,
+    body: torch.Tensor,
+    config: TwoPhase,
+    scratch: StageScratch,
+    residual: torch.Tensor | None,
+    *,
+    out: torch.Tensor,
+) -> None:
+    """The owner's rows ``out`` (``(n, cols)``): every rank's copy (scales ``heads`` ``(P,
+    n)``, codes ``body``) decoded, summed in fp32, divided by ``P``, plus ``residual``; on two
+    ranks with the kernels, in one pass (the same bits)."""
+    world, (count, cols) = heads.shape[0], out.shape
+    library = _native(config, out.device)
+    if library is not None and world == 2:
+        steps = heads * (2.0 / ((1 << config.bits) - 1))  # as read_block computes the step
+        native.average_two_into(
+            library, (body[0], body[1]), bits=config.bits, steps=(steps[0], steps[1]),
+            scales=(heads[0], heads[1]), residual=residual, out=out,
+        )  # fmt: skip
+        return
+    copies = scratch.copies[: world * count * cols].view(world, count, cols)
+    _read_block(heads, body, config, out=copies, levels=scratch.levels)
+    _sum_rows(copies.view(world, -1), out.view(-1)).div_(world)
+    if residual is not None:
+        out.add_(residual)
 
 
 def _sum_rows(copies: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -329,5 +430,28 @@ def decode_slices(
             heads = segment[:, 4 * first : 4 * (first + count)].view(torch.float32)
             body = segment[:, _body(layout, first, count)]
             out = rows[at : at + count].view(1, count, cols)
-            read_block(heads, body, bits=config.bits, out=out, levels=scratch.levels)
+            _read_block(heads, body, config, out=out, levels=scratch.levels)
     return rows
+
+
+def _read_block(
+    heads: torch.Tensor,
+    body: torch.Tensor,
+    config: TwoPhase,
+    *,
+    out: torch.Tensor,
+    levels: torch.Tensor,
+) -> None:
+    """:func:`~.coding.chunkquant.read_block` (``heads``: the scales ``(blocks, n)``, ``body``
+    their packed codes, ``out`` float32 ``(blocks, n, cols)``), by the fused kernel where it
+    applies: the same ``q * (s * 2/m) - s``, the step computed as torch computes it there."""
+    library = _native(config, out.device)
+    if library is None:
+        read_block(heads, body, bits=config.bits, out=out, levels=levels)
+        return
+    step = heads * (2.0 / ((1 << config.bits) - 1))
+    for block in range(out.shape[0]):
+        native.dequantize_rows_into(
+            library, body[block], bits=config.bits, step=step[block], scale=heads[block],
+            out=out[block],
+        )  # fmt: skip
