@@ -188,3 +188,13 @@ def test_three_ranks_stages_equal_the_torch_path(
     monkeypatch.setattr(stages.native, "kernels", lambda: None)
     for got, want in zip(with_kernels, run(), strict=True):
         assert torch.equal(got, want)
+
+
+def test_no_home_for_the_cache_falls_back(fresh_kernels, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("SUPERNEURONS_CACHE_DIR")
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(native.Path, "home", staticmethod(no_home))
+    assert native.kernels() is None

@@ -124,7 +124,7 @@ def kernels() -> ctypes.CDLL | None:
         return None
     try:
         library = ctypes.CDLL(str(_build(*found)))
-    except (OSError, subprocess.SubprocessError) as exc:
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:  # RuntimeError: no home
         detail = getattr(exc, "stderr", "") or exc
         logger.info("quantisation kernels not built (%s); the torch path runs", detail)
         return None
