@@ -390,3 +390,73 @@ def test_quantiser_and_packing_on_cuda_equal_the_cpu(bits: int) -> None:
         y = forward_(x.clone(), kind, signs)
         got = forward_(x.to(cuda), kind, signs.to(cuda)).cpu()
         torch.testing.assert_close(got, y, atol=1e-5, rtol=1e-5)
+
+
+def _wave_cases(rank: int, world_size: int) -> dict[str, Any]:
+    """The same steps in one wave and in many (``wave_bytes`` far below the sizes)."""
+    from superneurons.ddp.twophase import TwoPhaseState, average_
+    from superneurons.schemes.grammar import parse_spec
+
+    out: dict[str, Any] = {}
+    for spec in (
+        "twophase:bits=1,chunk=64",
+        "twophase:bits=4,chunk=64",
+        "twophase:bits=8,chunk=64",
+        "twophase:bits=2,chunk=64,rounding=stochastic,transform=hadamard",
+        "twophase:bits=4,chunk=64,transform=dct",
+        "twophase:bits=32,chunk=64",
+    ):
+        config = parse_spec(spec)
+        runs = []
+        for wave_bytes in (1 << 22, 100):
+            state = TwoPhaseState(seed=5)
+            outputs, sent = [], []
+            for step in range(4):
+                tensors = [(f"p{n}", _grad(rank, n, step), config) for n in _SIZES]
+                sent.append(
+                    average_(
+                        tensors,
+                        state,
+                        generators=_generators(rank, step),
+                        wave_bytes=wave_bytes,
+                    )  # fmt: skip
+                )
+                outputs.append([t for _, t, _ in tensors])
+            runs.append((outputs, state.state_dict(), sent))
+        out[spec] = runs
+    # a non-finite value in a late wave of one rank: the whole tensor is NaN on every rank
+    config = TwoPhase(bits=4, chunk=64)
+    state = TwoPhaseState()
+    average_([("a", _grad(rank, 4099, 0), config)], state, wave_bytes=100)
+    before = (state.worker["a"].clone(), state.owner["a"].clone())
+    bad = _grad(rank, 4099, 1)
+    if rank == world_size - 1:
+        bad[4000] = float("inf")
+    tensors = [("a", bad, config), ("b", _grad(rank, 100, 1), config)]
+    average_(tensors, state, wave_bytes=100)
+    out["nonfinite"] = (
+        bool(torch.isnan(tensors[0][1]).all()),
+        bool(torch.isfinite(tensors[1][1]).all()),
+        torch.equal(state.worker["a"], before[0]) or rank != world_size - 1,
+        torch.equal(state.owner["a"], before[1]),
+    )
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_waves_change_no_bit_of_the_exchange(world_size: int) -> None:
+    """Many waves (rows of every slice at a time, each with its own collectives) give the
+    bits of one: the averages, both residuals and the bytes sent."""
+    results = shared_ranks(world_size).run(_wave_cases, timeout_s=180)
+    for rank, got in enumerate(results):
+        for spec, (one, many) in ((k, v) for k, v in got.items() if k != "nonfinite"):
+            for a, b in zip(one[0], many[0], strict=True):
+                for x, y in zip(a, b, strict=True):
+                    assert torch.equal(x, y), (rank, spec)
+            for kind in ("worker", "owner"):
+                assert one[1][kind].keys() == many[1][kind].keys(), (rank, spec)
+                for name, residual in one[1][kind].items():
+                    assert torch.equal(residual, many[1][kind][name]), (rank, spec, kind, name)
+            assert one[2] == many[2], (rank, spec)
+        assert got["nonfinite"] == (True, True, True, True), rank

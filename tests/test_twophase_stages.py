@@ -188,3 +188,68 @@ def test_the_owners_decode_of_its_slice_equals_the_decode_of_its_segment(
     stages.decode_slices(gathered, skipped, layout, config, scratch, skip=0)
     assert (skipped[: layout.rows] == 5.0).all()
     assert torch.equal(skipped[layout.rows :], want[layout.rows :])
+
+
+@pytest.mark.parametrize("bits", [1, 4, 8])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_stages_in_row_windows_equal_the_whole_tensor(bits: int, rounding: str) -> None:
+    """Each stage run on windows of rows (the waves of an exchange: rows of every slice at a
+    time, one rounding key for the tensor) writes the bits of one call on every row."""
+    from superneurons.codecs.twophase import SliceLayout
+
+    config = TwoPhase(bits=bits, chunk=64, rounding=rounding)
+    layout = config.layout(64 * 46, _WORLD)  # 23 rows per slice
+    rows, cols = layout.rows, layout.cols
+    x = torch.randn(_WORLD, rows, cols, generator=torch.Generator().manual_seed(bits))
+    residual = torch.randn(_WORLD, rows, cols, generator=torch.Generator().manual_seed(9)) / 8
+    owner_residual = torch.randn(rows, cols, generator=torch.Generator().manual_seed(3)) / 8
+    windows = [(0, 5), (5, 6), (6, 17), (17, 23)]
+
+    def sub(count: int) -> SliceLayout:
+        return SliceLayout(_WORLD * count * cols, _WORLD, count * cols, cols, bits)
+
+    def key(seed: int) -> object:
+        return stages.rounding_key(config, torch.Generator().manual_seed(seed), x.device)
+
+    # one call on the whole tensor
+    message = torch.zeros(_WORLD, layout.slice_bytes, dtype=torch.uint8)
+    error = torch.zeros_like(x)
+    window = stages.RowWindow(0, rows, key(1))
+    stages.worker_encode(
+        x, message, layout, config, stages.StageScratch.make(layout, _fresh, x.device),
+        residual=residual, error=error, window=window,
+    )  # fmt: skip
+    owned = torch.zeros(1, layout.slice_bytes, dtype=torch.uint8)
+    owner_error, decoded = torch.zeros(rows, cols), torch.zeros(rows, cols)
+    stages.owner_reduce(
+        message, owned, layout, config, stages.StageScratch.make(layout, _fresh, x.device),
+        residual=owner_residual, error=owner_error, decoded=decoded,
+        window=stages.RowWindow(0, rows, key(2)),
+    )  # fmt: skip
+    whole = torch.zeros_like(x)
+    stages.decode_slices(
+        message, whole, layout, config, stages.StageScratch.make(layout, _fresh, x.device)
+    )
+    # the same rows, window by window
+    error_w, owner_error_w = torch.zeros_like(x), torch.zeros(rows, cols)
+    decoded_w, whole_w = torch.zeros(rows, cols), torch.zeros_like(x)
+    worker_key, owner_key = key(1), key(2)
+    for first, stop in windows:
+        part = sub(stop - first)
+        scratch = stages.StageScratch.make(part, _fresh, x.device)
+        piece = torch.zeros(_WORLD, part.slice_bytes, dtype=torch.uint8)
+        stages.worker_encode(
+            x[:, first:stop], piece, part, config, scratch,
+            residual=residual[:, first:stop], error=error_w[:, first:stop],
+            window=stages.RowWindow(first, rows, worker_key),
+        )  # fmt: skip
+        mine = torch.zeros(1, part.slice_bytes, dtype=torch.uint8)
+        stages.owner_reduce(
+            piece, mine, part, config, scratch,
+            residual=owner_residual[first:stop], error=owner_error_w[first:stop],
+            decoded=decoded_w[first:stop], window=stages.RowWindow(first, rows, owner_key),
+        )  # fmt: skip
+        stages.decode_slices(piece, whole_w[:, first:stop], part, config, scratch)
+    for a, b in ((error, error_w), (owner_error, owner_error_w), (decoded, decoded_w)):
+        assert torch.equal(a, b)
+    assert torch.equal(whole, whole_w)

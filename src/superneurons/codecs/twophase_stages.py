@@ -39,7 +39,15 @@ from superneurons.codecs.coding.chunkquant import dequantize_rows, quantize_rows
 from superneurons.codecs.coding.noise import draw_key
 from superneurons.codecs.twophase import SliceLayout, TwoPhase
 
-__all__ = ["BLOCK_VALUES", "StageScratch", "decode_slices", "owner_reduce", "worker_encode"]
+__all__ = [
+    "BLOCK_VALUES",
+    "RowWindow",
+    "StageScratch",
+    "decode_slices",
+    "owner_reduce",
+    "rounding_key",
+    "worker_encode",
+]
 
 # NOTE: 2**18 values per block (1 MiB of fp32). Each block costs ~25 torch and numpy calls,
 # so small blocks pay the calls, not the memory: the stage times of `measure_codecs` (one
@@ -86,17 +94,32 @@ class StageScratch:
         )
 
 
+@dataclass(frozen=True)
+class RowWindow:
+    """Where a stage call's rows sit in the whole tensor: rows ``first .. first + layout.rows``
+    of each of its slices of ``slice_rows`` rows (a wave of :mod:`superneurons.ddp.twophase`,
+    whose ``layout`` then describes the window). Stochastic rounding draws at the whole
+    tensor's positions under one ``key`` (:func:`rounding_key`, drawn once per tensor and
+    stage), so the bits do not depend on how a tensor is cut into windows."""
+
+    first: int
+    slice_rows: int
+    key: object  # rounding_key(...): None for nearest rounding
+
+
+def rounding_key(
+    config: TwoPhase, generator: torch.Generator | None, device: torch.device
+) -> object:
+    """A stage's one key for stochastic rounding (None for nearest rounding: no draw)."""
+    return draw_key(generator, device) if config.rounding == "stochastic" else None
+
+
 def _block_rows(layout: SliceLayout, device: torch.device) -> int:
     """Rows per block: cache-sized on the CPU; on other devices every row at once (there
     kernel launches, not memory passes, dominate; as :mod:`.coding.noise` does)."""
     if device.type != "cpu":
         return layout.rows
     return max(1, min(layout.rows, BLOCK_VALUES // layout.cols))
-
-
-def _key(config: TwoPhase, generator: torch.Generator | None, device: torch.device) -> object:
-    """The stochastic rounding's one key per tensor (None for nearest rounding: no draw)."""
-    return draw_key(generator, device) if config.rounding == "stochastic" else None
 
 
 def _body(layout: SliceLayout, first: int, count: int) -> slice:
@@ -279,26 +302,38 @@ def worker_encode(
     residual: torch.Tensor | None,
     error: torch.Tensor | None,
     generator: torch.Generator | None = None,
+    window: RowWindow | None = None,
 ) -> bool:
-    """Worker side: ``rows + residual`` (``(P * rows, cols)`` float32; ``rows`` is read only)
-    quantised into the message ``part`` (uint8 ``(P, >= slice_bytes)``, segment ``j`` for
-    owner ``j``); the new residual goes to ``error`` (same shape, not ``residual``'s storage)
-    when given. Returns whether every value was finite (else ``error`` holds nothing to
-    keep)."""
-    per, cols = _block_rows(layout, rows.device), layout.cols
-    key = _key(config, generator, rows.device)
-    for owner in range(layout.world_size):
-        for first in range(0, layout.rows, per):
-            count = min(per, layout.rows - first)
-            at = owner * layout.rows + first
-            x = rows[at : at + count]
-            if residual is not None:  # g + r into the cached block, not back to memory
-                x = torch.add(x, residual[at : at + count], out=scratch.x[: x.numel()].view_as(x))
-            block_error = error[at : at + count] if error is not None else None
+    """Worker side: ``rows + residual`` (float32 ``(P * rows, cols)``, or ``(P, rows, cols)``
+    for a ``window`` of a larger tensor; ``rows`` is read only) quantised into the message
+    ``part`` (uint8 ``(P, >= slice_bytes)``, segment ``j`` for owner ``j``); the new residual
+    goes to ``error`` (shaped as ``rows``, not ``residual``'s storage) when given. Returns
+    whether every value was finite (else ``error`` holds nothing to keep)."""
+    per, (world, count_rows, cols) = _block_rows(layout, rows.device), _shape(layout)
+    grid = rows.view(world, count_rows, cols)
+    added = residual.view(world, count_rows, cols) if residual is not None else None
+    errors = error.view(world, count_rows, cols) if error is not None else None
+    key = window.key if window is not None else rounding_key(config, generator, rows.device)
+    offset, slice_rows = (window.first, window.slice_rows) if window else (0, count_rows)
+    for owner in range(world):
+        for first in range(0, count_rows, per):
+            count = min(per, count_rows - first)
+            x = grid[owner, first : first + count]
+            if added is not None:  # g + r into the cached block, not back to memory
+                block = added[owner, first : first + count]
+                x = torch.add(x, block, out=scratch.x[: x.numel()].view_as(x))
+            block_error = errors[owner, first : first + count] if errors is not None else None
+            at = owner * count_rows + first
             scales = scratch.scales[at : at + count]
             body = part[owner : owner + 1, _body(layout, first, count)]
-            _quantize_block(x, block_error, config, scratch, key, at * cols, scales, body)
-    return _finish(part, scratch.scales[: layout.world_size * layout.rows], layout)
+            start = (owner * slice_rows + offset + first) * cols  # the whole tensor's position
+            _quantize_block(x, block_error, config, scratch, key, start, scales, body)
+    return _finish(part, scratch.scales[: world * count_rows], layout)
+
+
+def _shape(layout: SliceLayout) -> tuple[int, int, int]:
+    """``(P, rows, cols)``: the message's rows by owner."""
+    return layout.world_size, layout.rows, layout.cols
 
 
 def owner_reduce(
@@ -312,6 +347,7 @@ def owner_reduce(
     error: torch.Tensor | None,
     generator: torch.Generator | None = None,
     decoded: torch.Tensor | None = None,
+    window: RowWindow | None = None,
 ) -> bool:
     """Owner side: decode the ``P`` copies of the owned slice (``received``: uint8 ``(P, >=
     slice_bytes)``), average them in fp32, add ``residual`` (``(rows, cols)``), re-quantise
@@ -320,9 +356,14 @@ def owner_reduce(
     ``decoded`` (``(rows, cols)`` float32, optional): the owned slice as every rank will decode
     it from ``owned`` (:func:`decode_slices`' bits: the same dequantisation of the same codes
     and scales), written here on the way, so this rank need not decode its own segment of the
-    all-gather (``decode_slices(skip=rank)``). Meaningless when this returns False."""
+    all-gather (``decode_slices(skip=rank)``). Meaningless when this returns False.
+    ``window``: these are rows ``window.first ..`` of the owned slice (see :class:`RowWindow`).
+    """
     per, cols = _block_rows(layout, received.device), layout.cols
-    key = _key(config, generator, received.device)
+    if window is not None:
+        key, offset = window.key, window.first
+    else:
+        key, offset = rounding_key(config, generator, received.device), 0
     for first in range(0, layout.rows, per):
         count = min(per, layout.rows - first)
         values = count * cols
@@ -357,7 +398,7 @@ def owner_reduce(
                 codes=scratch.codes[:values],
                 work=scratch.copies[:values],
                 noise_key=key,  # type: ignore[arg-type]
-                noise_start=first * cols,
+                noise_start=(offset + first) * cols,
             )
             target = block_decoded if block_decoded is not None else block_error
             if target is not None:
@@ -417,19 +458,20 @@ def decode_slices(
     skip: int | None = None,
 ) -> torch.Tensor:
     """Every rank: decode every owner's segment (``gathered``: uint8 ``(P, >= slice_bytes)``)
-    into ``rows`` (float32 ``(P * rows, cols)``), block by block; ``skip``: an owner whose rows
-    hold their decode already (:func:`owner_reduce`'s ``decoded``)."""
-    per, cols = _block_rows(layout, rows.device), layout.cols
-    for owner in range(layout.world_size):
+    into ``rows`` (float32 ``(P * rows, cols)``, or ``(P, rows, cols)`` for a window of a larger
+    tensor), block by block; ``skip``: an owner whose rows hold their decode already
+    (:func:`owner_reduce`'s ``decoded``)."""
+    per, (world, count_rows, cols) = _block_rows(layout, rows.device), _shape(layout)
+    grid = rows.view(world, count_rows, cols)
+    for owner in range(world):
         if owner == skip:
             continue
         segment = gathered[owner : owner + 1]
-        for first in range(0, layout.rows, per):
-            count = min(per, layout.rows - first)
-            at = owner * layout.rows + first
+        for first in range(0, count_rows, per):
+            count = min(per, count_rows - first)
             heads = segment[:, 4 * first : 4 * (first + count)].view(torch.float32)
             body = segment[:, _body(layout, first, count)]
-            out = rows[at : at + count].view(1, count, cols)
+            out = grid[owner, first : first + count].view(1, count, cols)
             _read_block(heads, body, config, out=out, levels=scratch.levels)
     return rows
 

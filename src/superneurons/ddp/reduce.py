@@ -7,7 +7,7 @@ travel as rows + indices instead (see :mod:`.rowsparse`). A bucket whose paramet
 different routes (``auto``) issues, on every rank in the same order: the row-count all-reduce
 (row-sparse only), the fp32 all-reduce, one all-reduce per cast codec (sorted by spec),
 PowerSGD's two all-reduces, the two-phase routes' all-to-all and all-gather (every
-:class:`TwoPhase` parameter in one message, see :mod:`.twophase`), then ONE all-gather for
+:class:`TwoPhase` parameter in one message, in waves where it is large, see :mod:`.twophase`), then ONE all-gather for
 every gathered payload and row block.
 
 Hook overhead, what this module does to keep it low (``benchmarks/hook_overhead.py``,
@@ -144,7 +144,7 @@ def reduce_bucket(
     if low_rank:
         futures.append(_powersgd(state, buffer, routes, [pieces[i] for i in low_rank], low_rank))
 
-    # 4. the two-phase routes: ONE all-to-all (waited for), ONE all-gather
+    # 4. the two-phase routes: per wave ONE all-to-all (waited for), ONE all-gather
     two = [i for i, k in enumerate(kinds) if k == "twophase"]
     if two:
         defer = not bucket.is_last()  # its all-gather waits for the next bucket's hook
