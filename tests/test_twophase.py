@@ -460,3 +460,23 @@ def test_waves_change_no_bit_of_the_exchange(world_size: int) -> None:
                     assert torch.equal(residual, many[1][kind][name]), (rank, spec, kind, name)
             assert one[2] == many[2], (rank, spec)
         assert got["nonfinite"] == (True, True, True, True), rank
+
+
+def test_a_failed_wave_fails_the_exchange() -> None:
+    """Several waves' collectives become one future that fails with any of them (a peer gone
+    mid-exchange raises through DDP's backward, not a silently applied buffer)."""
+    from superneurons.ddp.twophase import _all
+
+    class Work:
+        def __init__(self, future: torch.futures.Future[Any]) -> None:
+            self.future = future
+
+        def get_future(self) -> torch.futures.Future[Any]:
+            return self.future
+
+    ok, bad = torch.futures.Future(), torch.futures.Future()  # type: ignore[var-annotated]
+    both = _all([Work(ok), Work(bad)])
+    ok.set_result(None)
+    bad.set_exception(RuntimeError("a peer is gone"))
+    with pytest.raises(RuntimeError, match="a peer is gone"):
+        both.wait()

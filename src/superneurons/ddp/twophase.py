@@ -210,7 +210,7 @@ def start(
         for part in wave.parts:
             rows = inputs.get(part.index)
             if rows is None:
-                rows = _encode_input(part.item, state, own_buffer=len(waves) > 1)
+                rows = _encode_input(part, state, several=len(waves) > 1)
                 if len(waves) > 1:
                     inputs[part.index] = rows
             _encode(part, state, table, rows, stages[part.index])
@@ -285,8 +285,13 @@ def average_(
 
 
 def _all(works: list[Any]) -> Future:
-    """One future for several collectives (a failed one raises through it)."""
-    return torch.futures.collect_all([w.get_future() for w in works])
+    """One future for several collectives, failed when one of them failed (``collect_all``
+    alone completes with the failed future in its list)."""
+
+    def values(done: Future) -> list[Any]:
+        return [part.value() for part in done.value()]  # raises the first failure
+
+    return torch.futures.collect_all([w.get_future() for w in works]).then(values)
 
 
 def _waves(items: list[_Item], wave_bytes: int) -> list[_Wave]:
@@ -349,17 +354,18 @@ def _scratch(
     return StageScratch.make(layout, take, device)
 
 
-def _encode_input(item: _Item, state: TwoPhaseState, own_buffer: bool) -> torch.Tensor:
-    """The worker's input rows ``(P * rows, cols)``: the tensor itself (overwritten by the
-    average), or a kept buffer where it is padded or transformed (``own_buffer``: one per
-    tensor, where several waves read it; else one for every tensor, read one after
-    another)."""
+def _encode_input(part: _Part, state: TwoPhaseState, *, several: bool) -> torch.Tensor:
+    """The worker's input rows ``(P * rows, cols)`` of ``part``'s tensor: the tensor itself
+    (overwritten by the average), or a kept buffer where it is padded or transformed: one for
+    every tensor, which they fill in turn, or with ``several`` waves, one per place in the
+    exchange (the waves read them all; kept across exchanges, which encode one at a time)."""
+    item = part.item
     layout, config, name = item.layout, item.config, item.name
     if _in_place(item):
         return item.flat.view(-1, layout.cols)  # NOTE: in place: overwritten by the average
     # NOTE: decodes may run on the backend's thread meanwhile: they have their own buffers
     # (per exchange, see _decode).
-    tag = ("x", name) if own_buffer else ("x",)
+    tag = ("x", part.index) if several else ("x",)
     x = state.buffer(tag, layout.padded_numel, torch.float32, item.flat.device)
     x[: layout.numel].copy_(item.flat)
     x[layout.numel :].zero_()
