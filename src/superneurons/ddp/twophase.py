@@ -198,7 +198,7 @@ def start(
     waves = _waves(items, wave_bytes)
     device = tensors[0][1].device if tensors else torch.device("cpu")
     key = tuple((i.name, i.config.spec, i.flat.numel()) for i in items)
-    stages = [_worker_stage(item, state, error_feedback, generators) for item in items]
+    stages = [_stage("worker", item, state, error_feedback, generators) for item in items]
     inputs: dict[int, torch.Tensor] = {}  # where several waves read them (else made in turn)
     received, works, sent = [], [], 0
     for index, wave in enumerate(waves):
@@ -231,7 +231,7 @@ def complete(started: Started) -> Exchange:
     world_size = dist.get_world_size(started.group)
     rank = dist.get_rank(started.group)
     stages = [
-        _owner_stage(item, state, started.error_feedback, started.generators) for item in items
+        _stage("owner", item, state, started.error_feedback, started.generators) for item in items
     ]
     own = [_own_rows(item, rank) for item in items]
     gathered, works, decoded = [], [], []
@@ -391,26 +391,23 @@ class _Stage:
             kept[name] = self.error
 
 
-def _worker_stage(
-    item: _Item, state: TwoPhaseState, error_feedback: bool, generators: Generators | None
+def _stage(
+    kind: str,
+    item: _Item,
+    state: TwoPhaseState,
+    error_feedback: bool,
+    generators: Generators | None,
 ) -> _Stage:
-    layout, device = item.layout, item.flat.device
-    residual = state.worker.get(item.name) if error_feedback else None
+    """``item``'s ``kind`` stage: "worker" (its residual covers the padded tensor; rounding
+    drawn from ``generators(name)``) or "owner" (the owned slice; ``name + "/owner"``)."""
+    layout, device, name = item.layout, item.flat.device, item.name
+    kept = state.worker if kind == "worker" else state.owner
+    numel = layout.padded_numel if kind == "worker" else layout.slice_numel
+    residual = kept.get(name) if error_feedback else None
     quantised = error_feedback and item.config.bits != 32
-    error = state.spare("worker", item.name, layout.padded_numel, device) if quantised else None
-    key = rounding_key(item.config, _generator(generators, item.name), device)
-    return _Stage(residual, error, key)
-
-
-def _owner_stage(
-    item: _Item, state: TwoPhaseState, error_feedback: bool, generators: Generators | None
-) -> _Stage:
-    layout, device = item.layout, item.flat.device
-    residual = state.owner.get(item.name) if error_feedback else None
-    quantised = error_feedback and item.config.bits != 32
-    error = state.spare("owner", item.name, layout.slice_numel, device) if quantised else None
-    key = rounding_key(item.config, _generator(generators, item.name + "/owner"), device)
-    return _Stage(residual, error, key)
+    error = state.spare(kind, name, numel, device) if quantised else None
+    draws = name if kind == "worker" else name + "/owner"
+    return _Stage(residual, error, rounding_key(item.config, _generator(generators, draws), device))
 
 
 def _encode(
