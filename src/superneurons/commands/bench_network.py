@@ -69,6 +69,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 5, quick 3)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps (>= 2)")
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="launch the ranks N times per link and model, the codecs forwards, then backwards, "
+        "and so on, and pool each codec's N x --steps timed steps into its record: on a shared "
+        "machine drift then falls on every codec alike (default %(default)s)",
+    )
+    parser.add_argument(
         "--compute-steps", type=int, default=None, help="compute-only reference steps (2)"
     )
     parser.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
@@ -128,6 +136,7 @@ def _config(args: argparse.Namespace) -> NetworkBenchConfig:
         warmup_steps=args.warmup,
         steps=steps,
         compute_steps=args.compute_steps if args.compute_steps is not None else 2,
+        rounds=args.rounds,
         shaping=not args.no_shaping,
         data=args.data,
     )

@@ -74,7 +74,8 @@ def write_artifacts(
         "shaped); "
         f"batch {config.batch_size} per rank; {config.warmup_steps} warm-up steps excluded "
         "(`auto`: every step up to its decision; each record's `warmup_steps`), "
-        f"mean of {config.steps} timed steps. `bytes_per_step`: bytes one rank sends per step "
+        + _timed(config)
+        + " `bytes_per_step`: bytes one rank sends per step "
         "(see `bytes_source`: the hook's counter of payload bytes, or for dense DDP the "
         "analytic ring all-reduce volume 2(P-1)/P x 4 bytes x parameters; with 2 ranks both "
         "equal what one rank sends). torch-powersgd runs in one DDP bucket "
@@ -159,3 +160,15 @@ def _plot(records: Sequence[dict[str, Any]], path: Path, plt: Any) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _timed(config: NetworkBenchConfig) -> str:
+    """What each record's step time is the mean of."""
+    if config.rounds == 1:
+        return f"mean of {config.steps} timed steps."
+    return (
+        f"mean of {config.rounds} x {config.steps} timed steps: {config.rounds} rounds, each a "
+        "fresh launch of the ranks with its own warm-up, the codecs forwards in the first, "
+        "backwards in the second and so on (drift of the machine falls on every codec alike; "
+        "each round's numbers under the record's `rounds`)."
+    )

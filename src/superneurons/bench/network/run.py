@@ -15,6 +15,10 @@ cost each rank ``(P-1) S / CR`` vs ``2 (P-1)/P S`` for a ring (gathering wins on
 A bandwidth of ``None`` (``--bandwidth loopback``) runs the ranks on loopback, unshaped;
 ``shaping=False`` runs every setting that way (no root): codec cost, not a network.
 
+``rounds`` above 1 launches the ranks that many times per (link, model), the codecs in
+alternating order, and pools each codec's timed steps (:mod:`.rounds`): on a shared machine,
+drift then falls on every codec alike.
+
 ``auto`` (:mod:`superneurons.schemes.auto`) is one more codec here; its worker extends the
 untimed warm-up until its first decision is made, so the timed steps measure the decision.
 """
@@ -41,6 +45,7 @@ from superneurons.bench.links.netns import (
     network_namespaces,
 )
 from superneurons.bench.network.data import DATA_CHOICES
+from superneurons.bench.network.rounds import order, pool
 from superneurons.data.fashion_mnist import DEFAULT_ROOT as FASHION_MNIST_ROOT
 from superneurons.errors import ConfigError
 from superneurons.rates import format_rate
@@ -93,6 +98,8 @@ class NetworkBenchConfig:
     warmup_steps: int = 2
     steps: int = 5
     compute_steps: int = 3
+    # launches per (link, model), the codecs in alternating order, pooled (bench.network.rounds)
+    rounds: int = 1
     shaping: bool = True
     measure_link: bool = True
     run_timeout_s: float = 900.0
@@ -113,6 +120,10 @@ class NetworkBenchConfig:
             raise ConfigError("--steps must be >= 1 and --warmup >= 0")
         if self.codecs.count("dense") > 1:
             raise ConfigError("list 'dense' at most once")
+        if self.rounds < 1:
+            raise ConfigError(f"--rounds must be >= 1, got {self.rounds}")
+        if self.rounds > 1 and len(set(self.codecs)) < len(self.codecs):
+            raise ConfigError("with --rounds above 1, list each codec once (rounds pool by label)")
         self.compressions  # noqa: B018  (parses every codec now, before any rank starts)
 
     @cached_property
@@ -153,14 +164,39 @@ def _link(
         yield _Link(topology, measured)
 
 
-def _run_codecs(
+def _measure(
     config: NetworkBenchConfig, link: _Link, nproc: int, model: str, workdir: Path, say: Progress
 ) -> Iterator[dict[str, Any]]:
-    """Measure every codec on ``model``: one worker per rank runs the codecs in turn. If the
+    """Every codec's record on ``model``: one launch of the ranks (as soon as each codec is
+    measured), or with ``config.rounds`` above 1, each codec's rounds pooled (after the last
+    round; :mod:`superneurons.bench.network.rounds`), in the order of ``config.codecs``."""
+    if config.rounds == 1:
+        yield from _run_codecs(config, link, nproc, model, config.codecs, workdir, say)
+        return
+    results: dict[str, list[dict[str, Any]]] = {codec: [] for codec in config.codecs}
+    for index in range(config.rounds):
+        say(f"  {model}: round {index + 1} of {config.rounds}")
+        codecs = order(config.codecs, index)
+        for result in _run_codecs(config, link, nproc, model, codecs, workdir, say):
+            results[result["codec"]].append(result)
+    for codec in config.codecs:
+        yield pool(results[codec])
+
+
+def _run_codecs(
+    config: NetworkBenchConfig,
+    link: _Link,
+    nproc: int,
+    model: str,
+    codecs: Sequence[str],
+    workdir: Path,
+    say: Progress,
+) -> Iterator[dict[str, Any]]:
+    """Measure ``codecs`` on ``model``: one worker per rank runs the codecs in turn. If the
     ranks fail (a crash, or a hang past the timeout), fresh ranks retry the codec they were
     on once; a second failure is recorded (with the ranks' last log lines) and fresh ranks
     carry on with the codecs after it. Yields one record per codec as soon as it is known."""
-    remaining = list(config.codecs)
+    remaining = list(codecs)
     retried: set[str] = set()
     while remaining:
         say(f"  {model}: {', '.join(remaining)}")
@@ -347,7 +383,7 @@ def run_network_bench(
                 say(f"== {bandwidth}, {nproc} ranks ==")
                 with _link(config, rate_bit_s, nproc, say) as link:
                     for model in config.models:
-                        for result in _run_codecs(config, link, nproc, model, Path(tmp), say):
+                        for result in _measure(config, link, nproc, model, Path(tmp), say):
                             records.append(
                                 {
                                     "bandwidth": bandwidth,
