@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -121,8 +122,10 @@ def fresh_kernels(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):  # type: ign
     """native.kernels() decided again under this test's environment, then as it was."""
     monkeypatch.setenv("SUPERNEURONS_CACHE_DIR", str(tmp_path / "cache"))
     native.kernels.cache_clear()
+    native.spectrum_kernels.cache_clear()
     yield tmp_path / "cache"
     native.kernels.cache_clear()
+    native.spectrum_kernels.cache_clear()
 
 
 def test_a_build_lands_whole_in_the_cache_and_is_reused(fresh_kernels, library) -> None:  # type: ignore[no-untyped-def]
@@ -139,11 +142,12 @@ def test_off_or_no_compiler_falls_back_and_leaves_nothing(
     fresh_kernels, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv(native.NATIVE_ENV, "0")
-    assert native.kernels() is None
+    assert native.kernels() is None and native.spectrum_kernels() is None
     monkeypatch.delenv(native.NATIVE_ENV)
     native.kernels.cache_clear()
+    native.spectrum_kernels.cache_clear()
     monkeypatch.setenv("CC", "false")  # a "compiler" that fails every build
-    assert native.kernels() is None
+    assert native.kernels() is None and native.spectrum_kernels() is None
     left = list(fresh_kernels.iterdir()) if fresh_kernels.exists() else []
     assert left == []  # no half-written library
     native.kernels.cache_clear()
@@ -198,3 +202,126 @@ def test_no_home_for_the_cache_falls_back(fresh_kernels, monkeypatch: pytest.Mon
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setattr(native.Path, "home", staticmethod(no_home))
     assert native.kernels() is None
+
+
+def _hard_spectrum(rows: int, bins: int) -> torch.Tensor:
+    """complex64 ``(rows, bins)`` with the values that break a score: signed zeros,
+    subnormals, squares that overflow, ties, NaN and inf."""
+    gen = torch.Generator().manual_seed(bins)
+    parts = torch.randn(rows, bins, 2, generator=gen)
+    parts[0] = 0.0
+    parts[1, ::2] = -0.0
+    parts[2] *= 1e-22  # squares subnormal or zero
+    parts[3, :4] = 3e19  # squares overflow to inf
+    parts[4] = 0.5  # ties at the threshold
+    parts[5, bins // 2, 0] = float("nan")
+    parts[6, bins - 1, 1] = float("-inf")
+    return torch.view_as_complex(parts)
+
+
+@pytest.mark.parametrize("length", [512, 300, 301, 1])
+def test_spectrum_candidates_equal_the_numpy_scan(length: int) -> None:
+    """The FFT codec's fused candidate pass (candidates.c) finds the numpy scan's positions,
+    scores and values, bit for bit, block by block; and both give up past the same limit."""
+    from superneurons.codecs.sparse import blocks
+
+    library = native.spectrum_kernels()
+    if library is None:
+        pytest.skip("no C compiler here: the kernels cannot be built")
+    bins = length // 2 + 1
+    spectrum = _hard_spectrum(40, bins)
+
+    def rows(start: int, stop: int) -> torch.Tensor:  # irfft's rows give back these bins
+        return torch.fft.irfft(spectrum[start:stop], n=length)
+
+    blocked_spectrum = torch.fft.rfft(rows(0, 40))
+    scores = torch.view_as_real(blocked_spectrum).square().sum(-1)
+    for low in (0.0, float(scores.nan_to_num().median()), 0.25):
+        low32 = torch.tensor(low, dtype=torch.float32).numpy()
+        want = blocks._scan_numpy(rows, length, 40, low32, 10**6)
+        got = blocks._scan_native(library, rows, length, 40, low32, 10**6)
+        assert want is not None and got is not None
+        assert np.array_equal(got[0], want[0])
+        assert np.array_equal(got[1].view(np.int32), want[1].view(np.int32))
+        got_values, want_values = np.concatenate(got[2]), np.concatenate(want[2])
+        assert np.array_equal(got_values.view(np.int64), want_values.view(np.int64))
+        limit = max(0, want[0].size - 1)  # one candidate too many: both give up
+        assert blocks._scan_numpy(rows, length, 40, low32, limit) is None
+        assert blocks._scan_native(library, rows, length, 40, low32, limit) is None
+
+
+def test_fft_payloads_are_the_same_with_and_without_the_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from superneurons.codecs.sparse import blocks
+    from superneurons.compress import parse_spec
+
+    if native.spectrum_kernels() is None:
+        pytest.skip("no C compiler here: the kernels cannot be built")
+    monkeypatch.setattr(blocks, "_BLOCK_VALUES", 1 << 12)  # many blocks
+    gen = torch.Generator().manual_seed(5)
+    grad = torch.randn(400_003, generator=gen) * torch.rand(400_003, generator=gen)
+    grad[1000:3000] = 0.0
+    specs = ["fft", "fft:chunk=300", "fft:theta=0.99,index=bitmap", "fft:bits=32"]
+    with_kernel = [parse_spec(spec).encode(grad).data for spec in specs]
+    monkeypatch.setattr(native, "spectrum_kernels", lambda: None)
+    for spec, got in zip(specs, with_kernel, strict=True):
+        assert torch.equal(got, parse_spec(spec).encode(grad).data), spec
+
+
+def test_the_candidate_kernel_refuses_a_spectrum_of_another_length() -> None:
+    library = native.spectrum_kernels()
+    if library is None:
+        pytest.skip("no C compiler here: the kernels cannot be built")
+    room = torch.empty(8, dtype=torch.int64)
+    with pytest.raises(ValueError, match="length 512"):
+        native.spectrum_candidates_into(
+            library, torch.zeros(2, 100, dtype=torch.complex64), length=512, low=0.0, base=0,
+            positions=room, scores=torch.empty(8), values=torch.empty(8, dtype=torch.complex64),
+        )  # fmt: skip
+
+
+def _hard_values() -> torch.Tensor:
+    """float32 values that break a range-float quantiser: signed zeros, subnormals, values on
+    rounding midpoints, the window's edges, huge values, inf and NaN."""
+    gen = torch.Generator().manual_seed(11)
+    parts = [
+        torch.randn(5000, generator=gen),
+        torch.randn(500, generator=gen) * 1e-40,  # subnormals
+        torch.tensor([0.0, -0.0, 1e-45, -1e-45, 3e38, -3e38, 1.5, -1.5, 2.0**-126]),
+        torch.arange(-600, 600, dtype=torch.float32) / 256,  # many midpoints
+        torch.randn(500, generator=gen).mul(2.0).exp2() * torch.randn(500, generator=gen),
+    ]
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("bits", [4, 8, 16])
+def test_rangefloat_codes_equal_the_torch_sequence(
+    bits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The range-float kernel (rangefloat.c) gives quantize's codes bit for bit, for windows
+    chosen by a threshold and by the error estimate, finite or not."""
+    from superneurons.codecs.coding import rangefloat
+
+    if native.rangefloat_kernels() is None:
+        pytest.skip("no C compiler here: the kernels cannot be built")
+    values = _hard_values()
+    cases = [(values, t) for t in (None, 1e-30, 1e-3, 0.5, 10.0)]
+    cases += [(values * 1e-38, None), (values * 1e30, 1.0)]
+    for bad in (float("inf"), float("nan")):
+        broken = values.clone()
+        broken[7] = bad
+        cases.append((broken, 1e-3))
+
+    def run() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        out = []
+        for x, threshold in cases:
+            codes, header = rangefloat.quantize(x, bits, threshold=threshold)
+            out.append((codes, header.max_bits, header.exp_bits))
+        return out
+
+    with_kernel = run()
+    monkeypatch.setattr(native, "rangefloat_kernels", lambda: None)
+    for (got, *got_header), (want, *want_header) in zip(with_kernel, run(), strict=True):
+        assert torch.equal(got, want)
+        assert all(torch.equal(a, b) for a, b in zip(got_header, want_header, strict=True))

@@ -1,4 +1,9 @@
-"""The quantisers' fused CPU kernels (``rowquant.c``), built on first use and loaded by ctypes.
+"""The codecs' fused CPU kernels, built on first use and loaded by ctypes: the per-chunk
+quantisers' (``rowquant.c``, :func:`kernels`), the range-float quantiser's
+(``rangefloat.c``, :func:`rangefloat_kernels`, called from
+:mod:`superneurons.codecs.coding.rangefloat`) and the FFT codec's candidate pass
+(``candidates.c``, :func:`spectrum_kernels`, called from
+:mod:`superneurons.codecs.sparse.blocks`).
 
 A chain of torch and numpy calls sweeps a block of values once per operation (multiply, add
 and convert, pack, dequantise, subtract: about seven passes for a quantised block with its
@@ -10,7 +15,7 @@ the same order, so the bits are the same (``tests/test_rowquant_native.py`` and
 scales) and :func:`average_two_into` (a two-rank owner's decode, sum, average and residual).
 The per-row reductions (the scales) stay torch's, whose bits they are.
 
-Build: the system's C compiler (``$CC``, else ``cc``) compiles the source once per machine
+Build: the system's C compiler (``$CC``, else ``cc``) compiles each source once per machine
 (``-O3 -march=native``, under a second), into ``$SUPERNEURONS_CACHE_DIR`` (default
 ``~/.cache/superneurons``) under a name that holds the digest of the source, the flags, the
 compiler's version and the CPU's features, written under a temporary name and renamed (two
@@ -43,12 +48,18 @@ __all__ = [
     "dequantize_rows_into",
     "kernels",
     "quantize_rows_into",
+    "rangefloat_codes_into",
+    "rangefloat_kernels",
+    "spectrum_candidates_into",
+    "spectrum_kernels",
 ]
 
 logger = logging.getLogger(__name__)
 
 NATIVE_ENV = "SUPERNEURONS_NATIVE"  # "0": never build or load the kernels
-_SOURCE = Path(__file__).with_name("rowquant.c")
+_ROWQUANT = Path(__file__).with_name("rowquant.c")
+_CANDIDATES = Path(__file__).with_name("candidates.c")
+_RANGEFLOAT = Path(__file__).with_name("rangefloat.c")
 # NOTE: -ffp-contract=off: no fused multiply-add (x * f + c must round twice, as torch's two
 # operations do), and no -ffast-math. -march=native: 2-3x faster than the baseline ISA here
 # (AVX2, 2**18 values: 4-bit codes 75 against 172 us); the library's name holds the CPU's
@@ -88,21 +99,22 @@ def _cpu() -> str:
     return f"{platform.machine()} {platform.processor()} {flags.strip()}"
 
 
-def _build(compiler: str, version: str) -> Path:
-    """The library for this source, flags and compiler, built unless already there."""
-    source = _SOURCE.read_bytes()
+def _build(compiler: str, version: str, path: Path) -> Path:
+    """The library of the source at ``path`` for these flags and this compiler, built unless
+    already there."""
+    source = path.read_bytes()
     parts = [source, " ".join(_FLAGS).encode(), version.encode(), _cpu().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     folder = _cache_dir()
-    library = folder / f"rowquant-{key}.so"
+    library = folder / f"{path.stem}-{key}.so"
     if library.exists():
         return library
     folder.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(prefix=".rowquant-", suffix=".so", dir=folder)
+    fd, temporary = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".so", dir=folder)
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *_FLAGS, "-o", temporary, str(_SOURCE)],
+            [compiler, *_FLAGS, "-o", temporary, str(path)],
             capture_output=True, text=True, timeout=120, check=True,
         )  # fmt: skip
         os.replace(temporary, library)
@@ -112,21 +124,28 @@ def _build(compiler: str, version: str) -> Path:
     return library
 
 
-@functools.cache
-def kernels() -> ctypes.CDLL | None:
-    """The loaded kernels, or None where they cannot be built (see the module)."""
+def _load(path: Path, what: str) -> ctypes.CDLL | None:
+    """The library built from ``path``, or None where it cannot be built (see the module)."""
     if os.environ.get(NATIVE_ENV, "1") == "0":
-        logger.info("quantisation kernels: off (%s=0); the torch path runs", NATIVE_ENV)
+        logger.info("%s: off (%s=0); the torch path runs", what, NATIVE_ENV)
         return None
     found = _compiler()
     if found is None:
-        logger.info("quantisation kernels: no C compiler (set CC); the torch path runs")
+        logger.info("%s: no C compiler (set CC); the torch path runs", what)
         return None
     try:
-        library = ctypes.CDLL(str(_build(*found)))
+        return ctypes.CDLL(str(_build(*found, path)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:  # RuntimeError: no home
         detail = getattr(exc, "stderr", "") or exc
-        logger.info("quantisation kernels not built (%s); the torch path runs", detail)
+        logger.info("%s not built (%s); the torch path runs", what, detail)
+        return None
+
+
+@functools.cache
+def kernels() -> ctypes.CDLL | None:
+    """The loaded quantisation kernels, or None where they cannot be built (see the module)."""
+    library = _load(_ROWQUANT, "quantisation kernels")
+    if library is None:
         return None
     library.sn_quantize_rows.argtypes = [_P, _I, _I, ctypes.c_int, _P, ctypes.c_float]
     library.sn_quantize_rows.argtypes += [_P, _P, _P, _P, _P]
@@ -137,6 +156,29 @@ def kernels() -> ctypes.CDLL | None:
     library.sn_average_two.restype = ctypes.c_int
     library.sn_sign_rows.argtypes = [_P, _I, _I, _P, _P]
     library.sn_sign_rows.restype = ctypes.c_int
+    return library
+
+
+@functools.cache
+def rangefloat_kernels() -> ctypes.CDLL | None:
+    """The loaded range-float kernel, or None where it cannot be built (see the module)."""
+    library = _load(_RANGEFLOAT, "range-float kernel")
+    if library is None:
+        return None
+    _C32 = ctypes.c_int32
+    library.sn_rangefloat_codes.argtypes = [_P, _I, _C32, _C32, _C32, _P]
+    library.sn_rangefloat_codes.restype = ctypes.c_int
+    return library
+
+
+@functools.cache
+def spectrum_kernels() -> ctypes.CDLL | None:
+    """The loaded FFT candidate kernel, or None where it cannot be built (see the module)."""
+    library = _load(_CANDIDATES, "spectrum kernels")
+    if library is None:
+        return None
+    library.sn_spectrum_candidates.argtypes = [_P, _I, _I, _I, ctypes.c_float, _I, _P, _P, _P, _I]
+    library.sn_spectrum_candidates.restype = ctypes.c_int64
     return library
 
 
@@ -242,3 +284,47 @@ def sign_rows_into(
     )  # fmt: skip
     if status:
         raise ValueError(f"rows of {cols} values cannot be signed by the kernel")
+
+
+def spectrum_candidates_into(
+    library: ctypes.CDLL,
+    spectrum: torch.Tensor,
+    *,
+    length: int,
+    low: float,
+    base: int,
+    positions: torch.Tensor,
+    scores: torch.Tensor,
+    values: torch.Tensor,
+) -> int:
+    """Append the bins of ``spectrum`` (complex64 ``(rows, length // 2 + 1)``, a block of rows
+    of a chunked rFFT) whose weighted power (``re * re + im * im``, halved for bin 0 and, for
+    even ``length``, bin ``length / 2``) is not below ``low`` (NaN included) to ``positions``
+    (int64: ``base`` + the bin's flat index in the block), ``scores`` (float32) and ``values``
+    (complex64), which are as long as the room left. Returns how many were written, or the
+    room + 1 when more were found (the rest not written)."""
+    rows, bins = spectrum.shape
+    room = positions.numel()
+    found = library.sn_spectrum_candidates(
+        _pointer(spectrum, torch.complex64, rows * bins), rows, bins, length, low, base,
+        _pointer(positions, torch.int64, room), _pointer(scores, torch.float32, room),
+        _pointer(values, torch.complex64, room), room,
+    )  # fmt: skip
+    if found < 0:
+        raise ValueError(f"{bins} bins per row do not come from a transform of length {length}")
+    return int(found)
+
+
+def rangefloat_codes_into(
+    library: ctypes.CDLL, values: torch.Tensor, *, lo: int, mant: int, bits: int, out: torch.Tensor
+) -> None:
+    """``bits``-bit range-float codes (int32, sign at bit ``bits - 1``) of float32 ``values``
+    into ``out``, for the window whose base binade is ``lo`` with ``mant`` mantissa bits:
+    :func:`superneurons.codecs.coding.rangefloat.quantize`'s element-wise part, its bits."""
+    count = values.numel()
+    status = library.sn_rangefloat_codes(
+        _pointer(values, torch.float32, count), count, lo, mant, bits,
+        _pointer(out, torch.int32, count),
+    )  # fmt: skip
+    if status:
+        raise ValueError(f"no range-float window has {mant} mantissa bits of {bits}")

@@ -38,6 +38,7 @@ from typing import Self
 import numpy as np
 import torch
 
+from superneurons.codecs.coding import native
 from superneurons.codecs.coding.bitpack import pack_bits, packed_bytes, unpack_bits
 from superneurons.codecs.coding.finite import nan_unless_
 from superneurons.errors import ConfigError
@@ -225,6 +226,30 @@ def quantize(
         exp_bits = _range_exp_bits(top, threshold, bits)
     mant_bits = bits - 1 - exp_bits  # 0-d
     lo = _window_base(top, exp_bits)  # 0-d
+    library = native.rangefloat_kernels() if values.device.type == "cpu" else None
+    if library is not None:  # the same codes in one pass (rangefloat.c)
+        code = torch.empty_like(v_bits)
+        native.rangefloat_codes_into(
+            library, v_bits.view(torch.float32), lo=int(lo), mant=int(mant_bits), bits=bits,
+            out=code,
+        )  # fmt: skip
+    else:
+        code = _codes(v_bits, mag_bits, lo, mant_bits, bits)
+    header_bits = torch.where(finite, max_bits, torch.full_like(max_bits, _NAN_BITS))
+    return code, RangeFloatHeader(max_bits=header_bits, exp_bits=exp_bits)
+
+
+def _codes(
+    v_bits: torch.Tensor,
+    mag_bits: torch.Tensor,
+    lo: torch.Tensor,
+    mant_bits: torch.Tensor,
+    bits: int,
+) -> torch.Tensor:
+    """The codes of the values whose float32 bits are ``v_bits`` (``mag_bits``: the same
+    without the sign; overwritten) in the window of base binade ``lo`` with ``mant_bits``
+    mantissa bits: :func:`quantize`'s element-wise part with torch (``rangefloat.c`` does the
+    same in one pass)."""
     # Subnormal codes: round(|v| / step) with the fixed step 2**(lo + 1 - m), as two exact
     # power-of-two scalings (one alone may overflow float32 for tiny windows). Overflow to inf
     # for large |v| is harmless: the conversion gives INT_MIN (CPU) or saturates (CUDA), the
@@ -244,8 +269,7 @@ def quantize(
     code.clamp_(max=(1 << (bits - 1)) - 1)  # saturate above the top code
     sign = torch.bitwise_right_shift(v_bits, 31, out=sub)  # `sub` is free now: scratch
     code |= sign.bitwise_and_(1 << (bits - 1))  # sign bit
-    header_bits = torch.where(finite, max_bits, torch.full_like(max_bits, _NAN_BITS))
-    return code, RangeFloatHeader(max_bits=header_bits, exp_bits=exp_bits)
+    return code
 
 
 def dequantize(codes: torch.Tensor, header: RangeFloatHeader, bits: int) -> torch.Tensor:

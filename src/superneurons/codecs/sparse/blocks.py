@@ -24,18 +24,22 @@ every payload, is inverted and written (divided, or subtracted from a residual) 
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
+from superneurons.codecs.coding import native
 from superneurons.codecs.coding.streaming import (
     BLOCK_NUMEL,
     Candidates,
     keep_mask,
     kth_smallest,
 )
+from superneurons.codecs.coding.workspace import workspace
 
 __all__ = ["SAMPLE_ROWS", "decode_rows", "select_rows"]
 
@@ -125,13 +129,39 @@ def select_rows(
     if limits is None:
         return None
     low, high = limits
+    library = native.spectrum_kernels()
+    scan = _scan_numpy if library is None else functools.partial(_scan_native, library)
+    found = scan(rows, length, chunks, low, 2 * count + 4096)
+    if found is None:
+        return None
+    positions, kept_scores, values = found
+    candidates = Candidates(positions, kept_scores, 0.0)
+    peak = float(kept_scores.max()) if kept_scores.size else 0.0  # NaN propagates
+    keep = keep_mask(candidates, count, high)
+    if keep is None:
+        return None
+    return (
+        torch.from_numpy(positions[keep]),
+        torch.view_as_real(_kept_values(values, keep, count)),
+        torch.from_numpy(kept_scores[keep]),
+        math.isfinite(peak),
+    )
+
+
+Scan = tuple[np.ndarray, np.ndarray, list[np.ndarray]]  # positions, scores, values in pieces
+
+
+def _scan_numpy(
+    rows: Callable[[int, int], torch.Tensor], length: int, chunks: int, low: np.ndarray, limit: int
+) -> Scan | None:
+    """Every bin whose score is not below ``low`` (NaN included), block by block: positions,
+    scores and complex64 values (one piece per block); None past ``limit`` candidates."""
     bins = length // 2 + 1
     per = _rows_per_block(length)
     spectrum = torch.empty(per, bins, dtype=torch.complex64)
     squares = np.empty((per, bins, 2), dtype=np.float32)
     scores = np.empty((per, bins), dtype=np.float32)
     mask = np.empty(per * bins, dtype=np.bool_)
-    limit = 2 * count + 4096
     positions, kept_scores, values = [], [], []
     found = 0
     for start in range(0, chunks, per):
@@ -149,17 +179,38 @@ def select_rows(
         kept_scores.append(part.reshape(-1)[local])
         values.append(block.reshape(-1).numpy()[local])  # complex64, copied by the index
         positions.append(local + start * bins)
-    candidates = Candidates(np.concatenate(positions), np.concatenate(kept_scores), 0.0)
-    peak = float(candidates.scores.max()) if candidates.scores.size else 0.0  # NaN propagates
-    keep = keep_mask(candidates, count, high)
-    if keep is None:
-        return None
-    return (
-        torch.from_numpy(candidates.positions[keep]),
-        torch.view_as_real(_kept_values(values, keep, count)),
-        torch.from_numpy(candidates.scores[keep]),
-        math.isfinite(peak),
-    )
+    return np.concatenate(positions), np.concatenate(kept_scores), values
+
+
+def _scan_native(
+    library: ctypes.CDLL,
+    rows: Callable[[int, int], torch.Tensor],
+    length: int,
+    chunks: int,
+    low: np.ndarray,
+    limit: int,
+) -> Scan | None:
+    """:func:`_scan_numpy`'s candidates, the same bits, each block's scoring, comparison and
+    gathers in one loop of the kernel (``candidates.c``) while the block is in cache."""
+    bins = length // 2 + 1
+    per = _rows_per_block(length)
+    cpu = torch.device("cpu")
+    spectrum = workspace("fft.block_spectrum", (per, bins), torch.complex64, cpu)
+    # room for the candidates (~k; kept buffers: no page faults per call up to 64 MiB each)
+    positions = workspace("fft.candidate_positions", (limit + 1,), torch.int64, cpu)
+    scores = workspace("fft.candidate_scores", (limit + 1,), torch.float32, cpu)
+    values = workspace("fft.candidate_values", (limit + 1,), torch.complex64, cpu)
+    found = 0
+    for start in range(0, chunks, per):
+        stop = min(chunks, start + per)
+        block = torch.fft.rfft(rows(start, stop), out=spectrum[: stop - start])  # (R, B)
+        found += native.spectrum_candidates_into(
+            library, block, length=length, low=float(low), base=start * bins,
+            positions=positions[found:], scores=scores[found:], values=values[found:],
+        )  # fmt: skip
+        if found > limit:
+            return None
+    return positions[:found].numpy(), scores[:found].numpy(), [values[:found].numpy()]
 
 
 def _kept_values(values: list[np.ndarray], keep: np.ndarray, count: int) -> torch.Tensor:
