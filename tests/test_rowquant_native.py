@@ -325,3 +325,38 @@ def test_rangefloat_codes_equal_the_torch_sequence(
     for (got, *got_header), (want, *want_header) in zip(with_kernel, run(), strict=True):
         assert torch.equal(got, want)
         assert all(torch.equal(a, b) for a, b in zip(got_header, want_header, strict=True))
+
+
+@pytest.mark.parametrize("universe", [1, 63, 64, 65, 1000, 70_001])
+def test_gap_decode_equals_the_numpy_path(universe: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Elias-Fano decoder (gapcode.c) lists the numpy path's positions for every low
+    width the code picks (densities from one position to all), and refuses a bitmap that
+    holds another number of positions."""
+    from superneurons.codecs.coding import indexcode
+    from superneurons.errors import ConfigError
+
+    if native.gapcode_kernels() is None:
+        pytest.skip("no C compiler here: the kernels cannot be built")
+    gen = torch.Generator().manual_seed(universe)
+    widths = set()
+
+    def widths_last(count: int) -> int:
+        return indexcode.gap_low_bits(universe, count)
+
+    shares = (300, 17, 6, 3, 2, 1)  # universe / count: low widths 8, 4, 2, 1, 0, 0 at 70,001
+    for count in sorted({1, 2, 5000, *(universe // share for share in shares)}):
+        count = max(1, min(count, universe))
+        indices = torch.randperm(universe, generator=gen)[:count].sort().values
+        data = indexcode.encode_gap(indices, universe)
+        widths.add(indexcode.gap_low_bits(universe, count))
+        got = indexcode.decode_gap(data, universe, count)
+        with monkeypatch.context() as patch:
+            patch.setattr(native, "gapcode_kernels", lambda: None)
+            want = indexcode.decode_gap(data, universe, count)
+        assert torch.equal(got, want) and torch.equal(got, indices)
+        empty = data.clone()
+        empty[-indexcode.bitmap_bytes(count + ((universe - 1) >> widths_last(count)) + 1) :] = 0
+        with pytest.raises(ConfigError, match="gap code"):  # no position in the bitmap
+            indexcode.decode_gap(empty, universe, count)
+    if universe == 70_001:
+        assert widths == {0, 1, 2, 4, 8, 16}, widths  # every width was exercised

@@ -22,6 +22,7 @@ import functools
 import numpy as np
 import torch
 
+from superneurons.codecs.coding import native
 from superneurons.codecs.coding.bitpack import (
     pack_bits,
     pack_rows_,
@@ -273,6 +274,15 @@ def _decode_gap_numpy(
     need = bitmap_bytes(upper_bits)
     if data.dtype != torch.uint8 or data.numel() < low_bytes + need:
         raise ConfigError(f"gap code: need {low_bytes + need} uint8 bytes for {count} positions")
+    library = native.gapcode_kernels()
+    if library is not None:  # the same positions in one pass (gapcode.c)
+        out = torch.empty(count, dtype=torch.int64)
+        if not native.gap_decode_into(
+            library, data.detach(), count=count, low=low, low_bytes=low_bytes,
+            upper_bits=upper_bits, out=out,
+        ):  # fmt: skip
+            raise ConfigError(f"gap code: the bitmap does not hold the layout's {count} positions")
+        return out
     body = data.detach().contiguous().numpy()
     bits = np.unpackbits(body[low_bytes : low_bytes + need], count=upper_bits, bitorder="little")
     high = np.flatnonzero(bits.view(np.bool_))  # (count,) int64: high part + rank

@@ -1,8 +1,9 @@
 """The codecs' fused CPU kernels, built on first use and loaded by ctypes: the per-chunk
 quantisers' (``rowquant.c``, :func:`kernels`), the range-float quantiser's
 (``rangefloat.c``, :func:`rangefloat_kernels`, called from
-:mod:`superneurons.codecs.coding.rangefloat`) and the FFT codec's candidate pass
-(``candidates.c``, :func:`spectrum_kernels`, called from
+:mod:`superneurons.codecs.coding.rangefloat`), the Elias-Fano index decoder (``gapcode.c``,
+:func:`gapcode_kernels`, called from :mod:`superneurons.codecs.coding.indexcode`) and the FFT
+codec's candidate pass (``candidates.c``, :func:`spectrum_kernels`, called from
 :mod:`superneurons.codecs.sparse.blocks`).
 
 A chain of torch and numpy calls sweeps a block of values once per operation (multiply, add
@@ -46,10 +47,13 @@ __all__ = [
     "NATIVE_ENV",
     "average_two_into",
     "dequantize_rows_into",
+    "gap_decode_into",
+    "gapcode_kernels",
     "kernels",
     "quantize_rows_into",
     "rangefloat_codes_into",
     "rangefloat_kernels",
+    "rangefloat_max_bits",
     "spectrum_candidates_into",
     "spectrum_kernels",
 ]
@@ -60,6 +64,7 @@ NATIVE_ENV = "SUPERNEURONS_NATIVE"  # "0": never build or load the kernels
 _ROWQUANT = Path(__file__).with_name("rowquant.c")
 _CANDIDATES = Path(__file__).with_name("candidates.c")
 _RANGEFLOAT = Path(__file__).with_name("rangefloat.c")
+_GAPCODE = Path(__file__).with_name("gapcode.c")
 # NOTE: -ffp-contract=off: no fused multiply-add (x * f + c must round twice, as torch's two
 # operations do), and no -ffast-math. -march=native: 2-3x faster than the baseline ISA here
 # (AVX2, 2**18 values: 4-bit codes 75 against 172 us); the library's name holds the CPU's
@@ -168,6 +173,19 @@ def rangefloat_kernels() -> ctypes.CDLL | None:
     _C32 = ctypes.c_int32
     library.sn_rangefloat_codes.argtypes = [_P, _I, _C32, _C32, _C32, _P]
     library.sn_rangefloat_codes.restype = ctypes.c_int
+    library.sn_rangefloat_max_bits.argtypes = [_P, _I]
+    library.sn_rangefloat_max_bits.restype = ctypes.c_int32
+    return library
+
+
+@functools.cache
+def gapcode_kernels() -> ctypes.CDLL | None:
+    """The loaded Elias-Fano decoder, or None where it cannot be built (see the module)."""
+    library = _load(_GAPCODE, "index-code kernel")
+    if library is None:
+        return None
+    library.sn_gap_decode.argtypes = [_P, _I, ctypes.c_int, _I, _I, _P]
+    library.sn_gap_decode.restype = ctypes.c_int
     return library
 
 
@@ -328,3 +346,33 @@ def rangefloat_codes_into(
     )  # fmt: skip
     if status:
         raise ValueError(f"no range-float window has {mant} mantissa bits of {bits}")
+
+
+def rangefloat_max_bits(library: ctypes.CDLL, v_bits: torch.Tensor) -> int:
+    """The largest of ``v_bits & 0x7fffffff`` (int32 bit patterns of float32 values): the
+    float32 bits of the largest magnitude, NaN and inf patterns above every finite one."""
+    count = v_bits.numel()
+    return int(library.sn_rangefloat_max_bits(_pointer(v_bits, torch.int32, count), count))
+
+
+def gap_decode_into(
+    library: ctypes.CDLL,
+    data: torch.Tensor,
+    *,
+    count: int,
+    low: int,
+    low_bytes: int,
+    upper_bits: int,
+    out: torch.Tensor,
+) -> bool:
+    """The ``count`` sorted positions of an Elias-Fano code (``data``: uint8, ``low_bytes`` of
+    ``low``-bit low parts, then an ``upper_bits``-bit upper bitmap) into int64 ``out``;
+    False when the bitmap does not hold ``count`` positions."""
+    need = low_bytes + -(-upper_bits // 8)
+    if data.numel() < need:
+        return False
+    status = library.sn_gap_decode(
+        _pointer(data[:need].contiguous(), torch.uint8, need), count, low, low_bytes,
+        upper_bits, _pointer(out, torch.int64, count),
+    )  # fmt: skip
+    return status == 0

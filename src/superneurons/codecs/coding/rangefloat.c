@@ -58,3 +58,14 @@ int sn_rangefloat_codes(const float *values, int64_t count, int32_t lo, int32_t 
     }
     return 0;
 }
+
+/* max(bits(v) & 0x7fffffff) over the values' int32 bit patterns (0 when there are none): the
+ * float32 bits of the largest magnitude, inf and NaN patterns above every finite one. */
+int32_t sn_rangefloat_max_bits(const int32_t *patterns, int64_t count) {
+    int32_t top = 0;
+    for (int64_t i = 0; i < count; i++) {
+        int32_t magnitude = patterns[i] & 0x7fffffff;
+        top = magnitude > top ? magnitude : top;
+    }
+    return top;
+}

@@ -166,23 +166,28 @@ def _window_base(top: torch.Tensor, exp_bits: torch.Tensor) -> torch.Tensor:
     return torch.clamp(top - (1 << exp_bits) + 1, min=_MIN_NORMAL_EXP)
 
 
-def _best_exponent_bits(mag_bits: torch.Tensor, top: torch.Tensor, bits: int) -> torch.Tensor:
+def _magnitude_sample(v_bits: torch.Tensor) -> torch.Tensor:
+    """The magnitudes' float32 bit patterns of a strided sample of at most ~64k of the values
+    whose bit patterns are ``v_bits``."""
+    stride = max(1, v_bits.numel() // 65536)
+    return v_bits[::stride] & 0x7FFFFFFF
+
+
+def _best_exponent_bits(sample: torch.Tensor, top: torch.Tensor, bits: int) -> torch.Tensor:
     """Exponent bits minimising the estimated squared error, from a histogram of binades.
 
-    ``mag_bits``: float32 bit patterns of the magnitudes. A value in binade ``k`` inside the
+    ``sample``: float32 bit patterns of sampled magnitudes. A value in binade ``k`` inside the
     window costs ~``(2**(k-m))**2/12``; below it ``min(value**2, step**2 / 12)`` with the
     subnormal step ``2**(lo + 1 - m)``. The histogram is taken on a strided sample of at most
     ~64k values (an estimate suffices; the max is exact). Everything stays on the device: the
     histogram is a ``scatter_add`` (``bincount`` sizes its output from the data) and the choice
     an ``argmin`` over the candidate widths.
     """
-    stride = max(1, mag_bits.numel() // 65536)
-    sample = mag_bits[::stride]
     offset = (top - _binade(sample)).clamp_(0, 63).to(torch.int64)  # binade top - offset
     ones = torch.ones_like(offset, dtype=torch.float32)
-    counts = torch.zeros(64, dtype=torch.float32, device=mag_bits.device)
+    counts = torch.zeros(64, dtype=torch.float32, device=sample.device)
     counts.scatter_add_(0, offset, ones)  # (64,): zeros land in 63
-    j = torch.arange(64, dtype=torch.float32, device=mag_bits.device)
+    j = torch.arange(64, dtype=torch.float32, device=sample.device)
     scale = torch.exp2(-2.0 * j)  # (64,) relative to 4**top
     energy = counts * scale * (7.0 / 3.0)  # E[v**2] within a binade
     errors = []
@@ -201,8 +206,10 @@ def quantize(
     bits: int,
     *,
     threshold: float | torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, RangeFloatHeader]:
-    """Quantize float ``values`` to ``bits``-bit range-float codes (int32, sign in the top bit).
+    """Quantize float ``values`` to ``bits``-bit range-float codes (int32, sign in the top bit;
+    written into ``out``, int32 of ``values``' size, when given).
 
     ``threshold``: smallest magnitude the window must cover (the paper's rule; a float or a 0-d
     tensor on the values' device); ``None`` picks the exponent bits that minimise the estimated
@@ -213,28 +220,34 @@ def quantize(
     if bits == 32:
         raise ConfigError("rangefloat: bits=32 is the lossless float32 path; no codes to make")
     v_bits = values.reshape(-1).to(torch.float32).contiguous().view(torch.int32)  # (n,)
-    mag_bits = v_bits & 0x7FFFFFFF  # (n,) |v| as float32 bits: integer order == float order
-    max_bits = mag_bits.max()  # 0-d
+    on_cpu = values.device.type == "cpu" and v_bits.numel() > 0
+    library = native.rangefloat_kernels() if on_cpu else None
+    mag_bits = None
+    if library is None:
+        mag_bits = v_bits & 0x7FFFFFFF  # (n,) |v| as float32 bits: integer order == float order
+        max_bits = mag_bits.max()  # 0-d
+    else:  # the same maximum, one pass and no (n,) temporary (rangefloat.c)
+        max_bits = torch.tensor(native.rangefloat_max_bits(library, v_bits), dtype=torch.int32)
     finite = max_bits < _INF_BITS
     safe_max = torch.where(finite, max_bits, torch.zeros_like(max_bits))
     top = _binade(safe_max)
     if threshold is None:
-        exp_bits = _best_exponent_bits(mag_bits, top, bits)
+        exp_bits = _best_exponent_bits(_magnitude_sample(v_bits), top, bits)
     else:
         if not isinstance(threshold, torch.Tensor):
             threshold = torch.tensor(float(threshold), device=values.device)
         exp_bits = _range_exp_bits(top, threshold, bits)
     mant_bits = bits - 1 - exp_bits  # 0-d
     lo = _window_base(top, exp_bits)  # 0-d
-    library = native.rangefloat_kernels() if values.device.type == "cpu" else None
-    if library is not None:  # the same codes in one pass (rangefloat.c)
-        code = torch.empty_like(v_bits)
+    if mag_bits is None:  # the same codes in one pass (rangefloat.c)
+        code = torch.empty_like(v_bits) if out is None else out
         native.rangefloat_codes_into(
             library, v_bits.view(torch.float32), lo=int(lo), mant=int(mant_bits), bits=bits,
             out=code,
         )  # fmt: skip
     else:
         code = _codes(v_bits, mag_bits, lo, mant_bits, bits)
+        code = code if out is None else out.copy_(code)
     header_bits = torch.where(finite, max_bits, torch.full_like(max_bits, _NAN_BITS))
     return code, RangeFloatHeader(max_bits=header_bits, exp_bits=exp_bits)
 

@@ -241,7 +241,9 @@ def pack_kept(
         )
         data[stop:] = flat.contiguous().view(torch.uint8)  # raw float32 bytes
     else:
-        codes, header = quantize(flat, layout.bits, threshold=floor)
+        # kept codes (int32) for the CPU: no fresh pages per message; copied into `data` below
+        scratch = workspace("sparsecode.codes", (flat.numel(),), torch.int32, flat.device)
+        codes, header = quantize(flat, layout.bits, threshold=floor, out=scratch)
         header = RangeFloatHeader(torch.where(finite, header.max_bits, nan_bits), header.exp_bits)
         if layout.bits == 8:  # the cast keeps the low byte (two's complement), as write_codes
             data[stop:].copy_(codes)
