@@ -239,13 +239,14 @@ def quantize(
         exp_bits = _range_exp_bits(top, threshold, bits)
     mant_bits = bits - 1 - exp_bits  # 0-d
     lo = _window_base(top, exp_bits)  # 0-d
-    if mag_bits is None:  # the same codes in one pass (rangefloat.c)
+    if library is not None:  # the same codes in one pass (rangefloat.c)
         code = torch.empty_like(v_bits) if out is None else out
         native.rangefloat_codes_into(
             library, v_bits.view(torch.float32), lo=int(lo), mant=int(mant_bits), bits=bits,
             out=code,
         )  # fmt: skip
     else:
+        mag_bits = v_bits & 0x7FFFFFFF if mag_bits is None else mag_bits  # made above
         code = _codes(v_bits, mag_bits, lo, mant_bits, bits)
         code = code if out is None else out.copy_(code)
     header_bits = torch.where(finite, max_bits, torch.full_like(max_bits, _NAN_BITS))
