@@ -221,7 +221,7 @@ def _hard_spectrum(rows: int, bins: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("length", [512, 300, 301, 1])
 def test_spectrum_candidates_equal_the_numpy_scan(length: int) -> None:
-    """The FFT codec's fused candidate pass (candidates.c) finds the numpy scan's positions,
+    """The FFT codec's fused candidate pass (spectrum.c) finds the numpy scan's positions,
     scores and values, bit for bit, block by block; and both give up past the same limit."""
     from superneurons.codecs.sparse import blocks
 
@@ -360,3 +360,37 @@ def test_gap_decode_equals_the_numpy_path(universe: int, monkeypatch: pytest.Mon
             indexcode.decode_gap(empty, universe, count)
     if universe == 70_001:
         assert widths == {0, 1, 2, 4, 8, 16}, widths  # every width was exercised
+
+
+@pytest.mark.parametrize("divisor", [1, 2, 3, 7])
+def test_fft_decodes_are_the_same_with_and_without_the_kernels(
+    divisor: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The FFT decoder's scatter and writes (spectrum.c) give the torch path's bits: a sum, an
+    average over ``divisor`` ranks into a buffer, a residual less a decode (signed zeros
+    included), across many blocks."""
+    from superneurons.codecs.codec import decode_mean_into, subtract_decode
+    from superneurons.codecs.sparse import blocks
+    from superneurons.compress import parse_spec
+
+    if native.spectrum_kernels() is None:
+        pytest.skip("no C compiler here: the kernels cannot be built")
+    monkeypatch.setattr(blocks, "_BLOCK_VALUES", 1 << 12)
+    codec = parse_spec("fft:chunk=300")
+    gen = torch.Generator().manual_seed(divisor)
+    grads = [torch.randn(200_003, generator=gen) for _ in range(3)]
+    grads[0][:5000] = 0.0  # rows of zeros decode to signed zeros
+    payloads = [codec.encode(g) for g in grads]
+    residual = torch.randn(200_003, generator=gen)
+    residual[:100] = -0.0
+
+    def run() -> list[torch.Tensor]:
+        total = codec.decode_sum(payloads)
+        mean = decode_mean_into(codec, payloads, torch.full_like(total, 7.0), divisor)
+        less = subtract_decode(codec, payloads[0], residual.clone())
+        return [t.view(torch.int32) for t in (total, mean, less)]
+
+    with_kernels = run()
+    monkeypatch.setattr(native, "spectrum_kernels", lambda: None)
+    for got, want in zip(with_kernels, run(), strict=True):
+        assert torch.equal(got, want)

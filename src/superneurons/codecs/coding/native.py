@@ -3,7 +3,7 @@ quantisers' (``rowquant.c``, :func:`kernels`), the range-float quantiser's
 (``rangefloat.c``, :func:`rangefloat_kernels`, called from
 :mod:`superneurons.codecs.coding.rangefloat`), the Elias-Fano index decoder (``gapcode.c``,
 :func:`gapcode_kernels`, called from :mod:`superneurons.codecs.coding.indexcode`) and the FFT
-codec's candidate pass (``candidates.c``, :func:`spectrum_kernels`, called from
+codec's per-block kernels (``spectrum.c``, :func:`spectrum_kernels`, called from
 :mod:`superneurons.codecs.sparse.blocks`).
 
 A chain of torch and numpy calls sweeps a block of values once per operation (multiply, add
@@ -45,6 +45,7 @@ import torch
 
 __all__ = [
     "NATIVE_ENV",
+    "add_bins_into",
     "average_two_into",
     "dequantize_rows_into",
     "gap_decode_into",
@@ -54,6 +55,8 @@ __all__ = [
     "rangefloat_codes_into",
     "rangefloat_kernels",
     "rangefloat_max_bits",
+    "signal_divide_into",
+    "signal_subtract_from",
     "spectrum_candidates_into",
     "spectrum_kernels",
 ]
@@ -62,7 +65,7 @@ logger = logging.getLogger(__name__)
 
 NATIVE_ENV = "SUPERNEURONS_NATIVE"  # "0": never build or load the kernels
 _ROWQUANT = Path(__file__).with_name("rowquant.c")
-_CANDIDATES = Path(__file__).with_name("candidates.c")
+_SPECTRUM = Path(__file__).with_name("spectrum.c")
 _RANGEFLOAT = Path(__file__).with_name("rangefloat.c")
 _GAPCODE = Path(__file__).with_name("gapcode.c")
 # NOTE: -ffp-contract=off: no fused multiply-add (x * f + c must round twice, as torch's two
@@ -192,11 +195,17 @@ def gapcode_kernels() -> ctypes.CDLL | None:
 @functools.cache
 def spectrum_kernels() -> ctypes.CDLL | None:
     """The loaded FFT candidate kernel, or None where it cannot be built (see the module)."""
-    library = _load(_CANDIDATES, "spectrum kernels")
+    library = _load(_SPECTRUM, "spectrum kernels")
     if library is None:
         return None
     library.sn_spectrum_candidates.argtypes = [_P, _I, _I, _I, ctypes.c_float, _I, _P, _P, _P, _I]
     library.sn_spectrum_candidates.restype = ctypes.c_int64
+    library.sn_add_bins.argtypes = [_P, _I, _I, _P, _P, _I]
+    library.sn_add_bins.restype = ctypes.c_int
+    library.sn_signal_divide.argtypes = [_P, _I, ctypes.c_float, _P]
+    library.sn_signal_divide.restype = None
+    library.sn_signal_subtract.argtypes = [_P, _I, _P]
+    library.sn_signal_subtract.restype = None
     return library
 
 
@@ -376,3 +385,43 @@ def gap_decode_into(
         upper_bits, _pointer(out, torch.int64, count),
     )  # fmt: skip
     return status == 0
+
+
+def add_bins_into(
+    library: ctypes.CDLL,
+    spectrum: torch.Tensor,
+    *,
+    base: int,
+    indices: torch.Tensor,
+    values: torch.Tensor,
+) -> None:
+    """``spectrum[indices - base] += values`` (complex64; int64 ``indices`` in
+    ``[base, base + spectrum.numel())``), in order, as ``index_add_`` adds them."""
+    count = indices.numel()
+    status = library.sn_add_bins(
+        _pointer(spectrum, torch.complex64, spectrum.numel()), spectrum.numel(), base,
+        _pointer(indices, torch.int64, count), _pointer(values, torch.complex64, count), count,
+    )  # fmt: skip
+    if status:
+        raise ValueError(f"a bin index lies outside [{base}, {base + spectrum.numel()})")
+
+
+def signal_divide_into(
+    library: ctypes.CDLL, signal: torch.Tensor, divisor: float, *, out: torch.Tensor
+) -> None:
+    """``out = (signal + 0) / divisor`` (float32, one pass; the bits of ``add_`` then ``div``)."""
+    count = signal.numel()
+    library.sn_signal_divide(
+        _pointer(signal, torch.float32, count), count, divisor,
+        _pointer(out, torch.float32, count),
+    )  # fmt: skip
+
+
+def signal_subtract_from(
+    library: ctypes.CDLL, signal: torch.Tensor, *, target: torch.Tensor
+) -> None:
+    """``target -= signal + 0`` (float32, one pass; the bits of ``add_`` then ``sub``)."""
+    count = signal.numel()
+    library.sn_signal_subtract(
+        _pointer(signal, torch.float32, count), count, _pointer(target, torch.float32, count)
+    )

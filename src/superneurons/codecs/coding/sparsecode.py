@@ -260,15 +260,16 @@ def pack_kept(
 
 
 def kept_entries(
-    data: torch.Tensor, layout: KeptLayout
+    data: torch.Tensor, layout: KeptLayout, *, values_out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A message's kept ``(indices (k,) int64 increasing, values (k, width) float32, finite)``
-    (``finite``: the header's 0-d bool flag). Sizes its output from data: CPU callers only (it
-    is what :func:`add_kept` scatters; a decode into a caller's buffer uses it directly)."""
+    (``finite``: the header's 0-d bool flag; the values written into ``values_out``, float32
+    ``(k * width,)``, when given). Sizes its output from data: CPU callers only (it is what
+    :func:`add_kept` scatters; a decode into a caller's buffer uses it directly)."""
     header = RangeFloatHeader.from_bytes(data[:HEADER_BYTES])
     start = HEADER_BYTES
     stop = start + layout.index_bytes
-    values = _kept_values(data[stop:], header, layout)
+    values = _kept_values(data[stop:], header, layout, out=values_out)
     if layout.index_kind == "bitmap":
         indices = bitmap_positions(data[start:stop], layout.universe)
     else:
@@ -276,13 +277,22 @@ def kept_entries(
     return indices, values, header.finite
 
 
-def _kept_values(body: torch.Tensor, header: RangeFloatHeader, layout: KeptLayout) -> torch.Tensor:
-    """The kept values ``(k, width)`` float32 of a message's value bytes."""
+def _kept_values(
+    body: torch.Tensor,
+    header: RangeFloatHeader,
+    layout: KeptLayout,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The kept values ``(k, width)`` float32 of a message's value bytes (in ``out`` if given)."""
     count = layout.kept * layout.width
     if layout.bits == 32:
-        values = body.clone().view(torch.float32)
+        raw = body[: 4 * count]
+        values = raw.clone().view(torch.float32) if out is None else out
+        if out is not None:
+            out.view(torch.uint8).copy_(raw)
     else:
-        values = read_values(body, header, layout.bits, count)
+        values = read_values(body, header, layout.bits, count, out=out)
     return values.view(layout.kept, layout.width)
 
 

@@ -41,7 +41,14 @@ from superneurons.codecs.coding.streaming import (
 )
 from superneurons.codecs.coding.workspace import workspace
 
-__all__ = ["SAMPLE_ROWS", "decode_rows", "select_rows"]
+__all__ = [
+    "SAMPLE_ROWS",
+    "copy_into",
+    "decode_rows",
+    "divide_into",
+    "select_rows",
+    "subtract_from",
+]
 
 SAMPLE_ROWS = 256  # rows transformed to place the threshold (~64k bins at L = 512)
 _MARGIN_SIGMAS = 3.0
@@ -193,7 +200,7 @@ def _scan_native(
     limit: int,
 ) -> Scan | None:
     """:func:`_scan_numpy`'s candidates, the same bits, each block's scoring, comparison and
-    gathers in one loop of the kernel (``candidates.c``) while the block is in cache."""
+    gathers in one loop of the kernel (``spectrum.c``) while the block is in cache."""
     bins = length // 2 + 1
     per = _rows_per_block(length)
     cpu = torch.device("cpu")
@@ -229,31 +236,75 @@ def _kept_values(values: list[np.ndarray], keep: np.ndarray, count: int) -> torc
     return torch.from_numpy(out)
 
 
-def decode_rows(
-    parts: Sequence[Entries],
-    numel: int,
-    length: int,
-    write: Callable[[torch.Tensor, slice], None],
-) -> None:
+Write = Callable[[torch.Tensor, slice], None]  # a block's signal (before + 0), its outputs
+
+
+def decode_rows(parts: Sequence[Entries], numel: int, length: int, write: Write) -> None:
     """The inverse transform of the summed kept bins of ``parts`` (each ``(indices, complex64
     values)``), block by block: ``write(signal, where)`` gets each block's signal (the rows'
-    values, padding cut; ``+ 0.0`` applied, as the dense decode's finite flag does) and the
-    slice of the ``numel`` outputs it covers. Sums in payload order, as ``index_add_`` into
-    one spectrum does."""
+    values, padding cut; a kept buffer, the ``+ 0.0`` that the dense decode's finite flag
+    applies still to come: :func:`copy_into`, :func:`divide_into`, :func:`subtract_from`) and
+    the slice of the ``numel`` outputs it covers. Sums in payload order, as ``index_add_`` into
+    one spectrum does (the kernel, ``spectrum.c``, adds in the same order)."""
     bins = length // 2 + 1
     chunks = -(-numel // length)
     per = _rows_per_block(length)
     starts = np.arange(0, chunks + per, per) * bins
     cuts = [np.searchsorted(indices.numpy(), starts) for indices, _ in parts]
-    spectrum = torch.empty(per * bins, dtype=torch.complex64)
-    signal = torch.empty(per, length)
+    cpu = torch.device("cpu")
+    spectrum = workspace("fft.decode_spectrum", (per * bins,), torch.complex64, cpu)
+    signal = workspace("fft.decode_signal", (per, length), torch.float32, cpu)
+    library = native.spectrum_kernels()
     for block, start in enumerate(range(0, chunks, per)):
         stop = min(chunks, start + per)
         here = spectrum[: (stop - start) * bins].zero_()
         for (indices, values), cut in zip(parts, cuts, strict=True):
             lo, hi = int(cut[block]), int(cut[block + 1])
-            if hi > lo:
+            if hi <= lo:
+                continue
+            if library is None:
                 here.index_add_(0, indices[lo:hi] - start * bins, values[lo:hi])
+            else:
+                native.add_bins_into(library, here, base=start * bins, indices=indices[lo:hi],
+                                     values=values[lo:hi])  # fmt: skip
         rows = torch.fft.irfft(here.view(stop - start, bins), n=length, out=signal[: stop - start])
         first, last = start * length, min(numel, stop * length)
-        write(rows.reshape(-1)[: last - first].add_(0.0), slice(first, last))
+        write(rows.reshape(-1)[: last - first], slice(first, last))
+
+
+def copy_into(out: torch.Tensor) -> Write:
+    """A :func:`decode_rows` writer: ``out[where] = signal + 0``."""
+
+    def copy(signal: torch.Tensor, where: slice) -> None:
+        out[where].copy_(signal.add_(0.0))
+
+    return copy
+
+
+def divide_into(out: torch.Tensor, divisor: int) -> Write:
+    """A :func:`decode_rows` writer: ``out[where] = (signal + 0) / divisor`` (one pass in the
+    kernel, the bits of torch's ``add_`` then ``div``)."""
+    library = native.spectrum_kernels()
+
+    def divide(signal: torch.Tensor, where: slice) -> None:
+        if library is None:
+            torch.div(signal.add_(0.0), divisor, out=out[where])
+        else:
+            native.signal_divide_into(library, signal, float(divisor), out=out[where])
+
+    return divide
+
+
+def subtract_from(target: torch.Tensor) -> Write:
+    """A :func:`decode_rows` writer: ``target[where] -= signal + 0`` (one pass in the kernel,
+    the bits of torch's ``add_`` then ``sub``)."""
+    library = native.spectrum_kernels()
+
+    def subtract(signal: torch.Tensor, where: slice) -> None:
+        piece = target[where]
+        if library is None:
+            torch.sub(piece, signal.add_(0.0), out=piece)
+        else:
+            native.signal_subtract_from(library, signal, target=piece)
+
+    return subtract

@@ -78,10 +78,19 @@ from superneurons.codecs.coding.sparsecode import (
 )
 from superneurons.codecs.coding.streaming import SAMPLE_SIZE
 from superneurons.codecs.coding.workspace import workspace
-from superneurons.codecs.sparse.blocks import decode_rows, select_rows
+from superneurons.codecs.sparse.blocks import (
+    copy_into,
+    decode_rows,
+    divide_into,
+    select_rows,
+    subtract_from,
+)
 from superneurons.errors import ConfigError
 
 __all__ = ["SELECTS", "FFTCodec", "kept_count", "select_bins", "spectrum_layout"]
+
+
+_CPU = torch.device("cpu")
 
 
 def spectrum_layout(numel: int, chunk: int) -> tuple[int, int]:
@@ -233,8 +242,12 @@ class FFTCodec(Canonical):
         if payloads[0].data.device.type != "cpu" or self.chunk == 0:
             return None
         parts = []
-        for payload in payloads:
-            indices, values, finite = kept_entries(self._check(payload, layout), layout)
+        for number, payload in enumerate(payloads):
+            # the values in a kept buffer per payload (the parts live together; decode-internal)
+            kept = workspace(f"fft.entries.{number}", (2 * layout.kept,), torch.float32, _CPU)
+            indices, values, finite = kept_entries(
+                self._check(payload, layout), layout, values_out=kept
+            )
             if not bool(finite):
                 return None
             parts.append((indices, torch.view_as_complex(values.contiguous())))
@@ -250,11 +263,7 @@ class FFTCodec(Canonical):
         parts = self._entries(payloads, layout)
         if parts is not None:
             out = torch.empty(numel)
-
-            def copy(signal: torch.Tensor, where: slice) -> None:
-                out[where].copy_(signal)
-
-            decode_rows(parts, numel, self._length(numel), copy)
+            decode_rows(parts, numel, self._length(numel), copy_into(out))
             return out
         device = payloads[0].data.device
         # (T, 2), a kept CPU buffer: irfft below writes the (fresh) signal elsewhere
@@ -276,11 +285,7 @@ class FFTCodec(Canonical):
         parts = self._entries(payloads, self._layout(numel))
         if parts is None:
             return torch.div(self.decode_sum(payloads), divisor, out=out)
-
-        def divide(signal: torch.Tensor, where: slice) -> None:
-            torch.div(signal, divisor, out=out[where])
-
-        decode_rows(parts, numel, self._length(numel), divide)
+        decode_rows(parts, numel, self._length(numel), divide_into(out, divisor))
         return out
 
     def subtract_decode_(self, payload: Payload, target: torch.Tensor) -> torch.Tensor:
@@ -288,12 +293,7 @@ class FFTCodec(Canonical):
         parts = self._entries([payload], self._layout(payload.numel))
         if parts is None:
             return torch.sub(target, self.decode(payload), out=target)
-
-        def subtract(signal: torch.Tensor, where: slice) -> None:
-            piece = target[where]
-            torch.sub(piece, signal, out=piece)
-
-        decode_rows(parts, payload.numel, self._length(payload.numel), subtract)
+        decode_rows(parts, payload.numel, self._length(payload.numel), subtract_from(target))
         return target
 
     def _length(self, numel: int) -> int:

@@ -1,5 +1,7 @@
-/* The FFT codec's per-block candidate pass (sparse/blocks.py), fused into one loop.
+/* The FFT codec's per-block kernels (sparse/blocks.py): the encoder's candidate pass, and the
+ * decoder's scatter of kept bins and its write of each block's signal.
  *
+ * Candidates (sn_spectrum_candidates).
  * For each bin of a block of rows of a chunked rFFT (complex64, interleaved re, im), the
  * score is made exactly as blocks._score_rows makes it with numpy (compiled without
  * -ffast-math and with -ffp-contract=off, so the same IEEE single-precision operations in the
@@ -96,4 +98,35 @@ int64_t sn_spectrum_candidates(const float *spectrum, int64_t rows, int64_t bins
         }
     }
     return found;
+}
+
+/* Decode: spectrum[indices[i] - base] += values[i] (complex64 as (re, im) pairs) for i in
+ * order, as torch's index_add_ adds them (component-wise IEEE additions). Returns 0, or -1
+ * (nothing more added) for an index outside [base, base + bins). */
+int sn_add_bins(float *spectrum, int64_t bins, int64_t base, const int64_t *indices,
+                const float *values, int64_t count) {
+    for (int64_t i = 0; i < count; i++) {
+        int64_t j = indices[i] - base;
+        if (j < 0 || j >= bins) return -1;
+        spectrum[2 * j] = spectrum[2 * j] + values[2 * i];
+        spectrum[2 * j + 1] = spectrum[2 * j + 1] + values[2 * i + 1];
+    }
+    return 0;
+}
+
+/* Decode: out[i] = (signal[i] + 0) / divisor, the decoded signal (+ 0 turns -0 into +0, as the
+ * dense decode's finite flag does) averaged into a caller's buffer. */
+void sn_signal_divide(const float *signal, int64_t count, float divisor, float *out) {
+    for (int64_t i = 0; i < count; i++) {
+        float v = signal[i] + 0.0f;
+        out[i] = v / divisor;
+    }
+}
+
+/* Decode: target[i] = target[i] - (signal[i] + 0), a residual less the decoded signal. */
+void sn_signal_subtract(const float *signal, int64_t count, float *target) {
+    for (int64_t i = 0; i < count; i++) {
+        float v = signal[i] + 0.0f;
+        target[i] = target[i] - v;
+    }
 }
