@@ -167,7 +167,6 @@ def _scan_numpy(
     scores and complex64 values (one piece per block); None past ``limit`` candidates."""
     bins = length // 2 + 1
     per = _rows_per_block(length)
-    spectrum = torch.empty(per, bins, dtype=torch.complex64)
     squares = np.empty((per, bins, 2), dtype=np.float32)
     scores = np.empty((per, bins), dtype=np.float32)
     mask = np.empty(per * bins, dtype=np.bool_)
@@ -176,7 +175,7 @@ def _scan_numpy(
     for start in range(0, chunks, per):
         stop = min(chunks, start + per)
         size = (stop - start) * bins
-        block = torch.fft.rfft(rows(start, stop), out=spectrum[: stop - start])  # (R, B)
+        block = torch.fft.rfft(rows(start, stop))  # (R, B); NOTE: out= would add a copy
         part = scores[: stop - start]
         _score_rows(block, length, squares[: stop - start], part)
         hits = mask[:size]
@@ -204,7 +203,6 @@ def _scan_native(
     bins = length // 2 + 1
     per = _rows_per_block(length)
     cpu = torch.device("cpu")
-    spectrum = workspace("fft.block_spectrum", (per, bins), torch.complex64, cpu)
     # room for the candidates (~k; kept buffers: no page faults per call up to 64 MiB each)
     positions = workspace("fft.candidate_positions", (limit + 1,), torch.int64, cpu)
     scores = workspace("fft.candidate_scores", (limit + 1,), torch.float32, cpu)
@@ -212,7 +210,7 @@ def _scan_native(
     found = 0
     for start in range(0, chunks, per):
         stop = min(chunks, start + per)
-        block = torch.fft.rfft(rows(start, stop), out=spectrum[: stop - start])  # (R, B)
+        block = torch.fft.rfft(rows(start, stop))  # (R, B); NOTE: out= would add a copy
         found += native.spectrum_candidates_into(
             library, block, length=length, low=float(low), base=start * bins,
             positions=positions[found:], scores=scores[found:], values=values[found:],
@@ -242,8 +240,8 @@ Write = Callable[[torch.Tensor, slice], None]  # a block's signal (before + 0), 
 def decode_rows(parts: Sequence[Entries], numel: int, length: int, write: Write) -> None:
     """The inverse transform of the summed kept bins of ``parts`` (each ``(indices, complex64
     values)``), block by block: ``write(signal, where)`` gets each block's signal (the rows'
-    values, padding cut; a kept buffer, the ``+ 0.0`` that the dense decode's finite flag
-    applies still to come: :func:`copy_into`, :func:`divide_into`, :func:`subtract_from`) and
+    values, padding cut; the ``+ 0.0`` that the dense decode's finite flag applies still to
+    come: :func:`copy_into`, :func:`divide_into`, :func:`subtract_from`) and
     the slice of the ``numel`` outputs it covers. Sums in payload order, as ``index_add_`` into
     one spectrum does (the kernel, ``spectrum.c``, adds in the same order)."""
     bins = length // 2 + 1
@@ -253,7 +251,6 @@ def decode_rows(parts: Sequence[Entries], numel: int, length: int, write: Write)
     cuts = [np.searchsorted(indices.numpy(), starts) for indices, _ in parts]
     cpu = torch.device("cpu")
     spectrum = workspace("fft.decode_spectrum", (per * bins,), torch.complex64, cpu)
-    signal = workspace("fft.decode_signal", (per, length), torch.float32, cpu)
     library = native.spectrum_kernels()
     for block, start in enumerate(range(0, chunks, per)):
         stop = min(chunks, start + per)
@@ -267,7 +264,8 @@ def decode_rows(parts: Sequence[Entries], numel: int, length: int, write: Write)
             else:
                 native.add_bins_into(library, here, base=start * bins, indices=indices[lo:hi],
                                      values=values[lo:hi])  # fmt: skip
-        rows = torch.fft.irfft(here.view(stop - start, bins), n=length, out=signal[: stop - start])
+        # NOTE: a fresh result: irfft's out= computes elsewhere and copies (~20% of its time)
+        rows = torch.fft.irfft(here.view(stop - start, bins), n=length)
         first, last = start * length, min(numel, stop * length)
         write(rows.reshape(-1)[: last - first], slice(first, last))
 
