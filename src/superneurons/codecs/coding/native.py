@@ -132,8 +132,12 @@ def _build(compiler: str, version: str, path: Path) -> Path:
     return library
 
 
-def _load(path: Path, what: str) -> ctypes.CDLL | None:
-    """The library built from ``path``, or None where it cannot be built (see the module)."""
+_Signature = tuple[list[type], type | None]  # a kernel's ctypes argument types, result type
+
+
+def _load(path: Path, what: str, signatures: dict[str, _Signature]) -> ctypes.CDLL | None:
+    """The library built from ``path`` with its kernels' ``signatures`` set, or None where it
+    cannot be built (see the module)."""
     if os.environ.get(NATIVE_ENV, "1") == "0":
         logger.info("%s: off (%s=0); the torch path runs", what, NATIVE_ENV)
         return None
@@ -142,71 +146,59 @@ def _load(path: Path, what: str) -> ctypes.CDLL | None:
         logger.info("%s: no C compiler (set CC); the torch path runs", what)
         return None
     try:
-        return ctypes.CDLL(str(_build(*found, path)))
+        library = ctypes.CDLL(str(_build(*found, path)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:  # RuntimeError: no home
         detail = getattr(exc, "stderr", "") or exc
         logger.info("%s not built (%s); the torch path runs", what, detail)
         return None
+    for name, (argtypes, restype) in signatures.items():
+        kernel = getattr(library, name)
+        kernel.argtypes, kernel.restype = argtypes, restype
+    return library
+
+
+_C = ctypes.c_int
+_F = ctypes.c_float
 
 
 @functools.cache
 def kernels() -> ctypes.CDLL | None:
     """The loaded quantisation kernels, or None where they cannot be built (see the module)."""
-    library = _load(_ROWQUANT, "quantisation kernels")
-    if library is None:
-        return None
-    library.sn_quantize_rows.argtypes = [_P, _I, _I, ctypes.c_int, _P, ctypes.c_float]
-    library.sn_quantize_rows.argtypes += [_P, _P, _P, _P, _P]
-    library.sn_quantize_rows.restype = ctypes.c_int
-    library.sn_dequantize_rows.argtypes = [_P, _I, _I, ctypes.c_int, _P, _P, _P]
-    library.sn_dequantize_rows.restype = ctypes.c_int
-    library.sn_average_two.argtypes = [_P, _P, _I, _I, ctypes.c_int, _P, _P, _P, _P, _P, _P]
-    library.sn_average_two.restype = ctypes.c_int
-    library.sn_sign_rows.argtypes = [_P, _I, _I, _P, _P]
-    library.sn_sign_rows.restype = ctypes.c_int
-    return library
+    return _load(_ROWQUANT, "quantisation kernels", {
+        "sn_quantize_rows": ([_P, _I, _I, _C, _P, _F, _P, _P, _P, _P, _P], _C),
+        "sn_dequantize_rows": ([_P, _I, _I, _C, _P, _P, _P], _C),
+        "sn_average_two": ([_P, _P, _I, _I, _C, _P, _P, _P, _P, _P, _P], _C),
+        "sn_sign_rows": ([_P, _I, _I, _P, _P], _C),
+    })  # fmt: skip
 
 
 @functools.cache
 def rangefloat_kernels() -> ctypes.CDLL | None:
-    """The loaded range-float kernel, or None where it cannot be built (see the module)."""
-    library = _load(_RANGEFLOAT, "range-float kernel")
-    if library is None:
-        return None
-    _C32 = ctypes.c_int32
-    library.sn_rangefloat_codes.argtypes = [_P, _I, _C32, _C32, _C32, _P]
-    library.sn_rangefloat_codes.restype = ctypes.c_int
-    library.sn_rangefloat_max_bits.argtypes = [_P, _I]
-    library.sn_rangefloat_max_bits.restype = ctypes.c_int32
-    return library
+    """The loaded range-float kernels, or None where they cannot be built (see the module)."""
+    int32 = ctypes.c_int32
+    return _load(_RANGEFLOAT, "range-float kernels", {
+        "sn_rangefloat_codes": ([_P, _I, int32, int32, int32, _P], _C),
+        "sn_rangefloat_max_bits": ([_P, _I], int32),
+    })  # fmt: skip
 
 
 @functools.cache
 def gapcode_kernels() -> ctypes.CDLL | None:
     """The loaded Elias-Fano decoder, or None where it cannot be built (see the module)."""
-    library = _load(_GAPCODE, "index-code kernel")
-    if library is None:
-        return None
-    library.sn_gap_decode.argtypes = [_P, _I, ctypes.c_int, _I, _I, _P]
-    library.sn_gap_decode.restype = ctypes.c_int
-    return library
+    return _load(_GAPCODE, "index-code kernel", {
+        "sn_gap_decode": ([_P, _I, _C, _I, _I, _P], _C),
+    })  # fmt: skip
 
 
 @functools.cache
 def spectrum_kernels() -> ctypes.CDLL | None:
-    """The loaded FFT candidate kernel, or None where it cannot be built (see the module)."""
-    library = _load(_SPECTRUM, "spectrum kernels")
-    if library is None:
-        return None
-    library.sn_spectrum_candidates.argtypes = [_P, _I, _I, _I, ctypes.c_float, _I, _P, _P, _P, _I]
-    library.sn_spectrum_candidates.restype = ctypes.c_int64
-    library.sn_add_bins.argtypes = [_P, _I, _I, _P, _P, _I]
-    library.sn_add_bins.restype = ctypes.c_int
-    library.sn_signal_divide.argtypes = [_P, _I, ctypes.c_float, _P]
-    library.sn_signal_divide.restype = None
-    library.sn_signal_subtract.argtypes = [_P, _I, _P]
-    library.sn_signal_subtract.restype = None
-    return library
+    """The loaded FFT codec kernels, or None where they cannot be built (see the module)."""
+    return _load(_SPECTRUM, "spectrum kernels", {
+        "sn_spectrum_candidates": ([_P, _I, _I, _I, _F, _I, _P, _P, _P, _I], ctypes.c_int64),
+        "sn_add_bins": ([_P, _I, _I, _P, _P, _I], _C),
+        "sn_signal_divide": ([_P, _I, _F, _P], None),
+        "sn_signal_subtract": ([_P, _I, _P], None),
+    })  # fmt: skip
 
 
 def _pointer(tensor: torch.Tensor | None, dtype: torch.dtype, numel: int) -> int | None:
