@@ -328,9 +328,9 @@ def test_rangefloat_codes_equal_the_torch_sequence(
 
 
 @pytest.mark.parametrize("universe", [1, 63, 64, 65, 1000, 70_001])
-def test_gap_decode_equals_the_numpy_path(universe: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The Elias-Fano decoder (gapcode.c) lists the numpy path's positions for every low
-    width the code picks (densities from one position to all), and refuses a bitmap that
+def test_gap_code_equals_the_numpy_path(universe: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Elias-Fano coder (gapcode.c) writes the numpy path's bytes and lists its positions
+    for every low width the code picks (densities from one position to all), and refuses a bitmap that
     holds another number of positions."""
     from superneurons.codecs.coding import indexcode
     from superneurons.errors import ConfigError
@@ -353,11 +353,14 @@ def test_gap_decode_equals_the_numpy_path(universe: int, monkeypatch: pytest.Mon
         with monkeypatch.context() as patch:
             patch.setattr(native, "gapcode_kernels", lambda: None)
             want = indexcode.decode_gap(data, universe, count)
+            assert torch.equal(indexcode.encode_gap(indices, universe), data)  # the same bytes
         assert torch.equal(got, want) and torch.equal(got, indices)
         empty = data.clone()
         empty[-indexcode.bitmap_bytes(count + ((universe - 1) >> widths_last(count)) + 1) :] = 0
         with pytest.raises(ConfigError, match="gap code"):  # no position in the bitmap
             indexcode.decode_gap(empty, universe, count)
+    with pytest.raises(ConfigError, match="outside"):  # a position beyond the universe
+        indexcode.encode_gap(torch.tensor([0, 4 * universe + (1 << 20)]), universe)
     if universe == 70_001:
         assert widths == {0, 1, 2, 4, 8, 16}, widths  # every width was exercised
 

@@ -17,6 +17,7 @@ Bitmaps use LSB-first bit order inside each byte (as :mod:`superneurons.codecs.c
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import numpy as np
@@ -165,6 +166,9 @@ def encode_gap(indices: torch.Tensor, universe: int) -> torch.Tensor:
     count = indices.numel()
     low = gap_low_bits(universe, count)
     if indices.device.type == "cpu":
+        library = native.gapcode_kernels()
+        if library is not None:  # the same bytes in one pass (gapcode.c)
+            return _encode_gap_native(library, indices, universe, count, low)
         return _encode_gap_numpy(indices, universe, count, low)
     return _encode_gap_torch(indices, universe, count, low)
 
@@ -180,6 +184,21 @@ def _encode_gap_torch(indices: torch.Tensor, universe: int, count: int, low: int
     set_positions(upper, (indices >> low) + torch.arange(count, device=device))
     parts.append(encode_bitmap(upper))
     return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _encode_gap_native(
+    library: ctypes.CDLL, indices: torch.Tensor, universe: int, count: int, low: int
+) -> torch.Tensor:
+    """:func:`encode_gap` by the kernel: the numpy path's bytes in one pass."""
+    low_bytes = packed_bytes(count, low) if low else 0
+    upper_bits = _upper_bits(universe, count, low)
+    coded = torch.empty(low_bytes + bitmap_bytes(upper_bits), dtype=torch.uint8)
+    if not native.gap_encode_into(
+        library, indices.detach().contiguous(), low=low, low_bytes=low_bytes,
+        upper_bits=upper_bits, out=coded,
+    ):  # fmt: skip
+        raise ConfigError(f"gap code: a position lies outside [0, {universe})")
+    return coded
 
 
 def _encode_gap_numpy(indices: torch.Tensor, universe: int, count: int, low: int) -> torch.Tensor:
@@ -248,6 +267,9 @@ def decode_gap(
     if sync_free is None:
         sync_free = data.device.type != "cpu"
     if not sync_free and data.device.type == "cpu":
+        library = native.gapcode_kernels()
+        if library is not None:  # the same positions in one pass (gapcode.c)
+            return _decode_gap_native(library, data, count, low, low_bytes, upper_bits)
         return _decode_gap_numpy(data, count, low, low_bytes, upper_bits)
     if not sync_free:
         high = bitmap_positions(data[low_bytes:], upper_bits)
@@ -266,6 +288,27 @@ def decode_gap(
     return (high << low) | unpack_bits(data[:low_bytes], low, count)
 
 
+def _decode_gap_native(
+    library: ctypes.CDLL,
+    data: torch.Tensor,
+    count: int,
+    low: int,
+    low_bytes: int,
+    upper_bits: int,
+) -> torch.Tensor:
+    """:func:`decode_gap` by the kernel: the numpy path's positions in one pass."""
+    need = low_bytes + bitmap_bytes(upper_bits)
+    if data.dtype != torch.uint8 or data.numel() < need:
+        raise ConfigError(f"gap code: need {need} uint8 bytes for {count} positions")
+    out = torch.empty(count, dtype=torch.int64)
+    if not native.gap_decode_into(
+        library, data.detach(), count=count, low=low, low_bytes=low_bytes,
+        upper_bits=upper_bits, out=out,
+    ):  # fmt: skip
+        raise ConfigError(f"gap code: the bitmap does not hold the layout's {count} positions")
+    return out
+
+
 def _decode_gap_numpy(
     data: torch.Tensor, count: int, low: int, low_bytes: int, upper_bits: int
 ) -> torch.Tensor:
@@ -274,15 +317,6 @@ def _decode_gap_numpy(
     need = bitmap_bytes(upper_bits)
     if data.dtype != torch.uint8 or data.numel() < low_bytes + need:
         raise ConfigError(f"gap code: need {low_bytes + need} uint8 bytes for {count} positions")
-    library = native.gapcode_kernels()
-    if library is not None:  # the same positions in one pass (gapcode.c)
-        out = torch.empty(count, dtype=torch.int64)
-        if not native.gap_decode_into(
-            library, data.detach(), count=count, low=low, low_bytes=low_bytes,
-            upper_bits=upper_bits, out=out,
-        ):  # fmt: skip
-            raise ConfigError(f"gap code: the bitmap does not hold the layout's {count} positions")
-        return out
     body = data.detach().contiguous().numpy()
     bits = np.unpackbits(body[low_bytes : low_bytes + need], count=upper_bits, bitorder="little")
     high = np.flatnonzero(bits.view(np.bool_))  # (count,) int64: high part + rank

@@ -49,6 +49,7 @@ __all__ = [
     "average_two_into",
     "dequantize_rows_into",
     "gap_decode_into",
+    "gap_encode_into",
     "gapcode_kernels",
     "kernels",
     "quantize_rows_into",
@@ -184,9 +185,10 @@ def rangefloat_kernels() -> ctypes.CDLL | None:
 
 @functools.cache
 def gapcode_kernels() -> ctypes.CDLL | None:
-    """The loaded Elias-Fano decoder, or None where it cannot be built (see the module)."""
+    """The loaded Elias-Fano coder, or None where it cannot be built (see the module)."""
     return _load(_GAPCODE, "index-code kernel", {
         "sn_gap_decode": ([_P, _I, _C, _I, _I, _P], _C),
+        "sn_gap_encode": ([_P, _I, _C, _I, _I, _P], _C),
     })  # fmt: skip
 
 
@@ -417,3 +419,24 @@ def signal_subtract_from(
     library.sn_signal_subtract(
         _pointer(signal, torch.float32, count), count, _pointer(target, torch.float32, count)
     )
+
+
+def gap_encode_into(
+    library: ctypes.CDLL,
+    positions: torch.Tensor,
+    *,
+    low: int,
+    low_bytes: int,
+    upper_bits: int,
+    out: torch.Tensor,
+) -> bool:
+    """The Elias-Fano code of sorted, distinct int64 ``positions`` into uint8 ``out``
+    (``low_bytes`` of ``low``-bit low parts, then the ``upper_bits``-bit upper bitmap); False
+    when a position lies beyond the universe the sizes describe."""
+    count = positions.numel()
+    need = low_bytes + -(-upper_bits // 8)
+    status = library.sn_gap_encode(
+        _pointer(positions, torch.int64, count), count, low, low_bytes, upper_bits,
+        _pointer(out, torch.uint8, need),
+    )  # fmt: skip
+    return status == 0
