@@ -1,7 +1,7 @@
 """The codecs' fused CPU kernels, built on first use and loaded by ctypes: the per-chunk
 quantisers' (``rowquant.c``, :func:`kernels`), the range-float quantiser's
 (``rangefloat.c``, :func:`rangefloat_kernels`, called from
-:mod:`superneurons.codecs.coding.rangefloat`), the Elias-Fano index decoder (``gapcode.c``,
+:mod:`superneurons.codecs.coding.rangefloat`), the Elias-Fano index coder (``gapcode.c``,
 :func:`gapcode_kernels`, called from :mod:`superneurons.codecs.coding.indexcode`) and the FFT
 codec's per-block kernels (``spectrum.c``, :func:`spectrum_kernels`, called from
 :mod:`superneurons.codecs.sparse.blocks`).
