@@ -515,7 +515,7 @@ def _decode(
     bytes, so the same result, on every rank)."""
     layout, config, name = item.layout, item.config, item.name
     rows = _decode_rows(item, state, key)
-    finite = True
+    finite_parts: list[torch.Tensor] = []  # one flag per part, read on the host once
     for wave, table, decoded in waves:
         for part, skip in zip(wave.parts, decoded, strict=True):
             if part.item is not item:
@@ -527,8 +527,9 @@ def _decode(
             scratch = _scratch(state, part.layout, f"decode {key}", rows.device)
             decode_slices(parts, grid, part.layout, config, scratch, skip=rank if skip else None)
             heads = parts[:, : 4 * part.layout.rows].view(torch.float32)
-            finite = finite and bool(torch.isfinite(heads).all())
-    if not finite:
+            finite_parts.append(torch.isfinite(heads).all())
+    # NOTE: one host read per tensor, not per wave (on CUDA each read waits for the device)
+    if finite_parts and not bool(torch.stack(finite_parts).all()):
         rows.fill_(float("nan"))
     if config.transform != "none":
         rows = inverse_(rows, config.transform, state.signs(name, layout.cols, rows.device))
