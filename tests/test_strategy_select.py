@@ -182,3 +182,22 @@ def test_outside_time_starts_at_the_latest_bucket_average_not_the_last_launched(
     assert controller._step_ends() == {1: 9.0, 2: 19.5}
     # outside = next forward end - latest average: (10 - 9) and (20 - 19.5), median 0.75
     assert controller._outside_s(3) == pytest.approx(0.75)
+
+
+def test_the_decision_measures_outside_time_up_to_its_own_step() -> None:
+    """The decision at step 3 reads steps 1 and 2 (the same marks as above): 0.75 s outside
+    backward. Taking the last observed step (2) for the decision's own would date the current
+    forward's end to step 2 and read step 1 as 11 s outside backward."""
+    from superneurons.ddp.autorun import AutoController, _Clock
+    from superneurons.schemes.auto import Auto
+
+    controller = AutoController(Auto(), error_feedback=True)
+    controller._clock = _Clock(torch.device("cpu"))
+    controller.network = ring_network(2, alpha_s=1e-4, bandwidth_bytes_per_s=1.25e8)
+    controller._sample = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    controller._ready = [(1, "k", ("a",), 4, 0.0, 0.1), (2, "k", ("a",), 4, 10.0, 10.1)]
+    controller._ends = [(1, 0.0, 0.5), (1, 0.0, 9.0), (2, 10.0, 19.0), (2, 10.0, 19.5)]
+    controller._t0 = 20.0
+    assignment = controller._select(2, 3)
+    assert assignment.outside_s == pytest.approx(0.75)
+    assert controller.inputs is not None and controller.inputs.backward_s == pytest.approx(0.1)

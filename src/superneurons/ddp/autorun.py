@@ -257,13 +257,13 @@ class AutoController:
         ready: dict[str, list[float]] = {}
         params: dict[str, tuple[tuple[str, ...], int]] = {}
         backward: dict[int, float] = {}
-        for step, key, names, numel, t0, mark in self._ready:
+        for observed, key, names, numel, t0, mark in self._ready:
             seconds = self._clock.seconds(t0, mark) if t0 is not None else None
             if seconds is None:
                 continue
             ready.setdefault(key, []).append(max(seconds, 0.0))
             params[key] = (names, numel)
-            backward[step] = max(backward.get(step, 0.0), seconds)
+            backward[observed] = max(backward.get(observed, 0.0), seconds)
         buckets = [
             BucketTiming(key, params[key][0], params[key][1], statistics.median(times))
             for key, times in ready.items()
