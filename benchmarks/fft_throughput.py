@@ -1,12 +1,11 @@
 """Micro-benchmark of the FFT codec (HPDC'20) on one fp32 bucket (4 MiB by default), one thread.
 
-Target: encode >= 1 GB/s and decode >= 1 GB/s of input fp32 bytes per second
-for ``fft:theta=0.9,bits=8`` on 2**20 elements (and ``--numel 30000000``), at <= 1.5 bits per
-element. Anchors measured in
-the same run: a plain ``torch.fft.rfft``/``irfft`` of the whole bucket, ``torch.topk`` of 10%,
-a copy of the bucket, the dense range-float codec, and ``torch.fft.rfft`` over the bucket in rows
-of each chunk size the codec can use, in one call over the bucket: its forward transform alone
-(``its_rfft_gbps_cpu``, ``encode_over_its_rfft``).
+Target: encode >= 1 GB/s and decode >= 1 GB/s of input fp32 bytes per second for
+``fft:theta=0.9,bits=8`` on 2**20 elements (and ``--numel 30000000``), at <= 1.5 bits per
+element. Anchors measured in the same run: a plain ``torch.fft.rfft``/``irfft`` of the whole
+bucket, ``torch.topk`` of 10%, a copy of the bucket, the dense range-float codec, and
+``torch.fft.rfft`` over the bucket in rows of each chunk size the codec can use, in one call
+over the bucket: its forward transform alone (``its_rfft_gbps_cpu``, ``encode_over_its_rfft``).
 
 Variants: transform chunk (0 = whole bucket) x threshold selection (exact topk / sampled) x index
 coding (bitmap / Elias-Fano gap). Relative error ``||g_hat - g|| / ||g||`` is reported on white
