@@ -287,9 +287,11 @@ def _kept_values(
     """The kept values ``(k, width)`` float32 of a message's value bytes (in ``out`` if given)."""
     count = layout.kept * layout.width
     if layout.bits == 32:
-        raw = body[: 4 * count]
-        values = raw.clone().view(torch.float32) if out is None else out
-        if out is not None:
+        raw = body[: 4 * count]  # the values' float32 bytes
+        if out is None:
+            values = raw.clone().view(torch.float32)
+        else:
+            values = out
             out.view(torch.uint8).copy_(raw)
     else:
         values = read_values(body, header, layout.bits, count, out=out)
