@@ -22,9 +22,11 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from superneurons.memory.profiling.workspace import cpu_allocator_events
 from superneurons.memory.tracker import LiveStorageTracker, plain_tensors
 
 __all__ = [
@@ -104,18 +106,19 @@ def allocator_timeline_bytes(
     value is the resident bytes, then one value after each allocation and free of the step.
 
     ``torch.profiler`` with ``profile_memory=True`` records every allocation and free the CPU
-    allocator serves (``[memory]`` events, in time order): tensors, the scratch buffers kernels
-    allocate for themselves (flash attention's, a reduction's), and what inductor's generated
-    code allocates, none of which a dispatch-level count sees. The allocator reports a free only
-    for blocks allocated while the profiler ran, so ``step()`` runs twice under it: once to
-    allocate what a loop carries from step to step (a previous step's ``outputs``), then the
-    measured step, marked with ``record_function``. Each value is the storage bytes of
-    ``resident()`` and of their ``.grad`` at the start of the measured step (parameters,
-    optimizer state, the batch: what is alive and never freed) plus the running sum of the
-    measured step's events so far. Blocks allocated before the profiler and freed by the step
-    are not subtracted (the timeline can only be over-counted by them).
+    allocator serves (``[memory]`` events, with their address): tensors, the scratch buffers
+    kernels allocate for themselves (flash attention's, a reduction's), and what inductor's
+    generated code allocates, none of which a dispatch-level count sees. ``step()`` runs twice
+    under it: once to allocate what a loop carries from step to step (a previous step's
+    ``outputs``), then the measured step, marked with ``record_function``. Each value is the
+    storage bytes of ``resident()`` and of their ``.grad`` at the start of the measured step
+    (parameters, optimizer state, the batch: what is alive and never freed) plus the running sum
+    of the measured step's events so far. A free counts only when this profiler run saw its
+    address allocated, with that allocation's size: blocks allocated before the profiler and
+    freed by the step are not subtracted (the timeline can only be over-counted by them), and
+    the sizes the allocator reports for them, stale after earlier profiler runs in the process
+    (:func:`~superneurons.memory.profiling.workspace.cpu_allocator_events`), are never read.
     """
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
 
     marker = "superneurons::measured_step"
@@ -124,21 +127,29 @@ def allocator_timeline_bytes(
         base = _storage_bytes(resident())
         with record_function(marker):
             step()
-    # NOTE: the kineto event list keeps each allocation as its own record; the aggregated
-    # ``prof.events()`` folds allocations inside an op into the op.
-    events = list(prof.profiler.kineto_results.events())  # type: ignore[union-attr]
-    window = next((e.start_ns(), e.end_ns()) for e in events if e.name() == marker)
-    memory = sorted(
-        (e.start_ns(), i, e.nbytes())
-        for i, e in enumerate(events)
-        if e.name() == "[memory]"
-        and e.device_type() == DeviceType.CPU
-        and window[0] <= e.start_ns() <= window[1]
-    )
+    roots = prof.profiler.kineto_results.experimental_event_tree()  # type: ignore[union-attr]
+    start_ns, end_ns = _window_ns(roots, marker)
+    live: dict[int, int] = {}  # address -> bytes of the blocks this run allocated
     timeline = [base]
-    for _, _, nbytes in memory:
-        timeline.append(timeline[-1] + nbytes)
+    for time_ns, ptr, nbytes in cpu_allocator_events(roots):
+        if nbytes > 0:
+            live[ptr] = nbytes
+        else:
+            nbytes = -live.pop(ptr, 0)
+        if nbytes and start_ns <= time_ns <= end_ns:
+            timeline.append(timeline[-1] + nbytes)
     return timeline
+
+
+def _window_ns(roots: Sequence[Any], name: str) -> tuple[int, int]:
+    """Start and end (ns) of the profiler's first range called ``name``."""
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node.name == name:
+            return node.start_time_ns, node.end_time_ns
+        stack.extend(node.children)
+    raise RuntimeError(f"the profiler recorded no range {name!r}")
 
 
 def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:

@@ -46,6 +46,7 @@ from superneurons.memory.tracker import MARKER, LiveStorageTracker
 
 __all__ = [
     "WorkspaceLimit",
+    "cpu_allocator_events",
     "cudnn_settings",
     "limit_workspace",
     "op_scratch",
@@ -128,7 +129,7 @@ def op_scratch(recording: Any) -> dict[int, int]:
         return {}
     scratch = {}
     for node in _marked_ops(recording.profiler.kineto_results.experimental_event_tree()):
-        extra = _held_beyond_outputs(_cpu_allocations(node))
+        extra = _held_beyond_outputs([(ptr, size) for _, ptr, size in cpu_allocator_events([node])])
         if extra > 0:
             scratch[int(node.name[len(MARKER) :])] = extra
     return scratch
@@ -145,18 +146,26 @@ def _marked_ops(roots: Sequence[Any]) -> list[Any]:
     return found
 
 
-def _cpu_allocations(node: Any) -> list[tuple[int, int]]:
-    """``(address, bytes)`` of every CPU allocator event under ``node``, in time order
-    (negative bytes: a free)."""
+def cpu_allocator_events(nodes: Sequence[Any]) -> list[tuple[int, int, int]]:
+    """``(time_ns, address, bytes)`` of every CPU allocator event under the profiler's event-tree
+    ``nodes`` (``kineto_results.experimental_event_tree()`` or a subtree), in time order;
+    negative bytes: a free.
+
+    The allocator sizes a free from a table of addresses that it fills only while a profiler
+    runs and empties only at frees seen while one runs; a block allocated under one profiler and
+    freed outside it leaves its size behind, and a block later allocated at that address outside
+    a profiler is reported freed with the old size. Callers that sum sizes pair each free with
+    the allocation of the same address they saw (see :func:`_held_beyond_outputs`).
+    """
     events: list[tuple[int, int, int, int]] = []
-    stack = [node]
+    stack = list(nodes)
     while stack:
         current = stack.pop()
         fields = current.extra_fields  # allocator events carry an address and a size
         if hasattr(fields, "alloc_size") and fields.device.type == "cpu":
             events.append((current.start_time_ns, len(events), fields.ptr, fields.alloc_size))
         stack.extend(current.children)
-    return [(ptr, nbytes) for _, _, ptr, nbytes in sorted(events)]
+    return [(time_ns, ptr, nbytes) for time_ns, _, ptr, nbytes in sorted(events)]
 
 
 def _held_beyond_outputs(events: Sequence[tuple[int, int]]) -> int:
