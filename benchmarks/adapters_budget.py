@@ -34,7 +34,6 @@ import itertools
 import json
 import os
 import socket
-import string
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,8 @@ import torch
 
 from superneurons.bench.artifacts import markdown_table, pyplot, write_json, write_markdown
 from superneurons.bench.memory.meter import allocator_peak_bytes
+from superneurons.bench.memory.trainer_meter import TrainerStepPeaks
+from superneurons.data.chars import char_tokenizer
 from superneurons.errors import ConfigError
 from superneurons.integrations.hf import plan_for_batch
 from superneurons.memory import InfeasibleBudgetError, apply_plan
@@ -220,61 +221,6 @@ def median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
-class StepMeter:
-    """Each optimizer step's live-storage peak (parameters, buffers, optimizer state and what
-    the step allocates), as the callback's tests measure it; the batch is not counted."""
-
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
-        self.peaks: list[int] = []
-        self.tracker: Any = None
-
-    def begin(self) -> None:
-        from superneurons.memory import LiveStorageTracker
-        from superneurons.memory.offload.handover import inner_optimizer
-
-        model, opt = self.trainer.model, inner_optimizer(self.trainer.optimizer)
-        self.tracker = LiveStorageTracker()
-        self.tracker.register([*model.parameters(), *model.buffers()])
-        state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
-        self.tracker.register(state)
-        self.tracker.__enter__()
-
-    def end(self) -> None:
-        self.tracker.__exit__(None, None, None)
-        self.peaks.append(int(self.tracker.peak_bytes))
-
-    def callback(self) -> Any:
-        from transformers import TrainerCallback
-
-        meter = self
-
-        class _Callback(TrainerCallback):  # type: ignore[misc]
-            def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-                meter.begin()
-
-            def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-                meter.end()
-
-        return _Callback()
-
-
-def char_tokenizer() -> Any:
-    """A character tokenizer built here (no download): TRL needs one; the model's 32000-entry
-    vocabulary is the head's width whatever the tokenizer uses."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
-    chars = sorted(set(string.ascii_letters + string.digits + " .,:;!?-'"))
-    core = Tokenizer(models.WordLevel({t: i for i, t in enumerate([*specials, *chars])}, "<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
-        unk_token="<unk>",
-    )  # fmt: skip
-
-
 def bnb_records() -> list[dict[str, Any]]:
     """Which bitsandbytes layers run forward and backward on this CPU, against fp32 Linear."""
     import bitsandbytes as bnb
@@ -351,11 +297,11 @@ def trl_arm(spec: dict[str, Any], folder: Path) -> dict[str, Any]:
         train_dataset=Dataset.from_dict({"text": trl_texts()}),
         peft_config=lora_config(ADAPTERS["q,v"]),
     )  # fmt: skip
-    meter = StepMeter(trainer)
+    meter = TrainerStepPeaks(trainer)
     callback = SuperNeuronsCallback(trainer, budget_fraction=0.6) if spec["planned"] else None
     if callback is not None:
         trainer.add_callback(callback)
-    trainer.add_callback(meter.callback())
+    trainer.add_callback(meter.callback)
     start = time.perf_counter()
     trainer.train()
     named = [(n, p) for n, p in trainer.model.named_parameters() if p.requires_grad]

@@ -1,6 +1,7 @@
-"""TRL's SFTTrainer on a tiny Llama built from a config, with a character tokenizer built here
-(no downloads): one training run per configuration, with or without SuperNeuronsCallback, and
-what it leaves (losses, a hash of the final parameters, the plan, each step's measured peak).
+"""TRL's SFTTrainer on a tiny Llama built from a config, with a character tokenizer
+(``superneurons.data.chars``, no downloads): one training run per configuration, with or
+without SuperNeuronsCallback, and what it leaves (losses, a hash of the final parameters, the
+plan, each step's measured peak).
 
 Used in-process by test_integrations_trl and test_integrations_host_step (one rank), and by
 trl_run.py, host_step_run.py and two_rank_runs.py under torchrun (two).
@@ -11,11 +12,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import string
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from superneurons.bench.memory.trainer_meter import TrainerStepPeaks
+from superneurons.data.chars import char_tokenizer, word_texts
 
 SEQ_CHARS = 30  # every text has this many characters: every unpacked batch has one shape
 STEPS = 3
@@ -23,32 +26,11 @@ BATCH = 8
 
 
 def tokenizer() -> Any:
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
-    chars = sorted(set(string.ascii_letters + string.digits + " .,:;!?-'"))
-    vocab = {tok: i for i, tok in enumerate([*specials, *chars])}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        pad_token="<pad>",
-        eos_token="<eos>",
-        bos_token="<bos>",
-        unk_token="<unk>",
-    )
+    return char_tokenizer()
 
 
 def texts(count: int = 400) -> list[str]:
-    gen = torch.Generator().manual_seed(0)
-    words = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "far", "sun", "is", "up"]
-    out = []
-    for i in range(count):
-        picks = torch.randint(0, len(words), (12,), generator=gen).tolist()
-        text = f"{i:03d} " + " ".join(words[k] for k in picks)
-        out.append(text[:SEQ_CHARS].ljust(SEQ_CHARS, "."))
-    return out
+    return word_texts(count, chars=SEQ_CHARS, words_per_text=12)
 
 
 # the tiny Llama of benchmarks/below_largest_layer.py (hidden 256, 4 layers, 4/2 heads, MLP 688,
@@ -112,47 +94,6 @@ def lora_config() -> Any:
         r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.1,
         task_type="CAUSAL_LM",
     )  # fmt: skip
-
-
-class PeakMeter:
-    """Each optimizer step's peak of live storage bytes (parameters, gradients, buffers,
-    optimizer state and everything the step allocates), by the tracker the profile uses;
-    the batch itself, allocated by the loader before the step begins, is not counted."""
-
-    def __init__(self, trainer: Any) -> None:
-        from transformers import TrainerCallback
-
-        meter = self
-
-        class _Callback(TrainerCallback):  # type: ignore[misc]
-            def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-                meter.begin()
-
-            def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-                meter.end()
-
-        self.trainer = trainer
-        self.callback = _Callback()
-        self.peaks: list[int] = []
-        self._tracker: Any = None
-
-    def begin(self) -> None:
-        from superneurons.memory import LiveStorageTracker
-        from superneurons.memory.offload.handover import inner_optimizer
-
-        model = self.trainer.model
-        optimizer = inner_optimizer(self.trainer.optimizer)
-        self._tracker = LiveStorageTracker()
-        self._tracker.register([*model.parameters(), *model.buffers()])
-        self._tracker.register([p.grad for p in model.parameters() if p.grad is not None])
-        self._tracker.register(
-            [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-        )
-        self._tracker.__enter__()
-
-    def end(self) -> None:
-        self._tracker.__exit__(None, None, None)
-        self.peaks.append(int(self._tracker.peak_bytes))
 
 
 def params_sha256(module: torch.nn.Module) -> str:
@@ -247,7 +188,7 @@ def run(
         for check in checks or []:
             trainer.add_callback(check)  # before ours: runs first at on_train_begin
         trainer.add_callback(callback)
-    peak = PeakMeter(trainer) if meter else None
+    peak = TrainerStepPeaks(trainer) if meter else None
     if peak is not None:
         trainer.add_callback(peak.callback)
     if stop_at is not None:

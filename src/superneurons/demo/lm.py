@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import functools
 import logging
-import string
 import tempfile
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from superneurons.bench.memory.trainer_meter import TrainerStepPeaks
+from superneurons.data.chars import char_tokenizer, word_texts
 
 __all__ = ["CARDS_GIB", "TUNINGS", "language_model_part", "trl_under_budget", "what_fits"]
 
@@ -117,21 +119,6 @@ def _peaks_at(name: str, config: Any, source: str, step: Any, layers: int) -> di
     return {strategy: f.min_budget_bytes for strategy, f in result.floors.items()}
 
 
-def _tokenizer() -> Any:
-    """A character tokenizer built here (no downloads)."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
-    chars = sorted(set(string.ascii_letters + string.digits + " .,:;!?-'"))
-    core = Tokenizer(models.WordLevel({t: i for i, t in enumerate([*specials, *chars])}, "<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
-        unk_token="<unk>",
-    )  # fmt: skip
-
-
 # The tiny Llama of part (b): a Llama-2-sized vocabulary (its character tokenizer uses the
 # first few ids) over a narrow backbone, batch x tokens as a short fine-tuning batch: as in
 # real fine-tunes of 32k-128k vocabularies, the LM head's logits outweigh a block's activations.
@@ -141,14 +128,7 @@ TINY_BATCH = 4
 
 
 def _texts(count: int = 200, chars: int = TINY_SEQ_TOKENS - 4) -> list[str]:
-    gen = torch.Generator().manual_seed(0)
-    words = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "far", "sun", "is", "up"]
-    out = []
-    for i in range(count):
-        picks = torch.randint(0, len(words), (chars // 3,), generator=gen).tolist()
-        text = f"{i:03d} " + " ".join(words[k] for k in picks)
-        out.append(text[:chars].ljust(chars, "."))  # one length: one batch shape
-    return out
+    return word_texts(count, chars=chars, words_per_text=chars // 3)
 
 
 def _tiny_llama() -> Any:
@@ -163,48 +143,6 @@ def _tiny_llama() -> Any:
     return LlamaForCausalLM(config)
 
 
-class _PeakMeter:
-    """Each optimizer step's peak of live storage bytes (parameters, gradients, optimizer state
-    and what the step allocates; the batch, made before the step, not counted), and the whole
-    timeline of the last step, by the tracker the profile uses."""
-
-    def __init__(self, trainer: Any) -> None:
-        from transformers import TrainerCallback
-
-        meter = self
-
-        class _Callback(TrainerCallback):  # type: ignore[misc]
-            def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-                meter.begin()
-
-            def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-                meter.end()
-
-        self.trainer = trainer
-        self.callback = _Callback()
-        self.peaks: list[int] = []
-        self.timeline_bytes: list[int] = []
-        self._tracker: Any = None
-
-    def begin(self) -> None:
-        from superneurons.memory import LiveStorageTracker
-        from superneurons.memory.offload.handover import inner_optimizer
-
-        model, optimizer = self.trainer.model, inner_optimizer(self.trainer.optimizer)
-        assert optimizer is not None  # created before the first step begins
-        tracker = LiveStorageTracker(record_timeline=True)
-        tracker.register([*model.parameters(), *model.buffers()])
-        tracker.register([p.grad for p in model.parameters() if p.grad is not None])
-        state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-        tracker.register(state)
-        self._tracker = tracker.__enter__()
-
-    def end(self) -> None:
-        self._tracker.__exit__(None, None, None)
-        self.peaks.append(int(self._tracker.peak_bytes))
-        self.timeline_bytes = [int(b) for b in self._tracker.timeline_bytes]
-
-
 def _sft_run(steps: int, *, budget_fraction: float | None) -> dict[str, Any]:
     """One SFTTrainer run on the CPU: TRL alone (its default gradient checkpointing), or with
     the callback planning under ``budget_fraction`` of the eager peak (the callback turns TRL's
@@ -214,7 +152,7 @@ def _sft_run(steps: int, *, budget_fraction: float | None) -> dict[str, Any]:
 
     from superneurons.integrations.transformers import SuperNeuronsCallback
 
-    tok = _tokenizer()
+    tok = char_tokenizer()
     with tempfile.TemporaryDirectory(prefix="sn-demo-trl-") as out:
         args = SFTConfig(
             output_dir=out, use_cpu=True, per_device_train_batch_size=TINY_BATCH,
@@ -232,7 +170,7 @@ def _sft_run(steps: int, *, budget_fraction: float | None) -> dict[str, Any]:
         if budget_fraction is not None:
             callback = SuperNeuronsCallback(trainer, budget_fraction=budget_fraction)
             trainer.add_callback(callback)
-        meter = _PeakMeter(trainer)
+        meter = TrainerStepPeaks(trainer, record_timeline=True)
         trainer.add_callback(meter.callback)
         trainer.train()
     record: dict[str, Any] = {
