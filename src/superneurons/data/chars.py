@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["WORDS", "char_tokenizer", "word_texts"]
+__all__ = ["CHARACTERS", "SPECIAL_TOKENS", "WORDS", "char_tokenizer", "word_texts"]
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")  # ids 0-3
 CHARACTERS = "".join(sorted(set(string.ascii_letters + string.digits + " .,:;!?-'")))

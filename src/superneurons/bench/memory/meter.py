@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from superneurons.memory.profiling.workspace import cpu_allocator_events
+from superneurons.memory.profiling.workspace import cpu_allocator_events, profiler_nodes
 from superneurons.memory.tracker import LiveStorageTracker, plain_tensors
 
 __all__ = [
@@ -142,13 +142,10 @@ def allocator_timeline_bytes(
 
 
 def _window_ns(roots: Sequence[Any], name: str) -> tuple[int, int]:
-    """Start and end (ns) of the profiler's first range called ``name``."""
-    stack = list(roots)
-    while stack:
-        node = stack.pop()
+    """Start and end (ns) of the profiler's range called ``name``."""
+    for node in profiler_nodes(roots):
         if node.name == name:
             return node.start_time_ns, node.end_time_ns
-        stack.extend(node.children)
     raise RuntimeError(f"the profiler recorded no range {name!r}")
 
 

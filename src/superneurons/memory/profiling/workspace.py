@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -50,6 +50,7 @@ __all__ = [
     "cudnn_settings",
     "limit_workspace",
     "op_scratch",
+    "profiler_nodes",
     "scratch_recorder",
     "untracked_peak_bytes",
 ]
@@ -135,21 +136,24 @@ def op_scratch(recording: Any) -> dict[int, int]:
     return scratch
 
 
-def _marked_ops(roots: Sequence[Any]) -> list[Any]:
-    """The profiler's nodes of the ranges named :data:`MARKER` + an event index."""
-    found, stack = [], list(roots)
+def profiler_nodes(roots: Sequence[Any]) -> Iterator[Any]:
+    """Every node of the profiler's event trees under ``roots``
+    (``kineto_results.experimental_event_tree()`` or subtrees), depth first."""
+    stack = list(roots)
     while stack:
         node = stack.pop()
-        if node.name.startswith(MARKER):
-            found.append(node)
+        yield node
         stack.extend(node.children)
-    return found
+
+
+def _marked_ops(roots: Sequence[Any]) -> list[Any]:
+    """The profiler's nodes of the ranges named :data:`MARKER` + an event index."""
+    return [node for node in profiler_nodes(roots) if node.name.startswith(MARKER)]
 
 
 def cpu_allocator_events(nodes: Sequence[Any]) -> list[tuple[int, int, int]]:
     """``(time_ns, address, bytes)`` of every CPU allocator event under the profiler's event-tree
-    ``nodes`` (``kineto_results.experimental_event_tree()`` or a subtree), in time order;
-    negative bytes: a free.
+    ``nodes`` (:func:`profiler_nodes`), in time order; negative bytes: a free.
 
     The allocator sizes a free from a table of addresses that it fills only while a profiler
     runs and empties only at frees seen while one runs; a block allocated under one profiler and
@@ -157,14 +161,11 @@ def cpu_allocator_events(nodes: Sequence[Any]) -> list[tuple[int, int, int]]:
     a profiler is reported freed with the old size. Callers that sum sizes pair each free with
     the allocation of the same address they saw (see :func:`_held_beyond_outputs`).
     """
-    events: list[tuple[int, int, int, int]] = []
-    stack = list(nodes)
-    while stack:
-        current = stack.pop()
-        fields = current.extra_fields  # allocator events carry an address and a size
+    events = []
+    for order, node in enumerate(profiler_nodes(nodes)):
+        fields = node.extra_fields  # allocator events carry an address and a size
         if hasattr(fields, "alloc_size") and fields.device.type == "cpu":
-            events.append((current.start_time_ns, len(events), fields.ptr, fields.alloc_size))
-        stack.extend(current.children)
+            events.append((node.start_time_ns, order, fields.ptr, fields.alloc_size))
     return [(time_ns, ptr, nbytes) for time_ns, _, ptr, nbytes in sorted(events)]
 
 
