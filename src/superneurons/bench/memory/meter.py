@@ -35,6 +35,7 @@ __all__ = [
     "allocator_step_bytes",
     "allocator_timeline_bytes",
     "device_peak_bytes",
+    "events_timeline_bytes",
     "measure_step",
 ]
 
@@ -128,10 +129,24 @@ def allocator_timeline_bytes(
         with record_function(marker):
             step()
     roots = prof.profiler.kineto_results.experimental_event_tree()  # type: ignore[union-attr]
-    start_ns, end_ns = _window_ns(roots, marker)
-    live: dict[int, int] = {}  # address -> bytes of the blocks this run allocated
-    timeline = [base]
-    for time_ns, ptr, nbytes in cpu_allocator_events(roots):
+    window_ns = _window_ns(roots, marker)
+    return events_timeline_bytes(cpu_allocator_events(roots), base_bytes=base, window_ns=window_ns)
+
+
+def events_timeline_bytes(
+    events: Sequence[tuple[int, int, int]], *, base_bytes: int, window_ns: tuple[int, int]
+) -> list[int]:
+    """``base_bytes``, then the running bytes after each of ``events`` (``(time_ns, address,
+    bytes)`` in time order, negative: a free, as
+    :func:`~superneurons.memory.profiling.workspace.cpu_allocator_events` reads them) inside
+    ``window_ns`` (start and end, inclusive). A free is paired with the last allocation of its
+    address among ``events`` (inside the window or before it) and counts that allocation's size;
+    a free of an address ``events`` never allocated counts nothing, whatever size it carries.
+    """
+    start_ns, end_ns = window_ns
+    live: dict[int, int] = {}  # address -> bytes of the blocks allocated among the events
+    timeline = [base_bytes]
+    for time_ns, ptr, nbytes in events:
         if nbytes > 0:
             live[ptr] = nbytes
         else:
