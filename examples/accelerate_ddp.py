@@ -13,6 +13,7 @@ import argparse
 import hashlib
 import json
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from accelerate import Accelerator
@@ -50,7 +51,7 @@ def digest(model: torch.nn.Module) -> str:
     return sha.hexdigest()
 
 
-def main() -> None:
+def main() -> NoReturn:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--compress", default="fft:theta=0.9,bits=8")
@@ -123,14 +124,16 @@ def main() -> None:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{record['rank']}.json").write_text(json.dumps(record, indent=1) + "\n")
-    # NOTE: leave together: a rank exiting while its peer's gloo threads still talk to it
-    # can abort the peer (seen once in seven runs without this).
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
     if accelerator.is_main_process:
         print(json.dumps({k: v for k, v in record.items() if k != "plan_stats"}))
+    # NOTE: the last line, while the model is alive: the ranks meet at a barrier (a rank leaving
+    # while a peer's gloo threads still talk to it can abort the peer), leave the group and end
+    # without finalisers. Returning first would release DDP's reducer: once the group is
+    # destroyed (accelerate's `end_training()` does it), the reducer's destructor joins gloo's
+    # threads holding the GIL one of them may need to release a tensor: a hang (see
+    # superneurons.train.rank).
+    exit_rank(0)
 
 
 if __name__ == "__main__":
     main()
-    exit_rank(0)  # leave the process group without racing gloo's threads (pytorch#179291)

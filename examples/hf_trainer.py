@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from torch.utils.data import Dataset
@@ -53,7 +54,7 @@ def digest(model: torch.nn.Module) -> str:
     return sha.hexdigest()
 
 
-def main() -> None:
+def main() -> NoReturn:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--compress", default="fft:theta=0.9,bits=8")
@@ -125,14 +126,16 @@ def main() -> None:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{record['rank']}.json").write_text(json.dumps(record, indent=1) + "\n")
-    # NOTE: leave together: a rank exiting while its peer's gloo threads still talk to it
-    # can abort the peer (seen once in seven runs without this).
-    trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.end_training()
     if record["rank"] == 0:
         print(json.dumps({k: v for k, v in record.items() if k != "plan_stats"}))
+    # NOTE: the last line, while the model is alive: the ranks meet at a barrier (a rank leaving
+    # while a peer's gloo threads still talk to it can abort the peer), leave the group and end
+    # without finalisers. Returning first would release DDP's reducer: once the group is
+    # destroyed (accelerate's `end_training()` does it), the reducer's destructor joins gloo's
+    # threads holding the GIL one of them may need to release a tensor: a hang (see
+    # superneurons.train.rank).
+    exit_rank(0)
 
 
 if __name__ == "__main__":
     main()
-    exit_rank(0)  # leave the process group without racing gloo's threads (pytorch#179291)

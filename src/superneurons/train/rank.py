@@ -13,10 +13,16 @@ that finished a collective may still be releasing Python objects: a ``Future.the
 and its closure, gradient tensors. If the main thread reaches interpreter finalisation first,
 that thread's attempt to take the GIL ends it with a forced unwind through a ``noexcept``
 destructor: ``terminate called without an active exception``, SIGABRT, after all work is done
-(pytorch#179291 and its discussion: an ``atexit`` destroy does not close the race). So a rank
-meets its peers at a barrier (every collective complete, no rank leaves while a peer still sends
-to it), destroys the group, flushes logging and stdio, and leaves with ``os._exit`` so that no
-finaliser runs beside gloo's threads.
+(pytorch#179291 and its discussion: an ``atexit`` destroy does not close the race). A holder
+released after the group was destroyed can hang instead: DDP's reducer is bound without
+releasing the GIL in its destructor, so when it holds the backend's last reference (accelerate's
+``end_training()`` destroyed the group, then the function holding the model returned) it joins
+gloo's threads with the GIL held, while one of them waits for the GIL to release a tensor of a
+finished collective (seen once in a suite run of the accelerate example, as a 240 s timeout). So
+a rank meets its peers at a barrier (every collective complete, no rank leaves while a peer still
+sends to it), destroys the group, flushes logging and stdio, and leaves with ``os._exit``, so
+that no finaliser runs beside gloo's threads; it calls :func:`exit_rank` while the model is
+alive (the last line of the function that holds it), so no destructor joins them either.
 """
 
 from __future__ import annotations
@@ -101,8 +107,9 @@ def exit_rank(status: int = 0) -> NoReturn:
     ``status`` is 0), flush logging, stdout and stderr, then ``os._exit(status)``.
 
     The one way a process that used a process group ends (see the module docstring for why the
-    interpreter's own exit can abort); call it last, after every file is written and closed:
-    ``atexit`` handlers and finalisers do not run.
+    interpreter's own exit can abort, and a released DDP model hang); call it last, after every
+    file is written and closed, while the model is alive: ``atexit`` handlers and finalisers do
+    not run.
     """
     try:
         leave_process_group(barrier=status == 0)
