@@ -39,7 +39,7 @@ import threading
 import time
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 SPECS = (
     "fft",
@@ -212,13 +212,14 @@ def _instrument(stages: _Stages) -> None:
         setattr(twophase, name, stages.timed(name, getattr(twophase, name)))
 
 
-def hook_worker(rank: int, spec: str, numel: int, args: argparse.Namespace) -> None:
+def hook_worker(rank: int, spec: str, numel: int, args: argparse.Namespace) -> NoReturn:
     import torch
     import torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
     from superneurons.compress import CompactTopKCodec, FFTCodec, TopKCodec, register_compression
+    from superneurons.train import exit_rank
 
     class Dot(nn.Module):  # loss <weight, x>: the gradient is x, in one bucket
         def __init__(self) -> None:
@@ -271,7 +272,7 @@ def hook_worker(rank: int, spec: str, numel: int, args: argparse.Namespace) -> N
     else:
         if args.profile:  # rank 0 profiles one more step: take part in its collectives
             ddp(torch.randn(numel, generator=gen)).backward()
-    dist.destroy_process_group()
+    exit_rank(0)  # barrier, destroy, os._exit while the model is alive (superneurons.train.rank)
 
 
 def _port() -> int:

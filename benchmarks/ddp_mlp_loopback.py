@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 SPECS = "dense;torch-fp16;twophase:bits=4;ctopk;fft:theta=0.9,bits=8"
 HIDDEN = (4096, 4096, 2048)
@@ -46,7 +47,7 @@ def _port() -> int:
     raise RuntimeError("no free port")
 
 
-def worker(rank: int, spec: str, args: argparse.Namespace) -> None:
+def worker(rank: int, spec: str, args: argparse.Namespace) -> NoReturn:
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -54,6 +55,7 @@ def worker(rank: int, spec: str, args: argparse.Namespace) -> None:
 
     from superneurons.compress import register_compression
     from superneurons.models.zoo import build_model
+    from superneurons.train import exit_rank
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -106,8 +108,7 @@ def worker(rank: int, spec: str, args: argparse.Namespace) -> None:
             ),
             flush=True,
         )
-    dist.barrier()
-    dist.destroy_process_group()
+    exit_rank(0)  # barrier, destroy, os._exit while the model is alive (superneurons.train.rank)
 
 
 def run_pair(src: str, spec: str, args: argparse.Namespace) -> dict:
